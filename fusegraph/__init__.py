@@ -1,0 +1,47 @@
+"""fusegraph: a graph API for fused deep-learning ops, with JIT-compiling engines."""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from fusegraph.dtypes import DataType, as_data_type
+from fusegraph.errors import (
+    CompileError,
+    ExecutionError,
+    FusegraphError,
+    UnsupportedError,
+    ValidationError,
+    VariantPackError,
+)
+from fusegraph.graph.graph import Graph
+from fusegraph.graph.layout import strides_for
+from fusegraph.graph.ops import (
+    NormFwdPhase,
+    OpKind,
+    PointwiseMode,
+    PoolingMode,
+    ReductionMode,
+)
+from fusegraph.graph.tensor import TensorAttr
+from fusegraph.runtime.handle import Handle
+
+__all__ = [
+    "CompileError",
+    "DataType",
+    "ExecutionError",
+    "FusegraphError",
+    "Graph",
+    "Handle",
+    "NormFwdPhase",
+    "OpKind",
+    "PointwiseMode",
+    "PoolingMode",
+    "ReductionMode",
+    "TensorAttr",
+    "UnsupportedError",
+    "ValidationError",
+    "VariantPackError",
+    "__version__",
+    "as_data_type",
+    "strides_for",
+]

@@ -1,0 +1,131 @@
+"""The engine interface: what every engine plugin implements (hipDNN's plugin idea).
+
+An engine says whether it can run a graph on a handle (with a reason when not), lists
+its knobs, and builds an ExecutionPlan that runs the graph.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from fusegraph.graph.graph import Graph
+    from fusegraph.runtime.handle import Handle
+
+
+@dataclass(frozen=True)
+class Support:
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    @staticmethod
+    def yes() -> Support:
+        return Support(True, "")
+
+    @staticmethod
+    def no(reason: str) -> Support:
+        return Support(False, reason)
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One tunable setting of an engine: typed, with a default and its allowed values."""
+
+    name: str
+    default: Any
+    choices: tuple[Any, ...] = ()
+    range: tuple[float, float] | None = None
+    description: str = ""
+
+    @property
+    def type(self) -> type:
+        return type(self.default)
+
+    def check(self, value: Any) -> None:
+        if self.choices and value not in self.choices:
+            raise ValueError(f"knob '{self.name}': {value!r} not in {list(self.choices)}")
+        if self.range is not None and not self.range[0] <= value <= self.range[1]:
+            raise ValueError(f"knob '{self.name}': {value!r} outside {self.range}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """An engine and a setting of its knobs: what a plan is built from and tuned over."""
+
+    engine: str
+    knobs: tuple[tuple[str, Any], ...] = ()
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return dict(self.knobs).get(name, default)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine, "knobs": dict(self.knobs)}
+
+    def __str__(self) -> str:
+        if not self.knobs:
+            return self.engine
+        return f"{self.engine}[{', '.join(f'{k}={v}' for k, v in self.knobs)}]"
+
+
+class ExecutionPlan(abc.ABC):
+    """A built, runnable graph for one engine, config and handle."""
+
+    def __init__(self, graph: Graph, handle: Handle, config: EngineConfig) -> None:
+        self.graph = graph
+        self.handle = handle
+        self.config = config
+
+    @property
+    def engine(self) -> str:
+        return self.config.engine
+
+    @property
+    def workspace_size(self) -> int:
+        return 0
+
+    @abc.abstractmethod
+    def execute(self, variant_pack: Mapping[Any, Any]) -> dict[str, Any]:
+        """Runs the graph; same contract as Graph.execute."""
+
+    def serialize(self) -> bytes | None:
+        """Bytes that rebuild this plan elsewhere (None when the engine cannot)."""
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": self.engine, "config": str(self.config)}
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.config} on {self.handle.device}>"
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str  # stable id, e.g. "iree", "reference", "torch"
+    version: str
+
+    def available(self) -> Support:
+        """Whether this engine can run at all here (library installed, device present...)."""
+        ...
+
+    def supports(self, graph: Graph, handle: Handle) -> Support:
+        """Whether it can run this validated graph on this handle, and if not, why."""
+        ...
+
+    def knobs(self, graph: Graph, handle: Handle) -> Sequence[Knob]: ...
+
+    def build(self, graph: Graph, handle: Handle, config: EngineConfig | None = None) -> ExecutionPlan: ...
+
+
+@dataclass
+class EngineInfo:
+    name: str
+    version: str
+    available: Support
+    origin: str = "built-in"
+    extra: dict[str, Any] = field(default_factory=dict)

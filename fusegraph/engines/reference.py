@@ -1,0 +1,56 @@
+"""The reference engine: float64 NumPy, the ground truth every engine is tested against."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from fusegraph import __version__
+from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support
+from fusegraph.graph import layout
+from fusegraph.graph.graph import Graph
+from fusegraph.reference.executor import cast_to, run_reference
+from fusegraph.runtime.handle import Handle
+from fusegraph.runtime.variant_pack import resolve_pack
+
+
+def write_outputs(graph: Graph, values: Mapping[str, np.ndarray], given: Mapping[str, Any]) -> dict[str, Any]:
+    """Casts results to output dtypes; writes into caller arrays, returns the others."""
+    out: dict[str, Any] = {}
+    for t in graph.outputs():
+        v = cast_to(np.asarray(values[t.name]), t.dtype)
+        if t.name in given:
+            given[t.name][...] = v
+        else:
+            arr = layout.empty_strided(t.shape, t.strides, t.dtype.numpy)
+            arr[...] = v
+            out[t.name] = arr
+    return out
+
+
+class ReferencePlan(ExecutionPlan):
+    def execute(self, variant_pack: Mapping[Any, Any]) -> dict[str, Any]:
+        pack = resolve_pack(self.graph, variant_pack)
+        values = run_reference(self.graph, pack.inputs)
+        return write_outputs(self.graph, values, pack.outputs)
+
+
+class ReferenceEngine:
+    name = "reference"
+    version = __version__
+
+    def available(self) -> Support:
+        return Support.yes()
+
+    def supports(self, graph: Graph, handle: Handle) -> Support:
+        if handle.device.is_gpu:
+            return Support.no("the reference engine runs on the host only (NumPy); not on a GPU handle")
+        return Support.yes()
+
+    def knobs(self, graph: Graph, handle: Handle) -> Sequence[Knob]:
+        return []
+
+    def build(self, graph: Graph, handle: Handle, config: EngineConfig | None = None) -> ExecutionPlan:
+        return ReferencePlan(graph, handle, config or EngineConfig(self.name))

@@ -1,0 +1,522 @@
+"""Shape and dtype inference, one function per op kind, with checks that name the culprit.
+
+Each function returns the proposed ``(dims, dtype)`` of every output port; the caller
+(``Graph.validate``) checks them against what the user stated and fills the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+from fusegraph.dtypes import DataType, family, promote
+from fusegraph.errors import ValidationError
+from fusegraph.graph.node import Node
+from fusegraph.graph.ops import (
+    POINTWISE,
+    ConcatAttrs,
+    ConvAttrs,
+    OpKind,
+    PointwiseAttrs,
+    PoolingAttrs,
+    SdpaAttrs,
+    SliceAttrs,
+    SoftmaxAttrs,
+    TransposeAttrs,
+)
+from fusegraph.graph.tensor import TensorAttr
+
+Dims = tuple[int, ...]
+Proposal = dict[str, tuple[Dims, DataType]]
+
+
+def _fail(node: Node, msg: str, tensor: TensorAttr | None = None) -> ValidationError:
+    return ValidationError(msg, node=node.name, tensor=tensor.name if tensor else None)
+
+
+def broadcast_dims(shapes: Sequence[Sequence[int]]) -> Dims | None:
+    """NumPy broadcasting of several shapes, or None when they do not broadcast."""
+    rank = max(len(s) for s in shapes)
+    out = [1] * rank
+    for s in shapes:
+        for i, d in enumerate(s):
+            j = rank - len(s) + i
+            if d == 1:
+                continue
+            if out[j] not in (1, d):
+                return None
+            out[j] = d
+    return tuple(out)
+
+
+def conv_output_spatial(
+    node: Node, inp: Sequence[int], kernel: Sequence[int], attrs: ConvAttrs
+) -> Dims:
+    out = []
+    for i, (x, k) in enumerate(zip(inp, kernel, strict=True)):
+        span = attrs.dilation[i] * (k - 1) + 1
+        size = (x + attrs.pre_padding[i] + attrs.post_padding[i] - span) // attrs.stride[i] + 1
+        if size < 1:
+            raise _fail(
+                node,
+                f"spatial axis {i}: input {x} with padding "
+                f"{attrs.pre_padding[i]}+{attrs.post_padding[i]} is smaller than the "
+                f"dilated window {span}",
+            )
+        out.append(size)
+    return tuple(out)
+
+
+def conv_groups(node: Node) -> int:
+    """Groups of a convolution node, from channel counts (as cuDNN infers them)."""
+    if node.kind == OpKind.CONV_FPROP:
+        c, wc = node.inputs["x"].shape[1], node.inputs["w"].shape[1]
+    elif node.kind == OpKind.CONV_DGRAD:
+        c, wc = node.outputs["dx"].shape[1], node.inputs["w"].shape[1]
+    else:
+        c, wc = node.inputs["x"].shape[1], node.outputs["dw"].shape[1]
+    return c // wc
+
+
+def _check_conv_attrs(node: Node, attrs: ConvAttrs, nsp: int) -> None:
+    for field_name in ("pre_padding", "post_padding", "stride", "dilation"):
+        values = getattr(attrs, field_name)
+        if len(values) != nsp:
+            raise _fail(
+                node, f"{field_name} has {len(values)} entries, expected {nsp} (one per spatial axis)"
+            )
+    if any(p < 0 for p in attrs.pre_padding + attrs.post_padding):
+        raise _fail(node, "padding must be >= 0")
+    if any(s < 1 for s in attrs.stride) or any(d < 1 for d in attrs.dilation):
+        raise _fail(node, "stride and dilation must be >= 1")
+
+
+def _same_float_type(node: Node, *tensors: TensorAttr) -> DataType:
+    first = tensors[0]
+    for t in tensors:
+        if not t.dtype.is_float:
+            raise _fail(node, f"expected a floating-point tensor, got {t.dtype.name}", t)
+        if t.dtype != first.dtype:
+            raise _fail(
+                node,
+                f"data type mismatch: {t.dtype.name} here but {first.dtype.name} on "
+                f"'{first.name}'",
+                t,
+            )
+    return first.dtype
+
+
+def _conv_check(
+    node: Node, x: Dims, w: Dims, xt: TensorAttr, wt: TensorAttr, attrs: ConvAttrs
+) -> tuple[int, Dims]:
+    """Checks image/filter agreement; returns groups and output spatial dims."""
+    if len(x) < 3 or len(x) > 5:
+        raise _fail(node, f"convolution needs rank 3-5 (1-3 spatial axes), got rank {len(x)}", xt)
+    if len(w) != len(x):
+        raise _fail(node, f"filter rank {len(w)} differs from image rank {len(x)}", wt)
+    _check_conv_attrs(node, attrs, len(x) - 2)
+    c, k, wc = x[1], w[0], w[1]
+    if c % wc:
+        raise _fail(
+            node,
+            f"channel mismatch: image has {c} channels, filter expects {wc} per group "
+            f"({c} is not a multiple of {wc})",
+            wt,
+        )
+    groups = c // wc
+    if k % groups:
+        raise _fail(
+            node, f"group mismatch: {k} output channels not divisible by {groups} groups", wt
+        )
+    return groups, conv_output_spatial(node, x[2:], w[2:], attrs)
+
+
+def infer_conv_fprop(node: Node) -> Proposal:
+    x, w = node.inputs["x"], node.inputs["w"]
+    assert isinstance(node.attrs, ConvAttrs)
+    dt = _same_float_type(node, x, w)
+    _, spatial = _conv_check(node, x.shape, w.shape, x, w, node.attrs)
+    return {"y": ((x.shape[0], w.shape[0], *spatial), dt)}
+
+
+def infer_conv_dgrad(node: Node) -> Proposal:
+    dy, w, dx = node.inputs["dy"], node.inputs["w"], node.outputs["dx"]
+    assert isinstance(node.attrs, ConvAttrs)
+    if not dx.dim_set:
+        raise _fail(node, "conv_dgrad's output dims must be set with .set_dim() before validate()", dx)
+    dt = _same_float_type(node, dy, w)
+    _, spatial = _conv_check(node, dx.shape, w.shape, dx, w, node.attrs)
+    expect = (dx.shape[0], w.shape[0], *spatial)
+    if dy.shape != expect:
+        raise _fail(
+            node,
+            f"loss dims {list(dy.shape)} do not match the forward convolution of dx "
+            f"{list(dx.shape)}, which gives {list(expect)}",
+            dy,
+        )
+    return {"dx": (dx.shape, dt)}
+
+
+def infer_conv_wgrad(node: Node) -> Proposal:
+    x, dy, dw = node.inputs["x"], node.inputs["dy"], node.outputs["dw"]
+    assert isinstance(node.attrs, ConvAttrs)
+    if not dw.dim_set:
+        raise _fail(node, "conv_wgrad's output dims must be set with .set_dim() before validate()", dw)
+    dt = _same_float_type(node, x, dy)
+    _, spatial = _conv_check(node, x.shape, dw.shape, x, dw, node.attrs)
+    expect = (x.shape[0], dw.shape[0], *spatial)
+    if dy.shape != expect:
+        raise _fail(
+            node,
+            f"loss dims {list(dy.shape)} do not match the forward convolution of the image "
+            f"with dw {list(dw.shape)}, which gives {list(expect)}",
+            dy,
+        )
+    return {"dw": (dw.shape, dt)}
+
+
+def infer_matmul(node: Node) -> Proposal:
+    a, b = node.inputs["a"], node.inputs["b"]
+    for t in (a, b):
+        if len(t.shape) < 2:
+            raise _fail(node, f"matmul operands need rank >= 2, got {list(t.shape)}", t)
+    if a.dtype != b.dtype:
+        raise _fail(node, f"data type mismatch: A is {a.dtype.name}, B is {b.dtype.name}", b)
+    if a.dtype == DataType.BOOLEAN:
+        raise _fail(node, "matmul of boolean tensors", a)
+    (m, k), (k2, n) = a.shape[-2:], b.shape[-2:]
+    if k != k2:
+        raise _fail(
+            node, f"inner dims differ: A is {list(a.shape)} (K={k}), B is {list(b.shape)} (K={k2})", b
+        )
+    batch = broadcast_dims([a.shape[:-2], b.shape[:-2]]) if (a.shape[:-2] or b.shape[:-2]) else ()
+    if batch is None:
+        raise _fail(
+            node,
+            f"batch dims {list(a.shape[:-2])} and {list(b.shape[:-2])} do not broadcast",
+            b,
+        )
+    return {"c": ((*batch, m, n), a.dtype)}
+
+
+def infer_pointwise(node: Node) -> Proposal:
+    attrs = node.attrs
+    assert isinstance(attrs, PointwiseAttrs)
+    spec = POINTWISE[attrs.mode]
+    ins = [node.inputs[p] for p in ("a", "b", "c")[: spec.arity] if p in node.inputs]
+    if len(ins) != spec.arity or len(node.inputs) != spec.arity:
+        raise _fail(
+            node, f"{attrs.mode.name} takes {spec.arity} input(s), got {len(node.inputs)}"
+        )
+    dims = broadcast_dims([t.shape for t in ins])
+    if dims is None:
+        shapes = ", ".join(f"'{t.name}' {list(t.shape)}" for t in ins)
+        raise _fail(node, f"shapes do not broadcast: {shapes}", ins[-1])
+    operands = ins
+    if attrs.mode.name == "BINARY_SELECT":
+        cond = ins[2]
+        if cond.dtype != DataType.BOOLEAN:
+            raise _fail(node, f"BINARY_SELECT's condition must be BOOLEAN, got {cond.dtype.name}", cond)
+        operands = ins[:2]
+    # Scalars are "weak": they never widen a tensor's type, but their family must fit.
+    strong = [t for t in operands if not t.is_scalar] or operands
+    fam = family(strong[0].dtype)
+    for t in operands:
+        f = family(t.dtype)
+        weak_ok = t.is_scalar and fam == "float" and f == "int"
+        if f != fam and not weak_ok:
+            raise _fail(
+                node,
+                f"data type mismatch: {t.dtype.name} mixed with {strong[0].dtype.name}; "
+                "cast one side first (pointwise IDENTITY with an output data type)",
+                t,
+            )
+    if spec.inputs == "float" and fam != "float":
+        raise _fail(node, f"{attrs.mode.name} needs floating-point inputs, got {strong[0].dtype.name}", strong[0])
+    if spec.inputs == "bool" and fam != "bool":
+        raise _fail(node, f"{attrs.mode.name} needs BOOLEAN inputs, got {strong[0].dtype.name}", strong[0])
+    if spec.inputs == "numeric" and fam == "bool":
+        raise _fail(node, f"{attrs.mode.name} is not defined on BOOLEAN inputs", strong[0])
+    dt = strong[0].dtype
+    for t in strong[1:]:
+        dt = promote(dt, t.dtype)
+    if spec.output == "bool":
+        dt = DataType.BOOLEAN
+    return {"y": (dims, dt)}
+
+
+def infer_reduction(node: Node) -> Proposal:
+    x, y = node.inputs["x"], node.outputs["y"]
+    if not y.dim_set:
+        raise _fail(node, "reduction output dims are unknown: pass dim= or axes=, or .set_dim()", y)
+    if len(y.shape) != len(x.shape):
+        raise _fail(
+            node,
+            f"output rank {len(y.shape)} differs from input rank {len(x.shape)}; "
+            "reduced axes keep size 1",
+            y,
+        )
+    for i, (a, b) in enumerate(zip(x.shape, y.shape, strict=True)):
+        if b not in (a, 1):
+            raise _fail(node, f"output dim {i} is {b}: must be {a} (kept) or 1 (reduced)", y)
+    if x.dtype == DataType.BOOLEAN:
+        raise _fail(node, "reduction of a BOOLEAN tensor", x)
+    return {"y": (y.shape, x.dtype)}
+
+
+def _per_channel(node: Node, t: TensorAttr, x: TensorAttr) -> None:
+    c = x.shape[1]
+    ok_rank1 = t.shape == (c,)
+    ok_full = len(t.shape) == len(x.shape) and t.shape[1] == c and math.prod(t.shape) == c
+    if not (ok_rank1 or ok_full):
+        raise _fail(
+            node,
+            f"expected per-channel dims [{c}] or [1, {c}, 1, ...], got {list(t.shape)}",
+            t,
+        )
+    if not t.dtype.is_float:
+        raise _fail(node, f"expected a floating-point tensor, got {t.dtype.name}", t)
+
+
+def _epsilon(node: Node) -> None:
+    eps = node.inputs["epsilon"]
+    if math.prod(eps.shape) != 1 or not eps.dtype.is_float:
+        raise _fail(node, f"epsilon must be one floating-point value, got {list(eps.shape)} {eps.dtype.name}", eps)
+
+
+def _stats_dtype(x: DataType) -> DataType:
+    return DataType.DOUBLE if x == DataType.DOUBLE else DataType.FLOAT
+
+
+def infer_batchnorm_inference(node: Node) -> Proposal:
+    x = node.inputs["x"]
+    _norm_input(node, x, min_rank=2)
+    for p in ("scale", "bias", "mean", "var"):
+        _per_channel(node, node.inputs[p], x)
+    _epsilon(node)
+    return {"y": (x.shape, x.dtype)}
+
+
+def infer_batchnorm(node: Node) -> Proposal:
+    x = node.inputs["x"]
+    _norm_input(node, x, min_rank=2)
+    for p in ("scale", "bias"):
+        _per_channel(node, node.inputs[p], x)
+    _epsilon(node)
+    stats = (1, x.shape[1]) + (1,) * (len(x.shape) - 2)
+    sdt = _stats_dtype(x.dtype)
+    return {"y": (x.shape, x.dtype), "mean": (stats, sdt), "inv_var": (stats, sdt)}
+
+
+def _norm_input(node: Node, x: TensorAttr, min_rank: int) -> None:
+    if len(x.shape) < min_rank:
+        raise _fail(node, f"input needs rank >= {min_rank}, got {list(x.shape)}", x)
+    if not x.dtype.is_float:
+        raise _fail(node, f"expected a floating-point input, got {x.dtype.name}", x)
+
+
+def _feature_param(node: Node, t: TensorAttr, x: TensorAttr) -> None:
+    feat = (1, *x.shape[1:])
+    if len(t.shape) > len(feat) or broadcast_dims([t.shape, feat]) != feat:
+        raise _fail(
+            node,
+            f"expected dims that broadcast to {list(feat)} (one value per normalized element), "
+            f"got {list(t.shape)}",
+            t,
+        )
+    if not t.dtype.is_float:
+        raise _fail(node, f"expected a floating-point tensor, got {t.dtype.name}", t)
+
+
+def _row_stats(node: Node, x: TensorAttr) -> tuple[Dims, DataType]:
+    return (x.shape[0],) + (1,) * (len(x.shape) - 1), _stats_dtype(x.dtype)
+
+
+def infer_layernorm(node: Node) -> Proposal:
+    x = node.inputs["x"]
+    _norm_input(node, x, min_rank=2)
+    _feature_param(node, node.inputs["scale"], x)
+    _feature_param(node, node.inputs["bias"], x)
+    _epsilon(node)
+    out: Proposal = {"y": (x.shape, x.dtype)}
+    for p in ("mean", "inv_var"):
+        if p in node.outputs:
+            out[p] = _row_stats(node, x)
+    return out
+
+
+def infer_rmsnorm(node: Node) -> Proposal:
+    x = node.inputs["x"]
+    _norm_input(node, x, min_rank=2)
+    _feature_param(node, node.inputs["scale"], x)
+    if "bias" in node.inputs:
+        _feature_param(node, node.inputs["bias"], x)
+    _epsilon(node)
+    out: Proposal = {"y": (x.shape, x.dtype)}
+    if "inv_rms" in node.outputs:
+        out["inv_rms"] = _row_stats(node, x)
+    return out
+
+
+def infer_pooling(node: Node) -> Proposal:
+    x = node.inputs["x"]
+    attrs = node.attrs
+    assert isinstance(attrs, PoolingAttrs)
+    nsp = len(x.shape) - 2
+    if nsp < 1 or nsp > 3:
+        raise _fail(node, f"pooling needs rank 3-5, got {list(x.shape)}", x)
+    for f in ("window", "stride", "pre_padding", "post_padding"):
+        if len(getattr(attrs, f)) != nsp:
+            raise _fail(node, f"{f} has {len(getattr(attrs, f))} entries, expected {nsp}")
+    if any(w < 1 for w in attrs.window) or any(s < 1 for s in attrs.stride):
+        raise _fail(node, "window and stride must be >= 1")
+    for i in range(nsp):
+        if not (0 <= attrs.pre_padding[i] < attrs.window[i] and 0 <= attrs.post_padding[i] < attrs.window[i]):
+            raise _fail(node, f"padding on axis {i} must be in [0, window) = [0, {attrs.window[i]})")
+    if x.dtype == DataType.BOOLEAN:
+        raise _fail(node, "pooling of a BOOLEAN tensor", x)
+    spatial = []
+    for i in range(nsp):
+        size = (x.shape[2 + i] + attrs.pre_padding[i] + attrs.post_padding[i] - attrs.window[i]) // attrs.stride[i] + 1
+        if size < 1:
+            raise _fail(node, f"window {attrs.window[i]} larger than padded input on axis {i}", x)
+        spatial.append(size)
+    return {"y": ((*x.shape[:2], *spatial), x.dtype)}
+
+
+def infer_sdpa(node: Node) -> Proposal:
+    q, k, v = node.inputs["q"], node.inputs["k"], node.inputs["v"]
+    assert isinstance(node.attrs, SdpaAttrs)
+    for t in (q, k, v):
+        if len(t.shape) != 4:
+            raise _fail(node, f"sdpa needs rank-4 [batch, heads, seq, dim] tensors, got {list(t.shape)}", t)
+    dt = _same_float_type(node, q, k, v)
+    b, h, sq, d = q.shape
+    if k.shape[0] != b or v.shape[0] != b:
+        raise _fail(node, "batch sizes of q, k and v differ", k)
+    if k.shape[1] != v.shape[1] or h % k.shape[1]:
+        raise _fail(node, f"heads of k/v ({k.shape[1]}, {v.shape[1]}) must be equal and divide q's {h}", k)
+    if k.shape[3] != d:
+        raise _fail(node, f"head dim of k ({k.shape[3]}) differs from q's ({d})", k)
+    if v.shape[2] != k.shape[2]:
+        raise _fail(node, f"sequence length of v ({v.shape[2]}) differs from k's ({k.shape[2]})", v)
+    if "mask" in node.inputs:
+        m = node.inputs["mask"]
+        full = (b, h, sq, k.shape[2])
+        if len(m.shape) > 4 or broadcast_dims([m.shape, full]) != full:
+            raise _fail(node, f"mask dims {list(m.shape)} do not broadcast to {list(full)}", m)
+        if m.dtype != DataType.BOOLEAN and not m.dtype.is_float:
+            raise _fail(node, f"mask must be BOOLEAN (keep) or floating-point (additive), got {m.dtype.name}", m)
+    return {"o": ((b, h, sq, v.shape[3]), dt)}
+
+
+def infer_softmax(node: Node) -> Proposal:
+    x = node.inputs["x"]
+    assert isinstance(node.attrs, SoftmaxAttrs)
+    if not -len(x.shape) <= node.attrs.axis < len(x.shape):
+        raise _fail(node, f"axis {node.attrs.axis} out of range for rank {len(x.shape)}")
+    if not x.dtype.is_float:
+        raise _fail(node, f"softmax needs a floating-point input, got {x.dtype.name}", x)
+    return {"y": (x.shape, x.dtype)}
+
+
+def infer_reshape(node: Node) -> Proposal:
+    x, y = node.inputs["x"], node.outputs["y"]
+    if math.prod(x.shape) != math.prod(y.shape):
+        raise _fail(node, f"cannot reshape {list(x.shape)} ({math.prod(x.shape)} elements) to {list(y.shape)}", y)
+    return {"y": (y.shape, x.dtype)}
+
+
+def infer_transpose(node: Node) -> Proposal:
+    x = node.inputs["x"]
+    assert isinstance(node.attrs, TransposeAttrs)
+    perm = node.attrs.permutation
+    if sorted(perm) != list(range(len(x.shape))):
+        raise _fail(node, f"permutation {list(perm)} is not a permutation of the {len(x.shape)} axes", x)
+    return {"y": (tuple(x.shape[p] for p in perm), x.dtype)}
+
+
+def infer_concatenate(node: Node) -> Proposal:
+    ins = node.input_list()
+    assert isinstance(node.attrs, ConcatAttrs)
+    if not ins:
+        raise _fail(node, "concatenate needs at least one input")
+    rank = len(ins[0].shape)
+    axis = node.attrs.axis
+    if not 0 <= axis < rank:
+        raise _fail(node, f"axis {axis} out of range for rank {rank}")
+    total = 0
+    dt = ins[0].dtype
+    for t in ins:
+        if len(t.shape) != rank or any(
+            a != b for i, (a, b) in enumerate(zip(t.shape, ins[0].shape, strict=True)) if i != axis
+        ):
+            raise _fail(node, f"dims {list(t.shape)} differ from {list(ins[0].shape)} off axis {axis}", t)
+        if family(t.dtype) != family(dt):
+            raise _fail(node, f"data type mismatch: {t.dtype.name} with {dt.name}", t)
+        dt = promote(dt, t.dtype)
+        total += t.shape[axis]
+    dims = list(ins[0].shape)
+    dims[axis] = total
+    return {"y": (tuple(dims), dt)}
+
+
+def slice_dims(x: Dims, attrs: SliceAttrs) -> Dims:
+    return tuple(
+        len(range(*slice(s, e, st).indices(d)))
+        for d, s, e, st in zip(x, attrs.starts, attrs.ends, attrs.steps, strict=True)
+    )
+
+
+def infer_slice(node: Node) -> Proposal:
+    x = node.inputs["x"]
+    attrs = node.attrs
+    assert isinstance(attrs, SliceAttrs)
+    if not (len(attrs.starts) == len(attrs.ends) == len(attrs.steps) == len(x.shape)):
+        raise _fail(node, f"slice needs one start/end/step per axis ({len(x.shape)})", x)
+    if any(st < 1 for st in attrs.steps):
+        raise _fail(node, "slice steps must be >= 1", x)
+    dims = slice_dims(x.shape, attrs)
+    if any(d < 1 for d in dims):
+        raise _fail(node, f"slice is empty: {list(dims)}", x)
+    return {"y": (dims, x.dtype)}
+
+
+INFER: dict[OpKind, Callable[[Node], Proposal]] = {
+    OpKind.CONV_FPROP: infer_conv_fprop,
+    OpKind.CONV_DGRAD: infer_conv_dgrad,
+    OpKind.CONV_WGRAD: infer_conv_wgrad,
+    OpKind.MATMUL: infer_matmul,
+    OpKind.POINTWISE: infer_pointwise,
+    OpKind.REDUCTION: infer_reduction,
+    OpKind.BATCHNORM_INFERENCE: infer_batchnorm_inference,
+    OpKind.BATCHNORM: infer_batchnorm,
+    OpKind.LAYERNORM: infer_layernorm,
+    OpKind.RMSNORM: infer_rmsnorm,
+    OpKind.POOLING: infer_pooling,
+    OpKind.SDPA: infer_sdpa,
+    OpKind.SOFTMAX: infer_softmax,
+    OpKind.RESHAPE: infer_reshape,
+    OpKind.TRANSPOSE: infer_transpose,
+    OpKind.CONCATENATE: infer_concatenate,
+    OpKind.SLICE: infer_slice,
+}
+
+# Output strides: ops whose outputs follow the memory order of their first input.
+INHERIT_LAYOUT = frozenset(
+    {
+        OpKind.CONV_FPROP,
+        OpKind.CONV_DGRAD,
+        OpKind.CONV_WGRAD,
+        OpKind.POINTWISE,
+        OpKind.REDUCTION,
+        OpKind.BATCHNORM_INFERENCE,
+        OpKind.BATCHNORM,
+        OpKind.LAYERNORM,
+        OpKind.RMSNORM,
+        OpKind.POOLING,
+        OpKind.SOFTMAX,
+        OpKind.CONCATENATE,
+        OpKind.SLICE,
+    }
+)

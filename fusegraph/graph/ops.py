@@ -1,0 +1,348 @@
+"""The op table: the one source of truth every layer reads.
+
+The frontend, the shape inference, the reference engine, every emitter and the ONNX
+partitioner key on :class:`OpKind`, on the mode enums and on the named groups below.
+No other module re-lists ops; to add one, add it here and to each per-op table that the
+tests say is incomplete.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusegraph.dtypes import DataType
+
+
+class OpKind(enum.Enum):
+    CONV_FPROP = "conv_fprop"
+    CONV_DGRAD = "conv_dgrad"
+    CONV_WGRAD = "conv_wgrad"
+    MATMUL = "matmul"
+    POINTWISE = "pointwise"
+    REDUCTION = "reduction"
+    BATCHNORM_INFERENCE = "batchnorm_inference"
+    BATCHNORM = "batchnorm"
+    LAYERNORM = "layernorm"
+    RMSNORM = "rmsnorm"
+    POOLING = "pooling"
+    SDPA = "sdpa"
+    SOFTMAX = "softmax"
+    RESHAPE = "reshape"
+    TRANSPOSE = "transpose"
+    CONCATENATE = "concatenate"
+    SLICE = "slice"
+
+
+class PointwiseMode(enum.Enum):
+    # binary arithmetic
+    ADD = "add"
+    SUB = "sub"
+    MUL = "mul"
+    DIV = "div"
+    MAX = "max"
+    MIN = "min"
+    POW = "pow"
+    # unary math
+    ABS = "abs"
+    NEG = "neg"
+    EXP = "exp"
+    LOG = "log"
+    SQRT = "sqrt"
+    RSQRT = "rsqrt"
+    RECIPROCAL = "reciprocal"
+    SIN = "sin"
+    COS = "cos"
+    ERF = "erf"
+    FLOOR = "floor"
+    CEIL = "ceil"
+    IDENTITY = "identity"
+    # activations (forward)
+    RELU_FWD = "relu_fwd"
+    TANH_FWD = "tanh_fwd"
+    SIGMOID_FWD = "sigmoid_fwd"
+    GELU_FWD = "gelu_fwd"
+    GELU_APPROX_TANH_FWD = "gelu_approx_tanh_fwd"
+    ELU_FWD = "elu_fwd"
+    SWISH_FWD = "swish_fwd"
+    SOFTPLUS_FWD = "softplus_fwd"
+    # comparisons (boolean output)
+    CMP_EQ = "cmp_eq"
+    CMP_NEQ = "cmp_neq"
+    CMP_GT = "cmp_gt"
+    CMP_GE = "cmp_ge"
+    CMP_LT = "cmp_lt"
+    CMP_LE = "cmp_le"
+    # logic (boolean inputs and output)
+    LOGICAL_AND = "logical_and"
+    LOGICAL_OR = "logical_or"
+    LOGICAL_NOT = "logical_not"
+    # select: out = a where c else b (c is boolean)
+    BINARY_SELECT = "binary_select"
+    # activation backward: (dy, x) -> dx
+    RELU_BWD = "relu_bwd"
+    GELU_BWD = "gelu_bwd"
+    TANH_BWD = "tanh_bwd"
+    SIGMOID_BWD = "sigmoid_bwd"
+
+
+@dataclass(frozen=True)
+class PointwiseSpec:
+    """What the table knows of one pointwise mode."""
+
+    arity: int
+    params: tuple[tuple[str, float], ...] = ()  # name and default, in canonical order
+    output: str = "same"  # "same": the promoted input type; "bool": boolean
+    inputs: str = "numeric"  # "numeric", "bool" (logical ops), "float" (transcendentals)
+
+
+_INF = float("inf")
+_RELU_PARAMS = (
+    ("relu_lower_clip", 0.0),
+    ("relu_upper_clip", _INF),
+    ("relu_lower_clip_slope", 0.0),
+)
+
+POINTWISE: dict[PointwiseMode, PointwiseSpec] = {
+    PointwiseMode.ADD: PointwiseSpec(2),
+    PointwiseMode.SUB: PointwiseSpec(2),
+    PointwiseMode.MUL: PointwiseSpec(2),
+    PointwiseMode.DIV: PointwiseSpec(2),
+    PointwiseMode.MAX: PointwiseSpec(2),
+    PointwiseMode.MIN: PointwiseSpec(2),
+    PointwiseMode.POW: PointwiseSpec(2, inputs="float"),
+    PointwiseMode.ABS: PointwiseSpec(1),
+    PointwiseMode.NEG: PointwiseSpec(1),
+    PointwiseMode.EXP: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.LOG: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.SQRT: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.RSQRT: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.RECIPROCAL: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.SIN: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.COS: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.ERF: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.FLOOR: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.CEIL: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.IDENTITY: PointwiseSpec(1, inputs="any"),
+    PointwiseMode.RELU_FWD: PointwiseSpec(1, params=_RELU_PARAMS),
+    PointwiseMode.TANH_FWD: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.SIGMOID_FWD: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.GELU_FWD: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.GELU_APPROX_TANH_FWD: PointwiseSpec(1, inputs="float"),
+    PointwiseMode.ELU_FWD: PointwiseSpec(1, params=(("elu_alpha", 1.0),), inputs="float"),
+    PointwiseMode.SWISH_FWD: PointwiseSpec(1, params=(("swish_beta", 1.0),), inputs="float"),
+    PointwiseMode.SOFTPLUS_FWD: PointwiseSpec(
+        1, params=(("softplus_beta", 1.0),), inputs="float"
+    ),
+    PointwiseMode.CMP_EQ: PointwiseSpec(2, output="bool", inputs="any"),
+    PointwiseMode.CMP_NEQ: PointwiseSpec(2, output="bool", inputs="any"),
+    PointwiseMode.CMP_GT: PointwiseSpec(2, output="bool"),
+    PointwiseMode.CMP_GE: PointwiseSpec(2, output="bool"),
+    PointwiseMode.CMP_LT: PointwiseSpec(2, output="bool"),
+    PointwiseMode.CMP_LE: PointwiseSpec(2, output="bool"),
+    PointwiseMode.LOGICAL_AND: PointwiseSpec(2, output="bool", inputs="bool"),
+    PointwiseMode.LOGICAL_OR: PointwiseSpec(2, output="bool", inputs="bool"),
+    PointwiseMode.LOGICAL_NOT: PointwiseSpec(1, output="bool", inputs="bool"),
+    PointwiseMode.BINARY_SELECT: PointwiseSpec(3, inputs="any"),
+    PointwiseMode.RELU_BWD: PointwiseSpec(2, params=(("relu_lower_clip", 0.0),)),
+    PointwiseMode.GELU_BWD: PointwiseSpec(2, inputs="float"),
+    PointwiseMode.TANH_BWD: PointwiseSpec(2, inputs="float"),
+    PointwiseMode.SIGMOID_BWD: PointwiseSpec(2, inputs="float"),
+}
+
+POINTWISE_UNARY = frozenset(m for m, s in POINTWISE.items() if s.arity == 1)
+POINTWISE_BINARY = frozenset(m for m, s in POINTWISE.items() if s.arity == 2)
+POINTWISE_COMPARE = frozenset(
+    m for m, s in POINTWISE.items() if s.output == "bool" and s.inputs != "bool"
+)
+POINTWISE_BACKWARD = frozenset(
+    {PointwiseMode.RELU_BWD, PointwiseMode.GELU_BWD, PointwiseMode.TANH_BWD,
+     PointwiseMode.SIGMOID_BWD}
+)
+
+
+class ReductionMode(enum.Enum):
+    SUM = "sum"
+    MIN = "min"
+    MAX = "max"
+    AMAX = "amax"  # max of absolute values
+    AVG = "avg"
+    MUL = "mul"
+    NORM1 = "norm1"
+    NORM2 = "norm2"
+
+
+class PoolingMode(enum.Enum):
+    MAX = "max"
+    AVG_INCLUDE_PAD = "avg_include_pad"
+    AVG_EXCLUDE_PAD = "avg_exclude_pad"
+
+
+class NormFwdPhase(enum.Enum):
+    INFERENCE = "inference"
+    TRAINING = "training"
+
+
+CONVOLUTIONS = frozenset({OpKind.CONV_FPROP, OpKind.CONV_DGRAD, OpKind.CONV_WGRAD})
+NORMS = frozenset(
+    {OpKind.BATCHNORM_INFERENCE, OpKind.BATCHNORM, OpKind.LAYERNORM, OpKind.RMSNORM}
+)
+DATA_MOVEMENT = frozenset(
+    {OpKind.RESHAPE, OpKind.TRANSPOSE, OpKind.CONCATENATE, OpKind.SLICE}
+)
+
+
+# ---- attributes: one frozen dataclass per op family -------------------------------------
+
+
+@dataclass(frozen=True)
+class ConvAttrs:
+    pre_padding: tuple[int, ...]
+    post_padding: tuple[int, ...]
+    stride: tuple[int, ...]
+    dilation: tuple[int, ...]
+    compute_data_type: DataType | None = None
+
+
+@dataclass(frozen=True)
+class MatmulAttrs:
+    compute_data_type: DataType | None = None
+
+
+@dataclass(frozen=True)
+class PointwiseAttrs:
+    mode: PointwiseMode
+    params: tuple[tuple[str, float], ...] = ()
+    compute_data_type: DataType | None = None
+
+    def param(self, name: str) -> float:
+        for key, value in self.params:
+            if key == name:
+                return value
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class ReductionAttrs:
+    mode: ReductionMode
+    compute_data_type: DataType | None = None
+
+
+@dataclass(frozen=True)
+class NormAttrs:
+    phase: NormFwdPhase = NormFwdPhase.INFERENCE
+    compute_data_type: DataType | None = None
+
+
+@dataclass(frozen=True)
+class PoolingAttrs:
+    mode: PoolingMode
+    window: tuple[int, ...]
+    stride: tuple[int, ...]
+    pre_padding: tuple[int, ...]
+    post_padding: tuple[int, ...]
+    compute_data_type: DataType | None = None
+
+
+@dataclass(frozen=True)
+class SdpaAttrs:
+    attn_scale: float | None = None
+    causal: bool = False
+    compute_data_type: DataType | None = None
+
+
+@dataclass(frozen=True)
+class SoftmaxAttrs:
+    axis: int
+    log: bool = False
+    compute_data_type: DataType | None = None
+
+
+@dataclass(frozen=True)
+class ReshapeAttrs:
+    pass
+
+
+@dataclass(frozen=True)
+class TransposeAttrs:
+    permutation: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ConcatAttrs:
+    axis: int
+
+
+@dataclass(frozen=True)
+class SliceAttrs:
+    starts: tuple[int, ...]
+    ends: tuple[int, ...]
+    steps: tuple[int, ...]
+
+
+OpAttrs = (
+    ConvAttrs
+    | MatmulAttrs
+    | PointwiseAttrs
+    | ReductionAttrs
+    | NormAttrs
+    | PoolingAttrs
+    | SdpaAttrs
+    | SoftmaxAttrs
+    | ReshapeAttrs
+    | TransposeAttrs
+    | ConcatAttrs
+    | SliceAttrs
+)
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    """Ports and attribute type of one op kind. A trailing ``*`` marks a variadic port."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: type[Any]
+    optional_inputs: frozenset[str] = field(default_factory=frozenset)
+    optional_outputs: frozenset[str] = field(default_factory=frozenset)
+
+
+OPS: dict[OpKind, OpSpec] = {
+    OpKind.CONV_FPROP: OpSpec(("x", "w"), ("y",), ConvAttrs),
+    OpKind.CONV_DGRAD: OpSpec(("dy", "w"), ("dx",), ConvAttrs),
+    OpKind.CONV_WGRAD: OpSpec(("x", "dy"), ("dw",), ConvAttrs),
+    OpKind.MATMUL: OpSpec(("a", "b"), ("c",), MatmulAttrs),
+    OpKind.POINTWISE: OpSpec(
+        ("a", "b", "c"), ("y",), PointwiseAttrs, optional_inputs=frozenset({"b", "c"})
+    ),
+    OpKind.REDUCTION: OpSpec(("x",), ("y",), ReductionAttrs),
+    OpKind.BATCHNORM_INFERENCE: OpSpec(
+        ("x", "scale", "bias", "mean", "var", "epsilon"), ("y",), NormAttrs
+    ),
+    OpKind.BATCHNORM: OpSpec(
+        ("x", "scale", "bias", "epsilon"), ("y", "mean", "inv_var"), NormAttrs
+    ),
+    OpKind.LAYERNORM: OpSpec(
+        ("x", "scale", "bias", "epsilon"),
+        ("y", "mean", "inv_var"),
+        NormAttrs,
+        optional_outputs=frozenset({"mean", "inv_var"}),
+    ),
+    OpKind.RMSNORM: OpSpec(
+        ("x", "scale", "bias", "epsilon"),
+        ("y", "inv_rms"),
+        NormAttrs,
+        optional_inputs=frozenset({"bias"}),
+        optional_outputs=frozenset({"inv_rms"}),
+    ),
+    OpKind.POOLING: OpSpec(("x",), ("y",), PoolingAttrs),
+    OpKind.SDPA: OpSpec(
+        ("q", "k", "v", "mask"), ("o",), SdpaAttrs, optional_inputs=frozenset({"mask"})
+    ),
+    OpKind.SOFTMAX: OpSpec(("x",), ("y",), SoftmaxAttrs),
+    OpKind.RESHAPE: OpSpec(("x",), ("y",), ReshapeAttrs),
+    OpKind.TRANSPOSE: OpSpec(("x",), ("y",), TransposeAttrs),
+    OpKind.CONCATENATE: OpSpec(("x*",), ("y",), ConcatAttrs),
+    OpKind.SLICE: OpSpec(("x",), ("y",), SliceAttrs),
+}

@@ -1,0 +1,180 @@
+"""TensorAttr: a tensor of a graph, as the user declares it (cuDNN-frontend style).
+
+Dims are always logical (N, C, spatial... / K, C/groups, spatial...); the memory layout
+lives in the strides. Setters chain and may be called until ``validate()``, which fills
+what was left unset (dims, strides and types of virtual tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from fusegraph.dtypes import DataType, as_data_type
+
+if TYPE_CHECKING:
+    from fusegraph.graph.graph import Graph
+
+Scalar = bool | int | float
+
+
+class TensorAttr:
+    __slots__ = (
+        "_data_type",
+        "_dim",
+        "_graph",
+        "_is_output",
+        "_is_virtual",
+        "_name",
+        "_stride",
+        "dim_set",
+        "dtype_set",
+        "producer",
+        "stride_set",
+        "value",
+    )
+
+    def __init__(
+        self,
+        graph: Graph,
+        name: str,
+        dim: Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+        data_type: Any = None,
+        *,
+        is_virtual: bool = False,
+        value: Scalar | None = None,
+    ) -> None:
+        self._graph = graph
+        self._name = name
+        self._dim: tuple[int, ...] | None = _ints(dim) if dim is not None else None
+        self._stride: tuple[int, ...] | None = _ints(stride) if stride is not None else None
+        self._data_type: DataType | None = (
+            as_data_type(data_type) if data_type is not None else None
+        )
+        self._is_virtual = is_virtual
+        self._is_output = False
+        self.value = value  # set for scalars inlined into the graph
+        self.producer: str | None = None  # name of the node writing this tensor
+        # Which attributes the user stated; the rest are inferred by validate().
+        self.dim_set = dim is not None
+        self.stride_set = stride is not None
+        self.dtype_set = data_type is not None
+
+    # ---- read -----------------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def dim(self) -> list[int]:
+        return list(self._dim) if self._dim is not None else []
+
+    @property
+    def stride(self) -> list[int]:
+        return list(self._stride) if self._stride is not None else []
+
+    @property
+    def data_type(self) -> DataType | None:
+        return self._data_type
+
+    @property
+    def is_virtual(self) -> bool:
+        return self._is_virtual
+
+    @property
+    def is_output(self) -> bool:
+        return self._is_output
+
+    @property
+    def is_scalar(self) -> bool:
+        return self.value is not None
+
+    @property
+    def graph(self) -> Graph:
+        return self._graph
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Dims as a tuple (numpy's word); raises before dims are known."""
+        if self._dim is None:
+            raise ValueError(f"tensor '{self._name}' has no dims yet")
+        return self._dim
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        if self._stride is None:
+            raise ValueError(f"tensor '{self._name}' has no strides yet")
+        return self._stride
+
+    @property
+    def dtype(self) -> DataType:
+        if self._data_type is None:
+            raise ValueError(f"tensor '{self._name}' has no data type yet")
+        return self._data_type
+
+    # ---- chainable setters ------------------------------------------------------------
+    def set_output(self, is_output: bool = True) -> TensorAttr:
+        self._is_output = bool(is_output)
+        if is_output:
+            self._is_virtual = False
+        self._graph._touch()
+        return self
+
+    def set_is_virtual(self, is_virtual: bool = True) -> TensorAttr:
+        self._is_virtual = bool(is_virtual)
+        self._graph._touch()
+        return self
+
+    def set_data_type(self, data_type: Any) -> TensorAttr:
+        self._data_type = as_data_type(data_type)
+        self.dtype_set = True
+        self._graph._touch()
+        return self
+
+    def set_name(self, name: str) -> TensorAttr:
+        self._name = str(name)
+        self._graph._touch()
+        return self
+
+    def set_dim(self, dim: Sequence[int]) -> TensorAttr:
+        self._dim = _ints(dim)
+        self.dim_set = True
+        self._graph._touch()
+        return self
+
+    def set_stride(self, stride: Sequence[int]) -> TensorAttr:
+        self._stride = _ints(stride)
+        self.stride_set = True
+        self._graph._touch()
+        return self
+
+    # ---- inference (validate() only) -----------------------------------------------------
+    def _infer(
+        self,
+        dim: tuple[int, ...] | None = None,
+        stride: tuple[int, ...] | None = None,
+        data_type: DataType | None = None,
+    ) -> None:
+        if dim is not None:
+            self._dim = dim
+        if stride is not None:
+            self._stride = stride
+        if data_type is not None:
+            self._data_type = data_type
+
+    def __repr__(self) -> str:
+        dt = self._data_type.name if self._data_type else "?"
+        kind = "scalar" if self.is_scalar else ("virtual" if self._is_virtual else "")
+        if self._is_output:
+            kind = "output"
+        return f"TensorAttr({self._name!r}, dim={self.dim}, stride={self.stride}, {dt}{', ' + kind if kind else ''})"
+
+
+def _ints(values: Sequence[int]) -> tuple[int, ...]:
+    out = []
+    for v in values:
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            raise TypeError(f"dims and strides must be integers, got {v!r}")
+        out.append(int(v))
+    return tuple(out)

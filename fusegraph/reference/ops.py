@@ -1,0 +1,376 @@
+"""Float64 NumPy implementations of every op, each written from the op's definition.
+
+This module is the living specification: every other engine is tested against it. Speed
+is not a goal; clarity is. Inputs arrive in logical layout (dims order) as float64 (bool
+stays bool); results are float64 (or bool) and the executor casts them to output dtypes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable
+
+import numpy as np
+from scipy import special
+
+from fusegraph.graph.infer import conv_groups
+from fusegraph.graph.node import Node
+from fusegraph.graph.ops import (
+    ConcatAttrs,
+    ConvAttrs,
+    OpKind,
+    PointwiseAttrs,
+    PointwiseMode,
+    PoolingAttrs,
+    PoolingMode,
+    ReductionAttrs,
+    ReductionMode,
+    SdpaAttrs,
+    SliceAttrs,
+    SoftmaxAttrs,
+    TransposeAttrs,
+)
+
+Arr = np.ndarray
+Arrays = dict[str, Arr]
+M = PointwiseMode
+
+
+# ---- convolutions --------------------------------------------------------------------------
+def _windows(attrs: ConvAttrs, kernel: tuple[int, ...], out: tuple[int, ...]):  # type: ignore[no-untyped-def]
+    """(kernel position, slices into the padded input) for every kernel tap."""
+    for kpos in itertools.product(*(range(k) for k in kernel)):
+        sl = tuple(
+            slice(kp * d, kp * d + s * (o - 1) + 1, s)
+            for kp, d, s, o in zip(kpos, attrs.dilation, attrs.stride, out, strict=True)
+        )
+        yield kpos, sl
+
+
+def _pad(x: Arr, attrs: ConvAttrs) -> Arr:
+    pads = [(0, 0), (0, 0)] + list(zip(attrs.pre_padding, attrs.post_padding, strict=True))
+    return np.pad(x, pads)
+
+
+def conv_fprop(node: Node, ins: Arrays) -> Arrays:
+    x, w = ins["x"], ins["w"]
+    attrs = node.attrs
+    assert isinstance(attrs, ConvAttrs)
+    g = conv_groups(node)
+    n, c = x.shape[:2]
+    k = w.shape[0]
+    out_sp = tuple(node.outputs["y"].shape[2:])
+    xp = _pad(x, attrs).reshape(n, g, c // g, *(np.array(x.shape[2:]) + attrs.pre_padding + attrs.post_padding))
+    wg = w.reshape(g, k // g, c // g, *w.shape[2:])
+    y = np.zeros((n, g, k // g, *out_sp))
+    for kpos, sl in _windows(attrs, w.shape[2:], out_sp):
+        patch = xp[(slice(None),) * 3 + sl]
+        y += np.einsum("ngc...,gkc->ngk...", patch, wg[(Ellipsis, *kpos)])
+    return {"y": y.reshape(n, k, *out_sp)}
+
+
+def conv_dgrad(node: Node, ins: Arrays) -> Arrays:
+    """The adjoint of conv_fprop with respect to its image."""
+    dy, w = ins["dy"], ins["w"]
+    attrs = node.attrs
+    assert isinstance(attrs, ConvAttrs)
+    dx_shape = node.outputs["dx"].shape
+    g = conv_groups(node)
+    n, c = dx_shape[:2]
+    k = w.shape[0]
+    out_sp = dy.shape[2:]
+    padded = tuple(np.array(dx_shape[2:]) + attrs.pre_padding + attrs.post_padding)
+    dxp = np.zeros((n, g, c // g, *padded))
+    dyg = dy.reshape(n, g, k // g, *out_sp)
+    wg = w.reshape(g, k // g, c // g, *w.shape[2:])
+    for kpos, sl in _windows(attrs, w.shape[2:], out_sp):
+        dxp[(slice(None),) * 3 + sl] += np.einsum("ngk...,gkc->ngc...", dyg, wg[(Ellipsis, *kpos)])
+    crop = tuple(slice(p, p + d) for p, d in zip(attrs.pre_padding, dx_shape[2:], strict=True))
+    return {"dx": dxp[(slice(None),) * 3 + crop].reshape(dx_shape)}
+
+
+def conv_wgrad(node: Node, ins: Arrays) -> Arrays:
+    """The adjoint of conv_fprop with respect to its filter."""
+    x, dy = ins["x"], ins["dy"]
+    attrs = node.attrs
+    assert isinstance(attrs, ConvAttrs)
+    dw_shape = node.outputs["dw"].shape
+    g = conv_groups(node)
+    n, c = x.shape[:2]
+    k = dw_shape[0]
+    out_sp = dy.shape[2:]
+    xp = _pad(x, attrs).reshape(n, g, c // g, *(np.array(x.shape[2:]) + attrs.pre_padding + attrs.post_padding))
+    dyg = dy.reshape(n, g, k // g, *out_sp)
+    dw = np.zeros((g, k // g, c // g, *dw_shape[2:]))
+    for kpos, sl in _windows(attrs, dw_shape[2:], out_sp):
+        patch = xp[(slice(None),) * 3 + sl]
+        dw[(Ellipsis, *kpos)] = np.einsum("ngk...,ngc...->gkc", dyg, patch)
+    return {"dw": dw.reshape(dw_shape)}
+
+
+# ---- matmul and pointwise -----------------------------------------------------------------
+def matmul(node: Node, ins: Arrays) -> Arrays:
+    return {"c": np.matmul(ins["a"], ins["b"])}
+
+
+def _sigmoid(x: Arr) -> Arr:
+    return special.expit(x)  # type: ignore[no-any-return]
+
+
+def _relu(x: Arr, lower: float, upper: float, slope: float) -> Arr:
+    return np.where(x <= lower, lower + slope * (x - lower), np.minimum(x, upper))
+
+
+def _gelu_grad(x: Arr) -> Arr:
+    cdf = 0.5 * (1.0 + special.erf(x / math.sqrt(2.0)))
+    pdf = np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+    return cdf + x * pdf  # type: ignore[no-any-return]
+
+
+def _int_div(a: Arr, b: Arr) -> Arr:
+    return np.trunc(a / b)
+
+
+Pointwise = Callable[[Arr, Arr, Arr, PointwiseAttrs], Arr]
+_C = math.sqrt(2.0 / math.pi)
+
+POINTWISE_FNS: dict[PointwiseMode, Pointwise] = {
+    M.ADD: lambda a, b, c, p: a + b,
+    M.SUB: lambda a, b, c, p: a - b,
+    M.MUL: lambda a, b, c, p: a * b,
+    M.DIV: lambda a, b, c, p: a / b,
+    M.MAX: lambda a, b, c, p: np.maximum(a, b),
+    M.MIN: lambda a, b, c, p: np.minimum(a, b),
+    M.POW: lambda a, b, c, p: np.power(a, b),
+    M.ABS: lambda a, b, c, p: np.abs(a),
+    M.NEG: lambda a, b, c, p: -a,
+    M.EXP: lambda a, b, c, p: np.exp(a),
+    M.LOG: lambda a, b, c, p: np.log(a),
+    M.SQRT: lambda a, b, c, p: np.sqrt(a),
+    M.RSQRT: lambda a, b, c, p: 1.0 / np.sqrt(a),
+    M.RECIPROCAL: lambda a, b, c, p: 1.0 / a,
+    M.SIN: lambda a, b, c, p: np.sin(a),
+    M.COS: lambda a, b, c, p: np.cos(a),
+    M.ERF: lambda a, b, c, p: special.erf(a),
+    M.FLOOR: lambda a, b, c, p: np.floor(a),
+    M.CEIL: lambda a, b, c, p: np.ceil(a),
+    M.IDENTITY: lambda a, b, c, p: a,
+    M.RELU_FWD: lambda a, b, c, p: _relu(
+        a, p.param("relu_lower_clip"), p.param("relu_upper_clip"), p.param("relu_lower_clip_slope")
+    ),
+    M.TANH_FWD: lambda a, b, c, p: np.tanh(a),
+    M.SIGMOID_FWD: lambda a, b, c, p: _sigmoid(a),
+    M.GELU_FWD: lambda a, b, c, p: 0.5 * a * (1.0 + special.erf(a / math.sqrt(2.0))),
+    M.GELU_APPROX_TANH_FWD: lambda a, b, c, p: 0.5 * a * (1.0 + np.tanh(_C * (a + 0.044715 * a**3))),
+    M.ELU_FWD: lambda a, b, c, p: np.where(a > 0, a, p.param("elu_alpha") * np.expm1(a)),
+    M.SWISH_FWD: lambda a, b, c, p: a * _sigmoid(p.param("swish_beta") * a),
+    M.SOFTPLUS_FWD: lambda a, b, c, p: np.logaddexp(0.0, p.param("softplus_beta") * a)
+    / p.param("softplus_beta"),
+    M.CMP_EQ: lambda a, b, c, p: a == b,
+    M.CMP_NEQ: lambda a, b, c, p: a != b,
+    M.CMP_GT: lambda a, b, c, p: a > b,
+    M.CMP_GE: lambda a, b, c, p: a >= b,
+    M.CMP_LT: lambda a, b, c, p: a < b,
+    M.CMP_LE: lambda a, b, c, p: a <= b,
+    M.LOGICAL_AND: lambda a, b, c, p: np.logical_and(a, b),
+    M.LOGICAL_OR: lambda a, b, c, p: np.logical_or(a, b),
+    M.LOGICAL_NOT: lambda a, b, c, p: np.logical_not(a),
+    M.BINARY_SELECT: lambda a, b, c, p: np.where(c, a, b),
+    M.RELU_BWD: lambda dy, x, c, p: dy * (x > p.param("relu_lower_clip")),
+    M.GELU_BWD: lambda dy, x, c, p: dy * _gelu_grad(x),
+    M.TANH_BWD: lambda dy, x, c, p: dy * (1.0 - np.tanh(x) ** 2),
+    M.SIGMOID_BWD: lambda dy, x, c, p: dy * _sigmoid(x) * (1.0 - _sigmoid(x)),
+}
+
+
+def pointwise(node: Node, ins: Arrays) -> Arrays:
+    attrs = node.attrs
+    assert isinstance(attrs, PointwiseAttrs)
+    a, b, c = ins["a"], ins.get("b"), ins.get("c")
+    out_int = node.outputs["y"].dtype.is_integer
+    if attrs.mode == M.DIV and out_int:
+        y = _int_div(a, b)  # type: ignore[arg-type]
+    else:
+        with np.errstate(all="ignore"):
+            y = POINTWISE_FNS[attrs.mode](a, b, c, attrs)  # type: ignore[arg-type]
+    return {"y": np.broadcast_to(y, node.outputs["y"].shape)}
+
+
+# ---- reductions and norms -----------------------------------------------------------------
+def reduction(node: Node, ins: Arrays) -> Arrays:
+    attrs = node.attrs
+    assert isinstance(attrs, ReductionAttrs)
+    x = ins["x"]
+    out = node.outputs["y"].shape
+    axes = tuple(i for i, (a, b) in enumerate(zip(x.shape, out, strict=True)) if a != b)
+    fns: dict[ReductionMode, Callable[[Arr], Arr]] = {
+        ReductionMode.SUM: lambda v: np.sum(v, axis=axes, keepdims=True),
+        ReductionMode.MIN: lambda v: np.min(v, axis=axes, keepdims=True),
+        ReductionMode.MAX: lambda v: np.max(v, axis=axes, keepdims=True),
+        ReductionMode.AMAX: lambda v: np.max(np.abs(v), axis=axes, keepdims=True),
+        ReductionMode.AVG: lambda v: np.mean(v, axis=axes, keepdims=True),
+        ReductionMode.MUL: lambda v: np.prod(v, axis=axes, keepdims=True),
+        ReductionMode.NORM1: lambda v: np.sum(np.abs(v), axis=axes, keepdims=True),
+        ReductionMode.NORM2: lambda v: np.sqrt(np.sum(v * v, axis=axes, keepdims=True)),
+    }
+    return {"y": fns[attrs.mode](x)}
+
+
+def _channel(v: Arr, rank: int) -> Arr:
+    return v.reshape((1, -1) + (1,) * (rank - 2))
+
+
+def batchnorm_inference(node: Node, ins: Arrays) -> Arrays:
+    x = ins["x"]
+    r = x.ndim
+    eps = float(ins["epsilon"].reshape(-1)[0])
+    mean, var = _channel(ins["mean"], r), _channel(ins["var"], r)
+    y = (x - mean) / np.sqrt(var + eps) * _channel(ins["scale"], r) + _channel(ins["bias"], r)
+    return {"y": y}
+
+
+def batchnorm(node: Node, ins: Arrays) -> Arrays:
+    x = ins["x"]
+    r = x.ndim
+    eps = float(ins["epsilon"].reshape(-1)[0])
+    axes = (0, *range(2, r))
+    mean = x.mean(axis=axes, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+    inv = 1.0 / np.sqrt(var + eps)
+    y = (x - mean) * inv * _channel(ins["scale"], r) + _channel(ins["bias"], r)
+    return {"y": y, "mean": mean, "inv_var": inv}
+
+
+def layernorm(node: Node, ins: Arrays) -> Arrays:
+    x = ins["x"]
+    eps = float(ins["epsilon"].reshape(-1)[0])
+    axes = tuple(range(1, x.ndim))
+    mean = x.mean(axis=axes, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
+    inv = 1.0 / np.sqrt(var + eps)
+    y = (x - mean) * inv * ins["scale"] + ins["bias"]
+    out = {"y": y}
+    if "mean" in node.outputs:
+        out["mean"], out["inv_var"] = mean, inv
+    return out
+
+
+def rmsnorm(node: Node, ins: Arrays) -> Arrays:
+    x = ins["x"]
+    eps = float(ins["epsilon"].reshape(-1)[0])
+    axes = tuple(range(1, x.ndim))
+    inv = 1.0 / np.sqrt((x * x).mean(axis=axes, keepdims=True) + eps)
+    y = x * inv * ins["scale"]
+    if "bias" in ins:
+        y = y + ins["bias"]
+    out = {"y": y}
+    if "inv_rms" in node.outputs:
+        out["inv_rms"] = inv
+    return out
+
+
+# ---- pooling, attention, softmax -----------------------------------------------------------
+def pooling(node: Node, ins: Arrays) -> Arrays:
+    x = ins["x"]
+    attrs = node.attrs
+    assert isinstance(attrs, PoolingAttrs)
+    out_sp = node.outputs["y"].shape[2:]
+    pads = [(0, 0), (0, 0)] + list(zip(attrs.pre_padding, attrs.post_padding, strict=True))
+    is_max = attrs.mode == PoolingMode.MAX
+    xp = np.pad(x, pads, constant_values=-np.inf if is_max else 0.0)
+    valid = np.pad(np.ones(x.shape[2:]), pads[2:])  # 1 where a real element is
+    acc = np.full((*x.shape[:2], *out_sp), -np.inf if is_max else 0.0)
+    count = np.zeros(out_sp)
+    for kpos in itertools.product(*(range(w) for w in attrs.window)):
+        sl = tuple(
+            slice(k, k + s * (o - 1) + 1, s) for k, s, o in zip(kpos, attrs.stride, out_sp, strict=True)
+        )
+        patch = xp[(slice(None), slice(None), *sl)]
+        acc = np.maximum(acc, patch) if is_max else acc + patch
+        count += valid[sl]
+    if attrs.mode == PoolingMode.AVG_INCLUDE_PAD:
+        acc = acc / math.prod(attrs.window)
+    elif attrs.mode == PoolingMode.AVG_EXCLUDE_PAD:
+        acc = acc / count
+    return {"y": acc}
+
+
+def _softmax(s: Arr, axis: int) -> Arr:
+    m = np.max(s, axis=axis, keepdims=True)
+    e = np.exp(s - m)
+    return e / e.sum(axis=axis, keepdims=True)  # type: ignore[no-any-return]
+
+
+def sdpa(node: Node, ins: Arrays) -> Arrays:
+    q, k, v = ins["q"], ins["k"], ins["v"]
+    attrs = node.attrs
+    assert isinstance(attrs, SdpaAttrs)
+    rep = q.shape[1] // k.shape[1]
+    k = np.repeat(k, rep, axis=1)
+    v = np.repeat(v, rep, axis=1)
+    scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
+    if "mask" in ins:
+        m = ins["mask"]
+        s = np.where(m, s, -np.inf) if m.dtype == np.bool_ else s + m
+    if attrs.causal:
+        sq, skv = s.shape[-2:]
+        s = np.where(np.tril(np.ones((sq, skv), dtype=bool)), s, -np.inf)
+    with np.errstate(invalid="ignore"):
+        p = _softmax(s, -1)
+    return {"o": np.matmul(p, v)}
+
+
+def softmax(node: Node, ins: Arrays) -> Arrays:
+    attrs = node.attrs
+    assert isinstance(attrs, SoftmaxAttrs)
+    x = ins["x"]
+    if attrs.log:
+        m = np.max(x, axis=attrs.axis, keepdims=True)
+        return {"y": x - m - np.log(np.exp(x - m).sum(axis=attrs.axis, keepdims=True))}
+    return {"y": _softmax(x, attrs.axis)}
+
+
+# ---- data movement ---------------------------------------------------------------------------
+def reshape(node: Node, ins: Arrays) -> Arrays:
+    return {"y": ins["x"].reshape(node.outputs["y"].shape)}
+
+
+def transpose(node: Node, ins: Arrays) -> Arrays:
+    assert isinstance(node.attrs, TransposeAttrs)
+    return {"y": np.transpose(ins["x"], node.attrs.permutation)}
+
+
+def concatenate(node: Node, ins: Arrays) -> Arrays:
+    assert isinstance(node.attrs, ConcatAttrs)
+    parts = [ins[p] for p in node.inputs if p.startswith("x")]
+    return {"y": np.concatenate(parts, axis=node.attrs.axis)}
+
+
+def slice_(node: Node, ins: Arrays) -> Arrays:
+    a = node.attrs
+    assert isinstance(a, SliceAttrs)
+    idx = tuple(slice(s, e, k) for s, e, k in zip(a.starts, a.ends, a.steps, strict=True))
+    return {"y": ins["x"][idx]}
+
+
+REFERENCE: dict[OpKind, Callable[[Node, Arrays], Arrays]] = {
+    OpKind.CONV_FPROP: conv_fprop,
+    OpKind.CONV_DGRAD: conv_dgrad,
+    OpKind.CONV_WGRAD: conv_wgrad,
+    OpKind.MATMUL: matmul,
+    OpKind.POINTWISE: pointwise,
+    OpKind.REDUCTION: reduction,
+    OpKind.BATCHNORM_INFERENCE: batchnorm_inference,
+    OpKind.BATCHNORM: batchnorm,
+    OpKind.LAYERNORM: layernorm,
+    OpKind.RMSNORM: rmsnorm,
+    OpKind.POOLING: pooling,
+    OpKind.SDPA: sdpa,
+    OpKind.SOFTMAX: softmax,
+    OpKind.RESHAPE: reshape,
+    OpKind.TRANSPOSE: transpose,
+    OpKind.CONCATENATE: concatenate,
+    OpKind.SLICE: slice_,
+}

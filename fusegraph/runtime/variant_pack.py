@@ -1,0 +1,89 @@
+"""Checks a variant pack (tensor -> array) against a validated graph.
+
+Arrays must match exactly: shape == dims, dtype == data type, and element strides ==
+declared strides on every axis longer than one (a broadcast input needs stride 0, as
+``np.broadcast_to`` makes). Mismatches raise VariantPackError naming the tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fusegraph.errors import VariantPackError
+from fusegraph.graph import layout
+from fusegraph.graph.tensor import TensorAttr
+
+
+@dataclass
+class ResolvedPack:
+    inputs: dict[str, Any]  # graph input name -> array (or device buffer)
+    outputs: dict[str, Any]  # output name -> caller's array to write, when given
+
+
+def _key_name(graph: Any, key: Any) -> TensorAttr:
+    if isinstance(key, TensorAttr):
+        if key.graph is not graph:
+            raise VariantPackError("tensor belongs to another graph", tensor=key.name)
+        return key
+    if isinstance(key, str):
+        try:
+            return graph.tensor_by_name(key)  # type: ignore[no-any-return]
+        except KeyError:
+            raise VariantPackError("no tensor of this name in the graph", tensor=key) from None
+    raise VariantPackError(f"variant pack keys must be TensorAttr or names, got {type(key).__name__}")
+
+
+def check_array(t: TensorAttr, arr: Any, *, what: str) -> np.ndarray:
+    if not isinstance(arr, np.ndarray):
+        if hasattr(arr, "__array__") or hasattr(arr, "__array_interface__"):
+            arr = np.asarray(arr)
+        else:
+            raise VariantPackError(f"{what} must be a numpy array or a fusegraph Buffer, got {type(arr).__name__}", tensor=t.name)
+    if tuple(arr.shape) != t.shape:
+        raise VariantPackError(f"{what} has shape {list(arr.shape)}, expected dims {t.dim}", tensor=t.name)
+    if arr.dtype != t.dtype.numpy:
+        raise VariantPackError(f"{what} has dtype {arr.dtype}, expected {t.dtype.name} ({t.dtype.numpy})", tensor=t.name)
+    strides = layout.element_strides(arr.shape, arr.strides, arr.itemsize)
+    bad = strides is None or any(
+        d > 1 and s != e for d, s, e in zip(t.shape, strides, t.strides, strict=True)
+    )
+    if bad:
+        raise VariantPackError(
+            f"{what} has element strides {list(strides) if strides else arr.strides}, but the tensor "
+            f"declares strides {t.stride}; pass an array in that layout (e.g. np.ascontiguousarray "
+            "of the permuted data, viewed back with .transpose) or declare its strides",
+            tensor=t.name,
+        )
+    return arr
+
+
+def resolve_pack(graph: Any, variant_pack: Mapping[Any, Any], *, check: Any = check_array) -> ResolvedPack:
+    """Maps the pack onto graph inputs/outputs; ``check`` validates each value."""
+    if not isinstance(variant_pack, Mapping):
+        raise VariantPackError(f"the variant pack must be a mapping, got {type(variant_pack).__name__}")
+    inputs = {t.name: t for t in graph.inputs()}
+    outputs = {t.name: t for t in graph.outputs()}
+    res = ResolvedPack({}, {})
+    for key, value in variant_pack.items():
+        t = _key_name(graph, key)
+        if t.name in inputs:
+            res.inputs[t.name] = check(t, value, what="input")
+        elif t.name in outputs:
+            arr = check(t, value, what="output")
+            if isinstance(arr, np.ndarray) and not arr.flags.writeable:
+                raise VariantPackError("output array is read-only", tensor=t.name)
+            res.outputs[t.name] = arr
+        elif t.is_scalar:
+            raise VariantPackError("scalar constants are inlined in the graph; do not pass them", tensor=t.name)
+        elif t.is_virtual:
+            raise VariantPackError("virtual (intermediate) tensor has no buffer; mark it set_output(True) to read it", tensor=t.name)
+        else:
+            raise VariantPackError("tensor is not read by any node; nothing takes this array", tensor=t.name)
+    missing = [n for n in inputs if n not in res.inputs]
+    if missing:
+        raise VariantPackError(f"missing input(s) {missing}", tensor=missing[0])
+    return res
