@@ -858,19 +858,76 @@ class Graph:
             self._key = graph_key(self)
         return self._key
 
-    # ---- execution ---------------------------------------------------------------------------
+    # ---- execution (the engine and selection layers do the work) ------------------------------
     def execute(
         self,
         variant_pack: Mapping[Any, Any],
         workspace: Any = None,
         *,
-        handle: Handle | None = None,
+        handle: Handle | str | None = None,
         engine: str | None = None,
     ) -> dict[str, Any]:
-        """Runs the graph; outputs in the pack are written in place, the rest returned by name."""
+        """Runs the graph; outputs in the pack are written in place, the rest returned by name.
+
+        Values may be numpy arrays or fusegraph Buffers. Without a built plan, the default
+        plan for ``handle`` is built first (see ``build``).
+        """
         from fusegraph.execute import execute_graph
 
         return execute_graph(self, variant_pack, handle=handle, engine=engine)
+
+    def build(self, handle: Handle | str | None = None, engine: str | None = None, **options: Any) -> Any:
+        """Builds (or loads from cache) the plan that ``execute`` will use on ``handle``."""
+        from fusegraph.select import api
+
+        return api.build(self, handle, engine=engine, **options)
+
+    def create_execution_plans(self, modes: Sequence[Any] | None = None, handle: Handle | str | None = None) -> Graph:
+        from fusegraph.select import api
+
+        api.create_execution_plans(self, modes, handle)
+        return self
+
+    def check_support(self, handle: Handle | str | None = None) -> Graph:
+        from fusegraph.select import api
+
+        api.check_support(self, handle)
+        return self
+
+    def build_plans(self, policy: Any = None, handle: Handle | str | None = None) -> Graph:
+        from fusegraph.select import api
+
+        api.build_plans(self, policy, handle)
+        return self
+
+    def get_execution_plan_count(self) -> int:
+        from fusegraph.select import api
+
+        return api.get_execution_plan_count(self)
+
+    def execute_plan_at_index(self, variant_pack: Mapping[Any, Any], index: int, workspace: Any = None) -> dict[str, Any]:
+        from fusegraph.select import api
+
+        return api.execute_plan_at_index(self, variant_pack, index)
+
+    def autotune(self, variant_pack: Mapping[Any, Any] | None = None, handle: Handle | str | None = None, **options: Any) -> Any:
+        """Times every applicable (engine, knobs) and remembers the fastest (tuning DB)."""
+        from fusegraph.select import api
+
+        return api.autotune(self, variant_pack, handle, **options)
+
+    def emit_mlir(self) -> str:
+        """The torch-dialect MLIR the IREE engine compiles (for debugging)."""
+        from fusegraph.engines.iree.emit import emit_mlir
+
+        return emit_mlir(self.ensure_valid()).text
+
+    def compile_to_artifact(self, target: str = "cpu", **options: Any) -> bytes:
+        """Ahead-of-time compile for a target ("cpu", "cuda", "hip:gfx942"...); load with
+        ``fusegraph.engines.iree.load_artifact``, also on another machine."""
+        from fusegraph.engines.iree.artifact import compile_to_artifact
+
+        return compile_to_artifact(self.ensure_valid(), target, **options)
 
     def __repr__(self) -> str:
         return f"Graph({self.name!r}, {len(self.nodes)} nodes, {len(self.tensors)} tensors)"

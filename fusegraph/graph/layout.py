@@ -113,3 +113,33 @@ def element_strides(shape: Sequence[int], byte_strides: Sequence[int], itemsize:
             return None
         out.append(s // itemsize)
     return tuple(out)
+
+
+def physical_order(dim: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
+    """Logical axes in memory order (outermost first) — how a buffer is laid out."""
+    return stride_order(dim, stride)
+
+
+def physical_shape(dim: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
+    """Shape of the dense buffer behind a tensor, in memory order; broadcast axes are 1.
+
+    Compiled engines take and return buffers of this shape, so that a tensor declared NHWC
+    crosses the boundary as an [N, H, W, C] buffer with no copy.
+    """
+    return tuple(
+        1 if stride[a] == 0 else int(dim[a]) for a in physical_order(dim, stride)
+    )
+
+
+def to_physical(arr: np.ndarray, dim: Sequence[int], stride: Sequence[int]) -> np.ndarray:
+    """The dense memory-order buffer of a logical-view array (a view when already dense)."""
+    order = physical_order(dim, stride)
+    view = arr.transpose(order)
+    sl = tuple(slice(0, 1) if stride[a] == 0 else slice(None) for a in order)
+    return np.ascontiguousarray(view[sl])
+
+
+def from_physical(buf: np.ndarray, dim: Sequence[int], stride: Sequence[int]) -> np.ndarray:
+    """The logical view (dims order) of a memory-order buffer; no copy."""
+    order = physical_order(dim, stride)
+    return buf.transpose(tuple(order.index(a) for a in range(len(dim))))

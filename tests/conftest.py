@@ -1,0 +1,34 @@
+"""Shared fixtures; GPU-marked tests are skipped (with the reason) where no GPU is present."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return os.path.exists("/dev/nvidia0")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU: run on the GPU machine with `pytest -m gpu`")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    """Fresh random data each run; the seed is printed on failure for reproduction."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"rng seed {seed}")
+    return np.random.default_rng(seed)
