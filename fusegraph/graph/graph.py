@@ -17,7 +17,7 @@ import numpy as np
 from fusegraph.dtypes import DataType, as_data_type
 from fusegraph.errors import ValidationError
 from fusegraph.graph import layout
-from fusegraph.graph.infer import INFER, INHERIT_LAYOUT, slice_dims
+from fusegraph.graph.infer import INFER, INHERIT_LAYOUT
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import (
     OPS,
@@ -41,7 +41,7 @@ from fusegraph.graph.ops import (
     SoftmaxAttrs,
     TransposeAttrs,
 )
-from fusegraph.graph.tensor import Scalar, TensorAttr
+from fusegraph.graph.tensor import Scalar, TensorAttr, _ints
 
 if TYPE_CHECKING:
     from fusegraph.runtime.handle import Handle
@@ -50,6 +50,10 @@ log = logging.getLogger("fusegraph.graph")
 
 Ints = Sequence[int]
 Epsilon = float | TensorAttr
+
+
+def _name_of(t: Any) -> str | None:
+    return t.name if isinstance(t, TensorAttr) else None
 
 
 class Graph:
@@ -88,7 +92,9 @@ class Graph:
         data_type: Any = None,
     ) -> TensorAttr:
         """A graph input (or, with ``set_output``, a tensor the caller owns)."""
-        dims = tuple(int(d) for d in dim)
+        if not isinstance(name, str) or not name:
+            raise ValidationError(f"tensor names must be non-empty strings, got {name!r}")
+        dims = _ints(dim, name, "dims")
         if stride is None:
             stride = layout.packed_strides(dims)
         if data_type is None:
@@ -145,10 +151,10 @@ class Graph:
     def _check_operand(self, t: Any, port: str, op: str) -> TensorAttr:
         if not isinstance(t, TensorAttr):
             raise ValidationError(
-                f"{op}: input '{port}' must be a TensorAttr of this graph, got {type(t).__name__}"
+                f"input '{port}' must be a TensorAttr of this graph, got {type(t).__name__}", node=op
             )
         if t.graph is not self:
-            raise ValidationError(f"{op}: input '{port}' belongs to another graph", tensor=t.name)
+            raise ValidationError(f"input '{port}' belongs to another graph", node=op, tensor=t.name)
         return t
 
     def _add_node(
@@ -222,8 +228,16 @@ class Graph:
         )
 
     @staticmethod
-    def _nsp(t: TensorAttr) -> int:
-        return max(len(t.dim) - 2, 0)
+    def _nsp(a: Any, b: Any, *given: Ints | None) -> int:
+        """Spatial axes of a convolution, from whichever operand already has dims (a
+        dgrad output gets its dims only later), else from the lengths the caller gave."""
+        for t in (a, b):
+            if isinstance(t, TensorAttr) and t._dim is not None:
+                return max(len(t._dim) - 2, 0)
+        for values in given:
+            if values is not None:
+                return len(values)
+        return 0
 
     def conv_fprop(
         self,
@@ -240,7 +254,8 @@ class Graph:
     ) -> TensorAttr:
         """y = conv(image, weight); groups = image channels / weight.dim[1]."""
         attrs = self._conv_attrs(
-            self._nsp(image), padding, stride, dilation, pre_padding, post_padding, compute_data_type
+            self._nsp(image, weight, padding, stride, dilation, pre_padding, post_padding),
+            padding, stride, dilation, pre_padding, post_padding, compute_data_type,
         )
         return self._add_node(OpKind.CONV_FPROP, attrs, {"x": image, "w": weight}, name).outputs["y"]
 
@@ -259,7 +274,8 @@ class Graph:
     ) -> TensorAttr:
         """dx of a convolution; set its dims with ``.set_dim(...)`` before validate()."""
         attrs = self._conv_attrs(
-            self._nsp(loss), padding, stride, dilation, pre_padding, post_padding, compute_data_type
+            self._nsp(loss, filter, padding, stride, dilation, pre_padding, post_padding),
+            padding, stride, dilation, pre_padding, post_padding, compute_data_type,
         )
         return self._add_node(OpKind.CONV_DGRAD, attrs, {"dy": loss, "w": filter}, name).outputs["dx"]
 
@@ -278,7 +294,8 @@ class Graph:
     ) -> TensorAttr:
         """dw of a convolution; set its dims with ``.set_dim(...)`` before validate()."""
         attrs = self._conv_attrs(
-            self._nsp(image), padding, stride, dilation, pre_padding, post_padding, compute_data_type
+            self._nsp(image, loss, padding, stride, dilation, pre_padding, post_padding),
+            padding, stride, dilation, pre_padding, post_padding, compute_data_type,
         )
         return self._add_node(OpKind.CONV_WGRAD, attrs, {"x": image, "dy": loss}, name).outputs["dw"]
 
@@ -303,20 +320,40 @@ class Graph:
         **params: float,
     ) -> TensorAttr:
         """An elementwise op with NumPy broadcasting; ``params`` as in the op table."""
+        try:
+            mode = PointwiseMode(mode)
+        except ValueError:
+            raise ValidationError(f"unknown pointwise mode {mode!r}", node=name, tensor=_name_of(a)) from None
         spec = POINTWISE[mode]
         allowed = dict(spec.params)
-        for key in params:
+        for key, value in params.items():
             if key not in allowed:
                 raise ValidationError(
                     f"{mode.name} has no parameter '{key}' (it takes: {sorted(allowed) or 'none'})",
                     node=name,
+                    tensor=_name_of(a),
+                )
+            if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+                raise ValidationError(
+                    f"{mode.name} parameter '{key}' must be a number, got {value!r}",
+                    node=name,
+                    tensor=_name_of(a),
                 )
         values = tuple((k, float(params.get(k, d))) for k, d in spec.params)
         attrs = PointwiseAttrs(mode, values, self._compute_default(compute_data_type))
         return self._add_node(OpKind.POINTWISE, attrs, {"a": a, "b": b, "c": c}, name).outputs["y"]
 
-    def _pw(self, mode: PointwiseMode, *args: TensorAttr | None, name: str | None, **params: Any) -> TensorAttr:
-        return self.pointwise(*args, mode=mode, name=name, **params)  # type: ignore[misc]
+    def _pw(
+        self,
+        mode: PointwiseMode,
+        a: TensorAttr,
+        b: TensorAttr | None = None,
+        c: TensorAttr | None = None,
+        *,
+        name: str | None,
+        **params: float,
+    ) -> TensorAttr:
+        return self.pointwise(a, b, c, mode=mode, name=name, **params)
 
     def add(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
         return self._pw(PointwiseMode.ADD, a, b, name=name)
@@ -393,14 +430,14 @@ class Graph:
         name: str | None = None,
     ) -> TensorAttr:
         """Clamped, leaky ReLU: slope ``negative_slope`` below ``lower_clip`` (default 0)."""
-        params: dict[str, float] = {}
-        if negative_slope is not None:
-            params["relu_lower_clip_slope"] = negative_slope
-        if lower_clip is not None:
-            params["relu_lower_clip"] = lower_clip
-        if upper_clip is not None:
-            params["relu_upper_clip"] = upper_clip
-        return self._pw(PointwiseMode.RELU_FWD, input, name=name, **params)
+        return self.pointwise(
+            input,
+            mode=PointwiseMode.RELU_FWD,
+            name=name,
+            relu_lower_clip_slope=0.0 if negative_slope is None else negative_slope,
+            relu_lower_clip=0.0 if lower_clip is None else lower_clip,
+            relu_upper_clip=math.inf if upper_clip is None else upper_clip,
+        )
 
     def leaky_relu(self, input: TensorAttr, negative_slope: float = 0.01, name: str | None = None) -> TensorAttr:
         return self.relu(input, negative_slope=negative_slope, name=name)
@@ -490,7 +527,13 @@ class Graph:
             raise ValidationError("give dim= or axes=, not both", node=node.name)
         if axes is not None:
             rank = len(input.dim)
-            ax = {a % rank for a in axes} if rank else set()
+            if rank == 0 or any(not -rank <= int(a) < rank for a in axes):
+                raise ValidationError(
+                    f"reduction: axes {list(axes)} out of range for input dims {input.dim}",
+                    node=node.name,
+                    tensor=input.name,
+                )
+            ax = {int(a) % rank for a in axes}
             dim = [1 if i in ax else d for i, d in enumerate(input.dim)]
         if dim is not None:
             y.set_dim(dim)
@@ -667,12 +710,27 @@ class Graph:
         name: str | None = None,
     ) -> TensorAttr:
         """Python/NumPy slicing per axis (negative and out-of-range indices clamp); steps >= 1."""
+        if not isinstance(input, TensorAttr) or input._dim is None:
+            raise ValidationError(
+                "slice: the input's dims must be known first (set them with .set_dim())",
+                node=name,
+                tensor=_name_of(input),
+            )
         dims = input.dim
         rank = len(dims)
-        ax = [a % rank for a in axes] if axes is not None else list(range(len(starts)))
+        if axes is not None and any(not -rank <= int(a) < rank for a in axes):
+            raise ValidationError(
+                f"slice: axes {list(axes)} out of range for rank {rank}", node=name, tensor=input.name
+            )
+        ax = [int(a) % rank for a in axes] if axes is not None else list(range(len(starts)))
         st = list(steps) if steps is not None else [1] * len(ax)
-        if not (len(ax) == len(starts) == len(ends) == len(st)):
-            raise ValidationError("slice: starts, ends, steps and axes differ in length", node=name)
+        if not (len(ax) == len(starts) == len(ends) == len(st)) or len(set(ax)) != len(ax) or len(ax) > rank:
+            raise ValidationError(
+                "slice: starts, ends, steps and axes must have one entry per sliced axis "
+                f"(got {len(starts)}, {len(ends)}, {len(st)}, axes {ax}) for rank {rank}",
+                node=name,
+                tensor=input.name,
+            )
         s_all, e_all, k_all = [0] * rank, list(dims), [1] * rank
         for a, s, e, k in zip(ax, starts, ends, st, strict=True):
             if int(k) < 1:
@@ -769,16 +827,17 @@ class Graph:
             )
 
     def _check_names(self) -> None:
-        seen: dict[str, str] = {}
-        for t in self.tensors:
-            if t.name in seen:
-                raise ValidationError("duplicate tensor name", tensor=t.name)
-            seen[t.name] = "tensor"
+        # Nodes first: a repeated node name also repeats its outputs' names.
         node_names: set[str] = set()
         for n in self.nodes:
             if n.name in node_names:
                 raise ValidationError("duplicate node name", node=n.name)
             node_names.add(n.name)
+        seen: set[str] = set()
+        for t in self.tensors:
+            if t.name in seen:
+                raise ValidationError("duplicate tensor name", tensor=t.name)
+            seen.add(t.name)
 
     def topological_order(self) -> list[Node]:
         """Nodes ordered so producers come first; raises ValidationError on a cycle."""

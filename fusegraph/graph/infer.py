@@ -91,11 +91,17 @@ def _check_conv_attrs(node: Node, attrs: ConvAttrs, nsp: int) -> None:
         raise _fail(node, "stride and dilation must be >= 1")
 
 
-def _same_float_type(node: Node, *tensors: TensorAttr) -> DataType:
-    first = tensors[0]
-    for t in tensors:
-        if not t.dtype.is_float:
-            raise _fail(node, f"expected a floating-point tensor, got {t.dtype.name}", t)
+def _stated_type(t: TensorAttr) -> bool:
+    """False for a node's output whose type was inferred (the graph's intermediate or I/O
+    type): engines convert those, so they never clash with a type the user stated."""
+    return t.producer is None or t.dtype_set
+
+
+def _same_type(node: Node, *tensors: TensorAttr) -> DataType:
+    """The operands' common type: stated types must agree; inferred ones are promoted."""
+    stated = [t for t in tensors if _stated_type(t)]
+    first = stated[0] if stated else tensors[0]
+    for t in stated:
         if t.dtype != first.dtype:
             raise _fail(
                 node,
@@ -103,7 +109,19 @@ def _same_float_type(node: Node, *tensors: TensorAttr) -> DataType:
                 f"'{first.name}'",
                 t,
             )
-    return first.dtype
+    dt = first.dtype
+    for t in tensors:
+        if family(t.dtype) != family(dt):
+            raise _fail(node, f"data type mismatch: {t.dtype.name} with {dt.name} on '{first.name}'", t)
+        dt = promote(dt, t.dtype)
+    return dt
+
+
+def _same_float_type(node: Node, *tensors: TensorAttr) -> DataType:
+    for t in tensors:
+        if not t.dtype.is_float:
+            raise _fail(node, f"expected a floating-point tensor, got {t.dtype.name}", t)
+    return _same_type(node, *tensors)
 
 
 def _conv_check(
@@ -180,10 +198,9 @@ def infer_matmul(node: Node) -> Proposal:
     for t in (a, b):
         if len(t.shape) < 2:
             raise _fail(node, f"matmul operands need rank >= 2, got {list(t.shape)}", t)
-    if a.dtype != b.dtype:
-        raise _fail(node, f"data type mismatch: A is {a.dtype.name}, B is {b.dtype.name}", b)
-    if a.dtype == DataType.BOOLEAN:
-        raise _fail(node, "matmul of boolean tensors", a)
+    if a.dtype == DataType.BOOLEAN or b.dtype == DataType.BOOLEAN:
+        raise _fail(node, "matmul of boolean tensors", a if a.dtype == DataType.BOOLEAN else b)
+    dt = _same_type(node, a, b)
     (m, k), (k2, n) = a.shape[-2:], b.shape[-2:]
     if k != k2:
         raise _fail(
@@ -196,7 +213,7 @@ def infer_matmul(node: Node) -> Proposal:
             f"batch dims {list(a.shape[:-2])} and {list(b.shape[:-2])} do not broadcast",
             b,
         )
-    return {"c": ((*batch, m, n), a.dtype)}
+    return {"c": ((*batch, m, n), dt)}
 
 
 def infer_pointwise(node: Node) -> Proposal:

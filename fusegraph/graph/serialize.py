@@ -22,13 +22,16 @@ import json
 import math
 import types
 import typing
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusegraph.dtypes import DataType
 from fusegraph.errors import ValidationError
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import OPS, OpKind
 from fusegraph.graph.tensor import TensorAttr
+
+if TYPE_CHECKING:
+    from fusegraph.graph.graph import Graph
 
 FORMAT = "fusegraph.graph"
 VERSION = 1
@@ -130,7 +133,37 @@ def _field_value(tp: Any, raw: Any) -> Any:
     return raw
 
 
-def graph_from_dict(d: dict[str, Any]) -> Any:
+def graph_from_dict(d: dict[str, Any]) -> Graph:
+    """A Graph from its dict form; every malformation is a ValidationError."""
+    try:
+        return _graph_from_dict(d)
+    except ValidationError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        what = f"missing field {exc}" if isinstance(exc, KeyError) else str(exc)
+        raise ValidationError(f"malformed graph JSON: {what}") from None
+
+
+def _check_ports(kind: OpKind, node: str, inputs: dict[str, Any], outputs: dict[str, Any]) -> None:
+    spec = OPS[kind]
+    fixed = [p for p in spec.inputs if not p.endswith("*")]
+    variadic = [p[:-1] for p in spec.inputs if p.endswith("*")]
+    for port in inputs:
+        ok = port in fixed or any(port.startswith(v) and port[len(v):].isdigit() for v in variadic)
+        if not ok:
+            raise ValidationError(f"{kind.value} has no input port '{port}'", node=node)
+    for port in fixed:
+        if port not in inputs and port not in spec.optional_inputs:
+            raise ValidationError(f"{kind.value} needs input port '{port}'", node=node)
+    for port in outputs:
+        if port not in spec.outputs:
+            raise ValidationError(f"{kind.value} has no output port '{port}'", node=node)
+    for port in spec.outputs:
+        if port not in outputs and port not in spec.optional_outputs:
+            raise ValidationError(f"{kind.value} needs output port '{port}'", node=node)
+
+
+def _graph_from_dict(d: dict[str, Any]) -> Graph:
     from fusegraph.graph.graph import Graph
 
     if d.get("format") != FORMAT:
@@ -153,7 +186,7 @@ def graph_from_dict(d: dict[str, Any]) -> Any:
             e["name"],
             e.get("dim"),
             e.get("stride"),
-            DataType(e["data_type"]) if e.get("data_type") else None,
+            _data_type(e["data_type"], e["name"]) if e.get("data_type") else None,
             is_virtual=bool(e.get("is_virtual")),
             value=value,
         )
@@ -181,6 +214,7 @@ def graph_from_dict(d: dict[str, Any]) -> Any:
                 raise ValidationError("node refers to an unknown tensor", node=node_name, tensor=name)
             return by_name[name]
 
+        _check_ports(kind, e["name"], e["inputs"], e["outputs"])
         node = Node(
             e["name"],
             kind,
@@ -189,6 +223,14 @@ def graph_from_dict(d: dict[str, Any]) -> Any:
             {p: look(n) for p, n in e["outputs"].items()},
         )
         for t in node.outputs.values():
+            if t.producer is not None:
+                raise ValidationError(
+                    f"tensor is written by two nodes ('{t.producer}' and '{node.name}')",
+                    node=node.name,
+                    tensor=t.name,
+                )
+            if t.is_scalar:
+                raise ValidationError("a node writes a scalar constant", node=node.name, tensor=t.name)
             t.producer = node.name
         g.nodes.append(node)
     for n in g.nodes:  # counters continue after restored names
@@ -197,7 +239,14 @@ def graph_from_dict(d: dict[str, Any]) -> Any:
     return g
 
 
-def graph_from_json(text: str) -> Any:
+def _data_type(value: Any, tensor: str) -> DataType:
+    try:
+        return DataType(value)
+    except ValueError:
+        raise ValidationError(f"unknown data type {value!r}", tensor=tensor) from None
+
+
+def graph_from_json(text: str) -> Graph:
     try:
         d = json.loads(text)
     except json.JSONDecodeError as exc:

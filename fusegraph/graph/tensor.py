@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from fusegraph.dtypes import DataType, as_data_type
+from fusegraph.errors import ValidationError
 
 if TYPE_CHECKING:
     from fusegraph.graph.graph import Graph
@@ -47,10 +50,12 @@ class TensorAttr:
     ) -> None:
         self._graph = graph
         self._name = name
-        self._dim: tuple[int, ...] | None = _ints(dim) if dim is not None else None
-        self._stride: tuple[int, ...] | None = _ints(stride) if stride is not None else None
+        self._dim: tuple[int, ...] | None = _ints(dim, name, "dims") if dim is not None else None
+        self._stride: tuple[int, ...] | None = (
+            _ints(stride, name, "strides") if stride is not None else None
+        )
         self._data_type: DataType | None = (
-            as_data_type(data_type) if data_type is not None else None
+            _data_type(data_type, name) if data_type is not None else None
         )
         self._is_virtual = is_virtual
         self._is_output = False
@@ -127,7 +132,7 @@ class TensorAttr:
         return self
 
     def set_data_type(self, data_type: Any) -> TensorAttr:
-        self._data_type = as_data_type(data_type)
+        self._data_type = _data_type(data_type, self._name)
         self.dtype_set = True
         self._graph._touch()
         return self
@@ -138,13 +143,13 @@ class TensorAttr:
         return self
 
     def set_dim(self, dim: Sequence[int]) -> TensorAttr:
-        self._dim = _ints(dim)
+        self._dim = _ints(dim, self._name, "dims")
         self.dim_set = True
         self._graph._touch()
         return self
 
     def set_stride(self, stride: Sequence[int]) -> TensorAttr:
-        self._stride = _ints(stride)
+        self._stride = _ints(stride, self._name, "strides")
         self.stride_set = True
         self._graph._touch()
         return self
@@ -171,10 +176,20 @@ class TensorAttr:
         return f"TensorAttr({self._name!r}, dim={self.dim}, stride={self.stride}, {dt}{', ' + kind if kind else ''})"
 
 
-def _ints(values: Sequence[int]) -> tuple[int, ...]:
+def _ints(values: Sequence[int], tensor: str | None = None, what: str = "dims and strides") -> tuple[int, ...]:
+    """Integers from a sequence; rejects floats and bools rather than truncating them."""
+    if isinstance(values, str | bytes) or not hasattr(values, "__iter__"):
+        raise ValidationError(f"{what} must be a sequence of integers, got {values!r}", tensor=tensor)
     out = []
     for v in values:
-        if isinstance(v, bool) or not hasattr(v, "__index__"):
-            raise TypeError(f"dims and strides must be integers, got {v!r}")
+        if isinstance(v, bool | np.bool_) or not hasattr(v, "__index__"):
+            raise ValidationError(f"{what} must be integers, got {v!r} in {list(values)}", tensor=tensor)
         out.append(int(v))
     return tuple(out)
+
+
+def _data_type(value: Any, tensor: str | None) -> DataType:
+    try:
+        return as_data_type(value)
+    except TypeError as exc:
+        raise ValidationError(str(exc), tensor=tensor) from None

@@ -30,7 +30,8 @@ def run_reference(graph: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.nda
     env: dict[int, np.ndarray] = {}
     for t in graph.tensors:
         if t.is_scalar:
-            env[id(t)] = np.full((1,), t.value, dtype=np.bool_ if t.dtype == DataType.BOOLEAN else np.float64)
+            # The constant as its declared type holds it (an engine sees no more than that).
+            env[id(t)] = as_float64(np.full((1,), t.value, dtype=t.dtype.numpy))
         elif t.name in inputs:
             env[id(t)] = as_float64(inputs[t.name])
     for node in graph.topological_order():

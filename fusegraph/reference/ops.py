@@ -49,7 +49,7 @@ def _windows(attrs: ConvAttrs, kernel: tuple[int, ...], out: tuple[int, ...]):  
 
 
 def _pad(x: Arr, attrs: ConvAttrs) -> Arr:
-    pads = [(0, 0), (0, 0)] + list(zip(attrs.pre_padding, attrs.post_padding, strict=True))
+    pads = [(0, 0), (0, 0), *zip(attrs.pre_padding, attrs.post_padding, strict=True)]
     return np.pad(x, pads)
 
 
@@ -101,11 +101,11 @@ def conv_wgrad(node: Node, ins: Arrays) -> Arrays:
     k = dw_shape[0]
     out_sp = dy.shape[2:]
     xp = _pad(x, attrs).reshape(n, g, c // g, *(np.array(x.shape[2:]) + attrs.pre_padding + attrs.post_padding))
-    dyg = dy.reshape(n, g, k // g, *out_sp)
+    dyg = dy.reshape(n, g, k // g, -1)  # output positions flattened into one axis
     dw = np.zeros((g, k // g, c // g, *dw_shape[2:]))
     for kpos, sl in _windows(attrs, dw_shape[2:], out_sp):
-        patch = xp[(slice(None),) * 3 + sl]
-        dw[(Ellipsis, *kpos)] = np.einsum("ngk...,ngc...->gkc", dyg, patch)
+        patch = xp[(slice(None),) * 3 + sl].reshape(n, g, c // g, -1)
+        dw[(Ellipsis, *kpos)] = np.einsum("ngkp,ngcp->gkc", dyg, patch)
     return {"dw": dw.reshape(dw_shape)}
 
 
@@ -129,7 +129,7 @@ def _gelu_grad(x: Arr) -> Arr:
 
 
 def _int_div(a: Arr, b: Arr) -> Arr:
-    return np.trunc(a / b)
+    return np.asarray(np.trunc(a / b))
 
 
 Pointwise = Callable[[Arr, Arr, Arr, PointwiseAttrs], Arr]
@@ -276,7 +276,7 @@ def pooling(node: Node, ins: Arrays) -> Arrays:
     attrs = node.attrs
     assert isinstance(attrs, PoolingAttrs)
     out_sp = node.outputs["y"].shape[2:]
-    pads = [(0, 0), (0, 0)] + list(zip(attrs.pre_padding, attrs.post_padding, strict=True))
+    pads = [(0, 0), (0, 0), *zip(attrs.pre_padding, attrs.post_padding, strict=True)]
     is_max = attrs.mode == PoolingMode.MAX
     xp = np.pad(x, pads, constant_values=-np.inf if is_max else 0.0)
     valid = np.pad(np.ones(x.shape[2:]), pads[2:])  # 1 where a real element is

@@ -37,12 +37,16 @@ def _key_name(graph: Any, key: Any) -> TensorAttr:
     raise VariantPackError(f"variant pack keys must be TensorAttr or names, got {type(key).__name__}")
 
 
-def check_array(t: TensorAttr, arr: Any, *, what: str) -> np.ndarray:
-    if not isinstance(arr, np.ndarray):
-        if hasattr(arr, "__array__") or hasattr(arr, "__array_interface__"):
-            arr = np.asarray(arr)
-        else:
-            raise VariantPackError(f"{what} must be a numpy array or a fusegraph Buffer, got {type(arr).__name__}", tensor=t.name)
+def check_array(t: TensorAttr, value: Any, *, what: str) -> np.ndarray:
+    arr: np.ndarray
+    if isinstance(value, np.ndarray):
+        arr = value
+    elif hasattr(value, "__array__") or hasattr(value, "__array_interface__"):
+        arr = np.asarray(value)
+    else:
+        raise VariantPackError(
+            f"{what} must be a numpy array or a fusegraph Buffer, got {type(value).__name__}", tensor=t.name
+        )
     if tuple(arr.shape) != t.shape:
         raise VariantPackError(f"{what} has shape {list(arr.shape)}, expected dims {t.dim}", tensor=t.name)
     if arr.dtype != t.dtype.numpy:
