@@ -1,0 +1,121 @@
+"""Graph -> torch-dialect MLIR: one function per graph, compiled by IREE (input_type="torch").
+
+Boundary convention: each argument and result is the tensor's dense memory-order buffer,
+``layout.physical_shape(dim, stride)`` in its own data type, so an NHWC tensor crosses as
+[N, H, W, C] with no copy. Scalars are inlined. Inside, values remember the order of
+their axes (see ``lower_base.Val``) so that layouts are changed only where an op needs it;
+convolutions run channels-last (see ``lower_conv``). See docs/iree_emitter.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from fusegraph.engines.iree.lower_base import Lowering, Val, vtensor
+from fusegraph.engines.iree.lower_conv import lower_conv_dgrad, lower_conv_fprop, lower_conv_wgrad
+from fusegraph.engines.iree.lower_matmul import lower_matmul
+from fusegraph.engines.iree.lower_pointwise import lower_pointwise
+from fusegraph.errors import FusegraphError, UnsupportedError
+from fusegraph.graph import layout
+from fusegraph.graph.graph import Graph
+from fusegraph.graph.node import Node
+from fusegraph.graph.ops import OpKind
+
+CONV_LAYOUTS = ("nhwc", "nchw")
+
+
+@dataclass(frozen=True)
+class EmitOptions:
+    """Emission knobs (engine knobs, part of the autotuning space and of the cache key).
+
+    conv_layout: "nhwc" runs forward convolutions channels-last as linalg named ops
+        (fast on CPU); "nchw" emits torch.aten.convolution on the logical layout.
+    filter_barrier: keep a transposed filter in its own dispatch, so that IREE does not
+        fold the transpose into the convolution (which makes it a slow generic op).
+    """
+
+    conv_layout: str = "nhwc"
+    filter_barrier: bool = True
+
+    def __post_init__(self) -> None:
+        if self.conv_layout not in CONV_LAYOUTS:
+            raise ValueError(f"conv_layout must be one of {CONV_LAYOUTS}, got {self.conv_layout!r}")
+
+
+@dataclass(frozen=True)
+class EmittedModule:
+    text: str  # torch-dialect MLIR module text
+    func_name: str
+    inputs: tuple[str, ...]  # tensor names in argument order == graph.inputs()
+    outputs: tuple[str, ...]  # tensor names in result order == graph.outputs()
+    input_shapes: tuple[tuple[int, ...], ...]  # physical (memory-order) shapes
+    output_shapes: tuple[tuple[int, ...], ...]
+
+
+NodeLowering = Callable[[Lowering, Node], None]
+
+LOWER: dict[OpKind, NodeLowering] = {
+    OpKind.CONV_FPROP: lower_conv_fprop,
+    OpKind.CONV_DGRAD: lower_conv_dgrad,
+    OpKind.CONV_WGRAD: lower_conv_wgrad,
+    OpKind.MATMUL: lower_matmul,
+    OpKind.POINTWISE: lower_pointwise,
+}
+
+
+def emit_mlir(graph: Graph, func_name: str = "main", options: EmitOptions | None = None) -> EmittedModule:
+    """The torch-dialect module of a graph; raises UnsupportedError naming the node."""
+    graph.ensure_valid()
+    ctx = Lowering(graph, options or EmitOptions())
+    ins = graph.inputs()
+    args: list[str] = []
+    in_shapes: list[tuple[int, ...]] = []
+    for i, t in enumerate(ins):
+        shape = layout.physical_shape(t.shape, t.strides)
+        order = layout.physical_order(t.shape, t.strides)
+        ctx.bind(t, Val(f"%arg{i}", shape, t.dtype, order))
+        args.append(f"%arg{i}: {vtensor(shape, t.dtype)}")
+        in_shapes.append(shape)
+    for node in graph.topological_order():
+        ctx.node = node
+        lower = LOWER.get(node.kind)
+        if lower is None:
+            raise UnsupportedError(f"the IREE emitter has no lowering for {node.kind.value}", node=node.name)
+        try:
+            lower(ctx, node)
+        except FusegraphError:
+            raise
+        except (ValueError, KeyError, AssertionError) as exc:  # a lowering bug: say where
+            raise UnsupportedError(f"cannot lower {node.kind.value}: {exc}", node=node.name) from exc
+    ctx.node = None
+    results: list[Val] = []
+    for t in graph.outputs():
+        results.append(ctx.get(t, layout.physical_order(t.shape, t.strides), full=True))
+    types = [r.type for r in results]
+    body = "\n".join("    " + line for line in ctx.b.lines)
+    ret = f"    return {', '.join(r.name for r in results)} : {', '.join(types)}"
+    text = (
+        "module {\n"
+        f"  func.func @{func_name}({', '.join(args)}) -> ({', '.join(types)}) {{\n"
+        f"{body}\n{ret}\n"
+        "  }\n"
+        "}\n"
+    )
+    return EmittedModule(
+        text=text,
+        func_name=func_name,
+        inputs=tuple(t.name for t in ins),
+        outputs=tuple(t.name for t in graph.outputs()),
+        input_shapes=tuple(in_shapes),
+        output_shapes=tuple(r.shape for r in results),
+    )
+
+
+def unsupported_reason(graph: Graph, options: EmitOptions | None = None) -> str | None:
+    """Why the emitter cannot lower this graph, or None when it can."""
+    try:
+        emit_mlir(graph, options=options)
+    except UnsupportedError as exc:
+        return str(exc)
+    return None
