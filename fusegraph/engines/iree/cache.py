@@ -1,0 +1,291 @@
+"""On-disk cache of compiled IREE modules, plus an in-memory layer over it.
+
+Layout: ``<root>/iree/<key[:2]>/<key>/`` holding ``module.vmfb``, ``module.mlir``,
+``flags.txt``, ``command.sh`` (the exact iree-compile command that reproduces the
+module), ``stats.json`` (IREE's scheduling statistics: dispatch count...), ``graph.json``
+and ``manifest.json`` (sizes and sha256 of every file, plus metadata). An entry is built in
+a temporary directory and renamed into place, so readers never see half an entry; a
+reader that finds a checksum or size mismatch warns, removes the entry and rebuilds it.
+
+``root`` is ``platformdirs.user_cache_dir("fusegraph")``; ``FUSEGRAPH_CACHE_DIR``
+overrides it and ``FUSEGRAPH_CACHE=0`` turns the cache off (compile reproducers are still
+kept under ``<root>/failures/``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+import warnings
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("fusegraph.iree.cache")
+
+CACHE_DIR_ENV = "FUSEGRAPH_CACHE_DIR"
+CACHE_ENV = "FUSEGRAPH_CACHE"
+SCHEMA = 1
+MANIFEST = "manifest.json"
+VMFB = "module.vmfb"
+MEMORY_ENTRIES = 256
+
+
+class CacheCorruptionWarning(RuntimeWarning):
+    """A cache entry failed its checksum and is being rebuilt."""
+
+
+def cache_root() -> Path:
+    env = os.environ.get(CACHE_DIR_ENV)
+    if env:
+        return Path(env).expanduser()
+    import platformdirs
+
+    return Path(platformdirs.user_cache_dir("fusegraph"))
+
+
+def cache_enabled() -> bool:
+    return os.environ.get(CACHE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def failures_dir() -> Path:
+    return cache_root() / "failures"
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """A compiled module and what describes it (``meta`` is the manifest's metadata)."""
+
+    key: str
+    vmfb: bytes
+    meta: Mapping[str, Any]
+    path: Path | None = None
+    source: str = "compiled"  # "compiled" | "memory" | "disk"
+
+    @property
+    def dispatch_count(self) -> int:
+        return int(self.meta.get("statistics", {}).get("dispatch_count", -1))
+
+
+class ModuleCache:
+    """The cache (see the module docstring); thread-safe, cheap to construct."""
+
+    def __init__(self, root: Path | None = None, enabled: bool | None = None) -> None:
+        self._root = root
+        self._enabled = enabled
+
+    @property
+    def root(self) -> Path:
+        return self._root if self._root is not None else cache_root()
+
+    @property
+    def enabled(self) -> bool:
+        return self._enabled if self._enabled is not None else cache_enabled()
+
+    @property
+    def entries_root(self) -> Path:
+        return self.root / "iree"
+
+    def entry_dir(self, key: str) -> Path:
+        return self.entries_root / key[:2] / key
+
+    # ---- read ------------------------------------------------------------------------------
+    def get(self, key: str) -> CacheEntry | None:
+        """The entry for ``key`` from memory, else from disk (verified), else None."""
+        if not self.enabled:
+            return None
+        hit = _MEMORY.get(key)
+        if hit is not None:
+            return CacheEntry(hit.key, hit.vmfb, hit.meta, hit.path, "memory")
+        path = self.entry_dir(key)
+        if not path.exists():
+            return None
+        try:
+            entry = _read_entry(path, key)
+        except _Corrupt as exc:
+            self._discard_corrupt(path, str(exc))
+            return None
+        _MEMORY.put(entry)
+        return entry
+
+    def _discard_corrupt(self, path: Path, why: str) -> None:
+        msg = f"fusegraph: IREE cache entry {path} is corrupt ({why}); removing it and recompiling"
+        log.warning(msg)
+        warnings.warn(msg, CacheCorruptionWarning, stacklevel=4)
+        _remove_tree(path)
+
+    # ---- write -----------------------------------------------------------------------------
+    def put(
+        self,
+        key: str,
+        vmfb: bytes,
+        files: Mapping[str, str | bytes],
+        meta: Mapping[str, Any],
+    ) -> CacheEntry:
+        """Stores an entry atomically (when enabled) and returns it."""
+        if not self.enabled:
+            return CacheEntry(key, vmfb, dict(meta), None, "compiled")
+        final = self.entry_dir(key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:12]}-", dir=final.parent))
+        try:
+            listing: dict[str, dict[str, Any]] = {}
+            for name, content in {VMFB: vmfb, **files}.items():
+                data = content.encode() if isinstance(content, str) else bytes(content)
+                (tmp / name).write_bytes(data)
+                listing[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            manifest = {"schema": SCHEMA, "key": key, "created": time.time(), "files": listing, "meta": dict(meta)}
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            if (tmp / "command.sh").exists():
+                (tmp / "command.sh").chmod(0o755)
+            self._install(tmp, final, key)
+        finally:
+            if tmp.exists():
+                _remove_tree(tmp)
+        entry = CacheEntry(key, vmfb, dict(meta), final, "compiled")
+        _MEMORY.put(entry)
+        return entry
+
+    def _install(self, tmp: Path, final: Path, key: str) -> None:
+        for _ in range(3):
+            try:
+                os.rename(tmp, final)
+                return
+            except OSError:
+                if not final.exists():
+                    continue
+            try:  # someone else installed it first: keep theirs if it is sound
+                _read_entry(final, key)
+                return
+            except _Corrupt:
+                trash = final.with_name(f".trash-{key[:12]}-{os.getpid()}-{time.monotonic_ns()}")
+                try:
+                    os.rename(final, trash)
+                except OSError:
+                    continue
+                _remove_tree(trash)
+        log.warning("could not install cache entry %s; continuing without it", final)
+
+    # ---- management ------------------------------------------------------------------------
+    def list_entries(self) -> list[dict[str, Any]]:
+        """Manifests of all entries on disk (unverified), each with its ``path`` added."""
+        out = []
+        if not self.entries_root.exists():
+            return out
+        for manifest in sorted(self.entries_root.glob(f"*/*/{MANIFEST}")):
+            try:
+                data = json.loads(manifest.read_text())
+            except (OSError, ValueError):
+                data = {"key": manifest.parent.name, "corrupt": True}
+            data["path"] = str(manifest.parent)
+            data["size"] = sum(p.stat().st_size for p in manifest.parent.iterdir() if p.is_file())
+            out.append(data)
+        return out
+
+    def verify(self, key: str) -> str | None:
+        """None when the entry on disk is sound, else what is wrong."""
+        try:
+            _read_entry(self.entry_dir(key), key)
+        except _Corrupt as exc:
+            return str(exc)
+        return None
+
+    def clear(self, *, failures: bool = True) -> int:
+        """Removes every entry (and kept failure reproducers); returns how many entries."""
+        n = len(list(self.entries_root.glob("*/*"))) if self.entries_root.exists() else 0
+        _remove_tree(self.entries_root)
+        if failures:
+            _remove_tree(self.root / "failures")
+        _MEMORY.clear()
+        return n
+
+    def info(self) -> dict[str, Any]:
+        entries = self.list_entries()
+        fails = self.root / "failures"
+        return {
+            "root": str(self.root),
+            "enabled": self.enabled,
+            "entries": len(entries),
+            "bytes": sum(int(e.get("size", 0)) for e in entries),
+            "failures": len(list(fails.iterdir())) if fails.exists() else 0,
+            "memory_entries": len(_MEMORY),
+        }
+
+
+class _Corrupt(Exception):
+    pass
+
+
+def _read_entry(path: Path, key: str) -> CacheEntry:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise _Corrupt("no manifest") from None
+    except (OSError, ValueError) as exc:
+        raise _Corrupt(f"unreadable manifest: {exc}") from None
+    if not isinstance(manifest, dict) or manifest.get("schema") != SCHEMA or manifest.get("key") != key:
+        raise _Corrupt("manifest of another schema or key")
+    files = manifest.get("files", {})
+    if VMFB not in files:
+        raise _Corrupt("manifest lists no module")
+    vmfb = b""
+    for name, info in files.items():
+        try:
+            data = (path / name).read_bytes()
+        except OSError:
+            raise _Corrupt(f"{name} is missing") from None
+        if len(data) != info.get("size") or hashlib.sha256(data).hexdigest() != info.get("sha256"):
+            raise _Corrupt(f"{name} fails its checksum (size {len(data)}, expected {info.get('size')})")
+        if name == VMFB:
+            vmfb = data
+    return CacheEntry(key, vmfb, manifest.get("meta", {}), path, "disk")
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class _MemoryCache:
+    """Process-wide LRU of compiled modules (bytes + metadata), keyed like the disk."""
+
+    def __init__(self, capacity: int) -> None:
+        self._items: OrderedDict[str, CacheEntry] = OrderedDict()
+        self._capacity = capacity
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> CacheEntry | None:
+        with self._lock:
+            hit = self._items.get(key)
+            if hit is not None:
+                self._items.move_to_end(key)
+            return hit
+
+    def put(self, entry: CacheEntry) -> None:
+        with self._lock:
+            self._items[entry.key] = entry
+            self._items.move_to_end(entry.key)
+            while len(self._items) > self._capacity:
+                self._items.popitem(last=False)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+_MEMORY = _MemoryCache(MEMORY_ENTRIES)
+
+
+def clear_memory() -> None:
+    """Forgets in-memory entries (the disk stays), e.g. to time a disk-cache build."""
+    _MEMORY.clear()

@@ -1,0 +1,209 @@
+"""Runs the IREE compiler: in-process through libIREECompiler (the embedding API's
+session/invocation), or the ``iree-compile`` CLI when ``FUSEGRAPH_IREE_COMPILER=cli``.
+
+In-process compiles skip process start-up and re-reading the compiler's 100+ MB library,
+which is most of a small graph's compile time. The CLI stays one switch away because it
+is what a reproducer uses and what an IREE developer will ask for. Either way the result
+carries IREE's dispatch statistics, which are the evidence of what was fused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import logging
+import os
+import shlex
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("fusegraph.iree")
+
+COMPILER_ENV = "FUSEGRAPH_IREE_COMPILER"  # "inprocess" (default) | "cli"
+STATS_FILE = "stats.json"
+
+_SEVERITY = {0: "note", 1: "warning", 2: "error", 3: "remark"}
+_DIAG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
+# One compile at a time in-process: the compiler library keeps process-wide LLVM state,
+# and two compiles on two cores would only race each other for the same cores.
+_LOCK = threading.Lock()
+
+
+class IreeCompileFailure(Exception):
+    """IREE rejected the module; ``diagnostic`` is what the compiler said."""
+
+    def __init__(self, message: str, diagnostic: str) -> None:
+        super().__init__(message)
+        self.diagnostic = diagnostic
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    vmfb: bytes
+    statistics: dict[str, Any]
+    seconds: float
+    backend: str  # "inprocess" | "cli"
+    diagnostics: str = ""
+    summary: dict[str, int] = field(default_factory=dict)
+
+
+def statistics_flags(path: str | Path) -> tuple[str, ...]:
+    """Flags that make IREE write its scheduling statistics (dispatch count...) as JSON."""
+    return ("--iree-scheduling-dump-statistics-format=json", f"--iree-scheduling-dump-statistics-file={path}")
+
+
+def summarize_statistics(stats: dict[str, Any]) -> dict[str, int]:
+    """Dispatch/executable counts summed over IREE's statistics (one block per function
+    or an aggregate, depending on the module)."""
+    out = {"dispatch_count": 0, "executable_count": 0, "submission_count": 0}
+    agg = stats.get("stream-aggregate")
+    blocks = [agg] if isinstance(agg, dict) else [v for v in stats.values() if isinstance(v, dict)]
+    for b in blocks:
+        ex = b.get("execution", {})
+        out["dispatch_count"] += int(ex.get("dispatch-count", 0))
+        out["submission_count"] += int(ex.get("submission-count", 0))
+        out["executable_count"] += int(b.get("executable", {}).get("executable-count", 0))
+    return out
+
+
+@cache
+def iree_compile_path() -> Path:
+    """The ``iree-compile`` binary shipped inside the installed iree.compiler package."""
+    spec = importlib.util.find_spec("iree.compiler")
+    if spec is not None and spec.submodule_search_locations:
+        for loc in spec.submodule_search_locations:
+            p = Path(loc) / "_mlir_libs" / "iree-compile"
+            if p.exists():
+                return p
+    from iree.compiler.tools import binaries
+
+    return Path(binaries.find_tool("iree-compile"))
+
+
+def command_line(flags: Sequence[str], source: str, output: str) -> list[str]:
+    """The exact iree-compile invocation for ``flags`` (argv form)."""
+    return [str(iree_compile_path()), *flags, source, "-o", output]
+
+
+def shell_command(flags: Sequence[str], source: str = "module.mlir", output: str = "module.vmfb") -> str:
+    return shlex.join(command_line(flags, source, output))
+
+
+def compiler_backend() -> str:
+    value = os.environ.get(COMPILER_ENV, "inprocess").strip().lower() or "inprocess"
+    if value not in ("inprocess", "cli"):
+        log.warning("%s=%r is not 'inprocess' or 'cli'; using in-process", COMPILER_ENV, value)
+        return "inprocess"
+    return value
+
+
+def compile_mlir(text: str, flags: Sequence[str], *, backend: str | None = None) -> CompileResult:
+    """Compiles torch-dialect MLIR text to a VM flatbuffer; raises IreeCompileFailure."""
+    backend = backend or compiler_backend()
+    with tempfile.TemporaryDirectory(prefix="fusegraph-iree-") as tmp:
+        stats_path = Path(tmp) / STATS_FILE
+        all_flags = [*flags, *statistics_flags(stats_path)]
+        t0 = time.perf_counter()
+        if backend == "cli":
+            vmfb, diag = _compile_cli(text, all_flags, Path(tmp))
+        else:
+            vmfb, diag = _compile_inprocess(text, all_flags)
+        seconds = time.perf_counter() - t0
+        stats = _read_stats(stats_path)
+    log.debug("compiled %d bytes of MLIR in %.3f s (%s)", len(text), seconds, backend)
+    return CompileResult(vmfb, stats, seconds, backend, diag, summarize_statistics(stats))
+
+
+def _read_stats(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        log.warning("IREE wrote no readable statistics (%s)", exc)
+        return {}
+    return data if isinstance(data, dict) else {"stats": data}
+
+
+def _compile_cli(text: str, flags: Sequence[str], tmp: Path) -> tuple[bytes, str]:
+    src, out = tmp / "module.mlir", tmp / "module.vmfb"
+    src.write_text(text)
+    proc = subprocess.run(command_line(flags, str(src), str(out)), capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not out.exists():
+        raise IreeCompileFailure(f"iree-compile exited with status {proc.returncode}", proc.stderr.strip())
+    return out.read_bytes(), proc.stderr.strip()
+
+
+def _compile_inprocess(text: str, flags: Sequence[str]) -> tuple[bytes, str]:
+    from iree.compiler.api import Output, Session, Source
+    from iree.compiler.api import ctypes_dl as dl
+
+    messages: list[str] = []
+
+    def on_diag(severity: int, message: int | None, size: int, _user: int | None) -> None:
+        body = ctypes.string_at(message, size).decode("utf-8", "replace") if message else ""
+        messages.append(f"{_SEVERITY.get(severity, 'diag')}: {body}")
+
+    callback = _DIAG_CALLBACK(on_diag)  # kept alive until the invocation is closed
+    with _LOCK:
+        session = Session()
+        try:
+            try:
+                session.set_flags(*flags)
+            except ValueError as exc:
+                raise IreeCompileFailure("IREE rejected the compile flags", str(exc)) from None
+            inv = session.invocation()
+            try:
+                fn = dl._dylib.ireeCompilerInvocationEnableCallbackDiagnostics
+                fn.restype, fn.argtypes = None, [ctypes.c_void_p, ctypes.c_int, _DIAG_CALLBACK, ctypes.c_void_p]
+                fn(inv._inv_p, 0, callback, None)
+                source = Source.wrap_buffer(session, text.encode(), buffer_name="module.mlir")
+                if not inv.parse_source(source):
+                    raise IreeCompileFailure("IREE could not parse the module", "\n".join(messages))
+                if not inv.execute():
+                    raise IreeCompileFailure("IREE failed to compile the module", "\n".join(messages))
+                output = Output.open_membuffer()
+                try:
+                    inv.output_vm_bytecode(output)
+                    vmfb = bytes(output.map_memory())
+                finally:
+                    output.close()
+            finally:
+                inv.close()
+        finally:
+            session.close()
+    return vmfb, "\n".join(m for m in messages if not m.startswith("remark"))
+
+
+def write_reproducer(
+    directory: Path,
+    text: str,
+    flags: Sequence[str],
+    diagnostic: str,
+    *,
+    note: str = "",
+    extra_files: dict[str, str] | None = None,
+) -> Path:
+    """Keeps MLIR + flags + a ``repro.sh`` that re-runs the exact failing iree-compile."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "module.mlir").write_text(text)
+    (directory / "flags.txt").write_text("\n".join(flags) + "\n")
+    (directory / "diagnostic.txt").write_text(diagnostic + "\n")
+    for name, content in (extra_files or {}).items():
+        (directory / name).write_text(content)
+    script = directory / "repro.sh"
+    script.write_text(
+        "#!/bin/sh\n"
+        f"# {note}\n" * bool(note)
+        + "# Re-runs the iree-compile command that failed; expect the diagnostic in diagnostic.txt.\n"
+        'cd "$(dirname "$0")" || exit 1\n'
+        f"exec {shell_command(flags)}\n"
+    )
+    script.chmod(0o755)
+    return directory

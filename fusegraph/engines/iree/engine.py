@@ -1,0 +1,337 @@
+"""IreeEngine: whole graphs emitted as torch-dialect MLIR, compiled by IREE, cached, run.
+
+build() = key -> in-memory module? -> disk cache? -> emit + compile + store -> bind.
+The key covers everything the compiled code depends on (graph, target and host CPU,
+flags, IREE, emitter), so a warm build never emits or compiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import re
+from collections.abc import Callable, Mapping, Sequence
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from fusegraph import __version__
+from fusegraph.engines.base import EngineConfig, Knob, Support
+from fusegraph.engines.iree import compile as iree_compile
+from fusegraph.engines.iree.cache import CacheEntry, ModuleCache, failures_dir
+from fusegraph.engines.iree.flags import FlagSet, flag_knobs, flagset_from_knobs
+from fusegraph.engines.iree.targets import TARGETS, Target, target_for_device
+from fusegraph.errors import CompileError, FusegraphError, UnsupportedError
+from fusegraph.graph import layout
+from fusegraph.graph.graph import Graph
+from fusegraph.runtime.handle import Handle
+
+log = logging.getLogger("fusegraph.iree")
+
+KEY_SCHEMA = 1
+FUNC_NAME = "main"
+# Choices of EmitOptions fields that a dataclass default cannot tell.
+_EMIT_CHOICES: dict[str, tuple[Any, ...]] = {"conv_layout": ("nhwc", "nchw")}
+
+Emitter = Callable[..., Any]  # emit_mlir(graph, func_name=..., options=...) -> EmittedModule
+
+
+@cache
+def iree_version() -> str:
+    """The IREE runtime's version and revision (read without importing the compiler)."""
+    try:
+        from iree.runtime import version as v
+
+        rev = getattr(v, "REVISIONS", {}).get("IREE", "")
+        return f"{v.VERSION}@{rev[:12]}" if rev else str(v.VERSION)
+    except Exception:
+        return "unavailable"
+
+
+@cache
+def compiler_version() -> str:
+    """The IREE compiler package's version, from its version.py (no import: 160 ms)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("iree.compiler")
+        locs = list(spec.submodule_search_locations or []) if spec else []
+        for loc in locs:
+            text = (Path(loc) / "version.py").read_text()
+            m = re.search(r"VERSION\s*=\s*['\"]([^'\"]+)", text)
+            if m:
+                return m.group(1)
+    except (OSError, ImportError, ValueError):
+        pass
+    return "unknown"
+
+
+def _emit_module() -> Any:
+    from fusegraph.engines.iree import emit
+
+    return emit
+
+
+def emitter_version(emitter: Emitter | None) -> str:
+    """Changes whenever the emitter's code does, so stale MLIR never comes from the cache."""
+    if emitter is not None:
+        return str(getattr(emitter, "version", None) or f"{emitter.__module__}.{getattr(emitter, '__qualname__', '?')}")
+    return _default_emitter_version()
+
+
+@cache
+def _default_emitter_version() -> str:
+    emit = _emit_module()
+    src = Path(emit.__file__).read_bytes() if getattr(emit, "__file__", None) else b""
+    return f"{getattr(emit, 'EMITTER_VERSION', '0')}:{hashlib.sha256(src).hexdigest()[:12]}"
+
+
+class IreeEngine:
+    """The IREE JIT engine (see the module docstring and docs/iree_engine.md)."""
+
+    name = "iree"
+
+    def __init__(self, emitter: Emitter | None = None, cache: ModuleCache | None = None) -> None:
+        self._emitter = emitter  # None: fusegraph.engines.iree.emit.emit_mlir
+        self.cache = cache or ModuleCache()
+
+    @property
+    def version(self) -> str:
+        return f"{__version__}+iree{iree_version()}"
+
+    def __repr__(self) -> str:
+        return f"<IreeEngine {self.version}>"
+
+    # ---- protocol ------------------------------------------------------------------------------
+    def available(self) -> Support:
+        try:
+            import iree.runtime  # noqa: F401
+        except ImportError as exc:
+            return Support.no(f"iree-base-runtime is not installed ({exc})")
+        if iree_compile.iree_compile_path() is None or compiler_version() == "unknown":
+            return Support.no("iree-base-compiler is not installed")
+        return Support.yes()
+
+    def supports(self, graph: Graph, handle: Handle) -> Support:
+        avail = self.available()
+        if not avail:
+            return avail
+        kind = handle.device.kind
+        if kind not in TARGETS:
+            return Support.no(f"no IREE target for device kind '{kind}'")
+        from fusegraph.engines.iree.runtime import available_drivers, runtime_for
+
+        driver = TARGETS[kind].driver
+        if driver not in available_drivers():
+            return Support.no(f"the installed IREE runtime has no '{driver}' driver")
+        try:
+            runtime_for(handle)
+        except UnsupportedError as exc:
+            return Support.no(exc.detail)
+        if self._emitter is None:
+            try:
+                emit = _emit_module()
+            except ImportError as exc:
+                return Support.no(f"the IREE emitter is not available: {exc}")
+            check = getattr(emit, "unsupported_reason", None)
+            if check is not None:
+                reason = check(graph.ensure_valid())
+                if reason:
+                    return Support.no(str(reason))
+        return Support.yes()
+
+    def knobs(self, graph: Graph, handle: Handle) -> Sequence[Knob]:
+        return [*flag_knobs(target_for_device(handle.device)), *self._emit_knobs()]
+
+    def build(self, graph: Graph, handle: Handle, config: EngineConfig | None = None) -> Any:
+        from fusegraph.engines.iree.plan import IreePlan
+        from fusegraph.engines.iree.runtime import runtime_for
+
+        graph.ensure_valid()
+        config = config or EngineConfig(self.name)
+        target = target_for_device(handle.device)
+        runtime = runtime_for(handle)
+        entry = self.compile_entry(graph, target, dict(config.knobs))
+        loaded = runtime.loaded(entry.key) if self.cache.enabled else None
+        if loaded is None:
+            if not self.cache.enabled:
+                runtime.forget(entry.key)
+            loaded = runtime.load(entry.key, entry.vmfb, entry.meta["func_name"], len(entry.meta["outputs"]))
+        return IreePlan(graph, handle, self._config(config, entry), runtime=runtime, loaded=loaded, entry=entry)
+
+    # ---- compile + cache --------------------------------------------------------------------------
+    def compile_entry(self, graph: Graph, target: Target, knobs: Mapping[str, Any]) -> CacheEntry:
+        """The compiled module for graph/target/knobs: from the cache, else compiled and stored."""
+        flagset, emit_options = self._split_knobs(target, knobs)
+        flags = flagset.flags(target)
+        key = self.cache_key(graph, target, flags, emit_options)
+        hit = self.cache.get(key)
+        if hit is not None:
+            return hit
+        return self._compile(graph, target, flagset, flags, emit_options, key)
+
+    def cache_key(self, graph: Graph, target: Target, flags: Sequence[str], emit_options: Any) -> str:
+        fields = {
+            "schema": KEY_SCHEMA,
+            "graph": graph.key(),
+            "target": target.cache_identity(),
+            "flags": list(flags),
+            "iree": [iree_version(), compiler_version()],
+            "emitter": emitter_version(self._emitter),
+            "emit_options": _options_dict(emit_options),
+            "func": FUNC_NAME,
+        }
+        return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+    def _compile(
+        self, graph: Graph, target: Target, flagset: FlagSet, flags: Sequence[str], emit_options: Any, key: str
+    ) -> CacheEntry:
+        emitted = self._emit(graph, emit_options)
+        try:
+            result = iree_compile.compile_mlir(emitted.text, flags)
+        except iree_compile.IreeCompileFailure as exc:
+            repro = iree_compile.write_reproducer(
+                failures_dir() / f"{_safe(graph.name)}-{key[:12]}",
+                emitted.text,
+                flags,
+                exc.diagnostic,
+                note=f"fusegraph graph '{graph.name}' for target {target} (IREE {compiler_version()})",
+                extra_files={"graph.json": graph.to_json(indent=1)},
+            )
+            raise CompileError(
+                f"IREE could not compile graph '{graph.name}' for {target}: {exc}",
+                diagnostic=exc.diagnostic,
+                reproducer=repro,
+            ) from None
+        log.info(
+            "compiled graph '%s' for %s in %.3f s: %s dispatch(es)",
+            graph.name, target, result.seconds, result.summary.get("dispatch_count"),
+        )
+        meta = {
+            "graph_name": graph.name,
+            "graph_key": graph.key(),
+            "target": target.spec,
+            "target_identity": target.cache_identity(),
+            "flags": list(flags),
+            "knobs": {**flagset.as_knobs(), **_options_dict(emit_options)},
+            "func_name": emitted.func_name,
+            "inputs": list(emitted.inputs),
+            "outputs": list(emitted.outputs),
+            "statistics": result.summary,
+            "compile_seconds": round(result.seconds, 4),
+            "compiler_backend": result.backend,
+            "iree_version": compiler_version(),
+            "emitter_version": emitter_version(self._emitter),
+            "fusegraph_version": __version__,
+        }
+        stats_flags = iree_compile.statistics_flags("repro-stats.json")
+        files = {
+            "module.mlir": emitted.text,
+            "flags.txt": "\n".join(flags) + "\n",
+            "command.sh": (
+                "#!/bin/sh\n# Recompiles this entry with the iree-compile CLI (writes repro.vmfb, repro-stats.json).\n"
+                'cd "$(dirname "$0")" || exit 1\n'
+                f"exec {iree_compile.shell_command([*flags, *stats_flags], 'module.mlir', 'repro.vmfb')}\n"
+            ),
+            "stats.json": json.dumps(result.statistics, indent=1),
+            "graph.json": graph.to_json(indent=1),
+        }
+        return self.cache.put(key, result.vmfb, files, meta)
+
+    def _emit(self, graph: Graph, emit_options: Any) -> Any:
+        emitter = self._emitter or _emit_module().emit_mlir
+        try:
+            emitted = emitter(graph, func_name=FUNC_NAME, options=emit_options)
+        except FusegraphError:
+            raise
+        except Exception as exc:
+            raise CompileError(f"the IREE emitter failed on graph '{graph.name}': {type(exc).__name__}: {exc}") from exc
+        _check_boundary(graph, emitted)
+        return emitted
+
+    # ---- knobs -----------------------------------------------------------------------------------
+    def _emit_knobs(self) -> list[Knob]:
+        try:
+            emit = _emit_module()
+        except ImportError:
+            return []
+        custom = getattr(emit, "EMIT_KNOBS", None)
+        if custom is not None:
+            return list(custom)
+        opts = getattr(emit, "EmitOptions", None)
+        if opts is None or not dataclasses.is_dataclass(opts):
+            return []
+        out = []
+        for f in dataclasses.fields(opts):
+            if f.default is dataclasses.MISSING:
+                continue
+            choices = _EMIT_CHOICES.get(f.name, (False, True) if isinstance(f.default, bool) else ())
+            out.append(Knob(f.name, f.default, choices, description=f"emitter option EmitOptions.{f.name}"))
+        return out
+
+    def _split_knobs(self, target: Target, knobs: Mapping[str, Any]) -> tuple[FlagSet, Any]:
+        flag_names = {k.name for k in flag_knobs(target)}
+        emit_table = {k.name: k for k in self._emit_knobs()}
+        emit_values: dict[str, Any] = {}
+        for name, value in knobs.items():
+            if name in flag_names:
+                continue
+            knob = emit_table.get(name)
+            if knob is None:
+                known = sorted(flag_names | set(emit_table))
+                raise UnsupportedError(f"IREE engine has no knob '{name}' (knobs: {known})")
+            knob.check(value)
+            emit_values[name] = value
+        flagset = flagset_from_knobs(target, knobs)
+        emit_options = None
+        if self._emitter is None or emit_values:
+            try:
+                opts_cls = getattr(_emit_module(), "EmitOptions", None)
+            except ImportError:
+                opts_cls = None
+            if opts_cls is not None:
+                emit_options = opts_cls(**emit_values)
+        return flagset, emit_options
+
+    def _config(self, config: EngineConfig, entry: CacheEntry) -> EngineConfig:
+        knobs = dict(entry.meta.get("knobs", {}))
+        knobs.update(config.knobs)
+        return EngineConfig(self.name, tuple(sorted((k, _hashable(v)) for k, v in knobs.items())))
+
+
+def _check_boundary(graph: Graph, emitted: Any) -> None:
+    """The emitted function must take/return each graph tensor's dense memory-order buffer."""
+    want_in = {t.name: t for t in graph.inputs()}
+    want_out = {t.name: t for t in graph.outputs()}
+    problems = []
+    if set(emitted.inputs) != set(want_in):
+        problems.append(f"inputs {list(emitted.inputs)} != graph inputs {list(want_in)}")
+    if set(emitted.outputs) != set(want_out):
+        problems.append(f"outputs {list(emitted.outputs)} != graph outputs {list(want_out)}")
+    if not problems:
+        for names, shapes, table in ((emitted.inputs, emitted.input_shapes, want_in), (emitted.outputs, emitted.output_shapes, want_out)):
+            for n, shape in zip(names, shapes, strict=True):
+                t = table[n]
+                phys = layout.physical_shape(t.shape, t.strides)
+                if tuple(shape) != phys:
+                    problems.append(f"'{n}' crosses as {list(shape)}, its buffer is {list(phys)}")
+    if problems:
+        raise CompileError(f"the IREE emitter broke the boundary convention for graph '{graph.name}': " + "; ".join(problems))
+
+
+def _options_dict(options: Any) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if dataclasses.is_dataclass(options) and not isinstance(options, type):
+        return dataclasses.asdict(options)
+    return {"repr": repr(options)}
+
+
+def _hashable(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v
+
+
+def _safe(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:60] or "graph"
