@@ -1,19 +1,22 @@
-"""Graph.execute: picks the plan (built one, named engine, or default) and runs it."""
+"""Graph.execute: runs the plan built for the handle (and engine), building the default first.
+
+Which plan is the default is the selection layer's business (fusegraph.select.api.build):
+a pinned config or engine, ``preferred_engine`` / ``FUSEGRAPH_ENGINE``, the tuning
+database, then the heuristics.
+"""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from fusegraph.engines.registry import REGISTRY
-from fusegraph.errors import UnsupportedError
 from fusegraph.runtime.handle import Handle, as_handle
+from fusegraph.select.api import ENGINE_ENV, build
 
 if TYPE_CHECKING:
     from fusegraph.graph.graph import Graph
 
-ENGINE_ENV = "FUSEGRAPH_ENGINE"
+__all__ = ["ENGINE_ENV", "execute_graph"]
 
 
 def execute_graph(
@@ -25,15 +28,7 @@ def execute_graph(
 ) -> dict[str, Any]:
     graph.ensure_valid()
     h = as_handle(handle)
-    name = engine or os.environ.get(ENGINE_ENV) or None
-    plan = graph.plans.get((name, h)) if name else graph.plans.get(("*", h))
+    plan = graph.plans.get((engine or "*", h))
     if plan is None:
-        if name is None:
-            name = "reference"
-        eng = REGISTRY.get(name)
-        sup = eng.supports(graph, h)
-        if not sup:
-            raise UnsupportedError(f"engine '{name}' cannot run graph '{graph.name}' on {h.device}: {sup.reason}")
-        plan = eng.build(graph, h)
-        graph.plans[(name, h)] = plan
-    return plan.execute(variant_pack)  # type: ignore[no-any-return]
+        plan = build(graph, h, engine=engine)
+    return plan.execute(variant_pack)

@@ -1,0 +1,362 @@
+"""Autotuning: time every applicable (engine, knob config), keep the fastest that is right.
+
+Each candidate (mode B: every knob setting of every engine, in heuristic order, then the
+FALLBACK engines) is built, run once and compared with the float64 reference engine (a
+wrong plan is never chosen, however fast), warmed up, then timed: the median of up to
+``repeats`` runs, with inputs staged on the device first where the plan can (``stage``)
+and the device synchronized after each run (``synchronize``). The budget is shared out
+over the candidates in order, so the heuristic's favourites are always measured. The
+winner is stored in the tuning database, so later builds of the same graph on the same
+device with the same versions use it without timing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fusegraph.dtypes import DataType
+from fusegraph.engines.base import EngineConfig, ExecutionPlan
+from fusegraph.engines.registry import REGISTRY, Registry
+from fusegraph.errors import FusegraphError, UnsupportedError
+from fusegraph.graph import layout
+from fusegraph.graph.graph import Graph
+from fusegraph.graph.ops import OpKind, PointwiseAttrs, PointwiseMode
+from fusegraph.graph.tensor import TensorAttr
+from fusegraph.reference.executor import run_reference
+from fusegraph.runtime.handle import Handle, as_handle
+from fusegraph.runtime.variant_pack import resolve_pack
+from fusegraph.select import api
+from fusegraph.select.device_id import device_id
+from fusegraph.select.modes import HeurMode
+from fusegraph.select.partition import to_host
+from fusegraph.select.tuning_db import (
+    Measurement,
+    TuningDB,
+    TuningEntry,
+    default_db,
+    engine_versions,
+)
+
+log = logging.getLogger("fusegraph.select")
+
+# Accepted relative error (||out - ref|| / ||ref||) by the narrowest type a graph computes in.
+TOLERANCE: dict[DataType, float] = {
+    DataType.DOUBLE: 1e-9,
+    DataType.FLOAT: 1e-4,
+    DataType.HALF: 1e-2,
+    DataType.BFLOAT16: 2e-2,
+    DataType.FP8_E4M3: 1.5e-1,
+    DataType.FP8_E5M2: 2.5e-1,
+}
+_POSITIVE_MODES = {
+    PointwiseMode.LOG, PointwiseMode.SQRT, PointwiseMode.RSQRT, PointwiseMode.POW,
+    PointwiseMode.RECIPROCAL, PointwiseMode.DIV,
+}
+
+
+@dataclass
+class TuningResult:
+    """What autotune found: the chosen config, its built plan, and every measurement."""
+
+    entry: TuningEntry
+    plan: ExecutionPlan
+    persisted: bool
+
+    @property
+    def best(self) -> EngineConfig:
+        return self.entry.chosen
+
+    @property
+    def measurements(self) -> list[Measurement]:
+        return self.entry.measurements
+
+    def time_of(self, config: EngineConfig) -> float | None:
+        for m in self.entry.measurements:
+            if m.config == config and m.status == "ok":
+                return m.median_ms
+        return None
+
+    def __str__(self) -> str:
+        return format_entry(self.entry)
+
+
+def format_entry(entry: TuningEntry) -> str:
+    lines = [
+        f"graph {entry.graph_name or '?'} [{entry.graph_key[:16]}] on {entry.device}: chose {entry.chosen}"
+        f" (tuned in {entry.elapsed_s:.1f}s)"
+    ]
+    ok = [m for m in entry.measurements if m.status == "ok" and m.median_ms is not None]
+    best = min((m.median_ms for m in ok if m.median_ms is not None), default=None)
+    for m in sorted(entry.measurements, key=lambda m: (m.status != "ok", m.median_ms or math.inf)):
+        mark = "*" if m.config == entry.chosen else " "
+        if m.status == "ok" and m.median_ms is not None and best:
+            lines.append(
+                f" {mark} {m.median_ms:10.4f} ms  x{m.median_ms / best:6.2f}  {m.config}"
+                f"  (n={m.runs}, build {m.build_s or 0:.2f}s, err {m.rel_error:.1e})"
+            )
+        else:
+            lines.append(f" {mark} {'-':>10s}            {m.config}  [{m.status}] {m.detail[:120]}")
+    return "\n".join(lines)
+
+
+# ---- inputs and checking ---------------------------------------------------------------------
+def _positive_ports(graph: Graph) -> set[str]:
+    """Input tensors that must be positive for the graph's math to be defined."""
+    names: set[str] = set()
+    pos_graph = any(
+        n.kind == OpKind.POINTWISE and isinstance(n.attrs, PointwiseAttrs) and n.attrs.mode in _POSITIVE_MODES
+        for n in graph.nodes
+    )
+    for n in graph.nodes:
+        for port, t in n.inputs.items():
+            if port == "var" or pos_graph:
+                names.add(t.name)
+    return names
+
+
+def random_inputs(graph: Graph, rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
+    """Random inputs laid out as the graph declares them (stride-0 axes stay broadcast)."""
+    rng = rng or np.random.default_rng()
+    positive = _positive_ports(graph)
+    has_div = any(isinstance(n.attrs, PointwiseAttrs) and n.attrs.mode == PointwiseMode.DIV for n in graph.nodes)
+    out = {}
+    for t in graph.inputs():
+        out[t.name] = _random_tensor(t, rng, positive=t.name in positive, nonzero=has_div)
+    return out
+
+
+def _random_tensor(t: TensorAttr, rng: np.random.Generator, *, positive: bool, nonzero: bool) -> np.ndarray:
+    dense = tuple(1 if s == 0 else d for d, s in zip(t.shape, t.strides, strict=True))
+    dt = t.dtype
+    if dt == DataType.BOOLEAN:
+        vals: np.ndarray = rng.random(dense) < 0.8
+    elif dt.is_integer:
+        lo = 1 if (positive or nonzero) else (0 if dt == DataType.UINT8 else -5)
+        vals = rng.integers(lo, 6, dense)
+    elif positive:
+        vals = rng.uniform(0.5, 1.5, dense)
+    else:
+        vals = rng.uniform(-1.0, 1.0, dense)
+    arr = layout.empty_strided(dense, layout.packed_strides(dense, layout.stride_order(t.shape, t.strides)), dt.numpy)
+    arr[...] = vals.astype(dt.numpy) if dt.is_float else vals
+    if dense != t.shape:
+        arr = np.broadcast_to(arr, t.shape)
+    return arr
+
+
+def tolerance(graph: Graph) -> float:
+    """The tolerance of the narrowest float type the graph reads, writes or computes in."""
+    types = {t.dtype for t in graph.tensors if t.data_type is not None and t.dtype.is_float and not t.is_scalar}
+    for n in graph.nodes:
+        cd = getattr(n.attrs, "compute_data_type", None)
+        if cd is not None:
+            types.add(cd)
+    for dt in (graph.compute_data_type, graph.intermediate_data_type):
+        if dt is not None:
+            types.add(dt)
+    return max((TOLERANCE.get(dt, 0.0) for dt in types if dt.is_float), default=1e-6)
+
+
+def compare(graph: Graph, outputs: Mapping[str, Any], reference: Mapping[str, np.ndarray]) -> tuple[float, str]:
+    """Worst relative error over the graph's outputs, and a description when it fails."""
+    worst = 0.0
+    for t in graph.outputs():
+        got = np.asarray(to_host(outputs[t.name]))
+        ref = np.asarray(reference[t.name])
+        if t.dtype == DataType.BOOLEAN:
+            err = float(np.mean(got.astype(bool) != ref.astype(bool)))
+        else:
+            g64 = got.astype(np.float64)
+            r64 = ref.astype(np.float64)
+            if np.isnan(g64).any() and not np.isnan(r64).any():
+                return math.inf, f"output '{t.name}' has NaN"
+            diff = np.nan_to_num(g64 - r64, nan=0.0)
+            scale = float(np.linalg.norm(np.nan_to_num(r64)))
+            err = float(np.linalg.norm(diff)) / scale if scale > 0 else float(np.max(np.abs(diff), initial=0.0))
+        worst = max(worst, err)
+    return worst, ""
+
+
+# ---- timing ----------------------------------------------------------------------------------
+def _stage(plan: ExecutionPlan, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+    stage = getattr(plan, "stage", None)
+    if callable(stage):
+        try:
+            return stage(inputs)  # type: ignore[no-any-return]
+        except Exception as exc:  # staging is an optimization; host inputs still work
+            log.debug("staging inputs for %s failed: %s", plan.config, exc)
+    return inputs
+
+
+def _sync(plan: ExecutionPlan) -> None:
+    sync = getattr(plan, "synchronize", None)
+    if callable(sync):
+        sync()
+
+
+def time_plan(
+    plan: ExecutionPlan, inputs: Mapping[str, Any], *, warmup: int, repeats: int, slice_s: float
+) -> list[float]:
+    """Wall times (seconds) of ``plan.execute`` after warm-up; at least one run."""
+    for _ in range(warmup):
+        plan.execute(inputs)
+    _sync(plan)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < repeats:
+        t0 = time.perf_counter()
+        plan.execute(inputs)
+        _sync(plan)
+        times.append(time.perf_counter() - t0)
+        if len(times) >= 3 and time.perf_counter() - start > slice_s:
+            break
+        if time.perf_counter() - start > 3 * slice_s:
+            break
+    return times
+
+
+def _candidates(
+    graph: Graph, h: Handle, modes: Sequence[HeurMode], engines: Sequence[str] | None, registry: Registry
+) -> list[api.Candidate]:
+    api.create_execution_plans(graph, modes, h, use_tuned=False, registry=registry)
+    try:
+        cands = api.check_support(graph, h, registry)
+    except UnsupportedError:
+        raise
+    if engines is not None:
+        cands = [c for c in cands if c.config.engine in engines]
+        if not cands:
+            raise UnsupportedError(f"none of the engines {list(engines)} can run graph '{graph.name}' on {h.device}")
+    return cands
+
+
+def autotune(
+    graph: Graph,
+    variant_pack: Mapping[Any, Any] | None = None,
+    handle: Handle | str | None = None,
+    *,
+    budget_s: float = 60.0,
+    warmup: int = 2,
+    repeats: int = 20,
+    modes: Sequence[HeurMode] = (HeurMode.B, HeurMode.FALLBACK),
+    engines: Sequence[str] | None = None,
+    rtol: float | None = None,
+    persist: bool = True,
+    db: TuningDB | None = None,
+    progress: bool | None = None,
+    rng: np.random.Generator | None = None,
+    registry: Registry = REGISTRY,
+) -> TuningResult:
+    """Times the candidates within ``budget_s`` and stores the fastest correct one."""
+    from tqdm.auto import tqdm
+
+    graph.ensure_valid()
+    h = as_handle(handle)
+    t_start = time.perf_counter()
+    if variant_pack is None:
+        inputs: dict[str, Any] = random_inputs(graph, rng)
+    else:
+        inputs = dict(resolve_pack(graph, variant_pack, check=lambda t, v, what: v).inputs)
+    host_inputs = {k: to_host(v) for k, v in inputs.items()}
+    reference = run_reference(graph, host_inputs)
+    tol = rtol if rtol is not None else tolerance(graph)
+    cands = _candidates(graph, h, modes, engines, registry)
+
+    measurements: list[Measurement] = []
+    plans: dict[EngineConfig, ExecutionPlan] = {}
+    bar = tqdm(cands, desc=f"tuning {graph.name}", unit="cfg", disable=progress is False, leave=False)
+    for i, cand in enumerate(bar):
+        cfg = cand.config
+        bar.set_postfix_str(str(cfg)[:40])
+        elapsed = time.perf_counter() - t_start
+        if elapsed > budget_s and measurements and any(m.status == "ok" for m in measurements):
+            measurements.append(Measurement(cfg, "skipped", detail=f"budget of {budget_s:.0f}s spent"))
+            continue
+        slice_s = max(0.05, (budget_s - elapsed) / max(1, len(cands) - i) / 2)
+        m = _measure(graph, h, cfg, inputs, reference, tol, warmup, repeats, slice_s, plans, registry)
+        measurements.append(m)
+        if m.status == "ok":  # keep only the fastest plan alive (plans can hold device memory)
+            fastest = min((x for x in measurements if x.status == "ok"), key=lambda x: x.median_ms or math.inf)
+            for c in [c for c in plans if c != fastest.config]:
+                del plans[c]
+    bar.close()
+
+    ok = [m for m in measurements if m.status == "ok" and m.median_ms is not None]
+    if not ok:
+        detail = "\n  ".join(f"{m.config}: [{m.status}] {m.detail}" for m in measurements)
+        raise UnsupportedError(f"autotune found no plan for graph '{graph.name}' that builds and matches the reference:\n  {detail}")
+    best = min(ok, key=lambda m: m.median_ms or math.inf)
+    versions = engine_versions(registry.available_engines())
+    entry = TuningEntry(
+        graph_key=graph.key(),
+        graph_name=graph.name,
+        device=device_id(h),
+        versions=versions,
+        chosen=best.config,
+        measurements=measurements,
+        elapsed_s=time.perf_counter() - t_start,
+        budget_s=budget_s,
+    )
+    persisted = False
+    if persist:
+        try:
+            (db or default_db()).put(entry)
+            persisted = True
+        except OSError as exc:
+            log.warning("could not write the tuning database: %s", exc)
+    plan = plans[best.config]
+    graph.plans[("*", h)] = plan
+    log.info("autotuned graph '%s' on %s: %s at %.4f ms", graph.name, h.device, best.config, best.median_ms)
+    return TuningResult(entry, plan, persisted)
+
+
+def _measure(
+    graph: Graph,
+    h: Handle,
+    cfg: EngineConfig,
+    inputs: Mapping[str, Any],
+    reference: Mapping[str, np.ndarray],
+    tol: float,
+    warmup: int,
+    repeats: int,
+    slice_s: float,
+    plans: dict[EngineConfig, ExecutionPlan],
+    registry: Registry,
+) -> Measurement:
+    t0 = time.perf_counter()
+    try:
+        plan = api.build_candidate(graph, h, cfg, registry)
+    except (FusegraphError, ValueError, RuntimeError, OSError) as exc:
+        return Measurement(cfg, "build_failed", detail=f"{type(exc).__name__}: {exc}")
+    build_s = time.perf_counter() - t0
+    try:
+        staged = _stage(plan, inputs)
+        first = plan.execute(staged)
+        _sync(plan)
+        err, why = compare(graph, first, reference)
+    except (FusegraphError, ValueError, RuntimeError) as exc:
+        return Measurement(cfg, "run_failed", build_s=build_s, detail=f"{type(exc).__name__}: {exc}")
+    if not err <= tol:
+        return Measurement(cfg, "mismatch", build_s=build_s, rel_error=err,
+                           detail=why or f"relative error {err:.2e} > tolerance {tol:.0e}")
+    try:
+        times = time_plan(plan, staged, warmup=max(0, warmup - 1), repeats=repeats, slice_s=slice_s)
+    except (FusegraphError, ValueError, RuntimeError) as exc:
+        return Measurement(cfg, "run_failed", build_s=build_s, detail=f"{type(exc).__name__}: {exc}")
+    plans[cfg] = plan
+    return Measurement(
+        cfg, "ok",
+        median_ms=statistics.median(times) * 1e3,
+        min_ms=min(times) * 1e3,
+        runs=len(times),
+        build_s=build_s,
+        rel_error=err,
+    )
