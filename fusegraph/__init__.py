@@ -23,15 +23,20 @@ from fusegraph.graph.ops import (
     ReductionMode,
 )
 from fusegraph.graph.tensor import TensorAttr
+from fusegraph.runtime.buffer import Buffer
 from fusegraph.runtime.handle import Handle
+from fusegraph.select.modes import BuildPlanPolicy, HeurMode
 
 __all__ = [
+    "Buffer",
+    "BuildPlanPolicy",
     "CompileError",
     "DataType",
     "ExecutionError",
     "FusegraphError",
     "Graph",
     "Handle",
+    "HeurMode",
     "NormFwdPhase",
     "OpKind",
     "PointwiseMode",
