@@ -1,0 +1,112 @@
+"""Provider options of the FusegraphExecutionProvider, parsed and validated.
+
+Like ONNX Runtime's provider options, values may arrive as strings ("1", "cuda:0",
+"Conv,Gemm"); an unknown option or a bad value raises ValueError naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from fusegraph.runtime.handle import parse_device
+
+PROVIDER = "FusegraphExecutionProvider"
+TIERS = ("off", "on", "auto")
+LAYOUTS = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class ProviderOptions:
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N"
+    engine: str | None = None  # engine for claimed subgraphs; None = best available, "auto" = selection layer
+    min_subgraph_size: int = 1  # claimed subgraphs with fewer nodes run on ONNX Runtime
+    op_types_to_exclude: tuple[str, ...] = ()  # never claimed
+    strict: bool = False  # a claimed subgraph that fails to compile is an error, not a fallback
+    cache_dir: str | None = None  # compile cache of the engines (and of the torch-mlir tier)
+    dump_dir: str | None = None  # partition report, sub-models and graphs are written here
+    lazy_compile: bool = False  # compile claimed subgraphs at their first run
+    torch_mlir_tier: str = "auto"  # unclaimed regions through IREE's ONNX importer: off / on / auto (where it wins)
+    channels_last: str = "auto"  # activations NHWC inside partitions with convolutions / pooling
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, Any] | None) -> ProviderOptions:
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(
+                f"unknown {PROVIDER} option(s) {unknown}; known: {sorted(known)}"
+            )
+        values: dict[str, Any] = {}
+        if "device" in raw:
+            dev = str(raw["device"]).strip().lower()
+            try:
+                parse_device(dev)
+            except ValueError as exc:
+                raise ValueError(f"{PROVIDER} option device={raw['device']!r}: {exc}") from None
+            values["device"] = dev
+        if "engine" in raw:
+            e = raw["engine"]
+            values["engine"] = None if e is None or str(e).strip() == "" else str(e).strip()
+        if "min_subgraph_size" in raw:
+            values["min_subgraph_size"] = _int(raw["min_subgraph_size"], "min_subgraph_size", lo=1)
+        if "op_types_to_exclude" in raw:
+            v = raw["op_types_to_exclude"]
+            items = v.split(",") if isinstance(v, str) else list(v or [])
+            values["op_types_to_exclude"] = tuple(sorted({str(s).strip() for s in items if str(s).strip()}))
+        for flag in ("strict", "lazy_compile"):
+            if flag in raw:
+                values[flag] = _bool(raw[flag], flag)
+        for path in ("cache_dir", "dump_dir"):
+            if path in raw:
+                values[path] = str(raw[path]) if raw[path] not in (None, "") else None
+        if "torch_mlir_tier" in raw:
+            values["torch_mlir_tier"] = _choice(raw["torch_mlir_tier"], "torch_mlir_tier", TIERS)
+        if "channels_last" in raw:
+            values["channels_last"] = _choice(raw["channels_last"], "channels_last", LAYOUTS)
+        return cls(**values)
+
+    def as_strings(self) -> dict[str, str]:
+        """As ONNX Runtime reports provider options: every value a string."""
+        out: dict[str, str] = {}
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, bool):
+                out[f.name] = "1" if v else "0"
+            elif isinstance(v, tuple):
+                out[f.name] = ",".join(v)
+            else:
+                out[f.name] = "" if v is None else str(v)
+        return out
+
+
+def _int(v: Any, name: str, lo: int) -> int:
+    try:
+        i = int(str(v).strip()) if not isinstance(v, int) else v
+    except ValueError:
+        raise ValueError(f"{PROVIDER} option {name}={v!r}: expected an integer") from None
+    if isinstance(v, bool) or i < lo:
+        raise ValueError(f"{PROVIDER} option {name}={v!r}: expected an integer >= {lo}")
+    return i
+
+
+def _bool(v: Any, name: str) -> bool:
+    if isinstance(v, bool):
+        return v
+    s = str(v).strip().lower()
+    if s in ("1", "true", "yes", "on"):
+        return True
+    if s in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{PROVIDER} option {name}={v!r}: expected 0/1 (or true/false)")
+
+
+def _choice(v: Any, name: str, choices: tuple[str, ...]) -> str:
+    s = str(v).strip().lower()
+    alias = {"1": "on", "true": "on", "0": "off", "false": "off"}
+    s = alias.get(s, s)
+    if s not in choices:
+        raise ValueError(f"{PROVIDER} option {name}={v!r}: expected one of {list(choices)}")
+    return s

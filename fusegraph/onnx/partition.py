@@ -1,0 +1,200 @@
+"""Capability partitioning: which nodes run on fusegraph, grouped so that nothing deadlocks.
+
+Nodes are grouped into units. A claimed unit is a connected set of supported nodes; the
+unclaimed nodes are grouped the same way into units that run on ONNX Runtime. The rule
+(ONNX Runtime's): merging two units must not create a cycle between units, i.e. no
+node outside both may lie on a path from one to the other. Units then run in a
+topological order of the unit graph.
+
+Greedy in topological order: each node joins the units of its producers when that keeps
+the unit graph acyclic; then merges across remaining edges are retried until nothing
+changes. Claimed units with fewer nodes than ``min_size`` are released. Everything is
+ordered by node position, so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PNode:
+    """What the partitioner needs of a node: its name and the values it reads and writes."""
+
+    name: str
+    op_type: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+@dataclass
+class Group:
+    nodes: list[str]  # in the order of the input
+    claimed: bool
+
+
+@dataclass
+class Partitioning:
+    groups: list[Group]  # in an order that runs (producers first)
+    reasons: dict[str, str] = field(default_factory=dict)  # unclaimed node -> why
+
+    @property
+    def claimed(self) -> list[Group]:
+        return [g for g in self.groups if g.claimed]
+
+    @property
+    def unclaimed(self) -> list[Group]:
+        return [g for g in self.groups if not g.claimed]
+
+
+class _Units:
+    """Union of nodes into units, with the unit-graph reachability the cycle check needs."""
+
+    def __init__(self, preds: list[set[int]], succs: list[set[int]], label: list[bool]) -> None:
+        n = len(preds)
+        self.preds, self.succs = preds, succs
+        self.unit = list(range(n))
+        self.members: dict[int, list[int]] = {i: [i] for i in range(n)}
+        self.lo = list(range(n))
+        self.hi = list(range(n))
+        self.label = label
+
+    def succ_units(self, u: int) -> set[int]:
+        return {self.unit[s] for i in self.members[u] for s in self.succs[i]} - {u}
+
+    def _reaches_indirectly(self, src: int, dst: int) -> bool:
+        """A path src -> X -> ... -> dst through at least one other unit X."""
+        limit = self.hi[dst]
+        stack = [u for u in self.succ_units(src) if u != dst and self.lo[u] < limit]
+        seen = set(stack)
+        while stack:
+            u = stack.pop()
+            for v in self.succ_units(u):
+                if v == dst:
+                    return True
+                if v != src and v not in seen and self.lo[v] < limit:
+                    seen.add(v)
+                    stack.append(v)
+        return False
+
+    def can_merge(self, a: int, b: int) -> bool:
+        if a == b or self.label[a] != self.label[b]:
+            return False
+        return not self._reaches_indirectly(a, b) and not self._reaches_indirectly(b, a)
+
+    def merge(self, a: int, b: int) -> int:
+        keep, gone = (a, b) if a < b else (b, a)
+        for i in self.members[gone]:
+            self.unit[i] = keep
+        self.members[keep] = sorted(self.members[keep] + self.members.pop(gone))
+        self.lo[keep] = min(self.lo[keep], self.lo[gone])
+        self.hi[keep] = max(self.hi[keep], self.hi[gone])
+        return keep
+
+    def split(self, u: int) -> None:
+        for i in self.members.pop(u):
+            self.unit[i] = i
+            self.members[i] = [i]
+            self.lo[i] = self.hi[i] = i
+
+
+def _edges(nodes: Sequence[PNode]) -> tuple[list[set[int]], list[set[int]]]:
+    producer: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for o in n.outputs:
+            if o:
+                producer[o] = i
+    preds: list[set[int]] = [set() for _ in nodes]
+    succs: list[set[int]] = [set() for _ in nodes]
+    for i, n in enumerate(nodes):
+        for v in n.inputs:
+            p = producer.get(v)
+            if p is not None and p != i:
+                if p > i:
+                    raise ValueError(f"nodes are not in topological order: '{nodes[p].name}' feeds '{n.name}'")
+                preds[i].add(p)
+                succs[p].add(i)
+    return preds, succs
+
+
+def _grow(units: _Units, eligible: Sequence[int]) -> None:
+    """Each eligible node joins its producers' units (same label) where no cycle arises."""
+    for i in eligible:
+        for p in sorted(units.preds[i]):
+            a, b = units.unit[i], units.unit[p]
+            if units.label[b] == units.label[a] and a != b and units.can_merge(a, b):
+                units.merge(a, b)
+
+
+def _close(units: _Units, members: Sequence[int]) -> None:
+    """Retries merges across every remaining edge until none applies (maximality)."""
+    changed = True
+    while changed:
+        changed = False
+        for i in members:
+            for s in sorted(units.succs[i]):
+                a, b = units.unit[i], units.unit[s]
+                if a != b and units.label[a] == units.label[b] and units.can_merge(a, b):
+                    units.merge(a, b)
+                    changed = True
+
+
+def partition(
+    nodes: Sequence[PNode],
+    reasons: Mapping[str, str | None],
+    *,
+    min_size: int = 1,
+) -> Partitioning:
+    """Groups ``nodes`` (topologically ordered); ``reasons[name]`` is None for a node that
+    fusegraph can run, else why not."""
+    preds, succs = _edges(nodes)
+    supported = [reasons.get(n.name) is None for n in nodes]
+    units = _Units(preds, succs, supported)
+    claimed_idx = [i for i, ok in enumerate(supported) if ok]
+    _grow(units, claimed_idx)
+    _close(units, claimed_idx)
+    why: dict[str, str] = {n.name: r for n, r in zip(nodes, (reasons.get(n.name) for n in nodes), strict=True) if r}
+    for u in sorted({units.unit[i] for i in claimed_idx}):
+        size = len(units.members[u])
+        if size < min_size:
+            for i in units.members[u]:
+                units.label[i] = False
+                why[nodes[i].name] = (
+                    f"its claimed subgraph has {size} node(s), fewer than min_subgraph_size={min_size}"
+                )
+            units.split(u)
+    # Unclaimed nodes are grouped too, so each ONNX Runtime sub-model is as large as it can be.
+    units.label = [units.label[units.unit[i]] if supported[i] else False for i in range(len(nodes))]
+    rest = [i for i in range(len(nodes)) if not units.label[i]]
+    _grow(units, rest)
+    _close(units, rest)
+    order = _unit_order(units)
+    groups = [
+        Group([nodes[i].name for i in units.members[u]], bool(units.label[u])) for u in order
+    ]
+    return Partitioning(groups, why)
+
+
+def _unit_order(units: _Units) -> list[int]:
+    """Kahn's algorithm on the unit graph, lowest first node first."""
+    import heapq
+
+    indeg = {u: 0 for u in units.members}
+    succ = {u: units.succ_units(u) for u in units.members}
+    for u in succ:
+        for v in succ[u]:
+            indeg[v] += 1
+    ready = [(units.lo[u], u) for u, d in indeg.items() if d == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        _, u = heapq.heappop(ready)
+        order.append(u)
+        for v in sorted(succ[u]):
+            indeg[v] -= 1
+            if indeg[v] == 0:
+                heapq.heappush(ready, (units.lo[v], v))
+    if len(order) != len(indeg):
+        raise AssertionError("partitioning produced a cycle between units (a bug)")
+    return order

@@ -1,0 +1,340 @@
+"""A session's plan for one set of input shapes: specialize, rewrite, partition, build, run.
+
+Built once per input-shape signature (at session creation when the model's input shapes
+are static). Claimed subgraphs are lowered to fusegraph Graphs and built through the
+engine layer (at creation, or at first run with ``lazy_compile``); the rest runs in ONNX
+Runtime sub-sessions (or, where it wins, through the torch-mlir tier). A claimed
+subgraph that fails to build falls back to ONNX Runtime with a warning, or raises
+CompileError under ``strict``.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from fusegraph.engines.registry import REGISTRY
+from fusegraph.errors import CompileError, ExecutionError, FusegraphError
+from fusegraph.graph.graph import Graph
+from fusegraph.onnx import torch_mlir_tier
+from fusegraph.onnx.importer import SPATIAL_OPS, Importer, Unmappable
+from fusegraph.onnx.memory import LiveBytes
+from fusegraph.onnx.model import ONode, OnnxGraph, specialize
+from fusegraph.onnx.options import PROVIDER, ProviderOptions
+from fusegraph.onnx.partition import Group, PNode, partition
+from fusegraph.onnx.patterns import apply_rewrites, label_fusions
+from fusegraph.onnx.report import PartitionReport, SubgraphEntry, UnclaimedEntry
+from fusegraph.onnx.units import FusegraphUnit, OrtUnit, Unit, to_host
+from fusegraph.runtime.handle import Handle
+
+log = logging.getLogger("fusegraph.onnx")
+
+Dump = Callable[[str, bytes | str], None]
+
+
+def make_dumper(dump_dir: str | None) -> Dump | None:
+    if not dump_dir:
+        return None
+    root = Path(dump_dir)
+    root.mkdir(parents=True, exist_ok=True)
+
+    def dump(name: str, data: bytes | str) -> None:
+        path = root / name
+        if isinstance(data, bytes):
+            path.write_bytes(data)
+        else:
+            path.write_text(data)
+
+    return dump
+
+
+class EngineChoice:
+    """Which engine builds claimed subgraphs, and whether it can run a given graph."""
+
+    def __init__(self, name: str | None, handle: Handle) -> None:
+        self.handle = handle
+        if name == "auto":
+            self.name: str | None = None
+            self.candidates = [e for e in REGISTRY.engines() if e.available()]
+        else:
+            chosen = name or self.default(handle)
+            try:
+                eng = REGISTRY.get(chosen)
+            except FusegraphError as exc:
+                raise ValueError(f"{PROVIDER} option engine={chosen!r}: {exc}") from None
+            avail = eng.available()
+            if not avail:
+                raise ValueError(f"{PROVIDER} option engine={chosen!r}: not available here ({avail.reason})")
+            self.name = chosen
+            self.candidates = [eng]
+
+    @staticmethod
+    def default(handle: Handle) -> str:
+        """The compiling engine where there is one; the reference engine otherwise."""
+        names = REGISTRY.names()
+        for name in ("iree", "torch", "reference"):
+            if name not in names or (name == "reference" and handle.device.is_gpu):
+                continue
+            if REGISTRY.get(name).available():
+                return name
+        return "reference"
+
+    def why_not(self, graph: Graph) -> str | None:
+        reasons = []
+        for eng in self.candidates:
+            sup = eng.supports(graph, self.handle)
+            if sup:
+                return None
+            reasons.append(f"engine '{eng.name}': {sup.reason}")
+        return "; ".join(reasons) or "no engine available"
+
+
+def _read_outside(og: OnnxGraph, members: Sequence[ONode]) -> tuple[list[str], list[str]]:
+    """(values the group reads from outside, values it produces that are read outside)."""
+    inside = {id(n) for n in members}
+    produced = {o for n in members for o in n.outputs if o}
+    ins: list[str] = []
+    for n in members:
+        for i in n.all_inputs():
+            if i not in produced and i not in og.constants and i not in ins:
+                ins.append(i)
+    read_outside = {i for n in og.nodes if id(n) not in inside for i in n.all_inputs()}
+    outs = [o for n in members for o in n.outputs if o and (o in read_outside or o in og.outputs)]
+    return ins, list(dict.fromkeys(outs))
+
+
+class SessionPlan:
+    """Everything that depends on the input shapes; ``run`` executes one call."""
+
+    def __init__(
+        self,
+        model: onnx.ModelProto,
+        shapes: Mapping[str, Sequence[int]],
+        opts: ProviderOptions,
+        *,
+        enabled: bool,
+        handle: Handle,
+        engine: EngineChoice | None,
+        sess_options: Any,
+        ort_providers: list[Any],
+        model_name: str,
+    ) -> None:
+        t0 = time.perf_counter()
+        self.opts = opts
+        self.handle = handle
+        self.engine = engine
+        self.sess_options = sess_options
+        self.ort_providers = ort_providers
+        self.dump = make_dumper(opts.dump_dir)
+        self.og = og = specialize(model, shapes)
+        self.rewrites = apply_rewrites(og, opts.op_types_to_exclude) if enabled else {}
+        if enabled:
+            verdicts = {n.name: self._verdict(n) for n in og.nodes}
+        else:
+            verdicts = {n.name: f"{PROVIDER} is not among the session's providers" for n in og.nodes}
+        pnodes = [PNode(n.name, n.op_type, n.all_inputs(), n.outputs) for n in og.nodes]
+        self.partitioning = partition(pnodes, verdicts, min_size=opts.min_subgraph_size)
+        self.reasons = dict(self.partitioning.reasons)
+        self.notes: dict[str, str] = {}
+        self.compile_s: dict[str, float] = {}
+        by_name = {n.name: n for n in og.nodes}
+        self.units: list[Unit] = []
+        for k, group in enumerate(self.partitioning.groups):
+            self.units.append(self._make_unit(k, group, [by_name[n] for n in group.nodes]))
+        self._plan_frees()
+        self.setup_s = time.perf_counter() - t0
+        self.last_peak_live = 0
+        self.model_name = model_name
+        self.input_shapes = {k: tuple(int(d) for d in v) for k, v in shapes.items()}
+        if self.dump is not None:
+            self.dump("partition_report.txt", str(self.report()))
+            self.dump("partition_report.json", json.dumps(self.report().to_dict(), indent=1, default=str))
+
+    # ---- claiming ---------------------------------------------------------------------------
+    def _channels_last(self, nodes: Sequence[ONode]) -> bool:
+        if self.opts.channels_last != "auto":
+            return self.opts.channels_last == "on"
+        return any(n.op_type in SPATIAL_OPS for n in nodes)
+
+    def _verdict(self, node: ONode) -> str | None:
+        if node.op_type in self.opts.op_types_to_exclude:
+            return f"op type {node.op_type} is in op_types_to_exclude"
+        imp = Importer(self.og, node.name, channels_last=self._channels_last([node]))
+        try:
+            imp.lower(node)
+            outs = [o for o in node.outputs if o and o in imp.values and self._is_read(o)]
+            imp.finish(outs or [o for o in node.outputs[:1] if o in imp.values] or list(node.outputs[:1]))
+        except Unmappable as exc:
+            return exc.reason
+        assert self.engine is not None
+        return self.engine.why_not(imp.g)
+
+    def _is_read(self, value: str) -> bool:
+        return value in self.og.outputs or any(value in n.all_inputs() for n in self.og.nodes)
+
+    # ---- units -----------------------------------------------------------------------------
+    def _make_unit(self, k: int, group: Group, nodes: list[ONode]) -> Unit:
+        ins, outs = _read_outside(self.og, nodes)
+        if group.claimed:
+            name = f"fusegraph_{k}"
+            try:
+                return self._fusegraph_unit(name, nodes, ins, outs)
+            except (Unmappable, FusegraphError, Exception) as exc:  # noqa: B014 - engines may raise anything
+                why = exc.reason if isinstance(exc, Unmappable) else f"{type(exc).__name__}: {exc}"
+                if self.opts.strict:
+                    if isinstance(exc, CompileError):
+                        raise
+                    raise CompileError(
+                        f"claimed subgraph {name} ({len(nodes)} nodes) failed to build and strict=1: {why}",
+                        node=nodes[0].name,
+                    ) from exc
+                log.warning("claimed subgraph %s (%d nodes) falls back to ONNX Runtime: %s", name, len(nodes), why)
+                self.notes[f"onnxruntime_{k}"] = f"claimed, but fell back to ONNX Runtime: {why.splitlines()[0]}"
+                for n in nodes:
+                    self.reasons[n.name] = f"its claimed subgraph failed to build: {why.splitlines()[0]}"
+                return self._ort_unit(f"onnxruntime_{k}", nodes, ins, outs)
+        return self._unclaimed_unit(k, nodes, ins, outs)
+
+    def _fusegraph_unit(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> FusegraphUnit:
+        imp = Importer(self.og, name, channels_last=self._channels_last(nodes))
+        for n in nodes:
+            imp.lower(n)
+        for i in ins:  # values read only implicitly stay outside; make sure every input is bound
+            if i in imp.values and i not in imp.inputs and imp.values[i].producer is None:
+                imp.inputs[i] = imp.values[i]
+        out_names = imp.finish(outs)
+        assert self.engine is not None
+        unit = FusegraphUnit(
+            name, nodes, imp.g, {i: imp.inputs[i] for i in ins if i in imp.inputs}, imp.weights,
+            out_names, self.handle, self.engine.name,
+        )
+        unit.fusions = label_fusions(imp.g, imp.weights)
+        if self.dump is not None:
+            self.dump(f"{name}.json", imp.g.to_json(indent=1))
+        if not self.opts.lazy_compile:
+            t0 = time.perf_counter()
+            unit.build()
+            self.compile_s[name] = time.perf_counter() - t0
+        return unit
+
+    def _ort_unit(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> OrtUnit:
+        return OrtUnit(name, self.og, nodes, ins, outs, self.sess_options, self.ort_providers, self.dump)
+
+    def _unclaimed_unit(self, k: int, nodes: list[ONode], ins: list[str], outs: list[str]) -> Unit:
+        ort_unit = self._ort_unit(f"onnxruntime_{k}", nodes, ins, outs)
+        if self.opts.torch_mlir_tier == "off":
+            return ort_unit
+        t0 = time.perf_counter()
+        tier = torch_mlir_tier.try_unit(
+            f"iree_onnx_{k}", self.og, nodes, ins, outs, ort_unit,
+            mode=self.opts.torch_mlir_tier, device=str(self.handle.device),
+            cache_dir=self.opts.cache_dir, strict=self.opts.strict,
+        )
+        if tier is None:
+            return ort_unit
+        self.compile_s[tier.name] = time.perf_counter() - t0
+        self.notes[tier.name] = tier.note
+        return tier
+
+    def _plan_frees(self) -> None:
+        """After unit k runs, the values whose last reader it was are dropped."""
+        last: dict[str, int] = {}
+        for k, u in enumerate(self.units):
+            for i in u.inputs:
+                last[i] = k
+            for o in u.outputs:
+                last.setdefault(o, k)
+        keep = set(self.og.outputs)
+        self.free_after: list[list[str]] = [[] for _ in self.units]
+        for v, k in last.items():
+            if v not in keep:
+                self.free_after[k].append(v)
+
+    # ---- running ---------------------------------------------------------------------------
+    def run(self, feed: Mapping[str, Any], wanted: Sequence[str]) -> list[Any]:
+        env: dict[str, Any] = dict(feed)
+        live = LiveBytes()
+        for k, unit in enumerate(self.units):
+            try:
+                outs = unit.run({i: env[i] for i in unit.inputs})
+            except Exception as exc:
+                outs = self._recover(k, unit, exc, env)
+            for name, value in outs.items():
+                env[name] = value
+                live.add(name, value)
+            for name in self.free_after[k]:
+                env.pop(name, None)
+                live.drop(name)
+        self.last_peak_live = live.peak
+        results = []
+        for name in wanted:
+            v = env[name] if name in env else self.og.constants.get(name)
+            if v is None:
+                raise ExecutionError(f"output '{name}' was not computed (a bug)", tensor=name)
+            v = to_host(v)
+            results.append(np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v)
+        return results
+
+    def _recover(self, k: int, unit: Unit, exc: Exception, env: Mapping[str, Any]) -> dict[str, Any]:
+        """A fusegraph unit that fails at run time (lazy compile included) is replaced by
+        ONNX Runtime, unless strict."""
+        if not isinstance(unit, FusegraphUnit) or self.opts.strict:
+            if isinstance(exc, FusegraphError):
+                raise exc
+            if isinstance(unit, FusegraphUnit):
+                raise CompileError(f"claimed subgraph {unit.name} failed and strict=1: {exc}") from exc
+            raise exc
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        log.warning("claimed subgraph %s failed at run time, falls back to ONNX Runtime: %s", unit.name, why)
+        name = unit.name.replace("fusegraph_", "onnxruntime_")
+        repl = self._ort_unit(name, unit.nodes, unit.inputs, unit.outputs)
+        self.units[k] = repl
+        self.notes[name] = f"claimed, but fell back to ONNX Runtime at run time: {why}"
+        for n in unit.nodes:
+            self.reasons[n.name] = f"its claimed subgraph failed: {why}"
+        return repl.run({i: env[i] for i in repl.inputs})
+
+    # ---- report -----------------------------------------------------------------------------
+    def report(self) -> PartitionReport:
+        subs = []
+        unclaimed = []
+        for u in self.units:
+            sources = tuple(s for n in u.nodes for s in n.sources)
+            ops = collections.Counter(_source_ops(self.og, u.nodes))
+            if isinstance(u, FusegraphUnit):
+                subs.append(
+                    SubgraphEntry(u.name, "fusegraph", u.engine_name, sources, dict(ops), u.fusions,
+                                  compile_s=self.compile_s.get(u.name, 0.0))
+                )
+                continue
+            engine = "onnxruntime" if u.kind == "onnxruntime" else "iree (torch-mlir onnx importer)"
+            subs.append(
+                SubgraphEntry(u.name, u.kind, engine, sources, dict(ops), note=self.notes.get(u.name, ""),
+                              compile_s=self.compile_s.get(u.name, 0.0))
+            )
+            for n in u.nodes:
+                for s, op in n.origin():
+                    reason = self.reasons.get(n.name, "not claimed")
+                    unclaimed.append(UnclaimedEntry(s, op, reason, u.kind))
+        return PartitionReport(
+            model=self.model_name,
+            total_nodes=len(self.og.all_node_names),
+            folded_nodes=len(self.og.folded),
+            subgraphs=tuple(subs),
+            unclaimed=tuple(unclaimed),
+            rewrites={k: v for k, v in self.rewrites.items() if v},
+            input_shapes=self.input_shapes,
+            setup_s=self.setup_s,
+        )
+
+
+def _source_ops(og: OnnxGraph, nodes: Sequence[ONode]) -> list[str]:
+    return [op for n in nodes for _, op in n.origin()]

@@ -1,0 +1,91 @@
+"""The partition report: what runs where, and why the rest does not run on fusegraph."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SubgraphEntry:
+    name: str
+    kind: str  # "fusegraph", "onnxruntime" or "iree-onnx" (torch-mlir tier)
+    engine: str
+    nodes: tuple[str, ...]  # original ONNX node names it runs (folded BatchNorms included)
+    op_types: dict[str, int]
+    fusions: dict[str, int] = field(default_factory=dict)
+    note: str = ""  # e.g. why a claimed subgraph fell back
+    compile_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class UnclaimedEntry:
+    node: str
+    op_type: str
+    reason: str
+    runs_on: str  # "onnxruntime" or "iree-onnx"
+
+
+@dataclass(frozen=True)
+class PartitionReport:
+    model: str
+    total_nodes: int  # nodes of the model as given
+    folded_nodes: int  # constant computations folded at session creation
+    subgraphs: tuple[SubgraphEntry, ...]
+    unclaimed: tuple[UnclaimedEntry, ...]
+    rewrites: dict[str, int] = field(default_factory=dict)
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    setup_s: float = 0.0
+
+    @property
+    def running_nodes(self) -> int:
+        """Non-constant nodes: every node some unit runs."""
+        return sum(len(s.nodes) for s in self.subgraphs)
+
+    @property
+    def fusegraph_nodes(self) -> int:
+        return sum(len(s.nodes) for s in self.subgraphs if s.kind == "fusegraph")
+
+    @property
+    def tier_nodes(self) -> int:
+        return sum(len(s.nodes) for s in self.subgraphs if s.kind == "iree-onnx")
+
+    @property
+    def coverage(self) -> float:
+        """Fraction of non-constant nodes on fusegraph graph engines."""
+        return self.fusegraph_nodes / self.running_nodes if self.running_nodes else 1.0
+
+    def summary(self) -> str:
+        kinds = collections.Counter(s.kind for s in self.subgraphs)
+        parts = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+        tier = f", {self.tier_nodes} via torch-mlir tier" if self.tier_nodes else ""
+        return (
+            f"{self.fusegraph_nodes}/{self.running_nodes} non-constant nodes on fusegraph "
+            f"({100 * self.coverage:.1f}%){tier}; {self.folded_nodes} folded at setup; "
+            f"subgraphs: {parts or 'none'}"
+        )
+
+    def __str__(self) -> str:
+        lines = [f"partition report: {self.model}", "  " + self.summary()]
+        if self.rewrites:
+            lines.append("  rewrites: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.rewrites.items()) if v))
+        for s in self.subgraphs:
+            ops = ", ".join(f"{k}x{v}" for k, v in sorted(s.op_types.items()))
+            extra = f"  [compile {s.compile_s:.2f}s]" if s.compile_s else ""
+            lines.append(f"  {s.name}: {s.kind} ({s.engine}), {len(s.nodes)} nodes: {ops}{extra}")
+            if s.fusions:
+                lines.append("      fused: " + ", ".join(f"{k} x{v}" for k, v in sorted(s.fusions.items())))
+            if s.note:
+                lines.append(f"      note: {s.note}")
+        if self.unclaimed:
+            lines.append("  not on fusegraph:")
+            for u in self.unclaimed:
+                lines.append(f"    {u.node} ({u.op_type}) -> {u.runs_on}: {u.reason}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["summary"] = self.summary()
+        d["coverage"] = self.coverage
+        return d

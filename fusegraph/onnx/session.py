@@ -1,0 +1,282 @@
+"""InferenceSession: the ONNX Runtime session API, with fusegraph as the first provider.
+
+``fusegraph.onnx.InferenceSession(model, providers=[...])`` is a drop-in for
+``onnxruntime.InferenceSession``: supported subgraphs run on fusegraph engines, the rest
+on ONNX Runtime. Provider options go to ``FusegraphExecutionProvider`` either in the
+``providers`` list as ``("FusegraphExecutionProvider", {...})`` or in ``provider_options``
+(one dict per provider, as ONNX Runtime takes them).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper
+
+from fusegraph.errors import VariantPackError
+from fusegraph.onnx.memory import PeakMemory, measure_peak
+from fusegraph.onnx.model import input_signature, load_model
+from fusegraph.onnx.options import PROVIDER, ProviderOptions
+from fusegraph.onnx.plan import EngineChoice, SessionPlan
+from fusegraph.onnx.report import PartitionReport
+from fusegraph.runtime.handle import Handle, default_handle
+
+log = logging.getLogger("fusegraph.onnx")
+
+DEFAULT_PROVIDERS = (PROVIDER, "CPUExecutionProvider")
+Dim = int | str | None
+
+
+@dataclass(frozen=True)
+class NodeArg:
+    """An input or output of the model, as onnxruntime's NodeArg describes it."""
+
+    name: str
+    shape: list[Dim] | None
+    type: str
+
+    def __repr__(self) -> str:
+        return f"NodeArg(name={self.name!r}, type={self.type!r}, shape={self.shape})"
+
+
+def _type_string(t: onnx.TypeProto) -> str:
+    which = t.WhichOneof("value")
+    if which == "tensor_type":
+        elem = onnx.TensorProto.DataType.Name(t.tensor_type.elem_type).lower()
+        return f"tensor({_ORT_NAMES.get(elem, elem)})"
+    if which == "sequence_type":
+        return f"seq({_type_string(t.sequence_type.elem_type)})"
+    if which == "map_type":
+        key = onnx.TensorProto.DataType.Name(t.map_type.key_type).lower()
+        return f"map({_ORT_NAMES.get(key, key)},{_type_string(t.map_type.value_type)})"
+    if which == "optional_type":
+        return f"optional({_type_string(t.optional_type.elem_type)})"
+    return "unknown"
+
+
+_ORT_NAMES = {"float": "float", "double": "double", "float16": "float16", "bool": "bool"}
+
+
+def _shape_of(t: onnx.TypeProto) -> list[Dim] | None:
+    if t.WhichOneof("value") != "tensor_type" or not t.tensor_type.HasField("shape"):
+        return None
+    return [
+        d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+        for d in t.tensor_type.shape.dim
+    ]
+
+
+def _parse_providers(
+    providers: Sequence[Any] | None, provider_options: Sequence[Mapping[str, Any]] | None
+) -> tuple[list[str], ProviderOptions, list[Any]]:
+    """(provider names, our options, what ONNX Runtime sub-sessions get)."""
+    entries = list(providers) if providers is not None else list(DEFAULT_PROVIDERS)
+    if provider_options is not None and len(provider_options) != len(entries):
+        raise ValueError(
+            f"provider_options has {len(provider_options)} entries for {len(entries)} providers"
+        )
+    available = set(ort.get_available_providers())
+    names: list[str] = []
+    ours: dict[str, Any] = {}
+    ort_list: list[Any] = []
+    for k, entry in enumerate(entries):
+        if isinstance(entry, tuple | list):
+            if len(entry) != 2 or not isinstance(entry[0], str) or not isinstance(entry[1], Mapping):
+                raise ValueError(f"provider entry {entry!r}: expected a name or (name, options dict)")
+            name, opts = entry[0], dict(entry[1])
+        elif isinstance(entry, str):
+            name, opts = entry, {}
+        else:
+            raise ValueError(f"provider entry {entry!r}: expected a name or (name, options dict)")
+        if provider_options is not None:
+            opts.update(provider_options[k])
+        if name in names:
+            raise ValueError(f"provider {name} is listed twice")
+        names.append(name)
+        if name == PROVIDER:
+            ours = opts
+        elif name in available:
+            ort_list.append((name, opts) if opts else name)
+        else:
+            raise ValueError(
+                f"unknown execution provider {name!r}; available: {[PROVIDER, *sorted(available)]}"
+            )
+    if not any((p if isinstance(p, str) else p[0]) == "CPUExecutionProvider" for p in ort_list):
+        ort_list.append("CPUExecutionProvider")  # ONNX Runtime always falls back to CPU
+    return names, ProviderOptions.parse(ours), ort_list
+
+
+class InferenceSession:
+    """Runs an ONNX model: claimed subgraphs on fusegraph, the rest on ONNX Runtime."""
+
+    def __init__(
+        self,
+        path_or_bytes: str | os.PathLike[str] | bytes | onnx.ModelProto,
+        sess_options: ort.SessionOptions | None = None,
+        providers: Sequence[Any] | None = None,
+        provider_options: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if kwargs:
+            raise TypeError(f"InferenceSession got unexpected keyword argument(s) {sorted(kwargs)}")
+        self._providers, self._opts, self._ort_providers = _parse_providers(providers, provider_options)
+        self._enabled = PROVIDER in self._providers
+        self._sess_options = sess_options
+        self._model_name = (
+            os.fspath(path_or_bytes) if isinstance(path_or_bytes, str | os.PathLike) else "<in-memory model>"
+        )
+        self._model = load_model(path_or_bytes)
+        self._handle: Handle = (
+            default_handle() if self._opts.device == "cpu" else Handle(self._opts.device)
+        )
+        self._engine = EngineChoice(self._opts.engine, self._handle) if self._enabled else None
+        self._signature = input_signature(self._model)
+        inits = {i.name for i in self._model.graph.initializer}
+        self._inputs = [
+            NodeArg(i.name, _shape_of(i.type), _type_string(i.type))
+            for i in self._model.graph.input
+            if i.name not in inits
+        ]
+        self._input_types = {i.name: i.type for i in self._model.graph.input if i.name not in inits}
+        self._plans: dict[tuple[Any, ...], SessionPlan] = {}
+        self._last: SessionPlan | None = None
+        self.last_peak: PeakMemory | None = None
+        static = {
+            k: tuple(int(d) for d in v)  # type: ignore[arg-type]
+            for k, v in self._signature.items()
+            if v is not None and all(isinstance(d, int) for d in v)
+        }
+        if len(static) == len(self._signature):
+            self._plan_for(static)
+        self._outputs = self._output_args()
+
+    # ---- ONNX Runtime API -----------------------------------------------------------------------
+    def get_inputs(self) -> list[NodeArg]:
+        return list(self._inputs)
+
+    def get_outputs(self) -> list[NodeArg]:
+        return list(self._outputs)
+
+    def get_providers(self) -> list[str]:
+        names = list(self._providers)
+        if "CPUExecutionProvider" not in names:
+            names.append("CPUExecutionProvider")
+        return names
+
+    def get_provider_options(self) -> dict[str, dict[str, str]]:
+        out: dict[str, dict[str, str]] = {}
+        for name in self.get_providers():
+            if name == PROVIDER:
+                out[name] = self._opts.as_strings()
+            else:
+                match = [p for p in self._ort_providers if not isinstance(p, str) and p[0] == name]
+                out[name] = {k: str(v) for k, v in match[0][1].items()} if match else {}
+        return out
+
+    def get_session_options(self) -> ort.SessionOptions | None:
+        return self._sess_options
+
+    def get_modelmeta(self) -> dict[str, Any]:
+        m = self._model
+        return {
+            "producer_name": m.producer_name, "graph_name": m.graph.name, "domain": m.domain,
+            "description": m.doc_string, "version": m.model_version,
+            "custom_metadata_map": {p.key: p.value for p in m.metadata_props},
+        }
+
+    def run(
+        self,
+        output_names: Sequence[str] | None,
+        input_feed: Mapping[str, Any],
+        run_options: ort.RunOptions | None = None,
+    ) -> list[Any]:
+        """Outputs in the order asked (all of them for None), as NumPy arrays."""
+        feed = self._check_feed(input_feed)
+        all_outs = [o.name for o in self._model.graph.output]
+        wanted = list(output_names) if output_names else all_outs
+        for name in wanted:
+            if name not in all_outs:
+                raise VariantPackError(f"not an output of the model (outputs: {all_outs})", tensor=name)
+        plan = self._plan_for({k: tuple(np.shape(v)) for k, v in feed.items() if isinstance(v, np.ndarray)})
+        with measure_peak() as peak:
+            result = plan.run(feed, wanted)
+        self.last_peak = peak
+        return result
+
+    # ---- fusegraph additions ------------------------------------------------------------------
+    def partition_report(self) -> PartitionReport:
+        """What runs where (for the most recent input shapes), and why the rest is not claimed."""
+        if self._last is None:
+            raise RuntimeError(
+                "the model's input shapes are dynamic: the partition is made at the first run()"
+            )
+        return self._last.report()
+
+    @property
+    def peak_live_bytes(self) -> int:
+        """Peak bytes of the intermediates the session held during the last run()."""
+        return self._last.last_peak_live if self._last is not None else 0
+
+    # ---- internals ------------------------------------------------------------------------------
+    def _plan_for(self, shapes: Mapping[str, tuple[int, ...]]) -> SessionPlan:
+        key = tuple(sorted(shapes.items()))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = SessionPlan(
+                self._model, shapes, self._opts, enabled=self._enabled, handle=self._handle,
+                engine=self._engine, sess_options=self._sess_options, ort_providers=self._ort_providers,
+                model_name=self._model_name,
+            )
+            self._plans[key] = plan
+            log.info("%s", plan.report().summary())
+        self._last = plan
+        return plan
+
+    def _check_feed(self, input_feed: Mapping[str, Any]) -> dict[str, Any]:
+        if not isinstance(input_feed, Mapping):
+            raise VariantPackError(f"input_feed must be a dict of name -> array, got {type(input_feed).__name__}")
+        feed: dict[str, Any] = {}
+        for name, value in input_feed.items():
+            if name not in self._input_types:
+                raise VariantPackError(
+                    f"not an input of the model (inputs: {[i.name for i in self._inputs]})", tensor=name
+                )
+            t = self._input_types[name]
+            if t.WhichOneof("value") != "tensor_type":
+                feed[name] = value
+                continue
+            arr = np.asarray(value)
+            want = helper.tensor_dtype_to_np_dtype(t.tensor_type.elem_type)
+            if arr.dtype != want:
+                raise VariantPackError(f"has dtype {arr.dtype}, the model expects {np.dtype(want)}", tensor=name)
+            declared = self._signature.get(name)
+            if declared is not None:
+                if len(declared) != arr.ndim or any(
+                    isinstance(d, int) and d != s for d, s in zip(declared, arr.shape, strict=False)
+                ):
+                    raise VariantPackError(
+                        f"has shape {list(arr.shape)}, the model declares {list(declared)}", tensor=name
+                    )
+            feed[name] = arr
+        missing = [i.name for i in self._inputs if i.name not in feed]
+        if missing:
+            raise VariantPackError(f"missing input(s) {missing}", tensor=missing[0])
+        return feed
+
+    def _output_args(self) -> list[NodeArg]:
+        out = []
+        for o in self._model.graph.output:
+            shape = _shape_of(o.type)
+            if self._last is not None and (shape is None or any(not isinstance(d, int) for d in shape)):
+                info = self._last.og.types.get(o.name)
+                if info is not None and info.shape is not None:
+                    shape = list(info.shape)
+            out.append(NodeArg(o.name, shape, _type_string(o.type)))
+        return out

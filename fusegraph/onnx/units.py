@@ -1,0 +1,242 @@
+"""The runnable pieces of a session: a claimed subgraph on a fusegraph engine, or a group of
+unclaimed nodes in an ONNX Runtime sub-session built from just those nodes.
+
+Every unit reads ONNX values by name and returns the values it produces. Arrays cross
+unit boundaries as they are: a fusegraph unit's channels-last outputs go to the next
+fusegraph unit without a copy (its inputs are declared with the same strides), and are
+made contiguous only when ONNX Runtime or the caller needs them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import helper, numpy_helper
+
+from fusegraph.errors import UnsupportedError
+from fusegraph.graph.graph import Graph
+from fusegraph.graph.tensor import TensorAttr
+from fusegraph.onnx.importer import with_strides
+from fusegraph.onnx.model import ONode, OnnxGraph
+from fusegraph.runtime.handle import Handle
+
+log = logging.getLogger("fusegraph.onnx")
+
+
+class Unit(Protocol):
+    name: str
+    kind: str  # "fusegraph", "onnxruntime" or "iree-onnx"
+    inputs: list[str]  # ONNX values read (constants excluded)
+    outputs: list[str]  # ONNX values produced that someone reads
+    nodes: list[ONode]
+
+    def run(self, values: Mapping[str, Any]) -> dict[str, Any]: ...
+
+
+def to_host(value: Any) -> Any:
+    """A NumPy array for a fusegraph Buffer (or anything array-like); lists pass through."""
+    if isinstance(value, np.ndarray) or isinstance(value, list):
+        return value
+    for attr in ("to_numpy", "numpy", "to_host"):
+        fn = getattr(value, attr, None)
+        if callable(fn):
+            return np.asarray(fn())
+    return np.asarray(value)
+
+
+def build_plan(graph: Graph, handle: Handle, engine: str | None) -> Any:
+    """The engine layer's plan for ``graph`` (``g.build``); where the selection layer is not
+    installed, the named engine (default: reference) builds it directly."""
+    try:
+        return graph.build(handle, engine=engine)
+    except ModuleNotFoundError as exc:
+        if "fusegraph.select" not in str(exc):
+            raise
+    from fusegraph.engines.registry import REGISTRY
+
+    eng = REGISTRY.get(engine or "reference")
+    sup = eng.supports(graph, handle)
+    if not sup:
+        raise UnsupportedError(f"engine '{eng.name}' cannot run graph '{graph.name}': {sup.reason}")
+    return eng.build(graph, handle)
+
+
+class FusegraphUnit:
+    """A claimed subgraph: one fusegraph Graph, its weights bound once, built by an engine."""
+
+    kind = "fusegraph"
+
+    def __init__(
+        self,
+        name: str,
+        nodes: list[ONode],
+        graph: Graph,
+        inputs: Mapping[str, TensorAttr],
+        weights: Mapping[str, Any],
+        outputs: Mapping[str, str],
+        handle: Handle,
+        engine: str | None,
+    ) -> None:
+        self.name = name
+        self.nodes = nodes
+        self.graph = graph
+        self._in = dict(inputs)
+        self.inputs = list(inputs)
+        self.outputs = list(outputs)
+        self._out = dict(outputs)
+        self.weights = dict(weights)
+        self.handle = handle
+        self.engine = engine
+        self.plan: Any = None
+        self.fusions: dict[str, int] = {}
+
+    @property
+    def engine_name(self) -> str:
+        if self.plan is not None:
+            return str(getattr(self.plan, "engine", self.engine or "?"))
+        return self.engine or "(selected at build)"
+
+    def build(self) -> None:
+        if self.plan is None:
+            self.plan = build_plan(self.graph, self.handle, self.engine)
+
+    def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        if self.plan is None:
+            self.build()
+        pack: dict[str, Any] = dict(self.weights)
+        for onnx_name, t in self._in.items():
+            pack[t.name] = _conform(values[onnx_name], t)
+        res = self.plan.execute(pack)
+        return {o: res[tname] for o, tname in self._out.items()}
+
+
+def _conform(value: Any, t: TensorAttr) -> Any:
+    """The value with the strides ``t`` declares (no copy when it already has them)."""
+    if not isinstance(value, np.ndarray):
+        if hasattr(value, "__array__") and not hasattr(value, "to_numpy"):
+            value = np.asarray(value)
+        else:
+            return value  # a device buffer: the engine checks it
+    if value.dtype != t.dtype.numpy:
+        value = value.astype(t.dtype.numpy)
+    return with_strides(value, t.strides)
+
+
+def _value_info(og: OnnxGraph, name: str, array: Any = None) -> onnx.ValueInfoProto | None:
+    if array is not None and isinstance(array, np.ndarray):
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(array.dtype), list(array.shape))
+    info = og.types.get(name)
+    if info is None:
+        return None
+    if info.elem and info.shape is not None:
+        return helper.make_tensor_value_info(name, info.elem, list(info.shape))
+    if info.elem:
+        return helper.make_tensor_value_info(name, info.elem, None)
+    if info.proto is not None and info.proto.WhichOneof("value") is not None:
+        vi = onnx.ValueInfoProto(name=name)
+        vi.type.CopyFrom(info.proto)
+        return vi
+    return None
+
+
+def sub_model(
+    og: OnnxGraph,
+    nodes: Sequence[ONode],
+    inputs: Sequence[str],
+    outputs: Sequence[str],
+    name: str,
+    samples: Mapping[str, Any] | None = None,
+    *,
+    opset: int | None = None,
+) -> tuple[onnx.ModelProto, bool]:
+    """An ONNX model of just ``nodes``: (model, whether every boundary type is known)."""
+    complete = True
+    ins = []
+    for i in inputs:
+        vi = _value_info(og, i, (samples or {}).get(i))
+        if vi is None:
+            complete = False
+            vi = onnx.ValueInfoProto(name=i)
+        ins.append(vi)
+    outs = []
+    for o in outputs:
+        vi = _value_info(og, o)
+        if vi is None:
+            complete = False
+            vi = onnx.ValueInfoProto(name=o)
+        outs.append(vi)
+    read = {i for n in nodes for i in n.all_inputs()}
+    inits = [numpy_helper.from_array(og.constants[c], c) for c in sorted(read) if c in og.constants]
+    graph = helper.make_graph([n.to_proto() for n in nodes], name, ins, outs, inits)
+    imports = list(og.opset_imports)
+    if opset is not None:
+        imports = [helper.make_opsetid("", opset)] + [o for o in imports if o.domain not in ("", "ai.onnx")]
+    model = helper.make_model(graph, opset_imports=imports, ir_version=max(og.ir_version, 4))
+    model.functions.extend(og.functions)
+    return model, complete
+
+
+class OrtUnit:
+    """Unclaimed nodes, run by an ONNX Runtime session over a model of just those nodes."""
+
+    kind = "onnxruntime"
+
+    def __init__(
+        self,
+        name: str,
+        og: OnnxGraph,
+        nodes: list[ONode],
+        inputs: list[str],
+        outputs: list[str],
+        sess_options: Any,
+        providers: list[Any],
+        dump: Any = None,
+    ) -> None:
+        self.name = name
+        self.og = og
+        self.nodes = nodes
+        self.inputs = inputs
+        self.outputs = outputs
+        self._sess_options = sess_options
+        self._providers = providers
+        self._dump = dump
+        self.session: ort.InferenceSession | None = None
+        self.model: onnx.ModelProto | None = None
+        model, complete = sub_model(og, nodes, inputs, outputs, name)
+        if complete:
+            self._open(model, check=True)
+        # else: typed from the first call's arrays (an input's type was unknown)
+
+    def _open(self, model: onnx.ModelProto, *, check: bool) -> None:
+        if check:
+            try:
+                onnx.checker.check_model(model)
+            except onnx.checker.ValidationError as exc:
+                log.debug("sub-model %s does not pass the checker: %s", self.name, exc)
+        self.model = model
+        if self._dump is not None:
+            self._dump(f"{self.name}.onnx", model.SerializeToString())
+        self.session = ort.InferenceSession(
+            model.SerializeToString(), sess_options=self._sess_options, providers=self._providers
+        )
+
+    def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        feed = {i: _ort_value(values[i]) for i in self.inputs}
+        if self.session is None:
+            model, _ = sub_model(self.og, self.nodes, self.inputs, self.outputs, self.name, feed)
+            self._open(model, check=False)
+        assert self.session is not None
+        res = self.session.run(self.outputs, feed)
+        return dict(zip(self.outputs, res, strict=True))
+
+
+def _ort_value(value: Any) -> Any:
+    v = to_host(value)
+    if isinstance(v, np.ndarray) and not v.flags.c_contiguous:
+        v = np.ascontiguousarray(v)
+    return v
