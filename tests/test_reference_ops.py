@@ -964,3 +964,121 @@ def test_every_op_kind_is_tested() -> None:
     }
     assert set(tested) == set(OpKind), f"untested: {set(OpKind) - set(tested)}"
     assert set(POOL_ONNX) == set(PoolingMode)
+
+
+# =========================== the acceptance cases ===========================================
+# Built with exactly the public names; each against PyTorch in float64, within 1e-5 (f32)
+# and 1e-2 (f16) relative error.
+ACCEPT = {F32: 1e-5, F16: 1e-2}
+
+
+def rel_err(out: np.ndarray, ref: Any) -> float:
+    o, r = np.asarray(out, dtype=np.float64), np.asarray(ref, dtype=np.float64)
+    assert np.isfinite(o).all(), "non-finite output"
+    return float(np.linalg.norm(o - r) / np.linalg.norm(r))
+
+
+def test_acceptance_conv_bias_relu_nhwc_f16_f32_compute(rng: np.random.Generator) -> None:
+    torch = torch_mod()
+    n, c, h, w, k = 2, 8, 9, 7, 16
+    graph = fg.Graph(
+        name="conv_bias_relu",
+        io_data_type=fg.DataType.HALF,
+        intermediate_data_type=fg.DataType.FLOAT,
+        compute_data_type=fg.DataType.FLOAT,
+    )
+    x = graph.tensor("x", [n, c, h, w], fg.strides_for([n, c, h, w], "NHWC"))
+    wt = graph.tensor("w", [k, c, 3, 3], fg.strides_for([k, c, 3, 3], "KRSC"))
+    b = graph.tensor("b", [1, k, 1, 1])
+    conv = graph.conv_fprop(x, wt, padding=[1, 1], stride=[1, 1], dilation=[1, 1], name="conv")
+    y = graph.relu(graph.bias(conv, b, name="bias"), name="relu").set_output(True)
+    graph.validate()
+    assert y.dim == [n, k, h, w] and y.data_type == fg.DataType.HALF
+    assert conv.data_type == fg.DataType.FLOAT  # intermediate type
+    assert y.stride == list(fg.strides_for([n, k, h, w], "NHWC"))  # follows its input's layout
+
+    xa = in_layout(rand(rng, (n, c, h, w), F16), "NHWC")
+    wa = in_layout(rand(rng, (k, c, 3, 3), F16), "NHWC")
+    ba = rand(rng, (1, k, 1, 1), F16)
+    ya = in_layout(np.zeros((n, k, h, w), np.float16), "NHWC")
+    assert graph.execute({x: xa, wt: wa, b: ba, y: ya}, engine="reference") == {}  # written in place
+    ref = torch.relu(
+        torch.nn.functional.conv2d(torch.tensor(xa.astype(np.float64)), torch.tensor(wa.astype(np.float64)), padding=1)
+        + torch.tensor(ba.astype(np.float64))
+    )
+    assert rel_err(ya, ref.numpy()) <= ACCEPT[F16]
+
+
+@pytest.mark.parametrize("dt", (F32, F16), ids=lambda d: d.name)
+def test_acceptance_batched_broadcasting_matmul(dt: DataType, rng: np.random.Generator) -> None:
+    torch = torch_mod()
+    graph = fg.Graph(io_data_type=dt)
+    a = graph.tensor("A", [3, 1, 4, 6])
+    b = graph.tensor("B", [5, 6, 7], [42, 1, 6])  # each [6, 7] matrix stored transposed
+    c = graph.matmul(a, b, name="mm").set_output(True)
+    graph.validate()
+    assert c.dim == [3, 5, 4, 7]
+    aa = rand(rng, (3, 1, 4, 6), dt)
+    ba = np.ascontiguousarray(rand(rng, (5, 7, 6), dt)).transpose(0, 2, 1)
+    out = graph.execute({"A": aa, "B": ba}, engine="reference")["mm::c"]
+    ref = torch.matmul(torch.tensor(aa.astype(np.float64)), torch.tensor(ba.astype(np.float64)))
+    assert rel_err(out, ref.numpy()) <= ACCEPT[dt]
+
+
+@pytest.mark.parametrize("dt", (F32, F16), ids=lambda d: d.name)
+def test_acceptance_layernorm(dt: DataType, rng: np.random.Generator) -> None:
+    torch = torch_mod()
+    graph = fg.Graph(io_data_type=dt)
+    x = graph.tensor("x", [4, 6, 10])
+    scale = graph.tensor("scale", [1, 6, 10])
+    bias = graph.tensor("bias", [1, 6, 10])
+    y, mean, inv_var = graph.layernorm(x, scale, bias, epsilon=1e-5, phase=fg.NormFwdPhase.TRAINING)
+    assert mean is not None and inv_var is not None
+    y.set_output(True)
+    # Statistics are I/O tensors too; without a type of their own they take io_data_type.
+    mean.set_output(True).set_data_type(fg.DataType.FLOAT)
+    inv_var.set_output(True).set_data_type(np.float32)
+    xa, sa, ba = rand(rng, (4, 6, 10), dt) * 3 + 1, rand(rng, (1, 6, 10), dt), rand(rng, (1, 6, 10), dt)
+    res = graph.execute({x: xa, scale: sa, bias: ba}, engine="reference")
+    x64 = torch.tensor(xa.astype(np.float64))
+    ref = torch.nn.functional.layer_norm(
+        x64, (6, 10), torch.tensor(sa.astype(np.float64)[0]), torch.tensor(ba.astype(np.float64)[0]), eps=1e-5
+    )
+    var, m = torch.var_mean(x64, dim=(1, 2), keepdim=True, correction=0)
+    assert rel_err(res[y.name], ref.numpy()) <= ACCEPT[dt]
+    assert rel_err(res[mean.name], m.numpy()) <= ACCEPT[F32]
+    assert rel_err(res[inv_var.name], (1 / torch.sqrt(var + 1e-5)).numpy()) <= ACCEPT[F32]
+
+
+@pytest.mark.parametrize("dt", (F32, F16), ids=lambda d: d.name)
+def test_acceptance_grouped_3d_conv_fprop_dgrad_wgrad(dt: DataType, rng: np.random.Generator) -> None:
+    torch = torch_mod()
+    n, c, k, groups = 2, 6, 4, 2
+    x_dims, w_dims = [n, c, 5, 6, 4], [k, c // groups, 3, 2, 3]
+    pad, stride, dil = [1, 0, 1], [2, 1, 1], [1, 2, 1]
+    graph = fg.Graph(io_data_type=dt, compute_data_type=fg.DataType.FLOAT)
+    x = graph.tensor("x", x_dims, fg.strides_for(x_dims, "NDHWC"))
+    w = graph.tensor("w", w_dims, fg.strides_for(w_dims, "KTRSC"))
+    y = graph.conv_fprop(x, w, padding=pad, stride=stride, dilation=dil, name="fprop").set_output(True)
+    graph.validate()
+    y_dims = y.dim
+    dy = graph.tensor("dy", y_dims, fg.strides_for(y_dims, "NDHWC"))
+    dx = graph.conv_dgrad(dy, w, padding=pad, stride=stride, dilation=dil, name="dgrad")
+    dx.set_dim(x_dims).set_output(True)
+    dw = graph.conv_wgrad(x, dy, padding=pad, stride=stride, dilation=dil, name="wgrad")
+    dw.set_dim(w_dims).set_output(True)
+    graph.validate()
+
+    xa = in_layout(rand(rng, x_dims, dt), "NDHWC")
+    wa = in_layout(rand(rng, w_dims, dt), "NDHWC")
+    dya = in_layout(rand(rng, y_dims, dt), "NDHWC")
+    res = graph.execute({x: xa, w: wa, dy: dya}, engine="reference")
+
+    xt = torch.tensor(xa.astype(np.float64), requires_grad=True)
+    wt = torch.tensor(wa.astype(np.float64), requires_grad=True)
+    yt = torch.nn.functional.conv3d(xt, wt, stride=stride, padding=pad, dilation=dil, groups=groups)
+    yt.backward(torch.tensor(dya.astype(np.float64)))
+    assert list(yt.shape) == y_dims
+    assert rel_err(res[y.name], yt.detach().numpy()) <= ACCEPT[dt]
+    assert rel_err(res[dx.name], xt.grad.numpy()) <= ACCEPT[dt]
+    assert rel_err(res[dw.name], wt.grad.numpy()) <= ACCEPT[dt]
