@@ -14,6 +14,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shlex
 import subprocess
 import tempfile
@@ -52,7 +53,7 @@ class CompileResult:
     seconds: float
     backend: str  # "inprocess" | "cli"
     diagnostics: str = ""
-    summary: dict[str, int] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
 
 
 def statistics_flags(path: str | Path) -> tuple[str, ...]:
@@ -72,6 +73,23 @@ def summarize_statistics(stats: dict[str, Any]) -> dict[str, int]:
         out["submission_count"] += int(ex.get("submission-count", 0))
         out["executable_count"] += int(b.get("executable", {}).get("executable-count", 0))
     return out
+
+
+_DISPATCH_NAME = re.compile(rb"_dispatch_(\d+)_([A-Za-z0-9_]+)")
+_EXECUTABLE_FORMATS = re.compile(r"^(embedded_elf|system_elf|system_dylib|vmvx|cuda|rocm|hip|vulkan|spirv)")
+
+
+def dispatch_names(vmfb: bytes) -> list[str]:
+    """The dispatches of a compiled module by IREE's names (``dispatch_2_conv_56x56x64...``),
+    read from the flatbuffer's strings. IREE names a dispatch after its root op, so a
+    conv+bias+ReLU fused into one kernel shows as one ``conv`` dispatch and no
+    ``elementwise`` one."""
+    found: dict[int, str] = {}
+    for m in _DISPATCH_NAME.finditer(vmfb):
+        idx, name = int(m.group(1)), m.group(2).decode()
+        if idx not in found and not _EXECUTABLE_FORMATS.match(name):
+            found[idx] = f"dispatch_{idx}_{name}"
+    return [found[i] for i in sorted(found)]
 
 
 @cache
@@ -119,7 +137,8 @@ def compile_mlir(text: str, flags: Sequence[str], *, backend: str | None = None)
         seconds = time.perf_counter() - t0
         stats = _read_stats(stats_path)
     log.debug("compiled %d bytes of MLIR in %.3f s (%s)", len(text), seconds, backend)
-    return CompileResult(vmfb, stats, seconds, backend, diag, summarize_statistics(stats))
+    summary: dict[str, Any] = {**summarize_statistics(stats), "dispatches": dispatch_names(vmfb)}
+    return CompileResult(vmfb, stats, seconds, backend, diag, summary)
 
 
 def _read_stats(path: Path) -> dict[str, Any]:

@@ -241,7 +241,13 @@ class IreeEngine:
         return self.cache.put(key, result.vmfb, files, meta)
 
     def _emit(self, graph: Graph, emit_options: Any) -> Any:
-        emitter = self._emitter or _emit_module().emit_mlir
+        if self._emitter is not None:
+            emitter = self._emitter
+        else:
+            try:
+                emitter = _emit_module().emit_mlir
+            except ImportError as exc:
+                raise UnsupportedError(f"the IREE emitter is not available: {exc}") from None
         try:
             emitted = emitter(graph, func_name=FUNC_NAME, options=emit_options)
         except FusegraphError:

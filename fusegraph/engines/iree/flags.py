@@ -30,6 +30,7 @@ class FlagSet:
     data_tiling: bool = False
     ukernels: str = "default"
     aggressive_fusion: bool = False
+    fuse_padding: bool = False
     extra_flags: tuple[str, ...] = ()
 
     def flags(self, target: Target) -> tuple[str, ...]:
@@ -43,6 +44,8 @@ class FlagSet:
                 out.append(f"--iree-rocm-enable-ukernels={self.ukernels}")
         if self.aggressive_fusion:
             out.append("--iree-dispatch-creation-enable-aggressive-fusion")
+        if self.fuse_padding:
+            out.append("--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops")
         out.extend(self.extra_flags)
         return tuple(out)
 
@@ -70,6 +73,7 @@ def flag_knobs(target: Target) -> list[Knob]:
         Knob("opt_level", d.opt_level, OPT_LEVELS, description="IREE global optimization level (--iree-opt-level)"),
         Knob("data_tiling", d.data_tiling, (False, True), description="pack matmul/conv operands into tiled layouts (--iree-opt-data-tiling)"),
         Knob("aggressive_fusion", d.aggressive_fusion, (False, True), description="--iree-dispatch-creation-enable-aggressive-fusion"),
+        Knob("fuse_padding", d.fuse_padding, (False, True), description="fuse a convolution's zero padding into its dispatch (--iree-dispatch-creation-enable-fuse-padding-into-linalg-consumer-ops)"),
         Knob("extra_flags", d.extra_flags, description="more iree-compile flags, appended as given (a tuple of strings)"),
     ]
     if target.kind in ("cpu", "hip"):

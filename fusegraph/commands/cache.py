@@ -1,0 +1,83 @@
+"""`fusegraph cache info|list|clear`: the IREE engine's compiled-module cache on disk."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser("cache", help="inspect or clear the compiled-module cache")
+    csub = p.add_subparsers(dest="cache_command", required=True)
+    info = csub.add_parser("info", help="where the cache is, how many entries and bytes")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    info.set_defaults(fn=_info)
+    lst = csub.add_parser("list", help="one line per entry: key, graph, target, dispatches, size, age")
+    lst.add_argument("--verify", action="store_true", help="also check every entry's checksums")
+    lst.add_argument("--json", action="store_true", help="print the manifests as JSON")
+    lst.set_defaults(fn=_list)
+    clr = csub.add_parser("clear", help="remove every entry (and kept compile-failure reproducers)")
+    clr.add_argument("--keep-failures", action="store_true", help="keep <cache>/failures/")
+    clr.set_defaults(fn=_clear)
+
+
+def _cache() -> Any:
+    from fusegraph.engines.iree.cache import ModuleCache
+
+    return ModuleCache()
+
+
+def _info(args: argparse.Namespace) -> int:
+    info = _cache().info()
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    state = "enabled" if info["enabled"] else "disabled (FUSEGRAPH_CACHE=0)"
+    print(f"cache directory : {info['root']} ({state})")
+    print(f"entries         : {info['entries']} ({info['bytes'] / 1e6:.2f} MB)")
+    print(f"kept failures   : {info['failures']} (under {info['root']}/failures)")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    cache = _cache()
+    entries = cache.list_entries()
+    if args.json:
+        print(json.dumps(entries, indent=1, default=str))
+        return 0
+    if not entries:
+        print(f"no entries in {cache.entries_root}")
+        return 0
+    now = time.time()
+    print(f"{'key':14s} {'graph':24s} {'target':12s} {'disp':>4s} {'KB':>8s} {'age':>8s}  status")
+    bad = 0
+    for e in entries:
+        meta = e.get("meta", {})
+        status = "corrupt manifest" if e.get("corrupt") else "ok"
+        if args.verify and status == "ok":
+            why = cache.verify(e["key"])
+            status = why or "verified"
+        bad += status not in ("ok", "verified")
+        disp = meta.get("statistics", {}).get("dispatch_count", "?")
+        age = _age(now - float(e.get("created", now)))
+        print(
+            f"{str(e.get('key', '?'))[:12]:14s} {str(meta.get('graph_name', '?'))[:24]:24s} "
+            f"{str(meta.get('target', '?')):12s} {disp!s:>4s} {int(e.get('size', 0)) / 1e3:8.1f} {age:>8s}  {status}"
+        )
+    return 1 if bad else 0
+
+
+def _clear(args: argparse.Namespace) -> int:
+    cache = _cache()
+    n = cache.clear(failures=not args.keep_failures)
+    print(f"removed {n} entr{'y' if n == 1 else 'ies'} from {cache.entries_root}")
+    return 0
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.0f}{unit}"
+    return f"{seconds:.0f}s"
