@@ -12,10 +12,25 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fusegraph.engines.iree.lower_attention import lower_sdpa
 from fusegraph.engines.iree.lower_base import Lowering, Val, vtensor
 from fusegraph.engines.iree.lower_conv import lower_conv_dgrad, lower_conv_fprop, lower_conv_wgrad
+from fusegraph.engines.iree.lower_data import (
+    lower_concatenate,
+    lower_reshape,
+    lower_slice,
+    lower_transpose,
+)
 from fusegraph.engines.iree.lower_matmul import lower_matmul
+from fusegraph.engines.iree.lower_norm import (
+    lower_batchnorm,
+    lower_batchnorm_inference,
+    lower_layernorm,
+    lower_rmsnorm,
+)
 from fusegraph.engines.iree.lower_pointwise import lower_pointwise
+from fusegraph.engines.iree.lower_pool import lower_pooling
+from fusegraph.engines.iree.lower_reduce import lower_reduction, lower_softmax
 from fusegraph.errors import FusegraphError, UnsupportedError
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
@@ -23,6 +38,7 @@ from fusegraph.graph.node import Node
 from fusegraph.graph.ops import OpKind
 
 CONV_LAYOUTS = ("nhwc", "nchw")
+ATTENTION = ("fused", "decomposed")
 
 
 @dataclass(frozen=True)
@@ -33,14 +49,19 @@ class EmitOptions:
         (fast on CPU); "nchw" emits torch.aten.convolution on the logical layout.
     filter_barrier: keep a transposed filter in its own dispatch, so that IREE does not
         fold the transpose into the convolution (which makes it a slow generic op).
+    attention: "fused" emits torch's scaled_dot_product_attention (IREE's attention
+        op); "decomposed" writes matmul, mask, softmax, matmul.
     """
 
     conv_layout: str = "nhwc"
     filter_barrier: bool = True
+    attention: str = "fused"
 
     def __post_init__(self) -> None:
         if self.conv_layout not in CONV_LAYOUTS:
             raise ValueError(f"conv_layout must be one of {CONV_LAYOUTS}, got {self.conv_layout!r}")
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
 
 
 @dataclass(frozen=True)
@@ -61,6 +82,18 @@ LOWER: dict[OpKind, NodeLowering] = {
     OpKind.CONV_WGRAD: lower_conv_wgrad,
     OpKind.MATMUL: lower_matmul,
     OpKind.POINTWISE: lower_pointwise,
+    OpKind.REDUCTION: lower_reduction,
+    OpKind.BATCHNORM_INFERENCE: lower_batchnorm_inference,
+    OpKind.BATCHNORM: lower_batchnorm,
+    OpKind.LAYERNORM: lower_layernorm,
+    OpKind.RMSNORM: lower_rmsnorm,
+    OpKind.POOLING: lower_pooling,
+    OpKind.SDPA: lower_sdpa,
+    OpKind.SOFTMAX: lower_softmax,
+    OpKind.RESHAPE: lower_reshape,
+    OpKind.TRANSPOSE: lower_transpose,
+    OpKind.CONCATENATE: lower_concatenate,
+    OpKind.SLICE: lower_slice,
 }
 
 

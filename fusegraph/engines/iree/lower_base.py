@@ -148,7 +148,7 @@ class Builder:
     def const_bool(self, value: bool) -> str:
         return self._const("bool", "true" if value else "false", "bool")
 
-    def none(self) -> str:
+    def const_none(self) -> str:
         key = ("none", "")
         if key not in self._consts:
             name = self.fresh("none")
@@ -334,7 +334,7 @@ class Lowering:
                 (b.const_int(TORCH_DTYPE[dtype]), "!torch.int"),
                 (b.const_bool(False), "!torch.bool"),
                 (b.const_bool(False), "!torch.bool"),
-                (b.none(), "!torch.none"),
+                (b.const_none(), "!torch.none"),
             ],
             val.shape,
             dtype,
@@ -370,6 +370,42 @@ class Lowering:
             f"{res} = torch_c.from_builtin_tensor {name} : {tensor_type(shp, dtype)} -> {vtensor(shp, dtype)}"
         )
         return Val(res, shp, dtype, perm)
+
+    def pad_builtin(
+        self,
+        xb: str,
+        shape: Sequence[int],
+        dtype: DataType,
+        low: Sequence[int],
+        high: Sequence[int],
+        fill: float,
+    ) -> tuple[str, Shape]:
+        """tensor.pad of a builtin tensor with a constant; returns (value, padded shape)."""
+        padded = tuple(int(d) + lo + hi for d, lo, hi in zip(shape, low, high, strict=True))
+        if not any(low) and not any(high):
+            return xb, padded
+        b = self.b
+        elem = builtin_elem(dtype)
+        value = b.fresh("padval")
+        b.line(f"{value} = arith.constant {float_literal(fill, dtype)} : {elem}")
+        res = b.fresh("pad")
+        idx = ", ".join(f"{b.fresh('i')}: index" for _ in shape)
+        b.line(f"{res} = tensor.pad {xb} low[{', '.join(map(str, low))}] high[{', '.join(map(str, high))}] {{")
+        b.line(f"^bb0({idx}):")
+        b.line(f"  tensor.yield {value} : {elem}")
+        b.line(f"}} : {tensor_type(shape, dtype)} to {tensor_type(padded, dtype)}")
+        return res, padded
+
+    def filled(self, shape: Sequence[int], dtype: DataType, fill: float) -> str:
+        """A builtin tensor of ``shape`` filled with a constant (a linalg accumulator)."""
+        b = self.b
+        empty, value, res = b.fresh("empty"), b.fresh("init"), b.fresh("acc")
+        ty = tensor_type(shape, dtype)
+        elem = builtin_elem(dtype)
+        b.line(f"{empty} = tensor.empty() : {ty}")
+        b.line(f"{value} = arith.constant {float_literal(fill, dtype)} : {elem}")
+        b.line(f"{res} = linalg.fill ins({value} : {elem}) outs({empty} : {ty}) -> {ty}")
+        return res
 
     def fail(self, why: str) -> UnsupportedError:
         return UnsupportedError(why, node=self.node.name if self.node else None)

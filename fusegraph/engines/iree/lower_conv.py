@@ -13,14 +13,7 @@ and the gradients go through ``torch.aten.convolution``.
 from __future__ import annotations
 
 from fusegraph.dtypes import DataType
-from fusegraph.engines.iree.lower_base import (
-    Lowering,
-    Perm,
-    Val,
-    builtin_elem,
-    identity,
-    tensor_type,
-)
+from fusegraph.engines.iree.lower_base import Lowering, Perm, Val, identity, tensor_type
 from fusegraph.graph.infer import conv_groups
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import ConvAttrs
@@ -56,36 +49,6 @@ def _filter(ctx: Lowering, t_val: Val, perm: Perm) -> str:
         ctx.b.line(f"{fenced} = util.optimization_barrier {wb} : {tensor_type(w.shape, w.dtype)}")
         return fenced
     return wb
-
-
-def _pad(ctx: Lowering, xb: str, x: Val, attrs: ConvAttrs) -> tuple[str, tuple[int, ...]]:
-    """tensor.pad of a channels-last image (zero fill); returns (value, padded shape)."""
-    if not any(attrs.pre_padding) and not any(attrs.post_padding):
-        return xb, x.shape
-    b = ctx.b
-    low = (0, *attrs.pre_padding, 0)
-    high = (0, *attrs.post_padding, 0)
-    shape = tuple(d + lo + hi for d, lo, hi in zip(x.shape, low, high, strict=True))
-    zero = b.fresh("zero")
-    elem = builtin_elem(x.dtype)
-    b.line(f"{zero} = arith.constant 0.0 : {elem}")
-    res = b.fresh("pad")
-    idx = ", ".join(f"{b.fresh('i')}: index" for _ in shape)
-    b.line(f"{res} = tensor.pad {xb} low[{', '.join(map(str, low))}] high[{', '.join(map(str, high))}] {{")
-    b.line(f"^bb0({idx}):")
-    b.line(f"  tensor.yield {zero} : {elem}")
-    b.line(f"}} : {tensor_type(x.shape, x.dtype)} to {tensor_type(shape, x.dtype)}")
-    return res, shape
-
-
-def _zeros(ctx: Lowering, shape: tuple[int, ...], dtype: DataType) -> str:
-    b = ctx.b
-    empty, zero, acc = b.fresh("empty"), b.fresh("zero"), b.fresh("acc")
-    ty = tensor_type(shape, dtype)
-    b.line(f"{empty} = tensor.empty() : {ty}")
-    b.line(f"{zero} = arith.constant 0.0 : {builtin_elem(dtype)}")
-    b.line(f"{acc} = linalg.fill ins({zero} : {builtin_elem(dtype)}) outs({empty} : {ty}) -> {ty}")
-    return acc
 
 
 def _dense(values: tuple[int, ...]) -> str:
@@ -124,13 +87,10 @@ def _fprop_channels_last(ctx: Lowering, node: Node, kind: str) -> Val:
         flat = ctx.reshape(w_log, (wt.shape[0], *wt.shape[2:]))  # drop the unit C/g axis
         wb = _filter(ctx, flat, (*range(1, nsp + 1), 0))
         w_shape = (*wt.shape[2:], wt.shape[0])
-    xb, _ = _pad(ctx, ctx.to_builtin(x), x, attrs)
-    padded = tuple(
-        d + lo + hi
-        for d, lo, hi in zip(x.shape, (0, *attrs.pre_padding, 0), (0, *attrs.post_padding, 0), strict=True)
-    )
+    low, high = (0, *attrs.pre_padding, 0), (0, *attrs.post_padding, 0)
+    xb, padded = ctx.pad_builtin(ctx.to_builtin(x), x.shape, x.dtype, low, high, 0.0)
     out_shape = tuple(yt.shape[a] for a in cl)
-    acc = _zeros(ctx, out_shape, ct)
+    acc = ctx.filled(out_shape, ct, 0.0)
     res = ctx.b.fresh("conv")
     ty_out = tensor_type(out_shape, ct)
     ctx.b.line(
@@ -184,7 +144,7 @@ def torch_convolution(
         [
             x,
             w,
-            (b.none(), "!torch.none"),
+            (b.const_none(), "!torch.none"),
             (b.int_list(stride), _LIST),
             (b.int_list(zeros), _LIST),
             (b.int_list(dilation), _LIST),

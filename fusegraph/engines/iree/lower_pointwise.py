@@ -62,7 +62,7 @@ def _relu(c: Lowering, a: list[Val], p: PointwiseAttrs, shape: Shape, perm: Perm
     if slope == 0.0 and lower <= upper:
         if lower == 0.0 and math.isinf(upper):
             return b.aten("relu", [x], shape, ct, perm)
-        hi = (b.const_float(upper), _FLOAT) if math.isfinite(upper) else (b.none(), "!torch.none")
+        hi = (b.const_float(upper), _FLOAT) if math.isfinite(upper) else (b.const_none(), "!torch.none")
         return b.aten("clamp", [x, (b.const_float(lower), _FLOAT), hi], shape, ct, perm)
     if lower == 0.0 and math.isinf(upper):
         return b.aten("leaky_relu", [x, (b.const_float(slope), _FLOAT)], shape, ct, perm)
