@@ -822,7 +822,8 @@ class Graph:
         pair = layout.overlapping_axes(dims, strides)
         if pair is not None:
             raise ValidationError(
-                f"strides {strides} overlap: axes {pair[0]} and {pair[1]} address the same memory",
+                f"strides {strides} overlap: axes {pair[0]} and {pair[1]} interleave or address the "
+                "same memory (each axis must step over the whole extent of the axes inside it)",
                 tensor=t.name,
             )
 

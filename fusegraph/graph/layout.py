@@ -67,18 +67,31 @@ def stride_order(dim: Sequence[int], stride: Sequence[int]) -> tuple[int, ...]:
 
 
 def layout_name(dim: Sequence[int], stride: Sequence[int]) -> str | None:
-    """The canonical name of a packed layout (``"NHWC"``...), or None."""
+    """The canonical name of a packed layout (``"NHWC"``...), or None.
+
+    Where size-1 axes make the name ambiguous, their strides decide their place.
+    """
     canonical = _CANONICAL.get(len(dim))
-    if canonical is None or tuple(stride) != packed_strides(dim, stride_order(dim, stride)):
+    if canonical is None or not is_packed(dim, stride):
         return None
     return "".join(canonical[a] for a in stride_order(dim, stride))
 
 
 def is_packed(dim: Sequence[int], stride: Sequence[int]) -> bool:
-    """True when the strides are a dense permutation (no gaps, no broadcast)."""
-    return tuple(stride) == packed_strides(dim, stride_order(dim, stride)) and all(
-        s > 0 or d == 1 for d, s in zip(dim, stride, strict=True)
-    )
+    """True when the strides are a dense permutation (no gaps, no broadcast).
+
+    Size-1 axes are never stepped over, so their strides do not matter (numpy gives
+    them various values).
+    """
+    axes = [a for a in range(len(dim)) if dim[a] > 1]
+    if any(stride[a] <= 0 for a in axes):
+        return False
+    step = 1
+    for a in sorted(axes, key=lambda a: stride[a]):
+        if stride[a] != step:
+            return False
+        step *= int(dim[a])
+    return True
 
 
 def overlapping_axes(dim: Sequence[int], stride: Sequence[int]) -> tuple[int, int] | None:
