@@ -18,9 +18,10 @@ def _run(args: argparse.Namespace) -> int:
     rows = REGISTRY.info()
     width = max(len(r.name) for r in rows)
     vwidth = max(10, *(len(r.version) for r in rows))
+    owidth = max(10, *(len(r.origin) for r in rows))
     for r in rows:
         state = "available" if r.available else f"unavailable: {r.available.reason}"
-        print(f"{r.name:{width}s}  {r.version:{vwidth}s}  {r.origin:10s}  {state}")
+        print(f"{r.name:{width}s}  {r.version:{vwidth}s}  {r.origin:{owidth}s}  {state}")
     if args.device:
         _device_rows(args.device)
     heur = REGISTRY.heuristics()

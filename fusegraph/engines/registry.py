@@ -15,9 +15,11 @@ protocol, never breaks fusegraph: the engine is listed as broken, with the reaso
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
@@ -79,7 +81,7 @@ class Registry:
             return
         self._loaded = True
         for name, target in self._builtin.items():
-            self._try(name, lambda t=target: _resolve(t), "built-in")
+            self._try(name, functools.partial(_resolve, target), "built-in")
         if not self._discover:
             return
         for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
@@ -186,3 +188,21 @@ def _resolve(target: str) -> Any:
 
 
 REGISTRY = Registry()
+
+
+_ACTIVE: list[Registry] = [REGISTRY]
+
+
+def active_registry() -> Registry:
+    """The registry selection uses when none is passed (REGISTRY unless inside ``using``)."""
+    return _ACTIVE[-1]
+
+
+@contextlib.contextmanager
+def using(registry: Registry) -> Iterator[Registry]:
+    """Makes ``registry`` the active one for the block (tests, embedding programs)."""
+    _ACTIVE.append(registry)
+    try:
+        yield registry
+    finally:
+        _ACTIVE.remove(registry)

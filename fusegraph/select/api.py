@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fusegraph.engines.base import Engine, EngineConfig, ExecutionPlan, Support
-from fusegraph.engines.registry import REGISTRY, Registry
+from fusegraph.engines.registry import Registry, active_registry
 from fusegraph.errors import CompileError, ExecutionError, FusegraphError, UnsupportedError
 from fusegraph.graph.graph import Graph
 from fusegraph.runtime.handle import Handle, as_handle
@@ -84,9 +84,10 @@ def ranked_configs(
     graph: Graph,
     handle: Handle,
     modes: Sequence[HeurMode],
-    registry: Registry = REGISTRY,
+    registry: Registry | None = None,
 ) -> list[Candidate]:
     """Heuristic candidates for the modes, in order (plugins first in A and B)."""
+    registry = registry or active_registry()
     engines = registry.available_engines()
     names = {e.name for e in engines}
     out: list[Candidate] = []
@@ -131,9 +132,10 @@ def create_execution_plans(
     config: EngineConfig | Mapping[str, Any] | None = None,
     preferred_engine: str | None = None,
     use_tuned: bool = True,
-    registry: Registry = REGISTRY,
+    registry: Registry | None = None,
 ) -> list[Candidate]:
     """Ranks (engine, config) candidates for the graph on the handle (nothing is built)."""
+    registry = registry or active_registry()
     graph.ensure_valid()
     h = as_handle(handle)
     modes_t = tuple(HeurMode(m) for m in (modes if modes is not None else DEFAULT_MODES))
@@ -213,7 +215,8 @@ def _safe(fn: Any) -> Support:
         return Support.no(f"raised {type(exc).__name__}: {exc}")
 
 
-def every_engine_reason(graph: Graph, handle: Handle, registry: Registry = REGISTRY) -> list[str]:
+def every_engine_reason(graph: Graph, handle: Handle, registry: Registry | None = None) -> list[str]:
+    registry = registry or active_registry()
     lines = []
     for e in registry.engines():
         s = _engine_support(registry, e.name, graph, handle)
@@ -223,9 +226,10 @@ def every_engine_reason(graph: Graph, handle: Handle, registry: Registry = REGIS
     return lines
 
 
-def check_support(graph: Graph, handle: Handle | str | None = None, registry: Registry = REGISTRY) -> list[Candidate]:
+def check_support(graph: Graph, handle: Handle | str | None = None, registry: Registry | None = None) -> list[Candidate]:
     """Keeps the candidates whose engine supports the graph; raises UnsupportedError (with
     every engine's reason) when none does and no split into supported pieces exists."""
+    registry = registry or active_registry()
     sel = _selection(graph, handle)
     h = sel.handle
     cache: dict[str, Support] = {}
@@ -302,8 +306,9 @@ def _partition_support(graph: Graph, h: Handle, config: EngineConfig, registry: 
 
 
 # ---- building ---------------------------------------------------------------------------------
-def build_candidate(graph: Graph, handle: Handle, config: EngineConfig, registry: Registry = REGISTRY) -> ExecutionPlan:
+def build_candidate(graph: Graph, handle: Handle, config: EngineConfig, registry: Registry | None = None) -> ExecutionPlan:
     """Builds one (engine, config); a partition config builds each piece's plan."""
+    registry = registry or active_registry()
     if config.engine == PARTITION:
         plans = []
         for p in pieces_from_config(graph, config):
@@ -319,9 +324,10 @@ def build_plans(
     graph: Graph,
     policy: BuildPlanPolicy | None = None,
     handle: Handle | str | None = None,
-    registry: Registry = REGISTRY,
+    registry: Registry | None = None,
 ) -> list[ExecutionPlan]:
     """HEURISTICS_CHOICE: the first candidate that builds; ALL: every candidate that builds."""
+    registry = registry or active_registry()
     policy = BuildPlanPolicy(policy) if policy is not None else BuildPlanPolicy.HEURISTICS_CHOICE
     sel = _selection(graph, handle)
     if not sel.checked:
@@ -379,9 +385,10 @@ def build(
     preferred_engine: str | None = None,
     modes: Sequence[HeurMode] | None = None,
     use_tuned: bool = True,
-    registry: Registry = REGISTRY,
+    registry: Registry | None = None,
 ) -> ExecutionPlan:
     """The default plan for ``handle`` (see the module docstring for the precedence)."""
+    registry = registry or active_registry()
     h = as_handle(handle)
     create_execution_plans(
         graph, modes, h, engine=engine, config=config, preferred_engine=preferred_engine,

@@ -24,7 +24,7 @@ import numpy as np
 
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan
-from fusegraph.engines.registry import REGISTRY, Registry
+from fusegraph.engines.registry import Registry, active_registry
 from fusegraph.errors import FusegraphError, UnsupportedError
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
@@ -253,9 +253,10 @@ def autotune(
     db: TuningDB | None = None,
     progress: bool | None = None,
     rng: np.random.Generator | None = None,
-    registry: Registry = REGISTRY,
+    registry: Registry | None = None,
 ) -> TuningResult:
     """Times the candidates within ``budget_s`` and stores the fastest correct one."""
+    registry = registry or active_registry()
     from tqdm.auto import tqdm
 
     graph.ensure_valid()

@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from fusegraph.engines.base import Engine, EngineConfig, Knob
 from fusegraph.graph.graph import Graph
+from fusegraph.graph.node import Node
 from fusegraph.graph.ops import CONVOLUTIONS, DATA_MOVEMENT, NORMS, OpKind
 from fusegraph.runtime.handle import Handle
 from fusegraph.select.modes import HeurMode
@@ -84,7 +85,7 @@ def features(graph: Graph) -> GraphFeatures:
     return GraphFeatures(len(graph.nodes), n_compute, n_reduce, n_pw, n_data, flops, nbytes)
 
 
-def _node_flops(n: Any) -> float:
+def _node_flops(n: Node) -> float:
     if n.kind == OpKind.MATMUL:
         c = n.outputs["c"].shape
         k = n.inputs["a"].shape[-1]

@@ -1,0 +1,145 @@
+"""Fake engines for selection / autotuning tests: real plans (the float64 reference does the
+math, cast to the graph's types), with a chosen op coverage, device coverage, speed per
+knob setting and, on demand, wrong answers."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+import fusegraph as fg
+from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support
+from fusegraph.engines.reference import write_outputs
+from fusegraph.engines.registry import BUILTIN, Registry
+from fusegraph.graph.ops import OpKind
+from fusegraph.reference.executor import run_reference
+from fusegraph.runtime.variant_pack import resolve_pack
+from fusegraph.select.partition import to_host
+
+
+class FakePlan(ExecutionPlan):
+    def __init__(self, graph: fg.Graph, handle: fg.Handle, config: EngineConfig, engine: FakeEngine) -> None:
+        super().__init__(graph, handle, config)
+        self.fake = engine
+
+    def execute(self, variant_pack: Mapping[Any, Any]) -> dict[str, Any]:
+        self.fake.calls += 1
+        delay = self.fake.delay * self.fake.speed.get(self.config.get("speed", "slow"), 1.0)
+        if delay:
+            time.sleep(delay)
+        pack = resolve_pack(self.graph, variant_pack, check=lambda t, v, what: v)
+        values = run_reference(self.graph, {k: np.asarray(to_host(v)) for k, v in pack.inputs.items()})
+        if self.fake.wrong:
+            values = {k: v + 1.0 for k, v in values.items()}
+        return write_outputs(self.graph, values, pack.outputs)
+
+
+class FakeEngine:
+    """An engine for tests; ``ops`` limits the op kinds it takes (None: all)."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        ops: set[OpKind] | None = None,
+        gpu: bool = True,
+        cpu: bool = True,
+        delay: float = 0.0,
+        wrong: bool = False,
+        version: str = "1.0",
+        knobs: Sequence[Knob] = (),
+        speed: dict[Any, float] | None = None,
+    ) -> None:
+        self.name = name
+        self.version = version
+        self.ops = ops
+        self.gpu, self.cpu = gpu, cpu
+        self.delay = delay
+        self.wrong = wrong
+        self._knobs = list(knobs)
+        self.speed = speed or {}
+        self.calls = 0
+        self.builds = 0
+
+    def available(self) -> Support:
+        return Support.yes()
+
+    def supports(self, graph: fg.Graph, handle: fg.Handle) -> Support:
+        if handle.device.is_gpu and not self.gpu:
+            return Support.no(f"{self.name} has no GPU backend")
+        if not handle.device.is_gpu and not self.cpu:
+            return Support.no(f"{self.name} has no CPU backend")
+        if self.ops is not None:
+            for n in graph.nodes:
+                if n.kind not in self.ops:
+                    return Support.no(f"{self.name} cannot run {n.kind.value} (node '{n.name}')")
+        return Support.yes()
+
+    def knobs(self, graph: fg.Graph, handle: fg.Handle) -> Sequence[Knob]:
+        return list(self._knobs)
+
+    def build(self, graph: fg.Graph, handle: fg.Handle, config: EngineConfig | None = None) -> ExecutionPlan:
+        self.builds += 1
+        return FakePlan(graph, handle, config or EngineConfig(self.name), self)
+
+
+def registry_with(*engines: Any, reference: bool = True) -> Registry:
+    """A registry of exactly these engines (plus the real reference engine)."""
+    reg = Registry(builtin={"reference": BUILTIN["reference"]} if reference else {}, discover=False)
+    for e in engines:
+        reg.register(e, origin="test")
+    return reg
+
+
+def chain_graph(n: int = 3, shape: Sequence[int] = (4, 16)) -> fg.Graph:
+    """x -> relu -> (+ b) -> tanh ... : a pointwise chain of ``n`` ops."""
+    g = fg.Graph("chain", io_data_type=fg.DataType.FLOAT)
+    x = g.tensor("x", list(shape))
+    b = g.tensor("b", list(shape))
+    y = g.relu(x)
+    for i in range(n - 1):
+        y = g.add(y, b) if i % 2 == 0 else g.tanh(y)
+    y.set_output(True).set_name("y")
+    return g.validate()
+
+
+def matmul_chain_graph() -> fg.Graph:
+    """matmul -> relu -> matmul -> add: two kinds of op, interleaved."""
+    g = fg.Graph("mm_chain", io_data_type=fg.DataType.FLOAT)
+    a = g.tensor("a", [8, 16])
+    w1 = g.tensor("w1", [16, 12])
+    w2 = g.tensor("w2", [12, 10])
+    bias = g.tensor("bias", [1, 10])
+    h = g.relu(g.matmul(a, w1, name="mm1"), name="act")
+    y = g.add(g.matmul(h, w2, name="mm2"), bias, name="addb")
+    y.set_output(True).set_name("y")
+    return g.validate()
+
+
+def conv_graph(n: int = 1, c: int = 8, hw: int = 8, k: int = 8) -> fg.Graph:
+    g = fg.Graph("conv_bias_relu", io_data_type=fg.DataType.FLOAT)
+    x = g.tensor("x", [n, c, hw, hw], fg.strides_for([n, c, hw, hw], "NHWC"))
+    w = g.tensor("w", [k, c, 3, 3], fg.strides_for([k, c, 3, 3], "KRSC"))
+    b = g.tensor("b", [1, k, 1, 1])
+    y = g.relu(g.bias(g.conv_fprop(x, w, padding=[1, 1], name="conv"), b, name="bias"), name="relu")
+    y.set_output(True).set_name("y")
+    return g.validate()
+
+
+def layernorm_graph(rows: int = 8, cols: int = 32) -> fg.Graph:
+    g = fg.Graph("layernorm", io_data_type=fg.DataType.FLOAT)
+    x = g.tensor("x", [rows, cols])
+    s = g.tensor("s", [1, cols])
+    b = g.tensor("b", [1, cols])
+    y, _, _ = g.layernorm(x, s, b, 1e-5)
+    y.set_output(True).set_name("y")
+    return g.validate()
+
+
+def rel_error(out: np.ndarray, ref: np.ndarray) -> float:
+    o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert not np.isnan(o).any(), "NaN in output"
+    return float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-300))
