@@ -257,14 +257,7 @@ class BuiltinHeuristic:
             if all(c.engine != name for c in firsts):
                 firsts.append(EngineConfig(name))
         if mode != HeurMode.B:
-            # A: one config per engine (its best-ranked)
-            seen: set[str] = set()
-            one = []
-            for c in firsts:
-                if c.engine not in seen:
-                    seen.add(c.engine)
-                    one.append(c)
-            return one
+            return firsts  # A: the rule's steps, then every other engine at its defaults
         out = list(firsts)
         for name in by_name:
             for combo in knob_configs(knobs_of(name)):

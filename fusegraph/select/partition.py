@@ -8,7 +8,8 @@ Policy (deterministic, cycle-free by construction):
    still supports together with the piece (``supports()`` on the extracted subgraph).
 3. When no ready node fits, the piece is closed and a new one starts with the first ready
    node and the first engine (in preference order) that supports that node alone.
-4. A node that no engine supports raises UnsupportedError listing every engine's reason.
+4. The reference engine (CPU handles only) takes only nodes no other engine supports.
+5. A node that no engine supports raises UnsupportedError listing every engine's reason.
 
 Pieces are thus contiguous runs of one topological order: each reads only graph inputs
 and outputs of earlier pieces, so there is never a cycle between pieces. Intermediates
@@ -126,6 +127,10 @@ def split(graph: Graph, handle: Handle, engines: Sequence[Engine]) -> list[Piece
             for n in ready:
                 if not supports_alone(eng, n):
                     continue
+                if eng_name == "reference" and any(
+                    e.name != "reference" and supports_alone(e, n) for e in engines
+                ):
+                    continue  # the reference only takes what no other engine can
                 if _supports(eng, extract(graph, [*members, n.name]), handle):
                     members.append(n.name)
                     done.add(n.name)
