@@ -13,9 +13,9 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from fusegraph.engines.registry import REGISTRY
+    from fusegraph.engines.registry import active_registry
 
-    rows = REGISTRY.info()
+    rows = active_registry().info()
     width = max(len(r.name) for r in rows)
     vwidth = max(10, *(len(r.version) for r in rows))
     owidth = max(10, *(len(r.origin) for r in rows))
@@ -24,8 +24,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"{r.name:{width}s}  {r.version:{vwidth}s}  {r.origin:{owidth}s}  {state}")
     if args.device:
         _device_rows(args.device)
-    heur = REGISTRY.heuristics()
-    broken = REGISTRY.broken_heuristics()
+    heur = active_registry().heuristics()
+    broken = active_registry().broken_heuristics()
     print(f"heuristics: builtin{''.join(', ' + h.name for h in heur)}")
     for name, why in broken.items():
         print(f"  heuristic {name}: {why}")
@@ -35,7 +35,7 @@ def _run(args: argparse.Namespace) -> int:
 def _device_rows(spec: str) -> None:
     """Whether each available engine can drive the device (a trivial graph as the probe)."""
     import fusegraph as fg
-    from fusegraph.engines.registry import REGISTRY
+    from fusegraph.engines.registry import active_registry
 
     h = fg.Handle(spec)
     g = fg.Graph("probe", io_data_type=fg.DataType.FLOAT)
@@ -43,6 +43,6 @@ def _device_rows(spec: str) -> None:
     g.relu(x).set_output(True)
     g.validate()
     print(f"on {h.device}:")
-    for e in REGISTRY.available_engines():
+    for e in active_registry().available_engines():
         s = e.supports(g, h)
         print(f"  {e.name}: {'yes' if s else 'no: ' + s.reason}")

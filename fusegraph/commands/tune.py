@@ -21,12 +21,12 @@ def register(sub: Any) -> None:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from fusegraph.engines.registry import REGISTRY
+    from fusegraph.engines.registry import active_registry
     from fusegraph.select.autotune import format_entry
     from fusegraph.select.tuning_db import default_db, engine_versions
 
     db = default_db()
-    current = engine_versions(REGISTRY.available_engines())
+    current = engine_versions(active_registry().available_engines())
     entries = [e for e in db.entries() if args.graph_key is None or e.graph_key.startswith(args.graph_key)]
     if not entries:
         print(f"no tuning entries{' for ' + args.graph_key if args.graph_key else ''} in {db.path}")

@@ -7,7 +7,9 @@ wrong plan is never chosen, however fast), warmed up, then timed: the median of 
 and the device synchronized after each run (``synchronize``). The budget is shared out
 over the candidates in order, so the heuristic's favourites are always measured. The
 winner is stored in the tuning database, so later builds of the same graph on the same
-device with the same versions use it without timing.
+device with the same versions use it without timing. The reference engine is the
+yardstick, not a contender: it is timed only when no other engine can run the graph (or
+with ``include_reference=True``).
 """
 
 from __future__ import annotations
@@ -224,13 +226,21 @@ def time_plan(
 
 
 def _candidates(
-    graph: Graph, h: Handle, modes: Sequence[HeurMode], engines: Sequence[str] | None, registry: Registry
+    graph: Graph,
+    h: Handle,
+    modes: Sequence[HeurMode],
+    engines: Sequence[str] | None,
+    registry: Registry,
+    include_reference: bool,
 ) -> list[api.Candidate]:
     api.create_execution_plans(graph, modes, h, use_tuned=False, registry=registry)
     try:
         cands = api.check_support(graph, h, registry)
     except UnsupportedError:
         raise
+    others = [c for c in cands if c.config.engine != "reference"]
+    if others and not include_reference:
+        cands = others  # the reference is the yardstick, not a contender (unless it is all there is)
     if engines is not None:
         cands = [c for c in cands if c.config.engine in engines]
         if not cands:
@@ -253,6 +263,7 @@ def autotune(
     db: TuningDB | None = None,
     progress: bool | None = None,
     rng: np.random.Generator | None = None,
+    include_reference: bool = False,
     registry: Registry | None = None,
 ) -> TuningResult:
     """Times the candidates within ``budget_s`` and stores the fastest correct one."""
@@ -269,7 +280,7 @@ def autotune(
     host_inputs = {k: to_host(v) for k, v in inputs.items()}
     reference = run_reference(graph, host_inputs)
     tol = rtol if rtol is not None else tolerance(graph)
-    cands = _candidates(graph, h, modes, engines, registry)
+    cands = _candidates(graph, h, modes, engines, registry, include_reference)
 
     measurements: list[Measurement] = []
     plans: dict[EngineConfig, ExecutionPlan] = {}

@@ -1,0 +1,307 @@
+"""Autotuning and the tuning database: the fastest *correct* plan wins, it is persisted and
+reused without timing, a version change invalidates it, precedence is pinned -> tuned ->
+heuristic, and `fusegraph tune show|clear` report it."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+from engine_fakes import FakeEngine, chain_graph, conv_graph, registry_with, rel_error
+
+import fusegraph as fg
+from fusegraph import HeurMode
+from fusegraph.cli import main as cli_main
+from fusegraph.engines.base import EngineConfig, Knob
+from fusegraph.engines.registry import using
+from fusegraph.errors import UnsupportedError
+from fusegraph.select import tuning_db
+from fusegraph.select.autotune import compare, random_inputs, tolerance
+from fusegraph.select.device_id import device_id
+from fusegraph.select.tuning_db import Measurement, TuningDB, TuningEntry, engine_versions
+
+CPU = fg.Handle("cpu")
+SPEED = Knob("speed", "slow", ("slow", "fast"), description="how long the fake sleeps")
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    d = tmp_path / "cache"
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(d))
+    monkeypatch.delenv("FUSEGRAPH_ENGINE", raising=False)
+    return d
+
+
+def _engines() -> tuple[FakeEngine, FakeEngine, FakeEngine]:
+    # "iree" is the heuristic's first choice on CPU but slow; torch[speed=fast] is fastest;
+    # "wrong" is faster still, but its answers are off by one.
+    iree = FakeEngine("iree", delay=0.004)
+    torch = FakeEngine("torch", delay=0.004, knobs=[SPEED], speed={"slow": 1.0, "fast": 0.1})
+    wrong = FakeEngine("wrong", delay=0.0, wrong=True)
+    return iree, torch, wrong
+
+
+def test_autotune_picks_the_fastest_plan_that_matches(cache_dir: Path) -> None:
+    iree, torch, wrong = _engines()
+    reg = registry_with(iree, torch, wrong)
+    g = chain_graph()
+    with using(reg):
+        res = g.autotune(handle=CPU, budget_s=10, repeats=5, progress=False)
+    assert res.best == EngineConfig("torch", (("speed", "fast"),))
+    status = {str(m.config): m.status for m in res.measurements}
+    assert status["wrong"] == "mismatch"
+    assert status["iree"] == status["torch"] == "ok"
+    assert "reference" not in status  # the yardstick, not a contender
+    fast, slow = res.time_of(res.best), res.time_of(EngineConfig("torch"))
+    assert fast is not None and slow is not None and fast < slow
+    assert all(m.runs >= 3 for m in res.measurements if m.status == "ok")
+    assert res.persisted and (cache_dir / "tuning" / "tuning.json").exists()
+    assert g.plans[("*", CPU)] is res.plan  # execute now uses the winner
+
+
+def test_tuned_entry_is_used_by_later_builds_without_timing(rng: np.random.Generator) -> None:
+    iree, torch, wrong = _engines()
+    reg = registry_with(iree, torch, wrong)
+    with using(reg):
+        chain_graph().autotune(handle=CPU, budget_s=10, repeats=3, progress=False)
+        calls = (iree.calls, torch.calls, wrong.calls)
+        g2 = chain_graph()  # a new graph object with the same key
+        plan = g2.build(CPU)
+        assert plan.config == EngineConfig("torch", (("speed", "fast"),))
+        assert g2._selection.candidates[0].source == "tuned"
+        assert (iree.calls, torch.calls, wrong.calls) == calls  # nothing was run to decide
+        pack = random_inputs(g2, rng)
+        out = g2.execute(pack)["y"]
+    assert rel_error(out, g2.execute(pack, engine="reference")["y"]) < 1e-6
+
+
+def test_autotune_with_a_given_variant_pack(rng: np.random.Generator) -> None:
+    iree, torch, wrong = _engines()
+    reg = registry_with(iree, torch, wrong)
+    g = chain_graph()
+    pack = {"x": rng.standard_normal((4, 16)).astype(np.float32), "b": rng.standard_normal((4, 16)).astype(np.float32)}
+    with using(reg):
+        res = g.autotune(pack, CPU, budget_s=10, repeats=3, progress=False)
+    assert res.best.engine == "torch"
+
+
+def test_a_version_change_invalidates_the_entry(caplog: pytest.LogCaptureFixture) -> None:
+    iree, torch, wrong = _engines()
+    reg = registry_with(iree, torch, wrong)
+    with using(reg):
+        g = chain_graph()
+        g.autotune(handle=CPU, budget_s=10, repeats=3, progress=False)
+        torch.version = "2.0"  # as after an upgrade
+        g2 = chain_graph()
+        with caplog.at_level(logging.INFO, "fusegraph.select"):
+            plan = g2.build(CPU)
+        assert plan.engine == "iree"  # back to the heuristic
+        assert all(c.source != "tuned" for c in g2._selection.candidates)
+        assert "stale" in caplog.text and "engine:torch: 1.0 -> 2.0" in caplog.text
+        versions = engine_versions(reg.available_engines())
+        stale = tuning_db.default_db().stale(g2.key(), device_id(CPU), versions)
+        assert len(stale) == 1 and stale[0].versions["engine:torch"] == "1.0"
+        # tuning again replaces the stale entry
+        g2.autotune(handle=CPU, budget_s=10, repeats=3, progress=False)
+        assert tuning_db.default_db().stale(g2.key(), device_id(CPU), versions) == []
+        assert len(tuning_db.default_db().entries()) == 1
+
+
+def test_library_versions_are_part_of_the_key() -> None:
+    class WithLib(FakeEngine):
+        lib = "7.0"
+
+        def library_versions(self) -> dict[str, str]:
+            return {"cudnn": self.lib}
+
+    e = WithLib("torch")
+    v1 = engine_versions([e])
+    e.lib = "8.0"
+    v2 = engine_versions([e])
+    assert v1["lib:cudnn"] == "7.0" and v2["lib:cudnn"] == "8.0"
+    assert tuning_db.entry_key("k", "cpu", v1) != tuning_db.entry_key("k", "cpu", v2)
+
+
+def test_precedence_pinned_then_tuned_then_heuristic() -> None:
+    iree, torch, wrong = _engines()
+    reg = registry_with(iree, torch, wrong)
+    with using(reg):
+        chain_graph().autotune(handle=CPU, budget_s=10, repeats=3, progress=False)
+        g = chain_graph()
+        assert g.build(CPU).config.engine == "torch"  # tuned beats the heuristic (iree)
+        assert g.build(CPU, config=EngineConfig("iree")).engine == "iree"  # pinned beats tuned
+        assert g.build(CPU, preferred_engine="wrong").engine == "wrong"  # preference beats tuned
+        assert g.build(CPU, use_tuned=False).engine == "iree"
+
+
+def test_preferred_engine_takes_its_own_tuned_config() -> None:
+    iree, torch, wrong = _engines()
+    reg = registry_with(iree, torch, wrong)
+    with using(reg):
+        chain_graph().autotune(handle=CPU, budget_s=10, repeats=3, progress=False)
+        g = chain_graph()
+        plan = g.build(CPU, engine="torch")
+    assert plan.config == EngineConfig("torch", (("speed", "fast"),))
+
+
+def test_budget_limits_the_search_but_times_the_heuristic_choice_first() -> None:
+    iree = FakeEngine("iree", delay=0.01)
+    torch = FakeEngine("torch", delay=0.001, knobs=[Knob("variant", 0, tuple(range(20)))])
+    reg = registry_with(iree, torch)
+    with using(reg):
+        res = chain_graph().autotune(handle=CPU, budget_s=0.3, repeats=50, progress=False)
+    statuses = [m.status for m in res.measurements]
+    assert res.measurements[0].config == EngineConfig("iree") and statuses[0] == "ok"
+    assert "skipped" in statuses
+    assert res.entry.elapsed_s < 5
+
+
+def test_autotune_raises_when_nothing_is_correct() -> None:
+    reg = registry_with(FakeEngine("wrong", wrong=True), reference=False)
+    with using(reg), pytest.raises(UnsupportedError, match="no plan .* matches the reference"):
+        chain_graph().autotune(handle=CPU, budget_s=5, progress=False, persist=False)
+
+
+def test_autotune_restricted_to_engines() -> None:
+    iree, torch, wrong = _engines()
+    reg = registry_with(iree, torch, wrong)
+    with using(reg):
+        res = chain_graph().autotune(handle=CPU, engines=["iree"], budget_s=5, progress=False, persist=False)
+    assert {m.config.engine for m in res.measurements} == {"iree"}
+    assert tuning_db.default_db().entries() == []
+
+
+def test_autotune_real_engines_on_cpu(rng: np.random.Generator) -> None:
+    """torch (+ iree, + reference) on a real conv graph: the winner matches the reference."""
+    g = conv_graph()
+    res = g.autotune(handle=CPU, budget_s=30, repeats=5, modes=[HeurMode.A, HeurMode.FALLBACK], progress=False)
+    ok = [m for m in res.measurements if m.status == "ok"]
+    assert len(ok) >= 2, str(res)
+    assert res.best in {m.config for m in ok}
+    pack = random_inputs(g, rng)
+    assert rel_error(g.execute(pack)["y"], g.execute(pack, engine="reference")["y"]) < 1e-4
+    assert chain_graph().key() != g.key()
+    again = conv_graph()
+    plan = again.build(CPU)
+    chosen = next(c for c in again._selection.candidates if c.plan is plan)
+    assert (chosen.source, chosen.config) == ("tuned", res.best)
+
+
+# ---- the database file --------------------------------------------------------------------------
+def _entry(key: str = "k" * 64, engine: str = "torch") -> TuningEntry:
+    return TuningEntry(
+        graph_key=key, graph_name="g", device="cpu[test]", versions={"fusegraph": "0"},
+        chosen=EngineConfig(engine, (("pieces", (("a", ("n1", "n2")),)),)),
+        measurements=[Measurement(EngineConfig(engine), "ok", median_ms=1.0, runs=3, rel_error=0.0)],
+    )
+
+
+def test_db_round_trips_configs_with_nested_knobs(tmp_path: Path) -> None:
+    db = TuningDB(tmp_path / "t.json")
+    db.put(_entry())
+    again = TuningDB(tmp_path / "t.json").lookup("k" * 64, "cpu[test]", {"fusegraph": "0"})
+    assert again is not None
+    assert again.chosen == _entry().chosen  # tuples, not lists: still hashable
+    hash(again.chosen)
+
+
+def test_db_write_is_atomic_and_leaves_no_temporaries(tmp_path: Path) -> None:
+    db = TuningDB(tmp_path / "t.json")
+    for i in range(3):
+        db.put(_entry(key=str(i) * 64))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names == ["t.json", "t.lock"]
+    doc = json.loads((tmp_path / "t.json").read_text())
+    assert doc["format"] == "fusegraph.tuning" and len(doc["entries"]) == 3
+
+
+def test_corrupt_db_is_ignored_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    p = tmp_path / "t.json"
+    p.write_text('{"format": "fusegraph.tuning", "version": 1, "entr')
+    db = TuningDB(p)
+    with caplog.at_level(logging.WARNING):
+        assert db.entries() == []
+    assert "unreadable" in caplog.text
+    db.put(_entry())  # rewritten whole
+    assert len(TuningDB(p).entries()) == 1
+
+
+def test_clear_all_or_one_graph(tmp_path: Path) -> None:
+    db = TuningDB(tmp_path / "t.json")
+    db.put(_entry(key="a" * 64))
+    db.put(_entry(key="b" * 64))
+    assert db.clear("aaaa") == 1
+    assert [e.graph_key[0] for e in db.entries()] == ["b"]
+    assert db.clear() == 1 and db.entries() == []
+
+
+def test_cache_dir_env_is_respected(cache_dir: Path) -> None:
+    assert tuning_db.default_path() == cache_dir / "tuning" / "tuning.json"
+
+
+# ---- the CLI -------------------------------------------------------------------------------------
+def test_tune_show_and_clear(capsys: pytest.CaptureFixture[str]) -> None:
+    iree, torch, wrong = _engines()
+    reg = registry_with(iree, torch, wrong)
+    g = chain_graph()
+    with using(reg):
+        g.autotune(handle=CPU, budget_s=10, repeats=3, progress=False)
+        assert cli_main(["tune", "show"]) == 0
+        out = capsys.readouterr().out
+        assert "chose torch[speed=fast]" in out
+        assert "[mismatch]" in out and "wrong" in out
+        assert "iree" in out
+        assert "current" in out
+        assert cli_main(["tune", "show", "--graph-key", g.key()[:10]]) == 0
+        assert "chose torch[speed=fast]" in capsys.readouterr().out
+        assert cli_main(["tune", "show", "--graph-key", "nomatch"]) == 1
+        capsys.readouterr()
+        assert cli_main(["tune", "clear"]) == 0
+        assert "removed 1 tuning entry" in capsys.readouterr().out
+        assert cli_main(["tune", "show"]) == 0
+        assert "no tuning entries" in capsys.readouterr().out
+
+
+def test_tune_show_marks_stale_entries(capsys: pytest.CaptureFixture[str]) -> None:
+    db = tuning_db.default_db()
+    e = _entry(engine="reference")
+    e.chosen = EngineConfig("reference")
+    db.put(e)
+    assert cli_main(["tune", "show"]) == 0
+    assert "STALE" in capsys.readouterr().out
+
+
+# ---- inputs and checks -------------------------------------------------------------------------
+def test_random_inputs_follow_layout_and_domain(rng: np.random.Generator) -> None:
+    g = fg.Graph("dom", io_data_type=fg.DataType.FLOAT)
+    x = g.tensor("x", [2, 3, 4, 5], fg.strides_for([2, 3, 4, 5], "NHWC"))
+    b = g.tensor("b", [2, 3, 4, 5], [0, 1, 0, 0])  # broadcast per channel
+    g.log(g.add(x, b)).set_output(True)
+    g.validate()
+    pack = random_inputs(g, rng)
+    assert pack["x"].strides == tuple(s * 4 for s in fg.strides_for([2, 3, 4, 5], "NHWC"))
+    assert pack["b"].strides[0] == 0 and pack["b"].strides[2] == 0
+    assert (pack["x"] > 0).all() and (pack["b"] > 0).all()  # log needs positive inputs
+    assert len(np.unique(pack["x"])) > 10
+
+
+def test_tolerance_follows_the_narrowest_type() -> None:
+    assert tolerance(chain_graph()) == 1e-4
+    g = fg.Graph("h", io_data_type=fg.DataType.HALF, compute_data_type=fg.DataType.FLOAT)
+    g.relu(g.tensor("x", [2, 2])).set_output(True)
+    assert tolerance(g.validate()) == 1e-2
+
+
+def test_compare_rejects_nan_and_measures_relative_error() -> None:
+    g = chain_graph()
+    ref = {"y": np.ones((4, 16))}
+    assert compare(g, {"y": np.ones((4, 16), np.float32)}, ref)[0] == 0.0
+    bad = np.ones((4, 16), np.float32)
+    bad[0, 0] = np.nan
+    err, why = compare(g, {"y": bad}, ref)
+    assert err == float("inf") and "NaN" in why
+    off = np.full((4, 16), 1.1, np.float32)
+    assert abs(compare(g, {"y": off}, ref)[0] - 0.1) < 1e-6
