@@ -159,7 +159,10 @@ class Importer:
             raise Unmappable(f"{self.op}: constant '{hint}' is empty {list(arr.shape)}")
         strides = self._strides(arr.shape, role)
         t = self.g.tensor(self._unique(hint), arr.shape, strides, dt)
-        self.weights[t.name] = with_strides(arr, strides)
+        packed = with_strides(arr, strides)
+        if not packed.flags.writeable:  # engines may alias host inputs, which needs writable memory
+            packed = with_strides(np.array(arr, copy=True), strides)
+        self.weights[t.name] = packed
         return t
 
     def scalar(self, value: float, dt: DataType) -> TensorAttr:
@@ -559,6 +562,71 @@ def lower_clip(imp: Importer, node: ONode) -> None:
             y = imp.g.min(y, imp.scalar(hi, x.dtype))
         if y is x:
             y = imp.g.identity(x)
+    imp.set(node.outputs[0], y)
+
+
+def lower_sign(imp: Importer, node: ONode) -> None:
+    x = imp.tensor(node.inputs[0])
+    dt = x.dtype
+    zero = imp.scalar(0.0, dt)
+    neg = imp.g.binary_select(imp.scalar(-1.0, dt), zero, imp.g.cmp_lt(x, imp.scalar(0.0, dt)))
+    imp.set(node.outputs[0], imp.g.binary_select(imp.scalar(1.0, dt), neg, imp.g.cmp_gt(x, imp.scalar(0.0, dt))))
+
+
+def lower_shrink(imp: Importer, node: ONode) -> None:
+    x = imp.tensor(node.inputs[0])
+    dt = x.dtype
+    lambd, bias = float(node.attr("lambd", 0.5)), float(node.attr("bias", 0.0))
+    hi = imp.g.binary_select(imp.g.sub(x, imp.scalar(bias, dt)), imp.scalar(0.0, dt), imp.g.cmp_gt(x, imp.scalar(lambd, dt)))
+    y = imp.g.binary_select(imp.g.add(x, imp.scalar(bias, dt)), hi, imp.g.cmp_lt(x, imp.scalar(-lambd, dt)))
+    imp.set(node.outputs[0], y)
+
+
+def lower_pad(imp: Importer, node: ONode) -> None:
+    """Constant-mode Pad as a concatenation with constant slabs (negative pads crop)."""
+    mode = node.attr("mode", b"constant")
+    mode = mode.decode() if isinstance(mode, bytes) else str(mode)
+    if mode != "constant":
+        raise Unmappable(f"Pad: mode={mode!r} (only 'constant' is lowered)")
+    xs = imp.shape(node.inputs[0])
+    rank = len(xs)
+    if imp.og.opset < 11:
+        pads = _ints(node.attr("pads"))
+        value = float(node.attr("value", 0.0))
+        axes = list(range(rank))
+    else:
+        pads = _ints(imp.const(node.inputs[1], "pads").reshape(-1))
+        value = 0.0
+        if len(node.inputs) > 2 and node.inputs[2]:
+            value = imp.const(node.inputs[2], "constant_value").reshape(-1)[0].item()
+        axes = (
+            [a % rank for a in _ints(imp.const(node.inputs[3], "axes").reshape(-1))]
+            if len(node.inputs) > 3 and node.inputs[3] else list(range(rank))
+        )
+    n = len(axes)
+    if len(pads) != 2 * n:
+        raise Unmappable(f"Pad: {len(pads)} pads for {n} axes")
+    y = imp.tensor(node.inputs[0])
+    crop = [(a, max(-pads[i], 0), max(-pads[n + i], 0)) for i, a in enumerate(axes)]
+    if any(b or e for _, b, e in crop):
+        dims = list(y.dim)
+        y = imp.g.slice(y, [b for _, b, _ in crop], [dims[a] - e for a, _, e in crop], axes=[a for a, _, _ in crop])
+    for i, a in enumerate(axes):
+        before, after = max(pads[i], 0), max(pads[n + i], 0)
+        if not before and not after:
+            continue
+        parts = []
+        dims = list(y.dim)
+        for size in (before, after):
+            if size:
+                slab = dims[:a] + [size] + dims[a + 1:]
+                parts.append(imp.constant(np.full(slab, value, dtype=y.dtype.numpy), f"pad_{a}"))
+            else:
+                parts.append(None)
+        seq = [p for p in (parts[0], y, parts[1]) if p is not None]
+        y = imp.g.concatenate(seq, axis=a)
+    if y is imp.values.get(node.inputs[0]):
+        y = imp.g.identity(y)
     imp.set(node.outputs[0], y)
 
 
@@ -980,6 +1048,9 @@ LOWER: dict[str, Lowering] = {
     "Not": lower_not,
     "Cast": lower_cast,
     "Where": lower_where,
+    "Sign": lower_sign,
+    "Shrink": lower_shrink,
+    "Pad": lower_pad,
     **{op: lower_binary for op in _BINARY},
     "Max": lower_variadic,
     "Min": lower_variadic,

@@ -180,6 +180,7 @@ def load_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx
         raise ModelError(f"the ONNX checker rejects the model: {_first_line(exc)}") from None
     version = default_opset(model)
     if version < MIN_OPSET:
+        _fix_legacy_prelu(model)
         try:
             model = onnx.version_converter.convert_version(model, MIN_OPSET)
         except Exception as exc:
@@ -189,6 +190,29 @@ def load_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx
             ) from None
         log.info("upgraded the model from opset %d to %d", version, MIN_OPSET)
     return model
+
+
+def _fix_legacy_prelu(model: onnx.ModelProto) -> None:
+    """Before opset 7, PRelu's slope of shape [C] applied per channel (axis 1); the version
+    converter keeps [C], which numpy-broadcasts against the last axis instead. Reshapes such
+    slopes to [C, 1, ...] so that the upgraded model means what the old one did."""
+    ranks = {
+        i.name: len(i.type.tensor_type.shape.dim)
+        for i in list(model.graph.input) + list(model.graph.value_info)
+        if i.type.HasField("tensor_type") and i.type.tensor_type.HasField("shape")
+    }
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "PRelu" or len(node.input) < 2 or node.input[1] not in inits:
+            continue
+        slope = inits[node.input[1]]
+        rank = ranks.get(node.input[0], 0)
+        if len(slope.dims) == 1 and slope.dims[0] > 1 and rank > 2:
+            arr = numpy_helper.to_array(slope).reshape((-1,) + (1,) * (rank - 2))
+            slope.CopyFrom(numpy_helper.from_array(arr, slope.name))
+            for i in model.graph.input:
+                if i.name == slope.name:
+                    i.CopyFrom(helper.make_tensor_value_info(slope.name, slope.data_type, list(arr.shape)))
 
 
 def default_opset(model: onnx.ModelProto) -> int:

@@ -57,44 +57,55 @@ def make_dumper(dump_dir: str | None) -> Dump | None:
 
 
 class EngineChoice:
-    """Which engine builds claimed subgraphs, and whether it can run a given graph."""
+    """Which engines build claimed subgraphs, and whether they can run a given graph.
+
+    A named engine is used alone (``g.build(handle, engine=name)``). By default the
+    selection layer picks per graph (``g.build(handle, engine=None)``) among the available
+    engines, and a node is claimed when a compiling engine (not the float64 reference,
+    unless it is the only one) runs it.
+    """
 
     def __init__(self, name: str | None, handle: Handle) -> None:
         self.handle = handle
-        if name == "auto":
+        if name in (None, "auto"):
             self.name: str | None = None
-            self.candidates = [e for e in REGISTRY.engines() if e.available()]
-        else:
-            chosen = name or self.default(handle)
-            try:
-                eng = REGISTRY.get(chosen)
-            except FusegraphError as exc:
-                raise ValueError(f"{PROVIDER} option engine={chosen!r}: {exc}") from None
-            avail = eng.available()
-            if not avail:
-                raise ValueError(f"{PROVIDER} option engine={chosen!r}: not available here ({avail.reason})")
-            self.name = chosen
-            self.candidates = [eng]
-
-    @staticmethod
-    def default(handle: Handle) -> str:
-        """The compiling engine where there is one; the reference engine otherwise."""
-        names = REGISTRY.names()
-        for name in ("iree", "torch", "reference"):
-            if name not in names or (name == "reference" and handle.device.is_gpu):
-                continue
-            if REGISTRY.get(name).available():
-                return name
-        return "reference"
+            avail = [e for e in REGISTRY.engines() if _available(e)]
+            if handle.device.is_gpu:
+                avail = [e for e in avail if e.name != "reference"]
+            compiled = [e for e in avail if e.name != "reference"]
+            self.candidates = compiled or avail
+            if not self.candidates:
+                raise ValueError(f"{PROVIDER}: no fusegraph engine is available on {handle.device}")
+            return
+        try:
+            eng = REGISTRY.get(name)
+        except FusegraphError as exc:
+            raise ValueError(f"{PROVIDER} option engine={name!r}: {exc}") from None
+        avail = eng.available()
+        if not avail:
+            raise ValueError(f"{PROVIDER} option engine={name!r}: not available here ({avail.reason})")
+        self.name = name
+        self.candidates = [eng]
 
     def why_not(self, graph: Graph) -> str | None:
         reasons = []
         for eng in self.candidates:
-            sup = eng.supports(graph, self.handle)
+            try:
+                sup = eng.supports(graph, self.handle)
+            except Exception as exc:  # a plugin's bug must not break the session
+                reasons.append(f"engine '{eng.name}': supports() failed: {exc}")
+                continue
             if sup:
                 return None
             reasons.append(f"engine '{eng.name}': {sup.reason}")
         return "; ".join(reasons) or "no engine available"
+
+
+def _available(e: Any) -> bool:
+    try:
+        return bool(e.available())
+    except Exception:
+        return False
 
 
 def _read_outside(og: OnnxGraph, members: Sequence[ONode]) -> tuple[list[str], list[str]]:
@@ -214,7 +225,7 @@ class SessionPlan:
         assert self.engine is not None
         unit = FusegraphUnit(
             name, nodes, imp.g, {i: imp.inputs[i] for i in ins if i in imp.inputs}, imp.weights,
-            out_names, self.handle, self.engine.name,
+            out_names, self.handle, self.engine.name, self.opts.cache_dir,
         )
         unit.fusions = label_fusions(imp.g, imp.weights)
         if self.dump is not None:
@@ -280,7 +291,9 @@ class SessionPlan:
             if v is None:
                 raise ExecutionError(f"output '{name}' was not computed (a bug)", tensor=name)
             v = to_host(v)
-            results.append(np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v)
+            if isinstance(v, np.ndarray) and not v.flags.c_contiguous:
+                v = np.ascontiguousarray(v)  # as ONNX Runtime returns them (never for 0-d: it adds a dim)
+            results.append(v)
         return results
 
     def _recover(self, k: int, unit: Unit, exc: Exception, env: Mapping[str, Any]) -> dict[str, Any]:

@@ -72,7 +72,7 @@ def compile_region(model: onnx.ModelProto, device: str, cache_dir: str | None) -
 
     backends, flags, _ = _target(device)
     data = model.SerializeToString()
-    key = hashlib.sha256(data + repr((backends, flags, ic.version.VERSION)).encode()).hexdigest()[:32]
+    key = hashlib.sha256(data + repr((backends, flags, _iree_version())).encode()).hexdigest()[:32]
     root = _cache_root(cache_dir)
     cached = root / f"{key}.vmfb"
     if cached.is_file():
@@ -96,6 +96,15 @@ def compile_region(model: onnx.ModelProto, device: str, cache_dir: str | None) -
     root.mkdir(parents=True, exist_ok=True)
     cached.write_bytes(vmfb)
     return bytes(vmfb)
+
+
+def _iree_version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("iree-base-compiler")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 class IreeOnnxUnit:
@@ -130,17 +139,15 @@ class IreeOnnxUnit:
 
 
 def _sample_inputs(og: OnnxGraph, inputs: Sequence[str]) -> dict[str, np.ndarray] | None:
+    """Random inputs for timing, or None when some input is not a static float tensor
+    (integer inputs are often indices or shapes, which random values would break)."""
     rng = np.random.default_rng(0)
     out = {}
     for i in inputs:
         t = og.types.get(i)
-        if t is None or t.shape is None or t.numpy_dtype is None:
+        if t is None or t.shape is None or t.numpy_dtype is None or t.numpy_dtype.kind != "f":
             return None
-        dt = t.numpy_dtype
-        if dt.kind == "f":
-            out[i] = rng.standard_normal(t.shape).astype(dt)
-        else:
-            out[i] = np.zeros(t.shape, dtype=dt)
+        out[i] = rng.standard_normal(t.shape).astype(t.numpy_dtype)
     return out
 
 

@@ -9,8 +9,10 @@ made contiguous only when ONNX Runtime or the caller needs them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -27,6 +29,8 @@ from fusegraph.runtime.handle import Handle
 
 log = logging.getLogger("fusegraph.onnx")
 
+CACHE_DIR_ENV = "FUSEGRAPH_CACHE_DIR"  # where the engines keep compiled modules
+
 
 class Unit(Protocol):
     name: str
@@ -40,7 +44,7 @@ class Unit(Protocol):
 
 def to_host(value: Any) -> Any:
     """A NumPy array for a fusegraph Buffer (or anything array-like); lists pass through."""
-    if isinstance(value, np.ndarray) or isinstance(value, list):
+    if isinstance(value, np.ndarray | list):
         return value
     for attr in ("to_numpy", "numpy", "to_host"):
         fn = getattr(value, attr, None)
@@ -67,7 +71,12 @@ def build_plan(graph: Graph, handle: Handle, engine: str | None) -> Any:
 
 
 class FusegraphUnit:
-    """A claimed subgraph: one fusegraph Graph, its weights bound once, built by an engine."""
+    """A claimed subgraph: one fusegraph Graph, its weights bound once, built by an engine.
+
+    When the plan runs on device Buffers (the IREE engine), the weights are uploaded once
+    at build time and the unit's outputs stay Buffers, so consecutive fusegraph units pass
+    device memory along without a host round trip.
+    """
 
     kind = "fusegraph"
 
@@ -81,6 +90,7 @@ class FusegraphUnit:
         outputs: Mapping[str, str],
         handle: Handle,
         engine: str | None,
+        cache_dir: str | None = None,
     ) -> None:
         self.name = name
         self.nodes = nodes
@@ -89,39 +99,72 @@ class FusegraphUnit:
         self.inputs = list(inputs)
         self.outputs = list(outputs)
         self._out = dict(outputs)
-        self.weights = dict(weights)
+        self.weights: dict[str, Any] = dict(weights)
         self.handle = handle
         self.engine = engine
+        self.cache_dir = cache_dir
         self.plan: Any = None
         self.fusions: dict[str, int] = {}
+        self._buffers = False
 
     @property
     def engine_name(self) -> str:
         if self.plan is not None:
-            return str(getattr(self.plan, "engine", self.engine or "?"))
+            return str(getattr(self.plan, "config", None) or getattr(self.plan, "engine", self.engine))
         return self.engine or "(selected at build)"
 
     def build(self) -> None:
-        if self.plan is None:
+        if self.plan is not None:
+            return
+        with engine_cache(self.cache_dir):
             self.plan = build_plan(self.graph, self.handle, self.engine)
+        if getattr(self.plan, "engine", None) == "iree":
+            from fusegraph.runtime.buffer import Buffer
+
+            self.weights = {
+                name: Buffer.from_numpy(arr, self.handle, tensor=self.graph.tensor_by_name(name))
+                for name, arr in self.weights.items()
+            }
+            self._buffers = True
 
     def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
         if self.plan is None:
             self.build()
         pack: dict[str, Any] = dict(self.weights)
         for onnx_name, t in self._in.items():
-            pack[t.name] = _conform(values[onnx_name], t)
-        res = self.plan.execute(pack)
+            pack[t.name] = _conform(values[onnx_name], t, self._buffers)
+        with engine_cache(self.cache_dir):
+            res = self.plan.execute(pack)
         return {o: res[tname] for o, tname in self._out.items()}
 
 
-def _conform(value: Any, t: TensorAttr) -> Any:
-    """The value with the strides ``t`` declares (no copy when it already has them)."""
-    if not isinstance(value, np.ndarray):
-        if hasattr(value, "__array__") and not hasattr(value, "to_numpy"):
-            value = np.asarray(value)
+@contextlib.contextmanager
+def engine_cache(cache_dir: str | None) -> Iterator[None]:
+    """Points the engines' compile cache at ``cache_dir`` (their FUSEGRAPH_CACHE_DIR) for
+    the duration of a build or call."""
+    if not cache_dir:
+        yield
+        return
+    old = os.environ.get(CACHE_DIR_ENV)
+    os.environ[CACHE_DIR_ENV] = cache_dir
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(CACHE_DIR_ENV, None)
         else:
-            return value  # a device buffer: the engine checks it
+            os.environ[CACHE_DIR_ENV] = old
+
+
+def _conform(value: Any, t: TensorAttr, buffers: bool) -> Any:
+    """The value as the plan takes it: a device Buffer laid out as ``t`` declares (passed
+    as is), or a host array with ``t``'s strides (copied only when the order differs)."""
+    if buffers and hasattr(value, "layout_mismatch"):
+        if value.layout_mismatch(t.shape, t.strides, t.dtype) is None:
+            return value
+    value = to_host(value)
+    if not isinstance(value, np.ndarray):
+        value = np.asarray(value)
     if value.dtype != t.dtype.numpy:
         value = value.astype(t.dtype.numpy)
     return with_strides(value, t.strides)
