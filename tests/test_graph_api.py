@@ -435,3 +435,16 @@ def test_reduction_dims_by_axes() -> None:
     assert g.reduction(x, fg.ReductionMode.MAX, axes=[1, -1]).dim == [2, 1, 4, 1]
     assert g.reduction(x, fg.ReductionMode.MAX, dim=[1, 1, 1, 1]).dim == [1, 1, 1, 1]
     assert math.prod(g.reduction(x, fg.ReductionMode.AVG, axes=[0, 1, 2, 3]).dim) == 1
+
+
+def test_the_user_guide_example_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/graph_api.md's first code block is runnable and prints what it says."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "graph_api.md").read_text()
+    code = re.search(r"```python\n(.*?)```", text, re.S)
+    assert code is not None
+    exec(compile(code.group(1), "graph_api.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "TensorAttr('y', dim=[2, 32, 16, 16], stride=[8192, 1, 512, 32], HALF, output)" in printed
