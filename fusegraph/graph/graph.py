@@ -526,8 +526,14 @@ class Graph:
         if dim is not None and axes is not None:
             raise ValidationError("give dim= or axes=, not both", node=node.name)
         if axes is not None:
+            if input._dim is None:
+                raise ValidationError(
+                    "reduction: axes= needs the input's dims, which are not known yet; pass dim=",
+                    node=node.name,
+                    tensor=input.name,
+                )
             rank = len(input.dim)
-            if rank == 0 or any(not -rank <= int(a) < rank for a in axes):
+            if any(not -rank <= int(a) < rank for a in axes):
                 raise ValidationError(
                     f"reduction: axes {list(axes)} out of range for input dims {input.dim}",
                     node=node.name,
@@ -676,8 +682,14 @@ class Graph:
         if dims.count(-1) > 1:
             raise ValidationError("reshape: at most one -1 in dims", node=name, tensor=input.name)
         if -1 in dims:
+            if not isinstance(input, TensorAttr) or input._dim is None:
+                raise ValidationError(
+                    "reshape: -1 needs the input's dims, which are not known yet (set them first)",
+                    node=name,
+                    tensor=_name_of(input),
+                )
             known = math.prod(d for d in dims if d != -1)
-            total = math.prod(input.dim) if input.dim else 0
+            total = math.prod(input.dim)
             if known == 0 or total % known:
                 raise ValidationError(
                     f"reshape: cannot infer -1 in {dims} from {input.dim}", node=name, tensor=input.name
