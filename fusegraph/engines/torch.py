@@ -71,7 +71,10 @@ def _torch() -> Any:
 
 
 def torch_installed() -> bool:
-    return importlib.util.find_spec("torch") is not None
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except (ImportError, ValueError):  # e.g. sys.modules["torch"] = None
+        return False
 
 
 def torch_dtype(dt: DataType) -> Any:
@@ -527,7 +530,7 @@ def _pointwise_table() -> dict[PointwiseMode, Callable[[Tensor, Tensor, Tensor, 
         M.LOGICAL_NOT: lambda a, b, c, p: torch.logical_not(a),
         M.BINARY_SELECT: lambda a, b, c, p: torch.where(c, a, b),
         M.RELU_BWD: lambda dy, x, c, p: dy * (x > p.param("relu_lower_clip")).to(dy.dtype),
-        M.GELU_BWD: lambda dy, x, c, p: torch.ops.aten.gelu_backward(dy, x),
+        M.GELU_BWD: lambda dy, x, c, p: torch.ops.aten.gelu_backward(*torch.broadcast_tensors(dy, x)),
         M.TANH_BWD: lambda dy, x, c, p: dy * (1.0 - torch.tanh(x) ** 2),
         M.SIGMOID_BWD: lambda dy, x, c, p: dy * torch.sigmoid(x) * (1.0 - torch.sigmoid(x)),
     }
