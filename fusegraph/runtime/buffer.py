@@ -78,7 +78,9 @@ class Buffer:
     @classmethod
     def from_dlpack(cls, obj: Any, handle: Handle | str | None = None, tensor: TensorAttr | None = None) -> Buffer:
         """Wraps a DLPack-exporting array (NumPy, PyTorch...) without a copy when it lives on
-        the handle's device and is row-major contiguous; otherwise copies it there."""
+        the handle's device and is row-major contiguous (and, in host memory, 64-byte
+        aligned, as IREE requires); otherwise copies host data there. Only a wrapped
+        Buffer writes through to the array when used as an execute output."""
         from fusegraph.engines.iree.runtime import runtime_for
 
         h = as_handle(handle)
@@ -88,8 +90,11 @@ class Buffer:
         on_device = int(dev_type) in _DL_FOR_KIND[h.device.kind] and (
             h.device.kind == "cpu" or int(dev_id) == h.device.index
         )
-        if int(dev_type) in (_DL_CPU, _DL_CUDA_HOST) and not (on_device and _is_row_major(obj)):
-            return cls.from_numpy(np.from_dlpack(obj), h, tensor)
+        if int(dev_type) in (_DL_CPU, _DL_CUDA_HOST):
+            host = np.from_dlpack(obj)
+            # IREE imports host memory only when it is 64-byte aligned.
+            if not (on_device and _is_row_major(obj) and host.ctypes.data % 64 == 0 and host.nbytes):
+                return cls.from_numpy(host, h, tensor)
         if not on_device:
             raise ValueError(
                 f"DLPack array lives on device type {dev_type}:{dev_id}, not on {h.device}; "

@@ -40,6 +40,16 @@ class Handle:
     def __repr__(self) -> str:
         return f"Handle({str(self.device)!r})"
 
+    def buffer(self, array: Any, tensor: Any = None) -> Any:
+        """``fusegraph.Buffer.from_numpy(array, self, tensor)``: the data in this device's memory."""
+        from fusegraph.runtime.buffer import Buffer
+
+        return Buffer.from_numpy(array, self, tensor)
+
+    def synchronize(self) -> None:
+        """Waits for this device's queued work. Plans run synchronously today (their
+        results are complete when execute returns), so there is nothing to wait for."""
+
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Handle) and other.device == self.device
 

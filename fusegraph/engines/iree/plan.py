@@ -87,6 +87,13 @@ class IreePlan(ExecutionPlan):
         from fusegraph.engines.iree.runtime import track
 
         self._track = track
+        track(self)
+
+    def _release(self) -> None:
+        """Lets go of IREE objects (called at interpreter exit; see runtime.track)."""
+        self.loaded = None  # type: ignore[assignment]
+        self._invoke = self._function = None
+        self.runtime = None  # type: ignore[assignment]
 
     # ---- info ------------------------------------------------------------------------------
     @property

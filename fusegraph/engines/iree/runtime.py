@@ -191,10 +191,14 @@ class IreeRuntime:
 
     def copy_buffer(self, source: Any, target: Any) -> None:
         """Device-side copy of one HalBuffer into another, waited for."""
+        # A command buffer rather than queue_copy: the latter demands DISCARD_WRITE access,
+        # which buffers imported through DLPack do not grant.
         rt = self._rt
+        cb = rt.HalCommandBuffer(self.hal_device)
+        cb.copy(source, target, end=True)
         sem = self.hal_device.create_semaphore(0)
-        self.hal_device.queue_copy(
-            source, target, wait_semaphores=rt.HalFence.create_at(sem, 0), signal_semaphores=rt.HalFence.create_at(sem, 1)
+        self.hal_device.queue_execute(
+            cb, wait_semaphores=rt.HalFence.create_at(sem, 0), signal_semaphores=rt.HalFence.create_at(sem, 1)
         )
         rt.HalFence.create_at(sem, 1).wait()
 
@@ -207,13 +211,16 @@ _RUNTIMES: dict[Device, IreeRuntime] = {}
 _RUNTIMES_LOCK = threading.Lock()
 
 # IREE 3.13's Python bindings crash at interpreter exit when a buffer that a function
-# returned outlives its HAL device (module teardown frees them in any order). Buffers
-# holding such memory are tracked here and let go of it before teardown begins.
+# returned outlives its HAL device, and nanobind complains of "leaks" for IREE objects
+# still alive when its module goes (module teardown frees things in any order). So every
+# holder of IREE objects (Buffers, plans, handles) is tracked here and let go of them
+# before teardown begins; a Buffer or plan used after that raises instead of crashing.
 _LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+_HANDLES: list[weakref.ref[Handle]] = []
 
 
 def track(holder: Any) -> None:
-    """Registers an object with a ``_release()`` to call at exit (a Buffer)."""
+    """Registers an object with a ``_release()`` to call at exit (Buffers, plans)."""
     _LIVE.add(holder)
 
 
@@ -225,8 +232,14 @@ def _release_at_exit() -> None:
         except Exception:  # nothing useful to do at exit
             pass
     _LIVE.clear()
+    for ref in _HANDLES:
+        h = ref()
+        if h is not None:
+            h.state.pop(STATE_KEY, None)
+    _HANDLES.clear()
     for rt in _RUNTIMES.values():
         rt.forget()
+    _RUNTIMES.clear()
 
 
 def runtime_for(handle: Handle) -> IreeRuntime:
@@ -240,6 +253,9 @@ def runtime_for(handle: Handle) -> IreeRuntime:
             rt = IreeRuntime(handle.device)
             _RUNTIMES[handle.device] = rt
     handle.state[STATE_KEY] = rt
+    if len(_HANDLES) > 256:
+        _HANDLES[:] = [r for r in _HANDLES if r() is not None]
+    _HANDLES.append(weakref.ref(handle))
     return rt
 
 
