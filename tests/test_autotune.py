@@ -161,7 +161,7 @@ def test_budget_limits_the_search_but_times_the_heuristic_choice_first() -> None
 
 def test_autotune_raises_when_nothing_is_correct() -> None:
     reg = registry_with(FakeEngine("wrong", wrong=True), reference=False)
-    with using(reg), pytest.raises(UnsupportedError, match="no plan .* matches the reference"):
+    with using(reg), pytest.raises(UnsupportedError, match=r"no plan .* matches the reference"):
         chain_graph().autotune(handle=CPU, budget_s=5, progress=False, persist=False)
 
 

@@ -12,13 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from engine_fakes import FakeEngine, chain_graph, registry_with
 
-import fusegraph as fg
 from fusegraph.cli import main as cli_main
 from fusegraph.engines.base import Engine, EngineConfig, Knob
 from fusegraph.engines.registry import BUILTIN, REGISTRY, Registry, using
 from fusegraph.errors import UnsupportedError
-from engine_fakes import FakeEngine, chain_graph, registry_with
 
 PLUGIN_SRC = Path(__file__).parent / "plugin_pkg"
 
@@ -28,7 +27,7 @@ def test_builtins_are_listed_with_version_and_availability() -> None:
     for name in ("reference", "iree", "torch"):
         assert name in names, f"{name} missing from {list(names)}"
         row = names[name]
-        assert row.version and row.version != "?" or row.origin == "broken"
+        assert (row.version and row.version != "?") or row.origin == "broken"
         assert row.available or row.available.reason, "an unavailable engine must say why"
     assert names["reference"].available
     assert list(BUILTIN) == ["iree", "torch", "reference"]
@@ -45,7 +44,7 @@ def test_a_module_that_fails_to_import_is_reported_not_raised() -> None:
     assert reg.names() == ["reference"]
     row = next(r for r in reg.info() if r.name == "ghost")
     assert not row.available and "fusegraph_no_such_module" in row.available.reason
-    with pytest.raises(UnsupportedError, match="ghost.*failed to load"):
+    with pytest.raises(UnsupportedError, match=r"ghost.*failed to load"):
         reg.get("ghost")
 
 

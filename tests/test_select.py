@@ -19,7 +19,7 @@ from engine_fakes import (
 
 import fusegraph as fg
 from fusegraph import BuildPlanPolicy, HeurMode
-from fusegraph.engines.base import EngineConfig, Knob
+from fusegraph.engines.base import EngineConfig, Knob, Support
 from fusegraph.engines.registry import using
 from fusegraph.errors import ExecutionError, UnsupportedError
 from fusegraph.graph.ops import OpKind
@@ -385,7 +385,7 @@ def test_partition_with_real_torch_and_a_restricted_engine(rng: np.random.Genera
 
         def supports(self, graph, handle):  # type: ignore[no-untyped-def]
             if any(n.kind != OpKind.MATMUL for n in graph.nodes):
-                return fg.engines.base.Support.no("restricted to matmul in this test")
+                return Support.no("restricted to matmul in this test")
             return torch.supports(graph, handle)
 
         def knobs(self, graph, handle):  # type: ignore[no-untyped-def]

@@ -31,10 +31,7 @@ class TinyPlan(ExecutionPlan):
         for node in self.graph.topological_order():
             mode = node.attrs.mode.value
             a = env[node.inputs["a"].name]
-            if mode in _UNARY:
-                y = _UNARY[mode](a)
-            else:
-                y = _BINARY[mode](a, env[node.inputs["b"].name])
+            y = _UNARY[mode](a) if mode in _UNARY else _BINARY[mode](a, env[node.inputs["b"].name])
             env[node.outputs["y"].name] = y
         out = {}
         for t in self.graph.outputs():

@@ -1,0 +1,142 @@
+"""The torch engine and selection on an NVIDIA GPU (run on the GPU machine: pytest -m gpu).
+
+cuDNN/cuBLAS/flash attention against the float64 reference, f16 I/O with f32 compute,
+NHWC, device-resident tensors and Buffers, the GPU knobs, and the selection rules:
+vendor engine first for compute-bound graphs, never the reference on a GPU handle.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from engine_fakes import conv_graph, layernorm_graph, rel_error
+
+import fusegraph as fg
+from fusegraph import DataType as DT
+from fusegraph import HeurMode
+from fusegraph.engines.base import EngineConfig
+from fusegraph.engines.registry import REGISTRY
+from fusegraph.errors import UnsupportedError
+from fusegraph.select.autotune import random_inputs
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch", reason="the torch engine needs PyTorch")
+
+from fusegraph.engines import torch as torch_engine  # noqa: E402
+
+GPU = fg.Handle("cuda:0")
+ENGINE = torch_engine.TorchEngine()
+
+
+def _check(g: fg.Graph, rng: np.random.Generator, tol: float, config: EngineConfig | None = None) -> None:
+    g.validate()
+    s = ENGINE.supports(g, GPU)
+    assert s, s.reason
+    pack = random_inputs(g, rng)
+    got = ENGINE.build(g, GPU, config).execute(pack)
+    ref = g.execute(pack, engine="reference")
+    for t in g.outputs():
+        assert got[t.name].strides == ref[t.name].strides
+        assert rel_error(got[t.name], ref[t.name]) <= tol, t.name
+
+
+def _conv_f16(layout: str) -> fg.Graph:
+    g = fg.Graph("conv_f16", io_data_type=DT.HALF, intermediate_data_type=DT.FLOAT, compute_data_type=DT.FLOAT)
+    x = g.tensor("x", [8, 32, 28, 28], fg.strides_for([8, 32, 28, 28], layout))
+    w = g.tensor("w", [64, 32, 3, 3], fg.strides_for([64, 32, 3, 3], "KRSC" if layout == "NHWC" else "KCRS"))
+    b = g.tensor("b", [1, 64, 1, 1])
+    g.relu(g.bias(g.conv_fprop(x, w, padding=[1, 1]), b)).set_output(True)
+    return g
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+@pytest.mark.parametrize("knobs", [(), (("cudnn_benchmark", False),), (("memory_format", "channels_last"),)])
+def test_conv_bias_relu_f16(layout: str, knobs: tuple[tuple[str, object], ...], rng: np.random.Generator) -> None:
+    _check(_conv_f16(layout), rng, 1e-2, EngineConfig("torch", knobs))
+
+
+@pytest.mark.parametrize("dt", [DT.FLOAT, DT.HALF, DT.BFLOAT16])
+def test_matmul(dt: DT, rng: np.random.Generator) -> None:
+    g = fg.Graph("mm", io_data_type=dt)
+    g.matmul(g.tensor("a", [4, 256, 512]), g.tensor("b", [512, 384])).set_output(True)
+    # f32 must really be f32 (TF32 is switched off while the plan runs)
+    _check(g, rng, {DT.FLOAT: 1e-5, DT.HALF: 1e-2, DT.BFLOAT16: 2e-2}[dt])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_f16(causal: bool, rng: np.random.Generator) -> None:
+    g = fg.Graph("sdpa", io_data_type=DT.HALF)
+    q = g.tensor("q", [2, 8, 128, 64])
+    k = g.tensor("k", [2, 2, 128, 64])
+    v = g.tensor("v", [2, 2, 128, 64])
+    g.sdpa(q, k, v, causal=causal).set_output(True)
+    _check(g, rng, 2e-2)
+
+
+def test_layernorm_and_conv_wgrad(rng: np.random.Generator) -> None:
+    _check(layernorm_graph(64, 256), rng, 1e-4)
+    g = fg.Graph("wgrad", io_data_type=DT.FLOAT)
+    x = g.tensor("x", [4, 8, 16, 16])
+    dy = g.tensor("dy", [4, 16, 8, 8])
+    g.conv_wgrad(x, dy, padding=[1, 1], stride=[2, 2]).set_dim([16, 8, 3, 3]).set_output(True)
+    _check(g, rng, 1e-4)
+
+
+def test_torch_compile_on_gpu(rng: np.random.Generator) -> None:
+    if not ENGINE.compile_support(GPU):
+        pytest.skip(f"torch.compile unavailable: {ENGINE.compile_support(GPU).reason}")
+    g = fg.Graph("chain", io_data_type=DT.HALF, intermediate_data_type=DT.FLOAT)
+    x = g.tensor("x", [1024, 1024])
+    y = x
+    for _ in range(4):
+        y = g.tanh(g.relu(g.add(y, g.scalar(0.1))))
+    y.set_output(True)
+    _check(g, rng, 1e-2, EngineConfig("torch", (("compile", True),)))
+
+
+def test_device_tensors_stay_on_the_device(rng: np.random.Generator) -> None:
+    g = conv_graph(n=2, c=16, hw=16, k=16)
+    pack = random_inputs(g, rng)
+    plan = ENGINE.build(g, GPU)
+    staged = plan.stage(pack)
+    assert all(t.device.type == "cuda" for t in staged.values())
+    out = plan.execute(staged)["y"]
+    assert isinstance(out, torch.Tensor) and out.device.type == "cuda"
+    ref = g.execute(pack, engine="reference")["y"]
+    assert rel_error(out.cpu().numpy(), ref) < 1e-5
+
+
+def test_buffers_on_the_gpu(rng: np.random.Generator) -> None:
+    iree = REGISTRY.get("iree")
+    if not iree.supports(conv_graph(), GPU):
+        pytest.skip(f"IREE has no CUDA device here: {iree.supports(conv_graph(), GPU).reason}")
+    g = conv_graph(n=2, c=16, hw=16, k=16)
+    pack = random_inputs(g, rng)
+    bufs = {k: fg.Buffer.from_numpy(v, GPU, tensor=g.tensor_by_name(k)) for k, v in pack.items()}
+    out = ENGINE.build(g, GPU).execute(bufs)["y"]
+    assert isinstance(out, fg.Buffer) and out.device == "cuda:0"
+    assert rel_error(out.to_numpy(), g.execute(pack, engine="reference")["y"]) < 1e-5
+
+
+def test_selection_on_gpu_prefers_the_vendor_engine_for_compute(rng: np.random.Generator) -> None:
+    g = _conv_f16("NHWC")
+    g.create_execution_plans([HeurMode.A, HeurMode.FALLBACK], GPU)
+    assert g._selection.candidates[0].config.engine == "torch"
+    assert all(c.config.engine != "reference" for c in g._selection.candidates)
+    plan = g.build(GPU)
+    assert plan.engine == "torch"
+
+
+def test_reference_is_refused_on_the_gpu() -> None:
+    with pytest.raises(UnsupportedError, match="host only"):
+        conv_graph().build(GPU, engine="reference")
+
+
+def test_autotune_on_gpu_matches_the_reference(tmp_path, monkeypatch, rng: np.random.Generator) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    g = _conv_f16("NHWC")
+    res = g.autotune(handle=GPU, budget_s=60, modes=[HeurMode.A], progress=False)
+    assert res.best.engine != "reference"
+    pack = random_inputs(g, rng)
+    assert rel_error(g.execute(pack, handle=GPU)["y"], g.execute(pack, engine="reference")["y"]) < 1e-2
