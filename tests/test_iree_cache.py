@@ -16,7 +16,12 @@ import pytest
 import fusegraph as fg
 from fusegraph.engines.base import EngineConfig
 from fusegraph.engines.iree import IreeEngine
-from fusegraph.engines.iree.cache import CacheCorruptionWarning, ModuleCache, cache_root, clear_memory
+from fusegraph.engines.iree.cache import (
+    CacheCorruptionWarning,
+    ModuleCache,
+    cache_root,
+    clear_memory,
+)
 from fusegraph.engines.iree.targets import TARGETS
 from fusegraph.reference.executor import run_reference
 

@@ -18,17 +18,23 @@ import pytest
 
 import fusegraph as fg
 from fusegraph import DataType
-from fusegraph.engines.base import EngineConfig, Engine
+from fusegraph.engines.base import Engine, EngineConfig
 from fusegraph.engines.iree import IreeEngine, IreePlan
 from fusegraph.engines.iree import compile as iree_compile
-from fusegraph.engines.iree.flags import DEFAULTS, FlagSet, default_flagset, flag_knobs, flagset_from_knobs
+from fusegraph.engines.iree.flags import (
+    DEFAULTS,
+    FlagSet,
+    default_flagset,
+    flag_knobs,
+    flagset_from_knobs,
+)
 from fusegraph.engines.iree.targets import TARGETS, host_cpu_id, parse_target, target_for_device
 from fusegraph.graph import layout
 from fusegraph.reference.executor import run_reference
 from fusegraph.runtime.handle import Device
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _iree_fake_emit import FakeEmitted, fake_emit  # noqa: E402
+from _iree_fake_emit import FakeEmitted, fake_emit
 
 TOL = {DataType.FLOAT: 1e-5, DataType.HALF: 1e-2, DataType.BFLOAT16: 2e-2}
 

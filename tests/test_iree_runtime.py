@@ -259,7 +259,7 @@ def test_buffer_of_the_wrong_type_or_shape(rng: np.random.Generator) -> None:
 def test_artifact_round_trip(rng: np.random.Generator) -> None:
     g = chain("artifact")
     data = compile_to_artifact(g, "cpu", opt_level="O3")
-    header, vmfb = read_artifact(data)
+    header, _vmfb = read_artifact(data)
     assert header["target"] == "cpu" and "--iree-opt-level=O3" in header["flags"]
     assert [i["name"] for i in header["inputs"]] == ["a", "b"] and header["outputs"][0]["buffer_shape"] == [8, 32]
     assert fg.Graph.from_json(header["graph"]).key() == g.key()

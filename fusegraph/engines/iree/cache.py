@@ -177,7 +177,7 @@ class ModuleCache:
     # ---- management ------------------------------------------------------------------------
     def list_entries(self) -> list[dict[str, Any]]:
         """Manifests of all entries on disk (unverified), each with its ``path`` added."""
-        out = []
+        out: list[dict[str, Any]] = []
         if not self.entries_root.exists():
             return out
         for manifest in sorted(self.entries_root.glob(f"*/*/{MANIFEST}")):

@@ -9,6 +9,7 @@ cache key: a second plan for the same compiled graph binds the same function.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 import weakref
@@ -227,10 +228,8 @@ def track(holder: Any) -> None:
 @atexit.register
 def _release_at_exit() -> None:
     for holder in list(_LIVE):
-        try:
+        with contextlib.suppress(Exception):  # nothing useful to do about it at exit
             holder._release()
-        except Exception:  # nothing useful to do at exit
-            pass
     _LIVE.clear()
     for ref in _HANDLES:
         h = ref()
