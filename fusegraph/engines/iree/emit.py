@@ -9,8 +9,10 @@ convolutions run channels-last (see ``lower_conv``). See docs/iree_emitter.md.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 from fusegraph.engines.iree.lower_attention import lower_sdpa
 from fusegraph.engines.iree.lower_base import Lowering, Val, vtensor
@@ -36,6 +38,19 @@ from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import OpKind
+
+
+def _source_digest() -> str:
+    """Hash of this module and every lowering module: the engine keys its cache on it."""
+    here = Path(__file__)
+    h = hashlib.sha256()
+    for path in [*sorted(here.parent.glob("lower_*.py")), here]:
+        h.update(path.name.encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+EMITTER_VERSION = _source_digest()
 
 CONV_LAYOUTS = ("nhwc", "nchw")
 ATTENTION = ("fused", "decomposed")

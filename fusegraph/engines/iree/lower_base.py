@@ -343,8 +343,8 @@ class Lowering:
         )
 
     def compute_type(self, node: Node, *dtypes: DataType) -> DataType:
-        """Math type of a floating-point op: the node's, else the graph's, else f32 for
-        narrow floats (half, bf16, fp8) and the inputs' own type otherwise."""
+        """Math type of a floating-point op: the node's, else the graph's, else f32 (for
+        half, bf16, fp8 and f64 inputs alike)."""
         declared = getattr(node.attrs, "compute_data_type", None) or self.graph.compute_data_type
         base = dtypes[0]
         for d in dtypes[1:]:
@@ -353,7 +353,9 @@ class Lowering:
             return base
         if declared is not None and declared.is_float:
             return declared
-        return DataType.FLOAT if base in NARROW_FLOATS else base
+        # f64 too: IREE's CPU code generation has no f64 transcendental functions (sin,
+        # exp... fail to link), so f64 graphs compute in f32 unless f64 is declared.
+        return DataType.FLOAT if base in NARROW_FLOATS or base == DataType.DOUBLE else base
 
     # ---- builtin-tensor bridge (for ops written directly in linalg) --------------------
     def to_builtin(self, val: Val) -> str:

@@ -73,11 +73,20 @@ def _relu(c: Lowering, a: list[Val], p: PointwiseAttrs, shape: Shape, perm: Perm
     return b.aten("where.self", [below, low, high], shape, ct, perm)
 
 
-def _gelu(approx: str) -> PointwiseLowering:
-    def lower(c: Lowering, a: list[Val], p: PointwiseAttrs, shape: Shape, perm: Perm, ct: DataType) -> Val:
-        return c.b.aten("gelu", [a[0], (c.b.const_str(approx), _STR)], shape, ct, perm)
+def _gelu(c: Lowering, a: list[Val], p: PointwiseAttrs, shape: Shape, perm: Perm, ct: DataType) -> Val:
+    return c.b.aten("gelu", [a[0], (c.b.const_str("none"), _STR)], shape, ct, perm)
 
-    return lower
+
+def _gelu_tanh(c: Lowering, a: list[Val], p: PointwiseAttrs, shape: Shape, perm: Perm, ct: DataType) -> Val:
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), written out: torch's "tanh"
+    gelu lowers with a 5e-5 relative error in f32 on IREE 3.13."""
+    x = a[0]
+    b = c.b
+    x3 = b.aten("mul.Tensor", [x, b.aten("mul.Tensor", [x, x], shape, ct, perm)], shape, ct, perm)
+    inner = b.aten("add.Tensor", [x, _scalar_op(c, "mul.Scalar", x3, 0.044715), (b.const_int(1), _INT)], shape, ct, perm)
+    t = b.aten("tanh", [_scalar_op(c, "mul.Scalar", inner, math.sqrt(2.0 / math.pi))], shape, ct, perm)
+    half_x = _scalar_op(c, "mul.Scalar", x, 0.5)
+    return b.aten("mul.Tensor", [half_x, _scalar_op(c, "add.Scalar", t, 1.0, alpha=True)], shape, ct, perm)
 
 
 def _elu(c: Lowering, a: list[Val], p: PointwiseAttrs, shape: Shape, perm: Perm, ct: DataType) -> Val:
@@ -153,8 +162,8 @@ POINTWISE_LOWER: dict[PointwiseMode, PointwiseLowering] = {
     M.RELU_FWD: _relu,
     M.TANH_FWD: _unary("tanh"),
     M.SIGMOID_FWD: _unary("sigmoid"),
-    M.GELU_FWD: _gelu("none"),
-    M.GELU_APPROX_TANH_FWD: _gelu("tanh"),
+    M.GELU_FWD: _gelu,
+    M.GELU_APPROX_TANH_FWD: _gelu_tanh,
     M.ELU_FWD: _elu,
     M.SWISH_FWD: _swish,
     M.SOFTPLUS_FWD: _softplus,
