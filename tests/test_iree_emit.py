@@ -158,6 +158,17 @@ def test_pooling_and_attention_lowerings() -> None:
     assert not lines_with(t2, "scaled_dot_product_attention") and lines_with(t2, "torch.aten.softmax.int")
 
 
+def test_round_intermediates_knob() -> None:
+    g = fg.Graph(io_data_type=F16)
+    g.tanh(g.exp(g.relu(g.tensor("x", [4, 4])))).set_output(True)
+    g.validate()
+    exact = emit_mlir(g).text
+    wide = emit_mlir(g, options=EmitOptions(round_intermediates=False)).text
+    # Each op rounds to f16 and widens again, vs one widening in and one rounding out.
+    assert len(lines_with(exact, "torch.aten.to.dtype")) == 6
+    assert len(lines_with(wide, "torch.aten.to.dtype")) == 2
+
+
 # ---- tables, options, errors -------------------------------------------------------------------
 def test_every_op_and_mode_has_a_lowering() -> None:
     assert set(LOWER) == set(OpKind)
@@ -169,6 +180,8 @@ def test_emit_options_validate() -> None:
         EmitOptions(conv_layout="chwn")
     with pytest.raises(ValueError, match="attention"):
         EmitOptions(attention="flash")
+    with pytest.raises(ValueError, match="norm_variance"):
+        EmitOptions(norm_variance="welford")
 
 
 def test_emitter_version_covers_lowering_modules() -> None:

@@ -455,6 +455,48 @@ def test_norms(iree_cpu: IreeCpu, rng: np.random.Generator, dt: DataType, lay: s
     check(iree_cpu, g, rng, NORM_TOL[dt], fix=fix)
 
 
+@pytest.mark.parametrize("dt", [F32, F16], ids=str)
+def test_norm_and_rounding_knobs(iree_cpu: IreeCpu, rng: np.random.Generator, dt: DataType) -> None:
+    """norm_variance="one_pass" and round_intermediates=False still match the reference."""
+    g = fg.Graph(io_data_type=dt)
+    dims = [4, 6, 5, 3]
+    x = g.tensor("x", dims, strides(dims, "NHWC"))
+    s, b = g.tensor("s", [6]), g.tensor("b", [6])
+    for o in g.batchnorm(x, s, b, name="bn"):
+        o.set_output(True)
+    y, mean, inv = g.layernorm(x, g.tensor("ls", [6, 5, 3]), g.tensor("lb", [6, 5, 3]), phase=NormFwdPhase.TRAINING, name="ln")
+    for o in (mean, inv):
+        assert o is not None
+        o.set_output(True)
+    g.tanh(g.mul(g.exp(g.relu(y)), g.scalar(0.3)), name="chain").set_output(True)
+    opts = EmitOptions(norm_variance="one_pass", round_intermediates=False)
+    check(iree_cpu, g, rng, NORM_TOL[dt], options=opts)
+
+
+def test_narrow_types(iree_cpu: IreeCpu, rng: np.random.Generator) -> None:
+    """fp8 (both kinds), int8, uint8 and int16 tensors through casts, math and a conv."""
+    g = fg.Graph()
+    for dt in (DataType.FP8_E4M3, DataType.FP8_E5M2):
+        a, b = g.tensor(f"a_{dt.value}", [4, 6], data_type=dt), g.tensor(f"b_{dt.value}", [4, 6], data_type=dt)
+        g.add(a, b, name=f"add_{dt.value}").set_output(True)
+        g.matmul(a, g.tensor(f"c_{dt.value}", [6, 3], data_type=dt), name=f"mm_{dt.value}").set_output(True)
+    x8 = g.tensor("x8", [1, 4, 6, 6], fg.strides_for([1, 4, 6, 6], "NHWC"), data_type=DataType.FP8_E4M3)
+    w8 = g.tensor("w8", [3, 4, 3, 3], data_type=DataType.FP8_E4M3)
+    g.conv_fprop(x8, w8, padding=[1, 1], name="conv_fp8").set_data_type(F32).set_output(True)
+    for dt in (DataType.INT8, DataType.UINT8, DataType.INT16):
+        a, b = g.tensor(f"i_{dt.value}", [3, 5], data_type=dt), g.tensor(f"j_{dt.value}", [3, 5], data_type=dt)
+        g.max(a, b, name=f"max_{dt.value}").set_output(True)
+        g.identity(a, name=f"widen_{dt.value}").set_data_type(DataType.INT32).set_output(True)
+
+    def fix(pack: dict[str, np.ndarray]) -> None:
+        for k in ("i_uint8", "j_uint8"):
+            pack[k] = (np.abs(pack[k].astype(np.int64)) * 5).astype(np.uint8)
+
+    # fp8 math runs in f32 and rounds once, like the reference: results agree exactly
+    # except the conv, whose f32 sum order differs.
+    check(iree_cpu, g, rng, {"*": 0.0, "conv_fp8::y": TOL[F32]}, fix=fix)
+
+
 @pytest.mark.parametrize("lay", LAYOUTS)
 @pytest.mark.parametrize("dt", FLOATS, ids=str)
 def test_pooling(iree_cpu: IreeCpu, rng: np.random.Generator, dt: DataType, lay: str) -> None:

@@ -54,6 +54,7 @@ EMITTER_VERSION = _source_digest()
 
 CONV_LAYOUTS = ("nhwc", "nchw")
 ATTENTION = ("fused", "decomposed")
+NORM_VARIANCE = ("two_pass", "one_pass")
 
 
 @dataclass(frozen=True)
@@ -66,17 +67,26 @@ class EmitOptions:
         fold the transpose into the convolution (which makes it a slow generic op).
     attention: "fused" emits torch's scaled_dot_product_attention (IREE's attention
         op); "decomposed" writes matmul, mask, softmax, matmul.
+    norm_variance: "two_pass" E[(x - mean)^2] (exact) or "one_pass" E[x^2] - mean^2
+        (batch/layer norm statistics in one fused reduction; less precise).
+    round_intermediates: round virtual tensors to their declared (narrower) float type,
+        as the graph says; off, values stay in the compute type between fused ops
+        (closer to the float64 reference, and no convert pairs in the kernels).
     """
 
     conv_layout: str = "nhwc"
     filter_barrier: bool = True
     attention: str = "fused"
+    norm_variance: str = "two_pass"
+    round_intermediates: bool = True
 
     def __post_init__(self) -> None:
         if self.conv_layout not in CONV_LAYOUTS:
             raise ValueError(f"conv_layout must be one of {CONV_LAYOUTS}, got {self.conv_layout!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
+        if self.norm_variance not in NORM_VARIANCE:
+            raise ValueError(f"norm_variance must be one of {NORM_VARIANCE}, got {self.norm_variance!r}")
 
 
 @dataclass(frozen=True)

@@ -265,10 +265,19 @@ class Lowering:
         return val
 
     def set(self, t: TensorAttr, val: Val) -> None:
-        """Binds a node result, cast to the tensor's declared data type."""
+        """Binds a node result, cast to the tensor's declared data type (a virtual tensor
+        computed in a wider float type stays wide when round_intermediates is off)."""
         if val.logical_shape != tuple(t.shape):
             val = self.broadcast(val, t.shape, val.perm)
-        self.bind(t, self.cast(val, t.dtype))
+        keep_wide = (
+            not self.options.round_intermediates
+            and t.is_virtual
+            and not t.is_output
+            and t.dtype.is_float
+            and val.dtype.is_float
+            and val.dtype.itemsize > t.dtype.itemsize
+        )
+        self.bind(t, val if keep_wide else self.cast(val, t.dtype))
 
     # ---- layout ---------------------------------------------------------------------
     def permute(self, val: Val, perm: Perm) -> Val:
