@@ -4,6 +4,7 @@ Two tests compile, to read IREE's dispatch structure (fusion)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -173,6 +174,14 @@ def test_round_intermediates_knob() -> None:
 def test_every_op_and_mode_has_a_lowering() -> None:
     assert set(LOWER) == set(OpKind)
     assert set(POINTWISE_LOWER) == set(PointwiseMode)
+
+
+def test_emit_knobs_match_options() -> None:
+    fields = {f.name: f.default for f in dataclasses.fields(EmitOptions)}
+    assert {k.name: k.default for k in emit_mod.EMIT_KNOBS} == fields
+    for k in emit_mod.EMIT_KNOBS:
+        for choice in k.choices:
+            EmitOptions(**{k.name: choice})  # every choice is accepted
 
 
 def test_emit_options_validate() -> None:

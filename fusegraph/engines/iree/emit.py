@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fusegraph.engines.base import Knob
 from fusegraph.engines.iree.lower_attention import lower_sdpa
 from fusegraph.engines.iree.lower_base import Lowering, Val, vtensor
 from fusegraph.engines.iree.lower_conv import lower_conv_dgrad, lower_conv_fprop, lower_conv_wgrad
@@ -87,6 +88,16 @@ class EmitOptions:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.norm_variance not in NORM_VARIANCE:
             raise ValueError(f"norm_variance must be one of {NORM_VARIANCE}, got {self.norm_variance!r}")
+
+
+# EmitOptions as engine knobs (the autotuner's emitter search space).
+EMIT_KNOBS: tuple[Knob, ...] = (
+    Knob("conv_layout", "nhwc", CONV_LAYOUTS, description="layout forward convolutions run in"),
+    Knob("filter_barrier", True, (True, False), description="keep a transposed conv filter out of the conv dispatch"),
+    Knob("attention", "fused", ATTENTION, description="sdpa as IREE's attention op or decomposed"),
+    Knob("norm_variance", "two_pass", NORM_VARIANCE, description="norm statistics: exact two-pass or fused one-pass"),
+    Knob("round_intermediates", True, (True, False), description="round virtual tensors to their declared float type"),
+)
 
 
 @dataclass(frozen=True)
