@@ -64,7 +64,7 @@ def _list(args: argparse.Namespace) -> int:
         age = _age(now - float(e.get("created", now)))
         print(
             f"{str(e.get('key', '?'))[:12]:14s} {str(meta.get('graph_name', '?'))[:24]:24s} "
-            f"{str(meta.get('target', '?')):12s} {disp!s:>4s} {int(e.get('size', 0)) / 1e3:8.1f} {age:>8s}  {status}"
+            f"{meta.get('target', '?')!s:12s} {disp!s:>4s} {int(e.get('size', 0)) / 1e3:8.1f} {age:>8s}  {status}"
         )
     return 1 if bad else 0
 
