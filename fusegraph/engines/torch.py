@@ -20,6 +20,7 @@ import importlib.util
 import json
 import logging
 import math
+import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -786,7 +787,11 @@ def _graph_function(graph: Graph, ctx: _Ctx, device: Any) -> Callable[[dict[str,
                 env[t.name] = value if value.dtype == target else value.to(target)
         return {t.name: env[t.name] for t in outputs}
 
-    return run
+    # A code object of its own per graph: torch.compile caches (and caps recompiles) per
+    # code object, so plans sharing ``run``'s would evict each other and fall back to eager.
+    tag = "fusegraph_" + "".join(ch if ch.isalnum() else "_" for ch in graph.name)[:40] + f"_{id(ctx):x}"
+    code = run.__code__.replace(co_name=tag, co_qualname=tag)
+    return types.FunctionType(code, run.__globals__, tag, run.__defaults__, run.__closure__)  # type: ignore[no-any-return]
 
 
 class TorchPlan(ExecutionPlan):
@@ -849,8 +854,8 @@ class TorchPlan(ExecutionPlan):
             x.copy_(torch.ones(t.shape, dtype=x.dtype) if t.dtype != DataType.BOOLEAN else torch.ones(t.shape, dtype=torch.bool))
             dummy[t.name] = x
         try:
-            with self._flags():
-                self._fn(dummy)
+            with self._torch.inference_mode(), self._flags():
+                self._fn(dummy)  # under the same global state as execute(), or dynamo recompiles
         except Exception as exc:
             raise CompileError(f"torch.compile failed for graph '{self.graph.name}': {type(exc).__name__}", diagnostic=str(exc)) from exc
 
