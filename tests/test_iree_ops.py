@@ -575,10 +575,8 @@ def test_data_movement(iree_cpu: IreeCpu, rng: np.random.Generator, dt: DataType
 
 
 # ---- a layout-sensitive chain ------------------------------------------------------------------------
-@pytest.mark.parametrize("lay", LAYOUTS)
-@pytest.mark.parametrize("dt", [F32, F16], ids=str)
-def test_resnet_block(iree_cpu: IreeCpu, rng: np.random.Generator, dt: DataType, lay: str) -> None:
-    """conv -> batchnorm -> relu -> conv -> + residual -> relu -> maxpool, channels-last."""
+def _resnet_graph(dt: DataType, lay: str) -> fg.Graph:
+    """conv -> batchnorm -> relu -> conv -> + residual -> relu -> maxpool."""
     g = fg.Graph(io_data_type=dt, compute_data_type=F32)
     xd = [2, 8, 10, 10]
     x = g.tensor("x", xd, strides(xd, lay))
@@ -594,6 +592,13 @@ def test_resnet_block(iree_cpu: IreeCpu, rng: np.random.Generator, dt: DataType,
     h = bn(g.conv_fprop(h, w2, padding=[1, 1]), "bn2")
     h = g.relu(g.add(h, x))
     g.pooling(h, PoolingMode.MAX, window=(3, 3), stride=(2, 2), padding=(1, 1)).set_name("y").set_output(True)
+    return g
+
+
+@pytest.mark.parametrize("lay", LAYOUTS)
+@pytest.mark.parametrize("dt", [F32, F16], ids=str)
+def test_resnet_block(iree_cpu: IreeCpu, rng: np.random.Generator, dt: DataType, lay: str) -> None:
+    g = _resnet_graph(dt, lay)
 
     def fix(pack: dict[str, np.ndarray]) -> None:
         for tag in ("bn1", "bn2"):
@@ -601,3 +606,36 @@ def test_resnet_block(iree_cpu: IreeCpu, rng: np.random.Generator, dt: DataType,
             pack[f"{tag}_v"] = (np.abs(v.astype(np.float64)) + 0.5).astype(v.dtype)
 
     check(iree_cpu, g, rng, TOL[dt] * (3 if dt != F32 else 10), fix=fix)
+
+
+# ---- through the engine ------------------------------------------------------------------------------
+ENGINE_CASES = {
+    "resnet_block_nhwc_f16": lambda: _resnet_graph(F16, "NHWC"),
+    "conv_grads_nchw_bf16": lambda: _grad_graph(BF16, "NCHW"),
+    "sdpa_f32": lambda: _sdpa_graph(F32)[0],
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENGINE_CASES))
+@pytest.mark.parametrize("knobs", [(), (("conv_layout", "nchw"), ("attention", "decomposed"))], ids=["default", "knobs"])
+def test_through_the_engine(
+    rng: np.random.Generator, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, case: str, knobs: tuple[tuple[str, Any], ...]
+) -> None:
+    """The emitter behind the IREE engine (plan, runtime, buffers), knobs included."""
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.engines.registry import REGISTRY
+
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    engine = REGISTRY.get("iree")
+    handle = fg.Handle("cpu")
+    g = ENGINE_CASES[case]().validate()
+    support = engine.supports(g, handle)
+    assert support, support.reason
+    pack = {t.name: make_input(t, rng, "positive" if t.name.endswith("_v") else "normal") for t in g.inputs()}
+    if "mb" in pack:
+        pack["mb"][:, 0] = True
+    ref = g.execute(pack, engine="reference")
+    got = engine.build(g, handle, EngineConfig("iree", knobs)).execute(pack)
+    dt = g.inputs()[0].dtype
+    for name in ref:
+        assert_close(name, got[name], ref[name], TOL[dt] * (3 if dt != F32 else 10))
