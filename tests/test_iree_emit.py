@@ -38,6 +38,10 @@ def lines_with(text: str, needle: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if needle in line]
 
 
+def conv_line(text: str) -> str:
+    return lines_with(text, "linalg.conv_")[0]
+
+
 # ---- golden text ----------------------------------------------------------------------------
 def test_conv_bias_relu_nhwc_golden() -> None:
     m = emit_mlir(conv_bias_relu("NHWC"))
@@ -51,8 +55,9 @@ def test_conv_bias_relu_nhwc_golden() -> None:
     # The activation is never transposed; the KRSC filter becomes HWCF once, fenced off.
     permutes = lines_with(t, "torch.aten.permute")
     assert len(permutes) == 1 and "%arg1" in permutes[0] and "-> !torch.vtensor<[3,3,8,16],f16>" in permutes[0]
-    barrier = lines_with(t, "util.optimization_barrier")
+    barrier = lines_with(t, "iree_tensor_ext.compute_barrier.start")
     assert len(barrier) == 1 and "tensor<3x3x8x16xf16>" in barrier[0]
+    assert barrier[0].split()[0] in conv_line(t)  # the fenced filter feeds the conv
     assert lines_with(t, "tensor.pad")[0].endswith("low[0, 1, 1, 0] high[0, 1, 1, 0] {")
     conv = lines_with(t, "linalg.conv_2d_nhwc_hwcf")
     assert len(conv) == 1
@@ -85,6 +90,21 @@ def test_conv_layout_nchw_knob() -> None:
     assert len(lines_with(t, "torch.aten.convolution")) == 1
     assert not lines_with(t, "linalg.conv")
     assert not lines_with(t, "torch.aten.permute")
+
+
+def test_filter_fence_knob() -> None:
+    g = conv_bias_relu("NHWC")
+    opt = emit_mlir(g, options=EmitOptions(filter_fence="optimization_barrier")).text
+    assert len(lines_with(opt, "util.optimization_barrier")) == 1 and "compute_barrier" not in opt
+    bare = emit_mlir(g, options=EmitOptions(filter_fence="none")).text
+    assert "barrier" not in bare
+    # A filter already stored HWCF needs no transpose and no fence.
+    g2 = fg.Graph(io_data_type=F32)
+    x = g2.tensor("x", [1, 4, 6, 6], fg.strides_for([1, 4, 6, 6], "NHWC"))
+    w = g2.tensor("w", [8, 4, 3, 3], fg.graph.layout.packed_strides([8, 4, 3, 3], (2, 3, 1, 0)))
+    g2.conv_fprop(x, w).set_output(True)
+    t2 = emit_mlir(g2.validate()).text
+    assert "barrier" not in t2 and not lines_with(t2, "torch.aten.permute")
 
 
 def test_grouped_and_depthwise_choices() -> None:
@@ -189,6 +209,8 @@ def test_emit_options_validate() -> None:
         EmitOptions(conv_layout="chwn")
     with pytest.raises(ValueError, match="attention"):
         EmitOptions(attention="flash")
+    with pytest.raises(ValueError, match="filter_fence"):
+        EmitOptions(filter_fence=True)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="norm_variance"):
         EmitOptions(norm_variance="welford")
 

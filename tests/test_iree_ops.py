@@ -344,6 +344,11 @@ def test_conv_fprop_nchw_option(iree_cpu: IreeCpu, rng: np.random.Generator, lay
     check(iree_cpu, _conv2d_graph(F32, lay), rng, TOL[F32], options=EmitOptions(conv_layout="nchw"))
 
 
+@pytest.mark.parametrize("fence", ["optimization_barrier", "none"])
+def test_conv_filter_fence_option(iree_cpu: IreeCpu, rng: np.random.Generator, fence: str) -> None:
+    check(iree_cpu, _conv2d_graph(F32, "NHWC"), rng, TOL[F32], options=EmitOptions(filter_fence=fence))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dt", [F32, F16], ids=str)
 def test_conv_fprop_1d_3d(iree_cpu: IreeCpu, rng: np.random.Generator, dt: DataType) -> None:

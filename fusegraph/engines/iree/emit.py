@@ -54,6 +54,7 @@ def _source_digest() -> str:
 EMITTER_VERSION = _source_digest()
 
 CONV_LAYOUTS = ("nhwc", "nchw")
+FILTER_FENCES = ("compute_barrier", "optimization_barrier", "none")
 ATTENTION = ("fused", "decomposed")
 NORM_VARIANCE = ("two_pass", "one_pass")
 
@@ -64,8 +65,10 @@ class EmitOptions:
 
     conv_layout: "nhwc" runs forward convolutions channels-last as linalg named ops
         (fast on CPU); "nchw" emits torch.aten.convolution on the logical layout.
-    filter_barrier: keep a transposed filter in its own dispatch, so that IREE does not
-        fold the transpose into the convolution (which makes it a slow generic op).
+    filter_fence: how a transposed filter is kept in its own dispatch, so that IREE does
+        not fold the transpose into the convolution (which makes it a slow generic op):
+        "compute_barrier" (IREE's dispatch-region marker, free at run time),
+        "optimization_barrier" (one more submission per call) or "none".
     attention: "fused" emits torch's scaled_dot_product_attention (IREE's attention
         op); "decomposed" writes matmul, mask, softmax, matmul.
     norm_variance: "two_pass" E[(x - mean)^2] (exact) or "one_pass" E[x^2] - mean^2
@@ -76,7 +79,7 @@ class EmitOptions:
     """
 
     conv_layout: str = "nhwc"
-    filter_barrier: bool = True
+    filter_fence: str = "compute_barrier"
     attention: str = "fused"
     norm_variance: str = "two_pass"
     round_intermediates: bool = True
@@ -84,6 +87,8 @@ class EmitOptions:
     def __post_init__(self) -> None:
         if self.conv_layout not in CONV_LAYOUTS:
             raise ValueError(f"conv_layout must be one of {CONV_LAYOUTS}, got {self.conv_layout!r}")
+        if self.filter_fence not in FILTER_FENCES:
+            raise ValueError(f"filter_fence must be one of {FILTER_FENCES}, got {self.filter_fence!r}")
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {ATTENTION}, got {self.attention!r}")
         if self.norm_variance not in NORM_VARIANCE:
@@ -93,7 +98,7 @@ class EmitOptions:
 # EmitOptions as engine knobs (the autotuner's emitter search space).
 EMIT_KNOBS: tuple[Knob, ...] = (
     Knob("conv_layout", "nhwc", CONV_LAYOUTS, description="layout forward convolutions run in"),
-    Knob("filter_barrier", True, (True, False), description="keep a transposed conv filter out of the conv dispatch"),
+    Knob("filter_fence", "compute_barrier", FILTER_FENCES, description="keep a transposed conv filter out of the conv dispatch"),
     Knob("attention", "fused", ATTENTION, description="sdpa as IREE's attention op or decomposed"),
     Knob("norm_variance", "two_pass", NORM_VARIANCE, description="norm statistics: exact two-pass or fused one-pass"),
     Knob("round_intermediates", True, (True, False), description="round virtual tensors to their declared float type"),
