@@ -474,7 +474,10 @@ def _try_fold(og: OnnxGraph, node: ONode) -> list[np.ndarray] | None:
     except Exception as exc:  # leave it to run; ORT will report a real problem
         log.debug("could not fold %s (%s): %s", node.name, node.op_type, exc)
         return None
-    if out is None or any(not isinstance(o, np.ndarray) for o in out):
+    if out is None:
+        return None
+    out = [np.asarray(o) if isinstance(o, np.ndarray | np.generic) else o for o in out]
+    if any(not isinstance(o, np.ndarray) or o.dtype == object for o in out):
         return None
     return out
 

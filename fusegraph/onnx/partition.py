@@ -14,7 +14,7 @@ ordered by node position, so the result is deterministic.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 
@@ -49,31 +49,34 @@ class Partitioning:
 
 
 class _Units:
-    """Union of nodes into units, with the unit-graph reachability the cycle check needs."""
+    """Union of nodes into units, with the unit graph kept current for the cycle check."""
 
     def __init__(self, preds: list[set[int]], succs: list[set[int]], label: list[bool]) -> None:
-        n = len(preds)
         self.preds, self.succs = preds, succs
+        self.label = label
+        self._reset(range(len(preds)))
+
+    def _reset(self, nodes: Iterable[int]) -> None:
+        n = len(self.preds)
         self.unit = list(range(n))
         self.members: dict[int, list[int]] = {i: [i] for i in range(n)}
         self.lo = list(range(n))
-        self.hi = list(range(n))
-        self.label = label
+        self.out: dict[int, set[int]] = {i: set(self.succs[i]) for i in range(n)}
+        self.inn: dict[int, set[int]] = {i: set(self.preds[i]) for i in range(n)}
 
     def succ_units(self, u: int) -> set[int]:
-        return {self.unit[s] for i in self.members[u] for s in self.succs[i]} - {u}
+        return self.out[u]
 
     def _reaches_indirectly(self, src: int, dst: int) -> bool:
         """A path src -> X -> ... -> dst through at least one other unit X."""
-        limit = self.hi[dst]
-        stack = [u for u in self.succ_units(src) if u != dst and self.lo[u] < limit]
+        stack = [u for u in self.out[src] if u != dst]
         seen = set(stack)
         while stack:
             u = stack.pop()
-            for v in self.succ_units(u):
+            for v in self.out[u]:
                 if v == dst:
                     return True
-                if v != src and v not in seen and self.lo[v] < limit:
+                if v != src and v not in seen:
                     seen.add(v)
                     stack.append(v)
         return False
@@ -89,14 +92,29 @@ class _Units:
             self.unit[i] = keep
         self.members[keep] = sorted(self.members[keep] + self.members.pop(gone))
         self.lo[keep] = min(self.lo[keep], self.lo[gone])
-        self.hi[keep] = max(self.hi[keep], self.hi[gone])
+        for w in self.out.pop(gone):
+            self.inn[w].discard(gone)
+            if w != keep:
+                self.inn[w].add(keep)
+                self.out[keep].add(w)
+        for w in self.inn.pop(gone):
+            self.out[w].discard(gone)
+            if w != keep:
+                self.out[w].add(keep)
+                self.inn[keep].add(w)
+        self.out[keep].discard(keep)
+        self.inn[keep].discard(keep)
+        self.out[keep].discard(gone)
+        self.inn[keep].discard(gone)
         return keep
 
     def split(self, u: int) -> None:
-        for i in self.members.pop(u):
-            self.unit[i] = i
-            self.members[i] = [i]
-            self.lo[i] = self.hi[i] = i
+        """Releases a unit's nodes back to single-node units (rebuilding the unit graph)."""
+        groups = [m for k, m in self.members.items() if k != u]
+        self._reset(range(len(self.preds)))
+        for m in groups:
+            for i in m[1:]:
+                self.merge(self.unit[m[0]], self.unit[i])
 
 
 def _edges(nodes: Sequence[PNode]) -> tuple[list[set[int]], list[set[int]]]:

@@ -66,25 +66,29 @@ class _Ctx:
         return name
 
     def replace(self, old: list[ONode], new: ONode) -> None:
-        """Puts ``new`` where the first of ``old`` was and drops the rest."""
+        """Puts ``new`` where the first of ``old`` was and drops the rest (maps kept current)."""
         ids = {id(n) for n in old}
-        out: list[ONode] = []
-        for n in self.og.nodes:
-            if id(n) == id(old[0]):
-                out.append(new)
-            elif id(n) not in ids:
-                out.append(n)
-        self.og.nodes = out
+        pos = next(k for k, n in enumerate(self.og.nodes) if n is old[0])
+        self.og.nodes[pos] = new
+        self.og.nodes = [n for n in self.og.nodes if id(n) not in ids]
         for n in old:
             for o in n.outputs:
+                if self.producer.get(o) is n:
+                    del self.producer[o]
                 if o and o not in new.outputs:
                     self.og.types.pop(o, None)
-        live = {i for n in self.og.nodes for i in n.all_inputs()} | set(self.og.outputs)
+            for i in n.all_inputs():
+                readers = self.consumers.get(i, [])
+                readers[:] = [r for r in readers if id(r) not in ids]
+        for o in new.outputs:
+            if o:
+                self.producer[o] = new
+        for i in new.all_inputs():
+            self.consumers.setdefault(i, []).append(new)
         for n in old:
             for i in n.inputs:
-                if i in self.og.constants and i not in live:
+                if i in self.og.constants and not self.consumers.get(i) and i not in self.og.outputs:
                     del self.og.constants[i]
-        self.refresh()
 
     def allowed(self, *nodes: ONode) -> bool:
         return not any(n.op_type in self.exclude for n in nodes)

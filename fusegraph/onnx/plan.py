@@ -208,9 +208,9 @@ class SessionPlan:
                         node=nodes[0].name,
                     ) from exc
                 log.warning("claimed subgraph %s (%d nodes) falls back to ONNX Runtime: %s", name, len(nodes), why)
-                self.notes[f"onnxruntime_{k}"] = f"claimed, but fell back to ONNX Runtime: {why.splitlines()[0]}"
+                self.notes[f"onnxruntime_{k}"] = f"claimed, but fell back to ONNX Runtime: {_one_line(why)}"
                 for n in nodes:
-                    self.reasons[n.name] = f"its claimed subgraph failed to build: {why.splitlines()[0]}"
+                    self.reasons[n.name] = f"its claimed subgraph failed to build: {_one_line(why)}"
                 return self._ort_unit(f"onnxruntime_{k}", nodes, ins, outs)
         return self._unclaimed_unit(k, nodes, ins, outs)
 
@@ -305,7 +305,7 @@ class SessionPlan:
             if isinstance(unit, FusegraphUnit):
                 raise CompileError(f"claimed subgraph {unit.name} failed and strict=1: {exc}") from exc
             raise exc
-        why = f"{type(exc).__name__}: {exc}".splitlines()[0]
+        why = _one_line(f"{type(exc).__name__}: {exc}")
         log.warning("claimed subgraph %s failed at run time, falls back to ONNX Runtime: %s", unit.name, why)
         name = unit.name.replace("fusegraph_", "onnxruntime_")
         repl = self._ort_unit(name, unit.nodes, unit.inputs, unit.outputs)
@@ -347,6 +347,11 @@ class SessionPlan:
             input_shapes=self.input_shapes,
             setup_s=self.setup_s,
         )
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    flat = " | ".join(line.strip() for line in text.strip().splitlines() if line.strip())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
 
 
 def _source_ops(og: OnnxGraph, nodes: Sequence[ONode]) -> list[str]:
