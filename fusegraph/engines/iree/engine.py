@@ -96,6 +96,8 @@ class IreeEngine:
     def __init__(self, emitter: Emitter | None = None, cache: ModuleCache | None = None) -> None:
         self._emitter = emitter  # None: fusegraph.engines.iree.emit.emit_mlir
         self.cache = cache or ModuleCache()
+        # graph key -> the emitter's unsupported_reason (emitting a graph to ask costs ms).
+        self._reasons: dict[str, str | None] = {}
 
     @property
     def version(self) -> str:
@@ -137,7 +139,12 @@ class IreeEngine:
                 return Support.no(f"the IREE emitter is not available: {exc}")
             check = getattr(emit, "unsupported_reason", None)
             if check is not None:
-                reason = check(graph.ensure_valid())
+                key = f"{graph.ensure_valid().key()}:{_default_emitter_version()}"
+                if key not in self._reasons:
+                    if len(self._reasons) > 1024:
+                        self._reasons.clear()
+                    self._reasons[key] = check(graph)
+                reason = self._reasons[key]
                 if reason:
                     return Support.no(str(reason))
         return Support.yes()
