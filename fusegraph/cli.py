@@ -9,7 +9,7 @@ import logging
 import sys
 
 # One line per subcommand module, in the order `fusegraph --help` lists them.
-COMMANDS = ["demo", "engines", "tune", "cache"]
+COMMANDS = ["demo", "engines", "tune", "cache", "run"]
 
 
 def build_parser() -> argparse.ArgumentParser:
