@@ -131,6 +131,25 @@ def test_pointwise_chain_keeps_layout() -> None:
     assert not lines_with(m.text, "torch.aten.permute")
 
 
+def test_nhwc_block_has_no_activation_transpose() -> None:
+    """conv -> batchnorm -> relu -> conv -> +x -> relu -> maxpool, NHWC end to end: the
+    only permutes are the two KRSC filters becoming HWCF."""
+    g = fg.Graph(io_data_type=F32)
+    x = g.tensor("x", [1, 8, 10, 10], fg.strides_for([1, 8, 10, 10], "NHWC"))
+
+    def conv(t: fg.TensorAttr, name: str) -> fg.TensorAttr:
+        return g.conv_fprop(t, g.tensor(name, [8, 8, 3, 3], fg.strides_for([8, 8, 3, 3], "KRSC")), padding=[1, 1])
+
+    h = g.relu(g.batchnorm_inference(conv(x, "w1"), *(g.tensor(n, [8]) for n in ("s", "b", "m", "v"))))
+    h = g.relu(g.add(conv(h, "w2"), x))
+    g.pooling(h, PoolingMode.MAX, window=(3, 3), stride=(2, 2), padding=(1, 1)).set_output(True)
+    t = emit_mlir(g.validate()).text
+    permutes = lines_with(t, "torch.aten.permute")
+    assert len(permutes) == 2 and all("[3,3,8,8],f32>" in p for p in permutes)
+    assert len(lines_with(t, "linalg.conv_2d_nhwc_hwcf")) == 2
+    assert len(lines_with(t, "linalg.pooling_nhwc_max")) == 1
+
+
 def test_transpose_is_free() -> None:
     g = fg.Graph(io_data_type=F32)
     x = g.tensor("x", [2, 3, 4])
@@ -231,6 +250,22 @@ def test_unsupported_reason_names_the_node(monkeypatch: pytest.MonkeyPatch) -> N
     assert reason is not None and "'sm'" in reason and "softmax" in reason
     with pytest.raises(fg.UnsupportedError):
         emit_mlir(g)
+
+
+def test_f64_transcendentals_are_refused() -> None:
+    g = fg.Graph(io_data_type=DataType.DOUBLE, compute_data_type=DataType.DOUBLE)
+    x = g.tensor("x", [3])
+    g.exp(x, name="e").set_output(True)  # fine in f64
+    g.validate()
+    assert unsupported_reason(g) is None
+    g.tanh(x, name="th").set_output(True)
+    g.validate()
+    reason = unsupported_reason(g)
+    assert reason is not None and "'th'" in reason and "f64" in reason
+    # Without a declared f64 compute type, f64 tensors compute in f32: supported.
+    g2 = fg.Graph(io_data_type=DataType.DOUBLE)
+    g2.tanh(g2.tensor("x", [3])).set_output(True)
+    assert unsupported_reason(g2.validate()) is None
 
 
 def test_emit_validates_first() -> None:

@@ -183,6 +183,12 @@ POINTWISE_LOWER: dict[PointwiseMode, PointwiseLowering] = {
     M.SIGMOID_BWD: _via_output("sigmoid", "sigmoid_backward"),
 }
 
+# IREE 3.13's CPU backend links no f64 sin/cos/tanh and cannot lower f64 erf, so these
+# cannot compute in a declared f64 compute type (f64 tensors compute in f32 by default).
+NO_F64 = frozenset(
+    {M.SIN, M.COS, M.ERF, M.TANH_FWD, M.GELU_FWD, M.GELU_APPROX_TANH_FWD, M.GELU_BWD, M.TANH_BWD}
+)
+
 # Modes computed in floating point even on integer inputs (their params are floats).
 _FLOAT_MATH = frozenset({M.RELU_FWD, M.RELU_BWD})
 
@@ -228,6 +234,11 @@ def lower_pointwise(ctx: Lowering, node: Node) -> None:
     out = node.outputs["y"]
     perm = choose_perm(ctx, ins, out)
     ct = pointwise_compute_type(ctx, node)
+    if ct == DataType.DOUBLE and attrs.mode in NO_F64:
+        raise ctx.fail(
+            f"{attrs.mode.name} cannot compute in f64 on IREE (no f64 sin/cos/tanh/erf in its "
+            "code generation); declare compute_data_type=FLOAT for this node"
+        )
     args: list[Val] = []
     for i, t in enumerate(ins):
         is_cond = attrs.mode == M.BINARY_SELECT and i == 2
