@@ -406,6 +406,12 @@ def test_memory_format_knob(fmt: str, rng: np.random.Generator) -> None:
     check(conv_graph(), rng, TOL[DT.FLOAT], EngineConfig("torch", (("memory_format", fmt),)))
 
 
+def test_threads_knob_runs_single_threaded_and_restores(rng: np.random.Generator) -> None:
+    before = torch.get_num_threads()
+    check(conv_graph(), rng, TOL[DT.FLOAT], EngineConfig("torch", (("threads", 1),)))
+    assert torch.get_num_threads() == before
+
+
 def test_knobs_are_typed_and_checked() -> None:
     g = conv_graph()
     knobs = {k.name: k for k in ENGINE.knobs(g, CPU)}

@@ -282,6 +282,16 @@ class TorchEngine:
                     description="let cuDNN time its algorithms on first use of each shape",
                 )
             )
+        if not handle.device.is_gpu:
+            out.append(
+                Knob(
+                    "threads",
+                    0,
+                    (0, 1),
+                    description="intra-op CPU threads while the plan runs (0: torch's default, all "
+                    "cores); 1 avoids OpenMP barrier stalls on a busy or shared machine",
+                )
+            )
         has_4d_conv = any(n.kind in CONVOLUTIONS and len(_conv_image(n).shape) in (4, 5) for n in graph.nodes)
         if has_4d_conv:
             out.append(
@@ -805,6 +815,7 @@ class TorchPlan(ExecutionPlan):
         self._ctx = _Ctx(graph, handle, config)
         self._compiled = bool(config.get("compile", False))
         self._benchmark = bool(config.get("cudnn_benchmark", True))
+        self._threads = int(config.get("threads", 0))
         fn = _graph_function(graph, self._ctx, self.device)
         if self._compiled:
             fn = torch.compile(fn, dynamic=False)
@@ -819,7 +830,15 @@ class TorchPlan(ExecutionPlan):
     def _flags(self) -> Iterator[None]:
         torch = self._torch
         if not self.handle.device.is_gpu:
-            yield
+            if not self._threads:
+                yield
+                return
+            before = torch.get_num_threads()
+            torch.set_num_threads(self._threads)  # process-wide in torch: restored right after
+            try:
+                yield
+            finally:
+                torch.set_num_threads(before)
             return
         saved = (
             torch.backends.cudnn.benchmark,

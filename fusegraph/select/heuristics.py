@@ -248,9 +248,8 @@ class BuiltinHeuristic:
                 if name not in by_name:
                     continue
                 valid = _valid_knobs(knobs_of(name), wanted)
-                if valid is None:
-                    continue  # e.g. torch.compile not available here: the next step covers it
-                cfg = _config(name, valid)
+                # a knob the engine lacks here (torch.compile without Triton...): its defaults
+                cfg = _config(name, valid if valid is not None else ())
                 if cfg not in firsts:
                     firsts.append(cfg)
         for name in by_name:
