@@ -52,6 +52,7 @@ class FakeEngine:
         version: str = "1.0",
         knobs: Sequence[Knob] = (),
         speed: dict[Any, float] | None = None,
+        build_delay: float = 0.0,
     ) -> None:
         self.name = name
         self.version = version
@@ -61,6 +62,7 @@ class FakeEngine:
         self.wrong = wrong
         self._knobs = list(knobs)
         self.speed = speed or {}
+        self.build_delay = build_delay
         self.calls = 0
         self.builds = 0
 
@@ -83,6 +85,8 @@ class FakeEngine:
 
     def build(self, graph: fg.Graph, handle: fg.Handle, config: EngineConfig | None = None) -> ExecutionPlan:
         self.builds += 1
+        if self.build_delay:
+            time.sleep(self.build_delay)  # as a compiler would
         return FakePlan(graph, handle, config or EngineConfig(self.name), self)
 
 

@@ -58,6 +58,8 @@ def test_autotune_picks_the_fastest_plan_that_matches(cache_dir: Path) -> None:
     fast, slow = res.time_of(res.best), res.time_of(EngineConfig("torch"))
     assert fast is not None and slow is not None and fast < slow
     assert all(m.runs >= 3 for m in res.measurements if m.status == "ok")
+    runs = {str(m.config): m.runs for m in res.measurements}
+    assert runs["iree"] == 3 < runs["torch[speed=fast]"] == 5  # 10x slower: out of the race early
     assert res.persisted and (cache_dir / "tuning" / "tuning.json").exists()
     assert g.plans[("*", CPU)] is res.plan  # execute now uses the winner
 
@@ -149,7 +151,7 @@ def test_preferred_engine_takes_its_own_tuned_config() -> None:
 
 def test_budget_limits_the_search_but_times_the_heuristic_choice_first() -> None:
     iree = FakeEngine("iree", delay=0.01)
-    torch = FakeEngine("torch", delay=0.001, knobs=[Knob("variant", 0, tuple(range(20)))])
+    torch = FakeEngine("torch", delay=0.001, knobs=[Knob("variant", 0, tuple(range(20)))], build_delay=0.05)
     reg = registry_with(iree, torch)
     with using(reg):
         res = chain_graph().autotune(handle=CPU, budget_s=0.3, repeats=50, progress=False)

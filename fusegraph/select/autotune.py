@@ -2,11 +2,14 @@
 
 Each candidate (mode B: every knob setting of every engine, in heuristic order, then the
 FALLBACK engines) is built, run once and compared with the float64 reference engine (a
-wrong plan is never chosen, however fast), warmed up, then timed: the median of up to
-``repeats`` runs, with inputs staged on the device first where the plan can (``stage``)
-and the device synchronized after each run (``synchronize``). The budget is shared out
-over the candidates in order, so the heuristic's favourites are always measured. The
-winner is stored in the tuning database, so later builds of the same graph on the same
+wrong plan is never chosen, however fast). Then the correct plans are warmed up and timed
+in interleaved rounds (one run of each per round, so that load spikes on a shared machine
+hit them all alike) until each has ``repeats`` runs or the budget is spent; a plan whose
+median is over twice the best stops being timed. Inputs are staged on the device first
+where the plan can (``stage``, or Buffers on a GPU) and the device is synchronized after
+each run (``synchronize``). Building takes at most 60% of the budget, in heuristic order,
+so the heuristic's favourites are always measured. The winner is stored in the tuning
+database, so later builds of the same graph on the same
 device with the same versions use it without timing. The reference engine is the
 yardstick, not a contender: it is timed only when no other engine can run the graph (or
 with ``include_reference=True``).
@@ -212,27 +215,6 @@ def _sync(plan: ExecutionPlan) -> None:
         sync()
 
 
-def time_plan(
-    plan: ExecutionPlan, inputs: Mapping[str, Any], *, warmup: int, repeats: int, slice_s: float
-) -> list[float]:
-    """Wall times (seconds) of ``plan.execute`` after warm-up; at least one run."""
-    for _ in range(warmup):
-        plan.execute(inputs)
-    _sync(plan)
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < repeats:
-        t0 = time.perf_counter()
-        plan.execute(inputs)
-        _sync(plan)
-        times.append(time.perf_counter() - t0)
-        if len(times) >= 3 and time.perf_counter() - start > slice_s:
-            break
-        if time.perf_counter() - start > 3 * slice_s:
-            break
-    return times
-
-
 def _candidates(
     graph: Graph,
     h: Handle,
@@ -299,28 +281,39 @@ def autotune(
                 kept.append(c)
         cands = kept
 
-    measurements: list[Measurement] = []
-    plans: dict[EngineConfig, ExecutionPlan] = {}
-    bar = tqdm(cands, desc=f"tuning {graph.name}", unit="cfg", disable=progress is False, leave=False)
-    for i, cand in enumerate(bar):
+    # Phase 1: build each candidate and check it against the reference (compiles dominate).
+    measurements: dict[EngineConfig, Measurement] = {}
+    ready: dict[EngineConfig, tuple[ExecutionPlan, Mapping[str, Any]]] = {}
+    staged_by_kind: dict[type, Mapping[str, Any]] = {}
+    build_budget = 0.6 * budget_s
+    bar = tqdm(cands, desc=f"tuning {graph.name}: build+check", unit="cfg", disable=progress is False, leave=False)
+    for cand in bar:
         cfg = cand.config
         bar.set_postfix_str(str(cfg)[:40])
-        elapsed = time.perf_counter() - t_start
-        if elapsed > budget_s and measurements and any(m.status == "ok" for m in measurements):
-            measurements.append(Measurement(cfg, "skipped", detail=f"budget of {budget_s:.0f}s spent"))
+        if time.perf_counter() - t_start > build_budget and ready:
+            measurements[cfg] = Measurement(cfg, "skipped", detail=f"budget of {budget_s:.0f}s spent")
             continue
-        slice_s = max(0.05, (budget_s - elapsed) / max(1, len(cands) - i) / 2)
-        m = _measure(graph, h, cfg, inputs, reference, tol, warmup, repeats, slice_s, plans, registry)
-        measurements.append(m)
-        if m.status == "ok":  # keep only the fastest plan alive (plans can hold device memory)
-            fastest = min((x for x in measurements if x.status == "ok"), key=lambda x: x.median_ms or math.inf)
-            for c in [c for c in plans if c != fastest.config]:
-                del plans[c]
+        m, got = _build_and_check(graph, h, cfg, inputs, reference, tol, registry, staged_by_kind)
+        measurements[cfg] = m
+        if got is not None:
+            ready[cfg] = got
     bar.close()
 
-    ok = [m for m in measurements if m.status == "ok" and m.median_ms is not None]
+    # Phase 2: time the correct plans in interleaved rounds, so that load spikes and clock
+    # drift hit every contender alike; plans clearly out of the race (median > 2x the best)
+    # stop being timed once each has a few samples.
+    samples = _time_interleaved(ready, t_start + budget_s, warmup, repeats, progress, graph.name)
+    for cfg, times in samples.items():
+        m = measurements[cfg]
+        m.median_ms = statistics.median(times) * 1e3
+        m.min_ms = min(times) * 1e3
+        m.runs = len(times)
+    measurements_list = list(measurements.values())
+    plans = {cfg: p for cfg, (p, _) in ready.items()}
+
+    ok = [m for m in measurements_list if m.status == "ok" and m.median_ms is not None]
     if not ok:
-        detail = "\n  ".join(f"{m.config}: [{m.status}] {m.detail}" for m in measurements)
+        detail = "\n  ".join(f"{m.config}: [{m.status}] {m.detail}" for m in measurements_list)
         raise UnsupportedError(f"autotune found no plan for graph '{graph.name}' that builds and matches the reference:\n  {detail}")
     best = min(ok, key=lambda m: m.median_ms or math.inf)
     versions = engine_versions(registry.available_engines())
@@ -330,7 +323,7 @@ def autotune(
         device=device_id(h),
         versions=versions,
         chosen=best.config,
-        measurements=measurements,
+        measurements=measurements_list,
         elapsed_s=time.perf_counter() - t_start,
         budget_s=budget_s,
     )
@@ -347,27 +340,27 @@ def autotune(
     return TuningResult(entry, plan, persisted)
 
 
-def _measure(
+def _build_and_check(
     graph: Graph,
     h: Handle,
     cfg: EngineConfig,
     inputs: Mapping[str, Any],
     reference: Mapping[str, np.ndarray],
     tol: float,
-    warmup: int,
-    repeats: int,
-    slice_s: float,
-    plans: dict[EngineConfig, ExecutionPlan],
     registry: Registry,
-) -> Measurement:
+    staged_by_kind: dict[type, Mapping[str, Any]],
+) -> tuple[Measurement, tuple[ExecutionPlan, Mapping[str, Any]] | None]:
     t0 = time.perf_counter()
     try:
         plan = api.build_candidate(graph, h, cfg, registry)
     except (FusegraphError, ValueError, RuntimeError, OSError) as exc:
-        return Measurement(cfg, "build_failed", detail=f"{type(exc).__name__}: {exc}")
+        return Measurement(cfg, "build_failed", detail=f"{type(exc).__name__}: {exc}"), None
     build_s = time.perf_counter() - t0
     try:
-        staged = _stage(plan, inputs)
+        # plans of one class take the same staged values: stage once, not once per config
+        staged = staged_by_kind.get(type(plan))
+        if staged is None:
+            staged = staged_by_kind[type(plan)] = _stage(plan, inputs)
         try:
             first = plan.execute(staged)
         except (FusegraphError, ValueError, RuntimeError, TypeError):
@@ -378,20 +371,57 @@ def _measure(
         _sync(plan)
         err, why = compare(graph, first, reference)
     except (FusegraphError, ValueError, RuntimeError) as exc:
-        return Measurement(cfg, "run_failed", build_s=build_s, detail=f"{type(exc).__name__}: {exc}")
+        return Measurement(cfg, "run_failed", build_s=build_s, detail=f"{type(exc).__name__}: {exc}"), None
     if not err <= tol:
-        return Measurement(cfg, "mismatch", build_s=build_s, rel_error=err,
-                           detail=why or f"relative error {err:.2e} > tolerance {tol:.0e}")
-    try:
-        times = time_plan(plan, staged, warmup=max(0, warmup - 1), repeats=repeats, slice_s=slice_s)
-    except (FusegraphError, ValueError, RuntimeError) as exc:
-        return Measurement(cfg, "run_failed", build_s=build_s, detail=f"{type(exc).__name__}: {exc}")
-    plans[cfg] = plan
-    return Measurement(
-        cfg, "ok",
-        median_ms=statistics.median(times) * 1e3,
-        min_ms=min(times) * 1e3,
-        runs=len(times),
-        build_s=build_s,
-        rel_error=err,
-    )
+        detail = why or f"relative error {err:.2e} > tolerance {tol:.0e}"
+        return Measurement(cfg, "mismatch", build_s=build_s, rel_error=err, detail=detail), None
+    return Measurement(cfg, "ok", build_s=build_s, rel_error=err), (plan, staged)
+
+
+def _time_interleaved(
+    ready: Mapping[EngineConfig, tuple[ExecutionPlan, Mapping[str, Any]]],
+    deadline: float,
+    warmup: int,
+    repeats: int,
+    progress: bool | None,
+    name: str,
+) -> dict[EngineConfig, list[float]]:
+    """Seconds per run of each plan: round-robin rounds until ``repeats`` samples each or the
+    deadline (every plan gets at least 3). A plan that fails while timing is dropped."""
+    from tqdm.auto import tqdm
+
+    samples: dict[EngineConfig, list[float]] = {cfg: [] for cfg in ready}
+    live = dict(ready)
+    for cfg, (plan, staged) in list(live.items()):
+        try:
+            for _ in range(max(0, warmup - 1)):
+                plan.execute(staged)
+            _sync(plan)
+        except (FusegraphError, ValueError, RuntimeError) as exc:
+            log.warning("%s failed while warming up: %s", cfg, exc)
+            del live[cfg], samples[cfg]
+    bar = tqdm(total=repeats, desc=f"tuning {name}: timing", unit="round", disable=progress is False, leave=False)
+    rounds = 0
+    while live:
+        for cfg, (plan, staged) in list(live.items()):
+            t0 = time.perf_counter()
+            try:
+                plan.execute(staged)
+                _sync(plan)
+            except (FusegraphError, ValueError, RuntimeError) as exc:
+                log.warning("%s failed while timing: %s", cfg, exc)
+                del live[cfg], samples[cfg]
+                continue
+            samples[cfg].append(time.perf_counter() - t0)
+        rounds += 1
+        bar.update(1)
+        if rounds >= repeats or (rounds >= 3 and time.perf_counter() > deadline):
+            break
+        if rounds >= 3:
+            medians = {c: statistics.median(samples[c]) for c in live}
+            best = min(medians.values(), default=0.0)
+            for c, med in medians.items():
+                if med > 2.0 * best and len(live) > 1:
+                    del live[c]  # out of the race; its samples so far stand
+    bar.close()
+    return samples
