@@ -75,7 +75,9 @@ def _check_invariants(nodes: Sequence[PNode], reasons: dict[str, str | None], pa
 
 def _relabel(edges: set[tuple[int, int]], gone: int) -> set[tuple[int, int]]:
     """Unit ids without ``gone`` (after a merge), compacted for _acyclic."""
-    f = (lambda u: u if u < gone else u - 1)
+    def f(u: int) -> int:
+        return u if u < gone else u - 1
+
     return {(f(a), f(b)) for a, b in edges}
 
 

@@ -255,7 +255,7 @@ def test_channels_last_inside_partitions_and_weights_prepacked(rng: np.random.Ge
     convs = [n for n in graph["nodes"] if n["op"] == "conv_fprop"]
     for n in convs:
         w = tensors[n["inputs"]["w"]]
-        assert w["stride"] == list(fg.strides_for(w["dim"], "KRSC")), "filters pre-packed KRSC"
+        assert w["stride"] == list(fg.strides_for(w["dim"], "HWCN")), "filters pre-packed HWCF"
         y = tensors[n["outputs"]["y"]]
         assert y["stride"] == list(fg.strides_for(y["dim"], "NHWC")), "activations stay NHWC"
     # weights are bound once at creation: run() takes only the real input

@@ -14,7 +14,7 @@ from __future__ import annotations
 from fusegraph.onnx.model import ModelError
 from fusegraph.onnx.options import PROVIDER, ProviderOptions
 from fusegraph.onnx.report import PartitionReport
-from fusegraph.onnx.session import NodeArg, InferenceSession
+from fusegraph.onnx.session import InferenceSession, NodeArg
 
 __all__ = [
     "PROVIDER",

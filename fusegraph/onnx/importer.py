@@ -4,8 +4,9 @@ An :class:`Importer` builds one fusegraph Graph from a set of ONNX nodes (a clai
 partition, or a single node when the partitioner asks "can we run this?"). Each lowering
 either emits graph ops or raises :class:`Unmappable` with a precise reason (op type,
 attribute and value), which the partition report shows. Constants become graph inputs
-whose arrays are packed once, here, into the layout the engine wants (conv filters KRSC
-and activations channels-last inside partitions that hold convolutions or pooling).
+whose arrays are packed once, here, into the layout the engine wants (conv filters
+spatial-major HWCF, activations channels-last inside partitions that hold convolutions or
+pooling).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.ops import PointwiseMode, PoolingMode, ReductionMode
 from fusegraph.graph.tensor import TensorAttr
-from fusegraph.onnx.model import ONode, OnnxGraph
+from fusegraph.onnx.model import OnnxGraph, ONode
 
 M = PointwiseMode
 
@@ -66,6 +67,13 @@ def data_type_of(elem: int, what: str) -> DataType:
 
 def channels_last_strides(dims: Sequence[int]) -> tuple[int, ...]:
     return layout.strides_for(dims, CHANNELS_LAST[len(dims)])
+
+
+def filter_strides(dims: Sequence[int]) -> tuple[int, ...]:
+    """Strides of a [K, C, spatial...] filter stored spatial-major, then C, then K (HWCF):
+    the order the channels-last convolutions read, so no transpose runs per call."""
+    rank = len(dims)
+    return layout.packed_strides(dims, (*range(2, rank), 1, 0))
 
 
 def with_strides(arr: np.ndarray, strides: Sequence[int]) -> np.ndarray:
@@ -145,8 +153,11 @@ class Importer:
         return t
 
     def _strides(self, dims: Sequence[int], role: str) -> tuple[int, ...]:
-        if self.channels_last and len(dims) in CHANNELS_LAST and role in ("act", "filter"):
-            return channels_last_strides(dims)
+        if self.channels_last and len(dims) in CHANNELS_LAST:
+            if role == "filter":
+                return filter_strides(dims)
+            if role == "act":
+                return channels_last_strides(dims)
         return layout.packed_strides(dims)
 
     def constant(self, arr: np.ndarray, hint: str, role: str = "act") -> TensorAttr:
@@ -462,9 +473,9 @@ def lower_variadic(imp: Importer, node: ONode) -> None:
     imp.set(node.outputs[0], acc)
 
 
-def _unary(mode: PointwiseMode, **params: float) -> Callable[[Importer, ONode], None]:
+def _unary(mode: PointwiseMode) -> Callable[[Importer, ONode], None]:
     def lower(imp: Importer, node: ONode) -> None:
-        imp.set(node.outputs[0], imp.g.pointwise(imp.tensor(node.inputs[0]), mode=mode, **params))
+        imp.set(node.outputs[0], imp.g.pointwise(imp.tensor(node.inputs[0]), mode=mode))
 
     return lower
 
@@ -615,11 +626,11 @@ def lower_pad(imp: Importer, node: ONode) -> None:
         before, after = max(pads[i], 0), max(pads[n + i], 0)
         if not before and not after:
             continue
-        parts = []
+        parts: list[TensorAttr | None] = []
         dims = list(y.dim)
         for size in (before, after):
             if size:
-                slab = dims[:a] + [size] + dims[a + 1:]
+                slab = [*dims[:a], size, *dims[a + 1:]]
                 parts.append(imp.constant(np.full(slab, value, dtype=y.dtype.numpy), f"pad_{a}"))
             else:
                 parts.append(None)
@@ -694,8 +705,8 @@ def lower_batchnorm(imp: Importer, node: ONode) -> None:
         bt = imp.constant(_per_channel(b.astype(dt), len(xs)), f"{names[1]}_folded")
         imp.set(node.outputs[0], imp.g.add(imp.g.mul(x, at), bt))
         return
-    params = [imp.tensor(n, "plain") for n in names]
-    imp.set(node.outputs[0], imp.g.batchnorm_inference(x, *params, epsilon=eps))
+    ts, tb, tm, tv = (imp.tensor(n, "plain") for n in names)
+    imp.set(node.outputs[0], imp.g.batchnorm_inference(x, ts, tb, tm, tv, epsilon=eps))
 
 
 def _rows(imp: Importer, x: TensorAttr, axis: int) -> tuple[TensorAttr, int, int]:

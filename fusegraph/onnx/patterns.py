@@ -26,7 +26,7 @@ import numpy as np
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import OpKind, PointwiseAttrs, PointwiseMode
-from fusegraph.onnx.model import ONode, OnnxGraph
+from fusegraph.onnx.model import OnnxGraph, ONode
 
 _AFFINE_OPS = frozenset({"Mul", "Add", "Sub", "Div"})
 

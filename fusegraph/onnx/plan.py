@@ -27,7 +27,7 @@ from fusegraph.graph.graph import Graph
 from fusegraph.onnx import torch_mlir_tier
 from fusegraph.onnx.importer import SPATIAL_OPS, Importer, Unmappable
 from fusegraph.onnx.memory import LiveBytes
-from fusegraph.onnx.model import ONode, OnnxGraph, specialize
+from fusegraph.onnx.model import OnnxGraph, ONode, specialize
 from fusegraph.onnx.options import PROVIDER, ProviderOptions
 from fusegraph.onnx.partition import Group, PNode, partition
 from fusegraph.onnx.patterns import apply_rewrites, label_fusions
@@ -81,9 +81,9 @@ class EngineChoice:
             eng = REGISTRY.get(name)
         except FusegraphError as exc:
             raise ValueError(f"{PROVIDER} option engine={name!r}: {exc}") from None
-        avail = eng.available()
-        if not avail:
-            raise ValueError(f"{PROVIDER} option engine={name!r}: not available here ({avail.reason})")
+        state = eng.available()
+        if not state:
+            raise ValueError(f"{PROVIDER} option engine={name!r}: not available here ({state.reason})")
         self.name = name
         self.candidates = [eng]
 
@@ -198,7 +198,7 @@ class SessionPlan:
             name = f"fusegraph_{k}"
             try:
                 return self._fusegraph_unit(name, nodes, ins, outs)
-            except (Unmappable, FusegraphError, Exception) as exc:  # noqa: B014 - engines may raise anything
+            except (Unmappable, FusegraphError, Exception) as exc:
                 why = exc.reason if isinstance(exc, Unmappable) else f"{type(exc).__name__}: {exc}"
                 if self.opts.strict:
                     if isinstance(exc, CompileError):

@@ -257,13 +257,13 @@ class InferenceSession:
             if arr.dtype != want:
                 raise VariantPackError(f"has dtype {arr.dtype}, the model expects {np.dtype(want)}", tensor=name)
             declared = self._signature.get(name)
-            if declared is not None:
-                if len(declared) != arr.ndim or any(
-                    isinstance(d, int) and d != s for d, s in zip(declared, arr.shape, strict=False)
-                ):
-                    raise VariantPackError(
-                        f"has shape {list(arr.shape)}, the model declares {list(declared)}", tensor=name
-                    )
+            if declared is not None and (
+                len(declared) != arr.ndim
+                or any(isinstance(d, int) and d != s for d, s in zip(declared, arr.shape, strict=False))
+            ):
+                raise VariantPackError(
+                    f"has shape {list(arr.shape)}, the model declares {list(declared)}", tensor=name
+                )
             feed[name] = arr
         missing = [i.name for i in self._inputs if i.name not in feed]
         if missing:

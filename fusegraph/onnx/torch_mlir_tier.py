@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 
 from fusegraph.errors import CompileError
-from fusegraph.onnx.model import ONode, OnnxGraph
+from fusegraph.onnx.model import OnnxGraph, ONode
 from fusegraph.onnx.units import OrtUnit, sub_model
 
 log = logging.getLogger("fusegraph.onnx")

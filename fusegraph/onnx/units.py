@@ -24,7 +24,7 @@ from fusegraph.errors import UnsupportedError
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.onnx.importer import with_strides
-from fusegraph.onnx.model import ONode, OnnxGraph
+from fusegraph.onnx.model import OnnxGraph, ONode
 from fusegraph.runtime.handle import Handle
 
 log = logging.getLogger("fusegraph.onnx")
@@ -159,9 +159,8 @@ def engine_cache(cache_dir: str | None) -> Iterator[None]:
 def _conform(value: Any, t: TensorAttr, buffers: bool) -> Any:
     """The value as the plan takes it: a device Buffer laid out as ``t`` declares (passed
     as is), or a host array with ``t``'s strides (copied only when the order differs)."""
-    if buffers and hasattr(value, "layout_mismatch"):
-        if value.layout_mismatch(t.shape, t.strides, t.dtype) is None:
-            return value
+    if buffers and hasattr(value, "layout_mismatch") and value.layout_mismatch(t.shape, t.strides, t.dtype) is None:
+        return value
     value = to_host(value)
     if not isinstance(value, np.ndarray):
         value = np.asarray(value)
