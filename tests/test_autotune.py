@@ -49,7 +49,7 @@ def test_autotune_picks_the_fastest_plan_that_matches(cache_dir: Path) -> None:
     reg = registry_with(iree, torch, wrong)
     g = chain_graph()
     with using(reg):
-        res = g.autotune(handle=CPU, budget_s=10, repeats=5, progress=False)
+        res = g.autotune(handle=CPU, budget_s=10, repeats=12, progress=False)
     assert res.best == EngineConfig("torch", (("speed", "fast"),))
     status = {str(m.config): m.status for m in res.measurements}
     assert status["wrong"] == "mismatch"
@@ -59,7 +59,7 @@ def test_autotune_picks_the_fastest_plan_that_matches(cache_dir: Path) -> None:
     assert fast is not None and slow is not None and fast < slow
     assert all(m.runs >= 3 for m in res.measurements if m.status == "ok")
     runs = {str(m.config): m.runs for m in res.measurements}
-    assert runs["iree"] == 3 < runs["torch[speed=fast]"] == 5  # 10x slower: out of the race early
+    assert runs["iree"] == 6 < runs["torch[speed=fast]"]  # 10x slower: out of the race after 2 rounds
     assert res.persisted and (cache_dir / "tuning" / "tuning.json").exists()
     assert g.plans[("*", CPU)] is res.plan  # execute now uses the winner
 

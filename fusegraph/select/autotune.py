@@ -61,6 +61,7 @@ TOLERANCE: dict[DataType, float] = {
     DataType.FP8_E4M3: 1.5e-1,
     DataType.FP8_E5M2: 2.5e-1,
 }
+BLOCK = 3  # timed runs per plan per round
 _POSITIVE_MODES = {
     PointwiseMode.LOG, PointwiseMode.SQRT, PointwiseMode.RSQRT, PointwiseMode.POW,
     PointwiseMode.RECIPROCAL, PointwiseMode.DIV,
@@ -386,8 +387,9 @@ def _time_interleaved(
     progress: bool | None,
     name: str,
 ) -> dict[EngineConfig, list[float]]:
-    """Seconds per run of each plan: round-robin rounds until ``repeats`` samples each or the
-    deadline (every plan gets at least 3). A plan that fails while timing is dropped."""
+    """Seconds per run of each plan: round-robin rounds (per plan: one untimed run, then
+    BLOCK timed runs back to back) until ``repeats`` samples each or the deadline (every
+    plan gets at least two rounds). A plan that fails while timing is dropped."""
     from tqdm.auto import tqdm
 
     samples: dict[EngineConfig, list[float]] = {cfg: [] for cfg in ready}
@@ -400,24 +402,27 @@ def _time_interleaved(
         except (FusegraphError, ValueError, RuntimeError) as exc:
             log.warning("%s failed while warming up: %s", cfg, exc)
             del live[cfg], samples[cfg]
-    bar = tqdm(total=repeats, desc=f"tuning {name}: timing", unit="round", disable=progress is False, leave=False)
+    bar = tqdm(total=repeats, desc=f"tuning {name}: timing", unit="run", disable=progress is False, leave=False)
     rounds = 0
     while live:
         for cfg, (plan, staged) in list(live.items()):
-            t0 = time.perf_counter()
             try:
-                plan.execute(staged)
+                plan.execute(staged)  # untimed: absorbs the switch from the previous plan
                 _sync(plan)
+                for _ in range(BLOCK):
+                    t0 = time.perf_counter()
+                    plan.execute(staged)
+                    _sync(plan)
+                    samples[cfg].append(time.perf_counter() - t0)
             except (FusegraphError, ValueError, RuntimeError) as exc:
                 log.warning("%s failed while timing: %s", cfg, exc)
                 del live[cfg], samples[cfg]
-                continue
-            samples[cfg].append(time.perf_counter() - t0)
         rounds += 1
-        bar.update(1)
-        if rounds >= repeats or (rounds >= 3 and time.perf_counter() > deadline):
+        bar.update(BLOCK)
+        done = min((len(samples[c]) for c in live), default=repeats)
+        if done >= repeats or (rounds >= 2 and time.perf_counter() > deadline):
             break
-        if rounds >= 3:
+        if rounds >= 2:
             medians = {c: statistics.median(samples[c]) for c in live}
             best = min(medians.values(), default=0.0)
             for c, med in medians.items():
