@@ -197,6 +197,8 @@ def retime(plans: dict[str, ExecutionPlan], inputs: dict[str, Any], rounds: int,
         _sync(p)
     for _ in range(rounds):
         for k, p in plans.items():
+            p.execute(staged[k])  # untimed: absorbs the switch from the previous plan
+            _sync(p)
             for _ in range(per_round):
                 t0 = time.perf_counter()
                 p.execute(staged[k])
@@ -214,6 +216,7 @@ def bench_graph(build: Builder, h: fg.Handle, args: argparse.Namespace) -> Row:
     res = autotune(
         g, None, h, budget_s=args.budget, repeats=args.repeats, persist=False, progress=not args.no_progress,
         modes=[HeurMode.B, HeurMode.FALLBACK], max_configs_per_engine=args.max_configs,
+        engines=args.engines.split(",") if args.engines else None,
     )
     def stat(m: Any) -> float:
         return float(m.min_ms if args.stat == "min" else m.median_ms)
@@ -310,6 +313,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="statistic of the side-by-side re-timing (min is robust on a loaded, shared machine)")
     p.add_argument("--max-configs", type=int, default=None, help="configs per engine (default 6 quick / all)")
     p.add_argument("--only", default=None, help="only graphs whose name contains this")
+    p.add_argument("--engines", default=None, help="comma-separated engines to tune over (default: all)")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)

@@ -66,8 +66,10 @@ def test_features_classify_graphs() -> None:
         (layernorm_graph, GPU, ["torch[compile=True]", "torch", "iree"]),
         (lambda: chain_graph(6), GPU, ["torch[compile=True]", "iree", "torch"]),
         (lambda: chain_graph(2), GPU, ["torch", "iree"]),
-        (conv_graph, CPU, ["iree", "torch", "reference"]),
-        (layernorm_graph, CPU, ["iree", "torch", "reference"]),
+        (conv_graph, CPU, ["torch", "iree", "reference"]),
+        (matmul_chain_graph, CPU, ["iree", "torch", "reference"]),
+        (layernorm_graph, CPU, ["torch", "iree", "reference"]),
+        (lambda: chain_graph(6), CPU, ["iree", "torch", "reference"]),
     ],
 )
 def test_mode_a_order_follows_the_rule_table(graph, handle, expected) -> None:  # type: ignore[no-untyped-def]
@@ -113,6 +115,20 @@ def test_explain_names_the_rule_and_its_numbers() -> None:
     assert text.startswith("gpu.compute") and "ms" in text
 
 
+def test_cpu_attention_rule_sets_an_iree_knob_when_iree_has_it() -> None:
+    g = fg.Graph("attn", io_data_type=fg.DataType.FLOAT)
+    q = g.tensor("q", [1, 2, 8, 4])
+    g.sdpa(q, q, q).set_output(True)
+    g.validate()
+    attn_knob = Knob("attention", "fused", ("fused", "decomposed"))
+    with using(registry_with(FakeEngine("iree", knobs=[attn_knob]), FakeEngine("torch"))):
+        g.create_execution_plans([HeurMode.A], CPU)
+        assert _order(g) == ["torch", "iree[attention=decomposed]"]
+    with using(registry_with(FakeEngine("iree"), FakeEngine("torch"))):  # no such knob: defaults
+        g.create_execution_plans([HeurMode.A], CPU)
+        assert _order(g) == ["torch", "iree"]
+
+
 # ---- preferred engine, env var, pinned config -----------------------------------------------
 def test_preferred_engine_goes_first() -> None:
     reg = registry_with(*_fakes())
@@ -139,7 +155,7 @@ def test_env_var_naming_no_engine_is_ignored_with_a_warning(monkeypatch, caplog)
     reg = registry_with(*_fakes())
     monkeypatch.setenv("FUSEGRAPH_ENGINE", "nosuch")
     with using(reg), caplog.at_level(logging.WARNING, "fusegraph.select"):
-        assert conv_graph().build(CPU).engine == "iree"
+        assert conv_graph().build(CPU).engine == "torch"  # the heuristic's choice
     assert "FUSEGRAPH_ENGINE=nosuch names no engine" in caplog.text
 
 
@@ -192,7 +208,7 @@ def test_execute_without_build_builds_the_heuristic_default(rng: np.random.Gener
     g = conv_graph()
     with using(reg):
         g.execute(random_inputs(g, rng))
-    assert iree.calls == 1 and torch.calls == 0
+    assert torch.calls == 1 and iree.calls == 0  # rule cpu.conv: oneDNN first
 
 
 def test_a_graph_change_drops_built_plans() -> None:
@@ -236,11 +252,11 @@ def test_a_failing_build_moves_on_to_the_next_candidate(caplog) -> None:  # type
         def build(self, graph, handle, config=None):  # type: ignore[no-untyped-def]
             raise fg.CompileError("boom")
 
-    reg = registry_with(Broken("iree"), FakeEngine("torch"))
+    reg = registry_with(Broken("torch"), FakeEngine("iree"))
     with using(reg), caplog.at_level(logging.WARNING):
         plan = conv_graph().build(CPU)
-    assert plan.engine == "torch"
-    assert "building iree" in caplog.text and "boom" in caplog.text
+    assert plan.engine == "iree"
+    assert "building torch" in caplog.text and "boom" in caplog.text
 
 
 def test_check_support_keeps_the_reasons() -> None:

@@ -43,6 +43,7 @@ class Heuristic(Protocol):
 # ---- graph features --------------------------------------------------------------------------
 @dataclass(frozen=True)
 class GraphFeatures:
+    kinds: frozenset[OpKind]
     n_nodes: int
     n_compute: int  # convolutions, matmuls, attention
     n_reduce: int  # reductions, norms, softmax, pooling
@@ -82,7 +83,7 @@ def features(graph: Graph) -> GraphFeatures:
             n_data += 1
     io = [*graph.inputs(), *graph.outputs()]
     nbytes = float(sum(_prod(t.shape) * t.dtype.itemsize for t in io))
-    return GraphFeatures(len(graph.nodes), n_compute, n_reduce, n_pw, n_data, flops, nbytes)
+    return GraphFeatures(frozenset(n.kind for n in graph.nodes), len(graph.nodes), n_compute, n_reduce, n_pw, n_data, flops, nbytes)
 
 
 def _node_flops(n: Node) -> float:
@@ -120,6 +121,7 @@ class Rule:
     max_pointwise: int = 10**9
     max_flops: float = math.inf
     min_flops: float = 0.0
+    kinds: frozenset[OpKind] = frozenset()  # the graph must contain one of these (if any)
 
 
 def _r(
@@ -133,6 +135,7 @@ def _r(
     steps = tuple(
         (o, ()) if isinstance(o, str) else (o[0], tuple(sorted(o[1].items()))) for o in order
     )
+    bounds["kinds"] = frozenset(bounds.get("kinds", ()))
     return Rule(name, device, frozenset(classes.split(",")), steps, why, **bounds)
 
 
@@ -151,11 +154,20 @@ RULES: tuple[Rule, ...] = (
        "H200 8-op chain: compile 0.062 / IREE 0.28 / eager 0.47 ms", min_pointwise=3),
     _r("gpu.pointwise_short", "gpu", "pointwise,data", ["torch", "iree"],
        "1-2 pointwise ops are one or two bandwidth-bound eager kernels already"),
-    _r("cpu.compute", "cpu", "compute", ["iree", "torch"],
-       "CPU: IREE NHWC conv 0.50-0.55 ms ~ ORT 0.56 ms; IREE matmul 1024^3 with data "
-       "tiling 6.0 ms vs NumPy 8.4 ms"),
-    _r("cpu.memory_bound", "cpu", "reduction,pointwise,data", ["iree", "torch"],
-       "CPU: IREE fuses the chain into one dispatch; eager runs one pass per op"),
+    _r("cpu.attention", "cpu", "compute", ["torch", ("iree", {"attention": "decomposed"})],
+       "CPU sdpa 1x8x256x64 f32: torch 2.1 ms, IREE 49 ms (default attention lowering) / "
+       "1.5-1.7 ms (attention=decomposed)", kinds={OpKind.SDPA}),
+    _r("cpu.conv", "cpu", "compute", ["torch", "iree"],
+       "CPU f32 NHWC convs (+bias+ReLU): oneDNN via torch 0.41-0.59 ms vs IREE 0.58-1.22 ms "
+       "(1.2-2.1x) on the four ResNet-50 shapes", kinds=CONVOLUTIONS),
+    _r("cpu.matmul", "cpu", "compute", ["iree", "torch"],
+       "CPU f32 GEMM 1024^3: IREE (data tiling) 10.9 ms vs torch 23.5 ms; 256^3: 0.17 vs "
+       "0.18 ms", kinds={OpKind.MATMUL}),
+    _r("cpu.reduction", "cpu", "reduction", ["torch", "iree"],
+       "CPU layernorm+GELU 512x1024: torch 0.17 ms vs IREE 0.31 ms; softmax 0.13 vs 0.27 ms"),
+    _r("cpu.pointwise", "cpu", "pointwise,data", ["iree", "torch"],
+       "CPU 8-op pointwise chain 1024x1024: IREE 0.53 ms (one fused dispatch) vs torch "
+       "eager 2.24 ms"),
 )
 
 
@@ -167,6 +179,8 @@ def matching_rule(feat: GraphFeatures, handle: Handle) -> Rule | None:
         if not rule.min_pointwise <= feat.n_pointwise <= rule.max_pointwise:
             continue
         if not rule.min_flops <= feat.flops <= rule.max_flops:
+            continue
+        if rule.kinds and not rule.kinds & feat.kinds:
             continue
         return rule
     return None
