@@ -216,7 +216,7 @@ def bench_graph(build: Builder, h: fg.Handle, args: argparse.Namespace) -> Row:
     res = autotune(
         g, None, h, budget_s=args.budget, repeats=args.repeats, persist=False, progress=not args.no_progress,
         modes=[HeurMode.B, HeurMode.FALLBACK], max_configs_per_engine=args.max_configs,
-        engines=args.engines.split(",") if args.engines else None,
+        engines=args.engines.split(",") if args.engines else None, statistic=args.stat,
     )
     def stat(m: Any) -> float:
         return float(m.min_ms if args.stat == "min" else m.median_ms)

@@ -2,15 +2,16 @@
 
 Each candidate (mode B: every knob setting of every engine, in heuristic order, then the
 FALLBACK engines) is built, run once and compared with the float64 reference engine (a
-wrong plan is never chosen, however fast). Then the correct plans are warmed up and timed
-in interleaved rounds (one run of each per round, so that load spikes on a shared machine
-hit them all alike) until each has ``repeats`` runs or the budget is spent; a plan whose
-median is over twice the best stops being timed. Inputs are staged on the device first
-where the plan can (``stage``, or Buffers on a GPU) and the device is synchronized after
-each run (``synchronize``). Building takes at most 60% of the budget, in heuristic order,
-so the heuristic's favourites are always measured. The winner is stored in the tuning
-database, so later builds of the same graph on the same
-device with the same versions use it without timing. The reference engine is the
+wrong plan is never chosen, however fast). Building takes at most 60% of the budget, in
+heuristic order, so the heuristic's favourites are always measured. Then the correct
+plans are timed in interleaved rounds (per round and plan: one untimed run, then a block
+of timed runs), so that load spikes on a shared machine hit them all alike, until each
+has ``repeats`` runs or the budget is spent; a plan whose median is over twice the best
+stops being timed. Inputs are staged on the device first where the plan can (``stage``,
+or Buffers on a GPU) and the device is synchronized after each run (``synchronize``).
+The lowest median wins (or the lowest minimum, ``statistic="min"``, steadier on a busy
+machine) and is stored in the tuning database, so later builds of the same graph on the
+same device with the same versions use it without timing. The reference engine is the
 yardstick, not a contender: it is timed only when no other engine can run the graph (or
 with ``include_reference=True``).
 """
@@ -256,6 +257,7 @@ def autotune(
     rng: np.random.Generator | None = None,
     include_reference: bool = False,
     max_configs_per_engine: int | None = None,
+    statistic: str = "median",
     registry: Registry | None = None,
 ) -> TuningResult:
     """Times the candidates within ``budget_s`` and stores the fastest correct one."""
@@ -316,7 +318,9 @@ def autotune(
     if not ok:
         detail = "\n  ".join(f"{m.config}: [{m.status}] {m.detail}" for m in measurements_list)
         raise UnsupportedError(f"autotune found no plan for graph '{graph.name}' that builds and matches the reference:\n  {detail}")
-    best = min(ok, key=lambda m: m.median_ms or math.inf)
+    if statistic not in ("median", "min"):
+        raise ValueError(f"statistic must be 'median' or 'min', got {statistic!r}")
+    best = min(ok, key=lambda m: (m.median_ms if statistic == "median" else m.min_ms) or math.inf)
     versions = engine_versions(registry.available_engines())
     entry = TuningEntry(
         graph_key=graph.key(),
