@@ -432,5 +432,12 @@ def test_busy_cpu_runs_torch_single_threaded(busy: bool, monkeypatch: pytest.Mon
         assert _order(g)[0] == "torch"
 
 
-def test_oversubscription_probe_reads_the_load_average() -> None:
-    assert isinstance(heuristics.cpu_oversubscribed(), bool)
+def test_oversubscription_probe_reads_the_load_average(monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from fusegraph.select.device_id import usable_cores
+
+    monkeypatch.setattr(os, "getloadavg", lambda: (usable_cores() + 0.5, 0.0, 0.0))
+    assert heuristics.cpu_oversubscribed()
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.0, 0.0))
+    assert not heuristics.cpu_oversubscribed()
