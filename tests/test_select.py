@@ -418,26 +418,3 @@ def test_partition_with_real_torch_and_a_restricted_engine(rng: np.random.Genera
     assert [type(p).__name__ for p in plan.plans] == ["TorchPlan", "FakePlan", "TorchPlan", "FakePlan"]
     assert rel_error(plan.execute(pack)["y"], g.execute(pack, engine="reference")["y"]) < 1e-5
 
-
-@pytest.mark.parametrize("busy", [False, True])
-def test_busy_cpu_runs_torch_single_threaded(busy: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(heuristics, "cpu_oversubscribed", lambda: busy)
-    threads = Knob("threads", 0, (0, 1))
-    reg = registry_with(FakeEngine("iree"), FakeEngine("torch", knobs=[threads]))
-    g = conv_graph()
-    with using(reg):
-        g.create_execution_plans([HeurMode.A], CPU)
-        assert _order(g)[0] == ("torch[threads=1]" if busy else "torch")
-        g.create_execution_plans([HeurMode.A], GPU)  # never on GPU handles
-        assert _order(g)[0] == "torch"
-
-
-def test_oversubscription_probe_reads_the_load_average(monkeypatch: pytest.MonkeyPatch) -> None:
-    import os
-
-    from fusegraph.select.device_id import usable_cores
-
-    monkeypatch.setattr(os, "getloadavg", lambda: (usable_cores() + 0.5, 0.0, 0.0))
-    assert heuristics.cpu_oversubscribed()
-    monkeypatch.setattr(os, "getloadavg", lambda: (0.1, 0.0, 0.0))
-    assert not heuristics.cpu_oversubscribed()

@@ -171,24 +171,6 @@ RULES: tuple[Rule, ...] = (
 )
 
 
-def cpu_oversubscribed() -> bool:
-    """Whether this CPU is busier than its cores (1-minute load average >= usable cores).
-
-    Then OpenMP's barriers (torch on CPU) stall for whole scheduler slices: measured here
-    under a load of 4-6 on 2 cores, conv3x3 64@56 with 2 torch threads had a median of 24 ms
-    and 1-thread 1.0 ms, while IREE's task system degraded gracefully (0.6-0.8 ms). So on
-    a busy CPU the rules run torch single-threaded (its ``threads`` knob).
-    """
-    import os
-
-    from fusegraph.select.device_id import usable_cores
-
-    try:
-        return os.getloadavg()[0] >= usable_cores()
-    except OSError:  # no load average on this platform
-        return False
-
-
 def matching_rule(feat: GraphFeatures, handle: Handle) -> Rule | None:
     dev = "gpu" if handle.device.is_gpu else "cpu"
     for rule in RULES:
@@ -275,13 +257,10 @@ class BuiltinHeuristic:
                     knob_cache[name] = []
             return knob_cache[name]
 
-        busy = not handle.device.is_gpu and cpu_oversubscribed()
         if rule is not None:
             for name, wanted in rule.order:
                 if name not in by_name:
                     continue
-                if busy and name == "torch" and _valid_knobs(knobs_of(name), (("threads", 1),)) is not None:
-                    wanted = (*wanted, ("threads", 1))  # see cpu_oversubscribed()
                 valid = _valid_knobs(knobs_of(name), wanted)
                 # a knob the engine lacks here (torch.compile without Triton...): its defaults
                 cfg = _config(name, valid if valid is not None else ())
