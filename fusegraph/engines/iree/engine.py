@@ -280,7 +280,7 @@ class IreeEngine:
         for f in dataclasses.fields(opts):
             if f.default is dataclasses.MISSING:
                 continue
-            choices = _EMIT_CHOICES.get(f.name, (False, True) if isinstance(f.default, bool) else ())
+            choices = _emit_choices(emit, f.name, f.default)
             out.append(Knob(f.name, f.default, choices, description=f"emitter option EmitOptions.{f.name}"))
         return out
 
@@ -312,6 +312,18 @@ class IreeEngine:
         knobs = dict(entry.meta.get("knobs", {}))
         knobs.update(config.knobs)
         return EngineConfig(self.name, tuple(sorted((k, _hashable(v)) for k, v in knobs.items())))
+
+
+def _emit_choices(emit: Any, name: str, default: Any) -> tuple[Any, ...]:
+    """An EmitOptions field's allowed values: the emitter's constant of that name
+    (``conv_layout`` -> ``CONV_LAYOUTS``, ``attention`` -> ``ATTENTION``), else known ones."""
+    if isinstance(default, bool):
+        return (False, True)
+    for const in (name.upper(), name.upper() + "S", name.upper() + "ES"):
+        values = getattr(emit, const, None)
+        if isinstance(values, tuple) and default in values:
+            return values
+    return _EMIT_CHOICES.get(name, ())
 
 
 def _check_boundary(graph: Graph, emitted: Any) -> None:
