@@ -172,12 +172,18 @@ class Row:
     best_single: str
     retimed: dict[str, float] = field(default_factory=dict)  # side-by-side re-timing
 
+    # The same config is the same plan: its ratio is 1 by definition (re-timing it twice
+    # would only measure noise).
     @property
     def ratio_heuristic(self) -> float:
+        if self.heuristic == self.autotuned:
+            return 1.0
         return self.retimed["heuristic"] / self.retimed["autotuned"]
 
     @property
     def speedup_vs_single(self) -> float:
+        if self.best_single == self.autotuned:
+            return 1.0
         return self.retimed["best_single"] / self.retimed["autotuned"]
 
 
