@@ -307,3 +307,12 @@ def test_compare_rejects_nan_and_measures_relative_error() -> None:
     assert err == float("inf") and "NaN" in why
     off = np.full((4, 16), 1.1, np.float32)
     assert abs(compare(g, {"y": off}, ref)[0] - 0.1) < 1e-6
+
+
+@pytest.mark.parametrize(("margin", "winner"), [(0.5, "iree"), (0.0, "torch")])
+def test_ties_go_to_the_heuristic_order(margin: float, winner: str) -> None:
+    iree = FakeEngine("iree", delay=0.005)  # first in heuristic order (pointwise chain on CPU)
+    torch = FakeEngine("torch", delay=0.004)  # 20% faster
+    with using(registry_with(iree, torch)):
+        res = chain_graph().autotune(handle=CPU, budget_s=10, repeats=6, tie_margin=margin, progress=False, persist=False)
+    assert res.best.engine == winner

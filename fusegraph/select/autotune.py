@@ -10,7 +10,9 @@ has ``repeats`` runs or the budget is spent; a plan whose median is over twice t
 stops being timed. Inputs are staged on the device first where the plan can (``stage``,
 or Buffers on a GPU) and the device is synchronized after each run (``synchronize``).
 The lowest median wins (or the lowest minimum, ``statistic="min"``, steadier on a busy
-machine) and is stored in the tuning database, so later builds of the same graph on the
+machine), ties within ``tie_margin`` (2%) going to the earlier candidate in heuristic
+order (among configs that differ only by noise, the fastest sample is luck), and it is
+stored in the tuning database, so later builds of the same graph on the
 same device with the same versions use it without timing. The reference engine is the
 yardstick, not a contender: it is timed only when no other engine can run the graph (or
 with ``include_reference=True``).
@@ -258,6 +260,7 @@ def autotune(
     include_reference: bool = False,
     max_configs_per_engine: int | None = None,
     statistic: str = "median",
+    tie_margin: float = 0.02,
     registry: Registry | None = None,
 ) -> TuningResult:
     """Times the candidates within ``budget_s`` and stores the fastest correct one."""
@@ -320,7 +323,13 @@ def autotune(
         raise UnsupportedError(f"autotune found no plan for graph '{graph.name}' that builds and matches the reference:\n  {detail}")
     if statistic not in ("median", "min"):
         raise ValueError(f"statistic must be 'median' or 'min', got {statistic!r}")
-    best = min(ok, key=lambda m: (m.median_ms if statistic == "median" else m.min_ms) or math.inf)
+    def score(m: Measurement) -> float:
+        return (m.median_ms if statistic == "median" else m.min_ms) or math.inf
+
+    # Ties go to the earlier candidate in heuristic order: among configs that differ only
+    # by noise (an engine's knobs that do not touch this graph) the fastest sample is luck.
+    fastest = min(score(m) for m in ok)
+    best = next(m for m in ok if score(m) <= fastest * (1.0 + tie_margin))
     versions = engine_versions(registry.available_engines())
     entry = TuningEntry(
         graph_key=graph.key(),
