@@ -123,10 +123,10 @@ def test_cpu_attention_rule_sets_an_iree_knob_when_iree_has_it() -> None:
     attn_knob = Knob("attention", "fused", ("fused", "decomposed"))
     with using(registry_with(FakeEngine("iree", knobs=[attn_knob]), FakeEngine("torch"))):
         g.create_execution_plans([HeurMode.A], CPU)
-        assert _order(g) == ["torch", "iree[attention=decomposed]"]
+        assert _order(g) == ["iree[attention=decomposed]", "torch"]
     with using(registry_with(FakeEngine("iree"), FakeEngine("torch"))):  # no such knob: defaults
         g.create_execution_plans([HeurMode.A], CPU)
-        assert _order(g) == ["torch", "iree"]
+        assert _order(g) == ["iree", "torch"]
 
 
 # ---- preferred engine, env var, pinned config -----------------------------------------------
