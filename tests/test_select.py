@@ -418,3 +418,19 @@ def test_partition_with_real_torch_and_a_restricted_engine(rng: np.random.Genera
     assert [type(p).__name__ for p in plan.plans] == ["TorchPlan", "FakePlan", "TorchPlan", "FakePlan"]
     assert rel_error(plan.execute(pack)["y"], g.execute(pack, engine="reference")["y"]) < 1e-5
 
+
+
+@pytest.mark.parametrize("engine", ["reference", "torch", "iree"])
+def test_serialized_plans_load_back(engine: str, rng: np.random.Generator) -> None:
+    from fusegraph.engines.registry import REGISTRY
+
+    e = REGISTRY.get(engine) if engine in REGISTRY.names() else None
+    if e is None or not e.available():
+        pytest.skip(f"{engine} not available here")
+    g = conv_graph()
+    plan = g.build(CPU, engine=engine)
+    data = plan.serialize()
+    assert isinstance(data, bytes)
+    again = api.load_plan(data, CPU)
+    pack = random_inputs(g, rng)
+    assert rel_error(again.execute(pack)["y"], plan.execute(pack)["y"]) < 1e-6

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -36,6 +37,10 @@ class ReferencePlan(ExecutionPlan):
         values = run_reference(self.graph, pack.inputs)
         return write_outputs(self.graph, values, pack.outputs)
 
+    def serialize(self) -> bytes:
+        """The graph itself: that is all a reference plan is."""
+        return json.dumps({"engine": "reference", "graph": self.graph.to_json()}).encode()
+
 
 class ReferenceEngine:
     name = "reference"
@@ -54,3 +59,12 @@ class ReferenceEngine:
 
     def build(self, graph: Graph, handle: Handle, config: EngineConfig | None = None) -> ExecutionPlan:
         return ReferencePlan(graph, handle, config or EngineConfig(self.name))
+
+    def library_versions(self) -> dict[str, str]:
+        import scipy
+
+        return {"numpy": np.__version__, "scipy": scipy.__version__}
+
+    def load_plan(self, data: bytes, handle: Handle) -> ExecutionPlan:
+        d = json.loads(data.decode())
+        return self.build(Graph.from_json(d["graph"]).validate(), handle)

@@ -405,6 +405,28 @@ def build(
     return plan
 
 
+def load_plan(data: bytes, handle: Handle | str | None = None, registry: Registry | None = None) -> ExecutionPlan:
+    """A plan from ``ExecutionPlan.serialize()`` bytes: JSON ones name their engine (whose
+    ``load_plan`` rebuilds it); IREE artifacts go to ``fusegraph.engines.iree.load_artifact``."""
+    registry = registry or active_registry()
+    h = as_handle(handle)
+    raw = bytes(data)
+    if raw[:1] == b"{":
+        import json
+
+        try:
+            name = json.loads(raw.decode())["engine"]
+        except (ValueError, KeyError, TypeError) as exc:
+            raise UnsupportedError(f"serialized plan is not readable: {exc}") from None
+        loader = getattr(registry.get(name), "load_plan", None)
+        if not callable(loader):
+            raise UnsupportedError(f"engine '{name}' cannot load serialized plans")
+        return loader(raw, h)  # type: ignore[no-any-return]
+    from fusegraph.engines.iree import load_artifact
+
+    return load_artifact(raw, h)
+
+
 def explain(graph: Graph, handle: Handle | str | None = None) -> str:
     """Why the candidates are ordered as they are (the matching rule and its data)."""
     return heuristics.BUILTIN.explain(graph, as_handle(handle))
