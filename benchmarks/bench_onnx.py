@@ -50,6 +50,8 @@ def bench_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str
     opts: dict[str, Any] = {"cache_dir": cache_dir}
     if args.engine:
         opts["engine"] = args.engine
+    if args.autotune:
+        opts["autotune"] = args.autotune
     rng = np.random.default_rng(0)
 
     gc.collect()
@@ -107,9 +109,36 @@ def bench_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str
         "rel_err": rel,
     }
     row["ratio"] = row["ms"] / row["ort_ms"]
+    if args.tier:
+        row.update(tier_row(path, feed, ref, args, cache_dir))
     del ours, ref
     gc.collect()
     return row
+
+
+def tier_row(path: str, feed: dict[str, Any], ref: Any, args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
+    """The whole model as one region through the torch-mlir tier (every op type excluded
+    from the graph API, tier forced on), timed side by side with ONNX Runtime."""
+    ops = ",".join(sorted({n.op_type for n in onnx.load(path).graph.node}))
+    t0 = time.perf_counter()
+    tier = fgo.InferenceSession(
+        path, providers=[(fgo.PROVIDER, {"op_types_to_exclude": ops, "torch_mlir_tier": "on", "cache_dir": cache_dir})]
+    )
+    tier.run(None, feed)
+    setup = time.perf_counter() - t0
+    if tier.partition_report().tier_nodes == 0:
+        return {"tier_ms": float("nan"), "tier_ort_ms": float("nan"), "tier_setup_s": setup}
+    for _ in range(args.warmup):
+        tier.run(None, feed)
+    t_tier, t_ort = [], []
+    for _ in range(max(args.repeat // 2, 3)):
+        t = time.perf_counter()
+        tier.run(None, feed)
+        t_tier.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        ref.run(None, feed)
+        t_ort.append(time.perf_counter() - t)
+    return {"tier_ms": statistics.median(t_tier) * 1e3, "tier_ort_ms": statistics.median(t_ort) * 1e3, "tier_setup_s": setup}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,6 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine", default=None, help="pin an engine (default: the selection layer)")
     p.add_argument("--cache-dir", default=None, help="compile cache to use (default: a fresh one, so setup is a cold compile)")
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--autotune", type=float, default=0.0,
+                   help="seconds per model to autotune its partition at setup (provider option autotune); "
+                        "the result lands in the tuning database, so later runs without it use it too")
+    p.add_argument("--tier", action="store_true",
+                   help="also time each whole model compiled through the torch-mlir tier (IREE's ONNX importer) vs ONNX Runtime")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     ort.set_default_logger_severity(3)
@@ -146,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['ort_ms']:.2f} | {r['ratio']:.2f}x | {r['setup_mib']:.0f} ({r['ort_setup_mib']:.0f}) "
             f"| {r['run_mib']:.1f} ({r['ort_run_mib']:.1f}) | {r['rel_err']:.1e} |"
         )
+    if args.tier:
+        print()
+        print("| model | torch-mlir tier ms (whole model) | ORT ms | ratio | tier setup s |")
+        print("|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['model']} | {r['tier_ms']:.2f} | {r['tier_ort_ms']:.2f} | {r['tier_ms'] / r['tier_ort_ms']:.2f}x "
+                  f"| {r['tier_setup_s']:.1f} |")
     geo = math.exp(statistics.mean(math.log(r["ratio"]) for r in rows))
     cov = min(r["coverage"] for r in rows)
     print()
@@ -155,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ResNet-50: {res[0]['ratio']:.2f}x ONNX Runtime  (target <= 1.0x)")
     print(f"lowest share of nodes on fusegraph: {100 * cov:.1f}%  (target >= 90%)")
     print(f"memory method: {rows[0]['mem_method']}; repeat {args.repeat} after {args.warmup} warm-up runs, batch 1, "
-          f"{'engine ' + args.engine if args.engine else 'engines chosen by the selection layer'}")
+          f"{'engine ' + args.engine if args.engine else 'engines chosen by the selection layer'}"
+          f"{f', autotune {args.autotune:g} s per model at setup' if args.autotune else ''}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

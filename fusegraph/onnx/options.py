@@ -29,6 +29,7 @@ class ProviderOptions:
     lazy_compile: bool = False  # compile claimed subgraphs at their first run
     torch_mlir_tier: str = "auto"  # unclaimed regions through IREE's ONNX importer: off / on / auto (where it wins)
     channels_last: str = "auto"  # activations NHWC inside partitions with convolutions / pooling
+    autotune: float = 0.0  # seconds per claimed subgraph to time engine configs at creation (0: off)
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None) -> ProviderOptions:
@@ -64,6 +65,8 @@ class ProviderOptions:
                 values[path] = str(raw[path]) if raw[path] not in (None, "") else None
         if "torch_mlir_tier" in raw:
             values["torch_mlir_tier"] = _choice(raw["torch_mlir_tier"], "torch_mlir_tier", TIERS)
+        if "autotune" in raw:
+            values["autotune"] = _budget(raw["autotune"])
         if "channels_last" in raw:
             values["channels_last"] = _choice(raw["channels_last"], "channels_last", LAYOUTS)
         return cls(**values)
@@ -75,11 +78,32 @@ class ProviderOptions:
             v = getattr(self, f.name)
             if isinstance(v, bool):
                 out[f.name] = "1" if v else "0"
+            elif isinstance(v, float):
+                out[f.name] = f"{v:g}"
             elif isinstance(v, tuple):
                 out[f.name] = ",".join(v)
             else:
                 out[f.name] = "" if v is None else str(v)
         return out
+
+
+DEFAULT_AUTOTUNE_S = 60.0
+
+
+def _budget(v: Any) -> float:
+    """0 / off, 1 / on (the default budget), or a budget in seconds."""
+    s = str(v).strip().lower()
+    if s in ("", "0", "off", "false", "no"):
+        return 0.0
+    if s in ("on", "true", "yes", "1"):
+        return DEFAULT_AUTOTUNE_S
+    try:
+        f = float(s)
+    except ValueError:
+        raise ValueError(f"{PROVIDER} option autotune={v!r}: expected 0/1 or a budget in seconds") from None
+    if f < 0 or f != f:
+        raise ValueError(f"{PROVIDER} option autotune={v!r}: expected 0/1 or a budget in seconds")
+    return f
 
 
 def _int(v: Any, name: str, lo: int) -> int:

@@ -232,7 +232,7 @@ class SessionPlan:
             self.dump(f"{name}.json", imp.g.to_json(indent=1))
         if not self.opts.lazy_compile:
             t0 = time.perf_counter()
-            unit.build()
+            unit.build(self.opts.autotune)
             self.compile_s[name] = time.perf_counter() - t0
         return unit
 

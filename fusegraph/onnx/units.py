@@ -113,11 +113,17 @@ class FusegraphUnit:
             return str(getattr(self.plan, "config", None) or getattr(self.plan, "engine", self.engine))
         return self.engine or "(selected at build)"
 
-    def build(self) -> None:
+    def build(self, autotune_s: float = 0.0) -> None:
+        """Builds the plan; with ``autotune_s``, first times the engines' configs on this
+        subgraph (weights and random activations) for that long, and keeps the fastest
+        correct one (stored in the tuning database, so later sessions reuse it)."""
         if self.plan is not None:
             return
         with engine_cache(self.cache_dir):
-            self.plan = build_plan(self.graph, self.handle, self.engine)
+            if autotune_s > 0:
+                self.plan = self._autotune(autotune_s)
+            if self.plan is None:
+                self.plan = build_plan(self.graph, self.handle, self.engine)
         if getattr(self.plan, "engine", None) == "iree":
             from fusegraph.runtime.buffer import Buffer
 
@@ -126,6 +132,22 @@ class FusegraphUnit:
                 for name, arr in self.weights.items()
             }
             self._buffers = True
+
+    def _autotune(self, budget_s: float) -> Any:
+        rng = np.random.default_rng(0)
+        pack: dict[str, Any] = dict(self.weights)
+        for t in self._in.values():
+            arr = rng.standard_normal(t.shape).astype(t.dtype.numpy) if t.dtype.is_float else np.zeros(t.shape, t.dtype.numpy)
+            pack[t.name] = with_strides(arr, t.strides)
+        try:
+            result = self.graph.autotune(
+                pack, self.handle, budget_s=budget_s, engines=[self.engine] if self.engine else None, progress=False
+            )
+        except Exception as exc:  # tuning is an optimization: the default build still applies
+            log.warning("autotuning %s failed (%s); using the default plan", self.name, str(exc).splitlines()[0])
+            return None
+        log.info("autotuned %s: %s", self.name, result.best)
+        return result.plan
 
     def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
         if self.plan is None:
