@@ -152,6 +152,8 @@ def test_run_output_names_and_order(rng: np.random.Generator) -> None:
         ({"strict": "maybe"}, "strict"),
         ({"torch_mlir_tier": "sometimes"}, "torch_mlir_tier"),
         ({"engine": "no-such-engine"}, "engine"),
+        ({"autotune": "soon"}, "autotune"),
+        ({"channels_last": "sideways"}, "channels_last"),
     ],
 )
 def test_bad_provider_options(opts: dict[str, Any], match: str, rng: np.random.Generator) -> None:
@@ -418,6 +420,9 @@ def test_intermediates_freed_at_last_use(rng: np.random.Generator) -> None:
     assert len(sess.partition_report().subgraphs) == 8
     one = x.nbytes
     assert one <= sess.peak_live_bytes <= 2 * one, sess.peak_live_bytes
+    assert sess.last_peak is None  # process-wide peak only on request
+    sess.measure_memory = True
+    sess.run(None, {"x": x})
     assert sess.last_peak is not None and sess.last_peak.method in ("rss-hwm", "tracemalloc")
 
 
@@ -494,3 +499,24 @@ def test_onnxruntime_sub_models_are_valid(rng: np.random.Generator, tmp_path: Pa
     assert subs
     for p in subs:
         onnx.checker.check_model(onnx.load(str(p)))
+
+
+def test_autotune_option_plumbs_through(rng: np.random.Generator, tmp_path: Path) -> None:
+    """autotune=<seconds> times configs of each claimed subgraph at creation (here only the
+    reference engine's, to stay fast) and runs the chosen plan."""
+    model = conv_block(rng, bn=False)
+    x = rng.standard_normal((2, 8, 6, 6)).astype(np.float32)
+    sess = _versus_ort(model, {"x": x}, rel=1e-4, autotune="2", cache_dir=str(tmp_path))
+    assert sess.get_provider_options()[fgo.PROVIDER]["autotune"] == "2"
+    assert sess._last.units[0].plan is not None  # type: ignore[union-attr]
+
+
+@pytest.mark.gpu
+def test_cuda_device_matches_onnxruntime(rng: np.random.Generator) -> None:
+    model = conv_block(rng)
+    x = rng.standard_normal((2, 8, 6, 6)).astype(np.float32)
+    sess = fgo.InferenceSession(model.SerializeToString(), providers=[(fgo.PROVIDER, {"device": "cuda:0"})])
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    _close(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], 1e-3)
+    rep = sess.partition_report()
+    assert rep.coverage == 1.0 and "reference" not in rep.subgraphs[0].engine

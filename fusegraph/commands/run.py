@@ -97,9 +97,10 @@ def _run(args: argparse.Namespace) -> int:
         times.append((time.perf_counter() - t) * 1e3)
     print(f"latency: median {statistics.median(times):.3f} ms over {len(times)} runs "
           f"(min {min(times):.3f}, max {max(times):.3f})")
-    if sess.last_peak is not None:
-        print(f"peak memory of a run: {sess.last_peak}; intermediates held between subgraphs: "
-              f"{sess.peak_live_bytes / 2**20:.1f} MiB")
+    sess.measure_memory = True
+    sess.run(None, feed)
+    print(f"peak memory of a run: {sess.last_peak}; intermediates held between subgraphs: "
+          f"{sess.peak_live_bytes / 2**20:.1f} MiB")
     status = 0
     if args.check:
         ref = ort.InferenceSession(args.model, providers=["CPUExecutionProvider"])

@@ -147,6 +147,9 @@ class Importer:
             dims = info.shape
             if not dims or 0 in dims:
                 raise Unmappable(f"{self.op}: input '{name}' has dims {list(dims)} (rank-0 or empty tensors stay on ONNX Runtime)")
+            # Activations entering a channels-last partition are NHWC whoever reads them first.
+            if role == "plain" and len(dims) in (4, 5):
+                role = "act"
             t = self.g.tensor(self._unique(name), dims, self._strides(dims, role), dt)
             self.inputs[name] = t
         self.values[name] = t

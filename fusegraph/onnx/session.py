@@ -148,6 +148,9 @@ class InferenceSession:
         self._plans: dict[tuple[Any, ...], SessionPlan] = {}
         self._last: SessionPlan | None = None
         self.last_peak: PeakMemory | None = None
+        # Off by default: resetting the kernel's peak-RSS mark walks the page tables, which
+        # costs more than a small model's whole run.
+        self.measure_memory = False
         static = {
             k: tuple(int(d) for d in v)  # type: ignore[arg-type]
             for k, v in self._signature.items()
@@ -205,6 +208,8 @@ class InferenceSession:
             if name not in all_outs:
                 raise VariantPackError(f"not an output of the model (outputs: {all_outs})", tensor=name)
         plan = self._plan_for({k: tuple(np.shape(v)) for k, v in feed.items() if isinstance(v, np.ndarray)})
+        if not self.measure_memory:
+            return plan.run(feed, wanted)
         with measure_peak() as peak:
             result = plan.run(feed, wanted)
         self.last_peak = peak
@@ -221,7 +226,9 @@ class InferenceSession:
 
     @property
     def peak_live_bytes(self) -> int:
-        """Peak bytes of the intermediates the session held during the last run()."""
+        """Peak bytes of the intermediates the session held during the last run() (cheap,
+        always tracked; set ``measure_memory = True`` for the process-wide peak in
+        ``last_peak``)."""
         return self._last.last_peak_live if self._last is not None else 0
 
     # ---- internals ------------------------------------------------------------------------------
