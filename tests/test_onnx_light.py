@@ -21,7 +21,9 @@ import fusegraph.onnx as fgo
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 MODELS = sorted(p.stem.removeprefix("light_") for p in LIGHT.glob("light_*.onnx"))
-HEAVY = {"vgg19", "zfnet512", "bvlc_alexnet"}  # half a gigabyte of weights and more
+# Cold-cache compiles of 20-75 s each (weights of up to half a gigabyte): marked slow, so
+# that the default run keeps three architectures (~1 minute with a cold compile cache).
+HEAVY = {"vgg19", "zfnet512", "bvlc_alexnet", "densenet121", "inception_v1", "inception_v2"}
 
 
 def randomized(model: onnx.ModelProto, rng: np.random.Generator) -> onnx.ModelProto:

@@ -257,9 +257,20 @@ def test_channels_last_inside_partitions_and_weights_prepacked(rng: np.random.Ge
     convs = [n for n in graph["nodes"] if n["op"] == "conv_fprop"]
     for n in convs:
         w = tensors[n["inputs"]["w"]]
-        assert w["stride"] == list(fg.strides_for(w["dim"], "HWCN")), "filters pre-packed HWCF"
+        assert w["stride"] == list(fg.strides_for(w["dim"], "KRSC")), "filters pre-packed for the engine"
         y = tensors[n["outputs"]["y"]]
         assert y["stride"] == list(fg.strides_for(y["dim"], "NHWC")), "activations stay NHWC"
+    # each engine gets the filter layout it reads without a per-call transpose
+    for engine, name in (("iree", "HWCN"), ("torch", "KRSC")):
+        d = tmp_path / engine
+        fgo.InferenceSession(model.SerializeToString(),
+                             providers=_providers(engine=engine, lazy_compile=1, dump_dir=str(d)))
+        g = json.loads((d / "fusegraph_0.json").read_text())
+        ts = {t["name"]: t for t in g["tensors"]}
+        for n in g["nodes"]:
+            if n["op"] == "conv_fprop":
+                w = ts[n["inputs"]["w"]]
+                assert w["stride"] == list(fg.strides_for(w["dim"], name)), engine
     # weights are bound once at creation: run() takes only the real input
     assert [i.name for i in sess.get_inputs()] == ["x"]
     unit = sess._last.units[0]  # type: ignore[union-attr]

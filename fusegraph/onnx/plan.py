@@ -25,7 +25,7 @@ from fusegraph.engines.registry import REGISTRY
 from fusegraph.errors import CompileError, ExecutionError, FusegraphError
 from fusegraph.graph.graph import Graph
 from fusegraph.onnx import torch_mlir_tier
-from fusegraph.onnx.importer import SPATIAL_OPS, Importer, Unmappable
+from fusegraph.onnx.importer import SPATIAL_OPS, Importer, Unmappable, filter_layout_for
 from fusegraph.onnx.memory import LiveBytes
 from fusegraph.onnx.model import OnnxGraph, ONode, specialize
 from fusegraph.onnx.options import PROVIDER, ProviderOptions
@@ -214,27 +214,84 @@ class SessionPlan:
                 return self._ort_unit(f"onnxruntime_{k}", nodes, ins, outs)
         return self._unclaimed_unit(k, nodes, ins, outs)
 
-    def _fusegraph_unit(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> FusegraphUnit:
-        imp = Importer(self.og, name, channels_last=self._channels_last(nodes))
+    def _lower_unit(
+        self, name: str, nodes: list[ONode], ins: list[str], outs: list[str], engine: str | None, filter_layout: str
+    ) -> FusegraphUnit:
+        """The claimed group as one fusegraph Graph with its weights packed (not yet built)."""
+        imp = Importer(self.og, name, channels_last=self._channels_last(nodes), filter_layout=filter_layout)
         for n in nodes:
             imp.lower(n)
         for i in ins:  # values read only implicitly stay outside; make sure every input is bound
             if i in imp.values and i not in imp.inputs and imp.values[i].producer is None:
                 imp.inputs[i] = imp.values[i]
         out_names = imp.finish(outs)
-        assert self.engine is not None
         unit = FusegraphUnit(
             name, nodes, imp.g, {i: imp.inputs[i] for i in ins if i in imp.inputs}, imp.weights,
-            out_names, self.handle, self.engine.name, self.opts.cache_dir,
+            out_names, self.handle, engine, self.opts.cache_dir,
         )
+        unit.filter_layout = filter_layout
         unit.fusions = label_fusions(imp.g, imp.weights)
-        if self.dump is not None:
-            self.dump(f"{name}.json", imp.g.to_json(indent=1))
-        if not self.opts.lazy_compile:
-            t0 = time.perf_counter()
-            unit.build(self.opts.autotune)
-            self.compile_s[name] = time.perf_counter() - t0
         return unit
+
+    def _fusegraph_unit(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> FusegraphUnit:
+        """Lowers, packs and builds a claimed group.
+
+        Filters are packed for the engine that runs them (``FILTER_LAYOUTS``): a pinned
+        engine's layout directly; with the selection layer, the preferred engine's layout
+        first, re-packed (and rebuilt with the chosen config) when another engine is chosen;
+        with ``autotune``, each compiling engine is tuned on its own packing and the fastest
+        kept.
+        """
+        assert self.engine is not None
+        t0 = time.perf_counter()
+        has_filters = any(n.op_type in ("Conv", "ConvTranspose") for n in nodes)
+        pinned = self.engine.name
+        first = pinned or (self.engine.candidates[0].name if self.engine.candidates else None)
+        unit = self._lower_unit(name, nodes, ins, outs, pinned, filter_layout_for(first))
+        if not self.opts.lazy_compile:
+            if self.opts.autotune > 0 and pinned is None and has_filters and len(self.engine.candidates) > 1:
+                unit = self._autotune_engines(unit, name, nodes, ins, outs)
+            elif self.opts.autotune > 0:
+                unit.autotune(self.opts.autotune)
+            if unit.plan is None:
+                unit.build()
+            chosen = str(getattr(unit.plan, "engine", ""))
+            if has_filters and pinned is None and filter_layout_for(chosen) != unit.filter_layout:
+                unit = self._repack(unit, name, nodes, ins, outs, chosen)
+            self.compile_s[name] = time.perf_counter() - t0
+        if self.dump is not None:
+            self.dump(f"{name}.json", unit.graph.to_json(indent=1))
+        return unit
+
+    def _repack(
+        self, unit: FusegraphUnit, name: str, nodes: list[ONode], ins: list[str], outs: list[str], chosen: str
+    ) -> FusegraphUnit:
+        """The group lowered again with ``chosen``'s filter layout, built with the same config."""
+        try:
+            again = self._lower_unit(name, nodes, ins, outs, None, filter_layout_for(chosen))
+            again.build(config=unit.plan.config)
+        except Exception as exc:  # the first build stands; only its speed suffers
+            log.info("re-packing %s for engine %s failed (%s); keeping the first packing", name, chosen, exc)
+            return unit
+        return again
+
+    def _autotune_engines(
+        self, unit: FusegraphUnit, name: str, nodes: list[ONode], ins: list[str], outs: list[str]
+    ) -> FusegraphUnit:
+        """Each compiling engine tuned on its own filter packing; the fastest kept."""
+        assert self.engine is not None
+        cands = self.engine.candidates
+        budget = self.opts.autotune / len(cands)
+        best: tuple[float, FusegraphUnit] | None = None
+        for eng in cands:
+            u = unit if filter_layout_for(eng.name) == unit.filter_layout and unit.plan is None and unit.engine == eng.name else None
+            if u is None:
+                u = self._lower_unit(name, nodes, ins, outs, eng.name, filter_layout_for(eng.name))
+            ms = u.autotune(budget)
+            log.info("autotune %s on %s: %s ms", name, eng.name, ms)
+            if ms is not None and (best is None or ms < best[0]):
+                best = (ms, u)
+        return best[1] if best is not None else unit
 
     def _ort_unit(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> OrtUnit:
         return OrtUnit(name, self.og, nodes, ins, outs, self.sess_options, self.ort_providers, self.dump)

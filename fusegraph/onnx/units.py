@@ -53,10 +53,12 @@ def to_host(value: Any) -> Any:
     return np.asarray(value)
 
 
-def build_plan(graph: Graph, handle: Handle, engine: str | None) -> Any:
+def build_plan(graph: Graph, handle: Handle, engine: str | None, config: Any = None) -> Any:
     """The engine layer's plan for ``graph`` (``g.build``); where the selection layer is not
     installed, the named engine (default: reference) builds it directly."""
     try:
+        if config is not None:
+            return graph.build(handle, config=config)
         return graph.build(handle, engine=engine)
     except ModuleNotFoundError as exc:
         if "fusegraph.select" not in str(exc):
@@ -105,6 +107,7 @@ class FusegraphUnit:
         self.cache_dir = cache_dir
         self.plan: Any = None
         self.fusions: dict[str, int] = {}
+        self.filter_layout = ""
         self._buffers = False
 
     @property
@@ -113,18 +116,30 @@ class FusegraphUnit:
             return str(getattr(self.plan, "config", None) or getattr(self.plan, "engine", self.engine))
         return self.engine or "(selected at build)"
 
-    def build(self, autotune_s: float = 0.0) -> None:
-        """Builds the plan; with ``autotune_s``, first times the engines' configs on this
-        subgraph (weights and random activations) for that long, and keeps the fastest
-        correct one (stored in the tuning database, so later sessions reuse it)."""
+    def build(self, config: Any = None) -> None:
+        """Builds the plan (the engine layer's choice, or exactly ``config``)."""
         if self.plan is not None:
             return
         with engine_cache(self.cache_dir):
-            if autotune_s > 0:
-                self.plan = self._autotune(autotune_s)
-            if self.plan is None:
-                self.plan = build_plan(self.graph, self.handle, self.engine)
-        if getattr(self.plan, "engine", None) == "iree":
+            self.plan = build_plan(self.graph, self.handle, self.engine, config)
+        self._bind()
+
+    def autotune(self, budget_s: float) -> float | None:
+        """Times the engine's configs on this subgraph (weights and random activations) for
+        ``budget_s`` and keeps the fastest correct one (stored in the tuning database, so
+        later sessions reuse it); returns its median time in ms, None when tuning failed."""
+        with engine_cache(self.cache_dir):
+            result = self._autotune(budget_s)
+        if result is None:
+            return None
+        self.plan = result.plan
+        self._bind()
+        ms = result.time_of(result.best)
+        return float(ms) if ms is not None else None
+
+    def _bind(self) -> None:
+        """On the IREE engine, the weights go to the device once, as Buffers."""
+        if getattr(self.plan, "engine", None) == "iree" and not self._buffers:
             from fusegraph.runtime.buffer import Buffer
 
             self.weights = {
@@ -147,7 +162,7 @@ class FusegraphUnit:
             log.warning("autotuning %s failed (%s); using the default plan", self.name, str(exc).splitlines()[0])
             return None
         log.info("autotuned %s: %s", self.name, result.best)
-        return result.plan
+        return result
 
     def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
         if self.plan is None:
