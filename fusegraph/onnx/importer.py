@@ -113,12 +113,19 @@ class Importer:
     """Builds one fusegraph Graph from ONNX nodes of one specialized model."""
 
     def __init__(
-        self, og: OnnxGraph, name: str, *, channels_last: bool, filter_layout: str = DEFAULT_FILTER_LAYOUT
+        self,
+        og: OnnxGraph,
+        name: str,
+        *,
+        channels_last: bool,
+        filter_layout: str = DEFAULT_FILTER_LAYOUT,
+        pack: bool = True,
     ) -> None:
         self.og = og
         self.g = Graph(_NAME_OK.sub("_", name))
         self.channels_last = channels_last
         self.filter_layout = filter_layout
+        self.pack = pack  # False: only the graph is wanted (weights stay unpacked, not runnable)
         self.values: dict[str, TensorAttr] = {}  # ONNX value -> tensor holding it
         self.inputs: dict[str, TensorAttr] = {}  # ONNX activation -> graph input
         self.weights: dict[str, np.ndarray] = {}  # graph tensor name -> bound array (declared strides)
@@ -194,6 +201,9 @@ class Importer:
             raise Unmappable(f"{self.op}: constant '{hint}' is empty {list(arr.shape)}")
         strides = self._strides(arr.shape, role)
         t = self.g.tensor(self._unique(hint), arr.shape, strides, dt)
+        if not self.pack:
+            self.weights[t.name] = arr
+            return t
         packed = with_strides(arr, strides)
         if not packed.flags.writeable:  # engines may alias host inputs, which needs writable memory
             packed = with_strides(np.array(arr, copy=True), strides)

@@ -24,7 +24,7 @@ import onnx
 from fusegraph.engines.registry import REGISTRY
 from fusegraph.errors import CompileError, ExecutionError, FusegraphError
 from fusegraph.graph.graph import Graph
-from fusegraph.onnx import torch_mlir_tier
+from fusegraph.onnx import choices, torch_mlir_tier
 from fusegraph.onnx.importer import SPATIAL_OPS, Importer, Unmappable, filter_layout_for
 from fusegraph.onnx.memory import LiveBytes
 from fusegraph.onnx.model import OnnxGraph, ONode, specialize
@@ -215,10 +215,20 @@ class SessionPlan:
         return self._unclaimed_unit(k, nodes, ins, outs)
 
     def _lower_unit(
-        self, name: str, nodes: list[ONode], ins: list[str], outs: list[str], engine: str | None, filter_layout: str
+        self,
+        name: str,
+        nodes: list[ONode],
+        ins: list[str],
+        outs: list[str],
+        engine: str | None,
+        filter_layout: str,
+        *,
+        pack: bool = True,
     ) -> FusegraphUnit:
         """The claimed group as one fusegraph Graph with its weights packed (not yet built)."""
-        imp = Importer(self.og, name, channels_last=self._channels_last(nodes), filter_layout=filter_layout)
+        imp = Importer(
+            self.og, name, channels_last=self._channels_last(nodes), filter_layout=filter_layout, pack=pack
+        )
         for n in nodes:
             imp.lower(n)
         for i in ins:  # values read only implicitly stay outside; make sure every input is bound
@@ -236,62 +246,105 @@ class SessionPlan:
     def _fusegraph_unit(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> FusegraphUnit:
         """Lowers, packs and builds a claimed group.
 
-        Filters are packed for the engine that runs them (``FILTER_LAYOUTS``): a pinned
-        engine's layout directly; with the selection layer, the preferred engine's layout
-        first, re-packed (and rebuilt with the chosen config) when another engine is chosen;
-        with ``autotune``, each compiling engine is tuned on its own packing and the fastest
-        kept.
+        Filters are packed for the engine that runs them (``FILTER_LAYOUTS``). A pinned
+        engine gets its layout directly. Otherwise the group is first lowered without
+        packing (its canonical graph); then, in order: ``autotune`` tunes each compiling
+        engine on its own packing, keeps the fastest and records the choice (``choices``);
+        a recorded choice is rebuilt as it was; else the selection layer's first candidate
+        decides the packing, and the group is re-packed if the build picks another engine.
         """
         assert self.engine is not None
         t0 = time.perf_counter()
         has_filters = any(n.op_type in ("Conv", "ConvTranspose") for n in nodes)
         pinned = self.engine.name
         first = pinned or (self.engine.candidates[0].name if self.engine.candidates else None)
-        unit = self._lower_unit(name, nodes, ins, outs, pinned, filter_layout_for(first))
-        if not self.opts.lazy_compile:
-            if self.opts.autotune > 0 and pinned is None and has_filters and len(self.engine.candidates) > 1:
-                unit = self._autotune_engines(unit, name, nodes, ins, outs)
-            elif self.opts.autotune > 0:
-                unit.autotune(self.opts.autotune)
-            if unit.plan is None:
+        if self.opts.lazy_compile or pinned is not None or not has_filters:
+            unit = self._lower_unit(name, nodes, ins, outs, pinned, filter_layout_for(first))
+            if not self.opts.lazy_compile:
+                if self.opts.autotune > 0:
+                    unit.autotune(self.opts.autotune)
                 unit.build()
-            chosen = str(getattr(unit.plan, "engine", ""))
-            if has_filters and pinned is None and filter_layout_for(chosen) != unit.filter_layout:
-                unit = self._repack(unit, name, nodes, ins, outs, chosen)
+        else:
+            unit = self._select_and_build(name, nodes, ins, outs, filter_layout_for(first))
+        if not self.opts.lazy_compile:
             self.compile_s[name] = time.perf_counter() - t0
         if self.dump is not None:
             self.dump(f"{name}.json", unit.graph.to_json(indent=1))
         return unit
 
+    def _select_and_build(
+        self, name: str, nodes: list[ONode], ins: list[str], outs: list[str], canonical: str
+    ) -> FusegraphUnit:
+        assert self.engine is not None
+        probe = self._lower_unit(name, nodes, ins, outs, None, canonical, pack=False)
+        key = probe.graph.key()
+        device = str(self.handle.device)
+        del probe
+        if self.opts.autotune > 0:
+            tuned = self._autotune_engines(name, nodes, ins, outs)
+            if tuned is not None:
+                unit, ms = tuned
+                choices.record(self.opts.cache_dir, key, device,
+                               choices.Choice(unit.plan.config, unit.filter_layout, ms))
+                return unit
+        choice = choices.lookup(self.opts.cache_dir, key, device)
+        if choice is not None:
+            try:
+                unit = self._lower_unit(name, nodes, ins, outs, None, choice.filter_layout)
+                unit.build(config=choice.config)
+                return unit
+            except Exception as exc:
+                log.info("recorded choice %s for %s no longer builds (%s)", choice.config, name, exc)
+        guess = self._predict(name, nodes, ins, outs, canonical)
+        unit = self._lower_unit(name, nodes, ins, outs, None, filter_layout_for(guess))
+        unit.build()
+        chosen = str(getattr(unit.plan, "engine", ""))
+        if filter_layout_for(chosen) != unit.filter_layout:
+            unit = self._repack(unit, name, nodes, ins, outs, chosen)
+        return unit
+
+    def _predict(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str], canonical: str) -> str | None:
+        """The engine the selection layer would build first (nothing is built)."""
+        try:
+            from fusegraph.select import api
+
+            probe = self._lower_unit(name, nodes, ins, outs, None, canonical, pack=False)
+            api.create_execution_plans(probe.graph, None, self.handle)
+            kept = api.check_support(probe.graph, self.handle)
+            return kept[0].config.engine if kept else None
+        except Exception as exc:  # only a guess: the build decides
+            log.debug("could not rank engines for %s: %s", name, exc)
+            return None
+
     def _repack(
         self, unit: FusegraphUnit, name: str, nodes: list[ONode], ins: list[str], outs: list[str], chosen: str
     ) -> FusegraphUnit:
         """The group lowered again with ``chosen``'s filter layout, built with the same config."""
+        config = unit.plan.config
         try:
             again = self._lower_unit(name, nodes, ins, outs, None, filter_layout_for(chosen))
-            again.build(config=unit.plan.config)
+            again.build(config=config)
         except Exception as exc:  # the first build stands; only its speed suffers
             log.info("re-packing %s for engine %s failed (%s); keeping the first packing", name, chosen, exc)
             return unit
         return again
 
     def _autotune_engines(
-        self, unit: FusegraphUnit, name: str, nodes: list[ONode], ins: list[str], outs: list[str]
-    ) -> FusegraphUnit:
+        self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]
+    ) -> tuple[FusegraphUnit, float] | None:
         """Each compiling engine tuned on its own filter packing; the fastest kept."""
         assert self.engine is not None
         cands = self.engine.candidates
         budget = self.opts.autotune / len(cands)
-        best: tuple[float, FusegraphUnit] | None = None
+        best: tuple[FusegraphUnit, float] | None = None
         for eng in cands:
-            u = unit if filter_layout_for(eng.name) == unit.filter_layout and unit.plan is None and unit.engine == eng.name else None
-            if u is None:
-                u = self._lower_unit(name, nodes, ins, outs, eng.name, filter_layout_for(eng.name))
+            u = self._lower_unit(name, nodes, ins, outs, eng.name, filter_layout_for(eng.name))
             ms = u.autotune(budget)
             log.info("autotune %s on %s: %s ms", name, eng.name, ms)
-            if ms is not None and (best is None or ms < best[0]):
-                best = (ms, u)
-        return best[1] if best is not None else unit
+            if ms is not None and (best is None or ms < best[1]):
+                best = (u, ms)
+            del u
+        return best
 
     def _ort_unit(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> OrtUnit:
         return OrtUnit(name, self.og, nodes, ins, outs, self.sess_options, self.ort_providers, self.dump)
