@@ -531,3 +531,32 @@ def test_cuda_device_matches_onnxruntime(rng: np.random.Generator) -> None:
     _close(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], 1e-3)
     rep = sess.partition_report()
     assert rep.coverage == 1.0 and "reference" not in rep.subgraphs[0].engine
+
+
+def test_recorded_choice_roundtrip(tmp_path: Path) -> None:
+    from fusegraph.onnx import choices
+
+    cfg = EngineConfig("torch", (("compile", True), ("extra", ("a", "b"))))
+    assert choices.lookup(str(tmp_path), "k", "cpu") is None
+    choices.record(str(tmp_path), "k", "cpu", choices.Choice(cfg, "KRSC", 1.5))
+    got = choices.lookup(str(tmp_path), "k", "cpu")
+    assert got == choices.Choice(cfg, "KRSC", 1.5)
+    assert choices.lookup(str(tmp_path), "k", "cuda:0") is None
+
+
+@pytest.mark.slow
+def test_autotune_across_engines_is_recorded_and_reused(rng: np.random.Generator, tmp_path: Path) -> None:
+    """Without a pinned engine, autotune tunes each compiling engine on its own filter
+    packing, and a later session rebuilds the winner without tuning."""
+    model = conv_block(rng, bn=False)
+    x = rng.standard_normal((2, 8, 6, 6)).astype(np.float32)
+    opts = {"autotune": "4", "cache_dir": str(tmp_path), "torch_mlir_tier": "off"}
+    tuned = fgo.InferenceSession(model.SerializeToString(), providers=[(fgo.PROVIDER, opts)])
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    _close(tuned.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], 1e-4)
+    assert (tmp_path / "onnx-choices.json").is_file()
+    engine = tuned.partition_report().subgraphs[0].engine
+    again = fgo.InferenceSession(model.SerializeToString(),
+                                 providers=[(fgo.PROVIDER, {"cache_dir": str(tmp_path), "torch_mlir_tier": "off"})])
+    assert again.partition_report().subgraphs[0].engine == engine
+    _close(again.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], 1e-4)

@@ -161,6 +161,7 @@ class SessionPlan:
         for k, group in enumerate(self.partitioning.groups):
             self.units.append(self._make_unit(k, group, [by_name[n] for n in group.nodes]))
         self._plan_frees()
+        self._proven: set[int] = set()
         self.setup_s = time.perf_counter() - t0
         self.last_peak_live = 0
         self.model_name = model_name
@@ -388,6 +389,10 @@ class SessionPlan:
                 outs = unit.run({i: env[i] for i in unit.inputs})
             except Exception as exc:
                 outs = self._recover(k, unit, exc, env)
+            else:
+                if k not in self._proven and isinstance(unit, FusegraphUnit):
+                    self._proven.add(k)
+                    self._release_constants(k)
             for name, value in outs.items():
                 env[name] = value
                 live.add(name, value)
@@ -405,6 +410,18 @@ class SessionPlan:
                 v = np.ascontiguousarray(v)  # as ONNX Runtime returns them (never for 0-d: it adds a dim)
             results.append(v)
         return results
+
+    def _release_constants(self, k: int) -> None:
+        """Once a fusegraph unit has run, the ONNX-layout copies of the constants only it reads
+        are dropped (it holds its own packed ones); they were kept until then so that a unit
+        failing at its first run could still fall back to ONNX Runtime."""
+        mine = {i for n in self.units[k].nodes for i in n.all_inputs() if i in self.og.constants}
+        others = {
+            i for j, u in enumerate(self.units) if j != k and not (j in self._proven and isinstance(u, FusegraphUnit))
+            for n in u.nodes for i in n.all_inputs()
+        }
+        for name in mine - others - set(self.og.outputs):
+            del self.og.constants[name]
 
     def _recover(self, k: int, unit: Unit, exc: Exception, env: Mapping[str, Any]) -> dict[str, Any]:
         """A fusegraph unit that fails at run time (lazy compile included) is replaced by
