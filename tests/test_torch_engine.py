@@ -288,6 +288,21 @@ def test_pooling(mode: PoolingMode, layout: str, pads: tuple[tuple[int, int], tu
     check(g, rng, TOL[DT.FLOAT])
 
 
+@pytest.mark.parametrize(
+    ("size", "window", "stride", "pre", "post"),
+    [(112, 3, 2, 0, 1), (9, 3, 2, 0, 2), (10, 3, 2, 1, 1), (10, 3, 2, 1, 2), (8, 2, 2, 0, 1), (7, 3, 1, 1, 1),
+     (11, 5, 3, 2, 3), (6, 4, 2, 0, 3)],
+)
+def test_max_pooling_asymmetric_padding(size: int, window: int, stride: int, pre: int, post: int,
+                                        rng: np.random.Generator) -> None:
+    """Cases torch pads natively (ceil_mode) and cases that need the -inf copy, all exact."""
+    g = _g(DT.FLOAT)
+    x = _nchw(g, "x", [1, 4, size, size + 1], "NHWC")
+    g.pooling(x, PoolingMode.MAX, window=(window, window), stride=(stride, stride), pre_padding=(pre, pre),
+              post_padding=(post, pre)).set_output(True)
+    check(g, rng, 0.0)
+
+
 def test_pooling_f16_and_int_max(rng: np.random.Generator) -> None:
     g = _g(DT.HALF)
     g.pooling(g.tensor("x", [1, 2, 6, 6]), PoolingMode.AVG_INCLUDE_PAD, (2, 2)).set_output(True)

@@ -93,6 +93,15 @@ class ExecutionPlan(abc.ABC):
     def execute(self, variant_pack: Mapping[Any, Any]) -> dict[str, Any]:
         """Runs the graph; same contract as Graph.execute."""
 
+    def bind_constants(self, values: Mapping[Any, Any]) -> None:
+        """Declares inputs that keep these values -- the same objects, never written -- in
+        every later pack (a model's weights), so that the engine may transform them once:
+        the torch engine reorders convolution filters into oneDNN's blocked layout here
+        instead of on every call. Callers still pass the values in each pack; a pack holding
+        a different object for one of them runs with that value, untransformed. The default
+        transforms nothing."""
+        return None
+
     def serialize(self) -> bytes | None:
         """Bytes that rebuild this plan elsewhere (None when the engine cannot)."""
         return None

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from fusegraph.dtypes import DataType
+from fusegraph.engines import torch_onednn
 from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support
 from fusegraph.errors import CompileError, ExecutionError, VariantPackError
 from fusegraph.graph import layout
@@ -52,7 +53,7 @@ from fusegraph.graph.ops import (
 )
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.runtime.handle import Handle
-from fusegraph.runtime.variant_pack import check_array, resolve_pack
+from fusegraph.runtime.variant_pack import ResolvedPack, check_array, resolve_pack
 
 log = logging.getLogger("fusegraph.engines.torch")
 
@@ -292,6 +293,16 @@ class TorchEngine:
                     "cores); 1 avoids OpenMP barrier stalls on a busy or shared machine",
                 )
             )
+        if not handle.device.is_gpu and torch_onednn.available() and torch_onednn.plan_fusions(graph):
+            out.append(
+                Knob(
+                    "onednn",
+                    True,
+                    (True, False),
+                    description="run each f32 2-D convolution with its bias / activation / residual "
+                    "add as one oneDNN call, filters bound as constants pre-reordered (eager only)",
+                )
+            )
         has_4d_conv = any(n.kind in CONVOLUTIONS and len(_conv_image(n).shape) in (4, 5) for n in graph.nodes)
         if has_4d_conv:
             out.append(
@@ -375,6 +386,12 @@ class _Ctx:
         self.graph = graph
         self.gpu = handle.device.is_gpu
         self.memory_format: str = config.get("memory_format", "auto")
+        self.onednn = (
+            not self.gpu
+            and not config.get("compile", False)
+            and bool(config.get("onednn", True))
+            and torch_onednn.available()
+        )
 
     def compute(self, node: Node) -> DataType:
         return _compute_type(node, self.graph, _main_input_type(node))
@@ -675,6 +692,28 @@ def _lower_rmsnorm(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, T
     return out
 
 
+def _native_max_padding(attrs: PoolingAttrs, size: tuple[int, ...], want: Sequence[int]) -> bool | None:
+    """The ceil_mode with which torch's own max-pool padding (``pre`` on both sides, extra
+    windows only where they overlap the input) yields exactly the graph's windows -- each
+    starts at ``i * stride - pre`` either way and padding never wins a max -- or None when
+    neither does (then the input is padded with -inf first, a copy)."""
+    if any(2 * p > k for p, k in zip(attrs.pre_padding, attrs.window, strict=True)):
+        return None
+    if any(a > b for a, b in zip(attrs.pre_padding, attrs.post_padding, strict=True)):
+        return None
+    for ceil in (False, True):
+        dims = []
+        for n, k, s, p in zip(size, attrs.window, attrs.stride, attrs.pre_padding, strict=True):
+            span = n + 2 * p - k
+            out = (-(-span // s) if ceil else span // s) + 1
+            if ceil and (out - 1) * s >= n + p:
+                out -= 1  # torch drops a last window that starts in the right padding
+            dims.append(out)
+        if dims == list(want):
+            return ceil
+    return None
+
+
 def _lower_pooling(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, Tensor]:
     torch = _torch()
     F = _F()
@@ -686,9 +725,13 @@ def _lower_pooling(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, T
     padded = any(attrs.pre_padding) or any(attrs.post_padding)
     pads = _pad_list(attrs.pre_padding, attrs.post_padding)
     if attrs.mode == PoolingMode.MAX:
+        pool = getattr(F, f"max_pool{nsp}d")
         if padded:
+            native = _native_max_padding(attrs, tuple(x.shape[2:]), node.outputs["y"].shape[2:])
+            if native is not None:
+                return {"y": pool(x, win, stride, padding=list(attrs.pre_padding), ceil_mode=native)}
             x = F.pad(x, pads, value=-math.inf)
-        return {"y": getattr(F, f"max_pool{nsp}d")(x, win, stride)}
+        return {"y": pool(x, win, stride)}
     avg = getattr(F, f"avg_pool{nsp}d")
     if not padded:
         return {"y": avg(x, win, stride)}
@@ -775,10 +818,16 @@ LOWER: dict[OpKind, Lowering] = {
 
 
 # ---- the plan --------------------------------------------------------------------------------
-def _graph_function(graph: Graph, ctx: _Ctx, device: Any) -> Callable[[dict[str, Tensor]], dict[str, Tensor]]:
-    """One Python function running the graph's nodes in order (what torch.compile traces)."""
+def _graph_function(
+    graph: Graph, ctx: _Ctx, device: Any, fused: Mapping[str, torch_onednn.FusedConv]
+) -> Callable[[dict[str, Tensor]], dict[str, Tensor]]:
+    """One Python function running the graph's nodes in order (what torch.compile traces);
+    the nodes of each fused convolution run as one call where the last of them stood."""
     torch = _torch()
-    order = graph.topological_order()
+    swallowed = {id(n) for fc in fused.values() for n in fc.nodes[:-1]}
+    order: list[Node | torch_onednn.FusedConv] = [
+        fused.get(n.name, n) for n in graph.topological_order() if id(n) not in swallowed
+    ]
     outputs = graph.outputs()
     constants = {
         t.name: torch.full((1,), t.value, dtype=torch_dtype(t.dtype), device=device)
@@ -789,6 +838,10 @@ def _graph_function(graph: Graph, ctx: _Ctx, device: Any) -> Callable[[dict[str,
     def run(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         env: dict[str, Tensor] = {**constants, **inputs}
         for node in order:
+            if type(node) is torch_onednn.FusedConv:
+                env[node.out.name] = torch_onednn.run_fused(node, env, ctx.memory_format)
+                continue
+            assert isinstance(node, Node)
             ins = {p: env[t.name] for p, t in node.inputs.items()}
             outs = LOWER[node.kind](ctx, node, ins)
             for port, value in outs.items():
@@ -816,12 +869,16 @@ class TorchPlan(ExecutionPlan):
         self._compiled = bool(config.get("compile", False))
         self._benchmark = bool(config.get("cudnn_benchmark", True))
         self._threads = int(config.get("threads", 0))
-        fn = _graph_function(graph, self._ctx, self.device)
+        self.fusions = torch_onednn.plan_fusions(graph) if self._ctx.onednn else {}
+        self._bound: dict[str, tuple[Any, Tensor]] = {}  # bound input -> (its value, torch form)
+        fn = _graph_function(graph, self._ctx, self.device, self.fusions)
         if self._compiled:
             fn = torch.compile(fn, dynamic=False)
         self._fn = fn
         self._inputs = graph.inputs()
         self._outputs = graph.outputs()
+        self._in_by_name = {t.name: t for t in self._inputs}
+        self._out_by_name = {t.name: t for t in self._outputs}
         if self._compiled:
             self._warm_compile()
 
@@ -912,10 +969,73 @@ class TorchPlan(ExecutionPlan):
             return buffer_to_torch(value, t)
         return value
 
+    def bind_constants(self, values: Mapping[Any, Any]) -> None:
+        """Keeps a torch view of each bound input, so later calls skip checking and wrapping
+        it, and reorders the filter of each fused convolution (read by it alone) into
+        oneDNN's blocked layout once. See ExecutionPlan.bind_constants."""
+        named = {(k.name if isinstance(k, TensorAttr) else str(k)): v for k, v in values.items()}
+        packable = {fc.conv.inputs["w"].name: fc.conv for fc in self.fusions.values()}
+        readers: dict[str, int] = {}
+        for n in self.graph.nodes:
+            for t in n.inputs.values():
+                readers[t.name] = readers.get(t.name, 0) + 1
+        bound: dict[str, tuple[Any, Tensor]] = {}
+        with self._torch.inference_mode():
+            for t in self._inputs:
+                if t.name not in named:
+                    continue
+                src = self._check(t, named[t.name], what="bound constant")
+                value = self._to_device(t, src)
+                conv = packable.get(t.name)
+                if conv is not None and readers.get(t.name) == 1 and value.device.type == "cpu":
+                    value = torch_onednn.pack_filter(conv, value)
+                bound[t.name] = (src, value)
+        self._bound = bound
+
+    def _resolve(self, variant_pack: Mapping[Any, Any]) -> Any:
+        """resolve_pack without its per-call scans (and without re-checking a bound constant
+        passed as the very object bound); any irregular pack goes to resolve_pack, which
+        raises the precise error."""
+        if not isinstance(variant_pack, Mapping):
+            return resolve_pack(self.graph, variant_pack, check=self._check)
+        inputs: dict[str, Any] = {}
+        outputs: dict[str, Any] = {}
+        ins, outs, bound = self._in_by_name, self._out_by_name, self._bound
+        for key, value in variant_pack.items():
+            if type(key) is str:
+                name = key
+            elif isinstance(key, TensorAttr) and key.graph is self.graph:
+                name = key.name
+            else:
+                return resolve_pack(self.graph, variant_pack, check=self._check)
+            t = ins.get(name)
+            if t is not None:
+                b = bound.get(name)
+                inputs[name] = value if b is not None and value is b[0] else self._check(t, value, what="input")
+                continue
+            t = outs.get(name)
+            if t is None or name in outputs:
+                return resolve_pack(self.graph, variant_pack, check=self._check)
+            arr = self._check(t, value, what="output")
+            if isinstance(arr, np.ndarray) and not arr.flags.writeable:
+                raise VariantPackError("output array is read-only", tensor=t.name)
+            outputs[name] = arr
+        if len(inputs) != len(ins):
+            return resolve_pack(self.graph, variant_pack, check=self._check)
+        return ResolvedPack(inputs, outputs)
+
+    def _inputs_of(self, pack: Any) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        bound = self._bound
+        for t in self._inputs:
+            value = pack.inputs[t.name]
+            b = bound.get(t.name)
+            out[t.name] = b[1] if b is not None and value is b[0] else self._to_device(t, value)
+        return out
+
     def stage(self, variant_pack: Mapping[Any, Any]) -> dict[str, Tensor]:
         """The pack's inputs as device tensors, for timing without host transfers."""
-        pack = resolve_pack(self.graph, variant_pack, check=self._check)
-        return {t.name: self._to_device(t, pack.inputs[t.name]) for t in self._inputs}
+        return self._inputs_of(self._resolve(variant_pack))
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -926,8 +1046,8 @@ class TorchPlan(ExecutionPlan):
         fusegraph Buffers (shared through DLPack, no copy). Outputs not given come back as
         Buffers if any input was one, as NumPy arrays if every input was, else as tensors."""
         torch = self._torch
-        pack = resolve_pack(self.graph, variant_pack, check=self._check)
-        inputs = {t.name: self._to_device(t, pack.inputs[t.name]) for t in self._inputs}
+        pack = self._resolve(variant_pack)
+        inputs = self._inputs_of(pack)
         values = pack.inputs.values()
         as_buffers = any(_is_buffer(v) for v in values)
         host_io = not as_buffers and all(isinstance(v, np.ndarray) for v in values)
@@ -967,6 +1087,9 @@ class TorchPlan(ExecutionPlan):
         d = super().describe()
         d["device"] = str(self.device)
         d["compiled"] = self._compiled
+        if self.fusions:
+            d["onednn_fusions"] = [fc.describe() for fc in self.fusions.values()]
+            d["prepacked_filters"] = len(self._bound)
         return d
 
 

@@ -75,6 +75,7 @@ class Graph:
             as_data_type(compute_data_type) if compute_data_type is not None else None
         )
         self.tensors: list[TensorAttr] = []
+        self._by_name: dict[str, TensorAttr] = {}  # a lookup cache, checked on every hit
         self.nodes: list[Node] = []
         self._counters: dict[str, int] = {}
         self._validated = False
@@ -898,10 +899,19 @@ class Graph:
         return [t for t in self.tensors if t.is_output]
 
     def tensor_by_name(self, name: str) -> TensorAttr:
+        """O(1) on a hit (engines resolve every pack key through here on every call); tensors
+        may be added or renamed at any time, so a miss or a stale entry rebuilds the index."""
+        t = self._by_name.get(name)
+        if t is not None and t.name == name:
+            return t
+        index: dict[str, TensorAttr] = {}
         for t in self.tensors:
-            if t.name == name:
-                return t
-        raise KeyError(name)
+            index.setdefault(t.name, t)  # the first of duplicates, as a linear search finds
+        self._by_name = index
+        try:
+            return index[name]
+        except KeyError:
+            raise KeyError(name) from None
 
     def node_by_name(self, name: str) -> Node:
         for n in self.nodes:

@@ -138,7 +138,8 @@ class FusegraphUnit:
         return float(ms) if ms is not None else None
 
     def _bind(self) -> None:
-        """On the IREE engine, the weights go to the device once, as Buffers."""
+        """On the IREE engine, the weights go to the device once, as Buffers; every engine is
+        told they are constant (``ExecutionPlan.bind_constants``)."""
         if getattr(self.plan, "engine", None) == "iree" and not self._buffers:
             from fusegraph.runtime.buffer import Buffer
 
@@ -147,6 +148,9 @@ class FusegraphUnit:
                 for name, arr in self.weights.items()
             }
             self._buffers = True
+        bind = getattr(self.plan, "bind_constants", None)
+        if bind is not None:
+            bind(self.weights)
 
     def _autotune(self, budget_s: float) -> Any:
         rng = np.random.default_rng(0)

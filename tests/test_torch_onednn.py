@@ -1,0 +1,164 @@
+"""The torch engine's oneDNN fused convolutions (CPU): which chains fuse, and that every
+fused form -- with filters prepacked through ``bind_constants`` or passed dense -- matches
+the float64 reference on random data."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+
+import fusegraph as fg
+from fusegraph import DataType as DT
+from fusegraph.engines.base import EngineConfig
+from fusegraph.select.autotune import random_inputs
+
+torch = pytest.importorskip("torch", reason="the torch engine needs PyTorch (pip install 'fusegraph[torch]')")
+
+from fusegraph.engines import torch as torch_engine  # noqa: E402
+from fusegraph.engines import torch_onednn  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch_onednn.available(), reason="this torch build has no oneDNN (mkldnn) ops")
+
+CPU = fg.Handle("cpu")
+ENGINE = torch_engine.TorchEngine()
+TOL = 2e-5  # f32 conv sums of up to ~150 products, against float64
+
+Epilogue = Callable[[fg.Graph, fg.TensorAttr], fg.TensorAttr]
+EPILOGUES: dict[str, tuple[Epilogue, str]] = {
+    "relu": (lambda g, y: g.relu(y), "conv+bias+relu"),
+    "leaky_relu": (lambda g, y: g.leaky_relu(y, 0.2), "conv+bias+leaky_relu"),
+    "clip": (lambda g, y: g.relu(y, lower_clip=-0.5, upper_clip=0.75), "conv+bias+hardtanh"),
+    "sigmoid": (lambda g, y: g.sigmoid(y), "conv+bias+sigmoid"),
+    "tanh": (lambda g, y: g.tanh(y), "conv+bias+tanh"),
+    "gelu": (lambda g, y: g.gelu(y), "conv+bias+gelu"),
+    "gelu_tanh": (lambda g, y: g.gelu_approx_tanh(y), "conv+bias+gelu"),
+    "swish": (lambda g, y: g.swish(y), "conv+bias+swish"),
+    "none": (lambda g, y: y, "conv+bias"),
+}
+
+CONVS: dict[str, dict[str, object]] = {
+    "3x3": {"x": [1, 8, 9, 9], "w": [16, 8, 3, 3], "padding": [1, 1]},
+    "1x1_stride2": {"x": [2, 16, 8, 8], "w": [8, 16, 1, 1], "stride": [2, 2]},
+    "dilated_groups": {"x": [1, 8, 11, 11], "w": [8, 4, 3, 3], "padding": [2, 2], "dilation": [2, 2]},
+    "asym_pad": {"x": [1, 4, 8, 8], "w": [6, 4, 3, 2], "pre_padding": [0, 1], "post_padding": [2, 0], "stride": [2, 1]},
+}
+
+
+def _graph(conv: str, layout: str, epilogue: str, *, residual: bool = False, post_relu: bool = False) -> fg.Graph:
+    c = CONVS[conv]
+    g = fg.Graph("fused", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    xd, wd = list(c["x"]), list(c["w"])  # type: ignore[call-overload]
+    x = g.tensor("x", xd, fg.strides_for(xd, layout))
+    w = g.tensor("w", wd, fg.strides_for(wd, "KRSC" if layout == "NHWC" else "NCHW"))
+    b = g.tensor("b", [1, wd[0], 1, 1])
+    y = g.conv_fprop(x, w, **{k: v for k, v in c.items() if k not in ("x", "w")})  # type: ignore[arg-type]
+    y = g.bias(y, b)
+    y = EPILOGUES[epilogue][0](g, y)
+    if residual:
+        r = g.tensor("r", list(y.shape), fg.strides_for(list(y.shape), layout))
+        y = g.add(y, r)
+        if post_relu:
+            y = g.relu(y)
+    y.set_output(True).set_name("y")
+    return g.validate()
+
+
+def _check(g: fg.Graph, rng: np.random.Generator, *, bind: bool, expect: list[str]) -> torch_engine.TorchPlan:
+    pack = random_inputs(g, rng)
+    plan = ENGINE.build(g, CPU)
+    assert isinstance(plan, torch_engine.TorchPlan)
+    assert sorted(fc.describe() for fc in plan.fusions.values()) == sorted(expect)
+    if bind:
+        plan.bind_constants({k: v for k, v in pack.items() if k.startswith("w")})
+        assert plan.describe()["prepacked_filters"] == len(expect)
+    ref32 = g.execute(pack, engine="reference")["y"]
+    ref = ref32.astype(np.float64)
+    for _ in range(2):  # the second call reuses the packed filter
+        got = plan.execute(pack)["y"]
+        assert got.strides == ref32.strides, "the declared output layout"
+        err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
+        assert err < TOL, f"rel err {err:.2e}, max abs {np.abs(got - ref).max():.2e}"
+    return plan
+
+
+@pytest.mark.parametrize("epilogue", list(EPILOGUES))
+@pytest.mark.parametrize("bind", [True, False], ids=["prepacked", "dense"])
+def test_conv_bias_activation(epilogue: str, bind: bool, rng: np.random.Generator) -> None:
+    _check(_graph("3x3", "NHWC", epilogue), rng, bind=bind, expect=[EPILOGUES[epilogue][1]])
+
+
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+@pytest.mark.parametrize("conv", list(CONVS))
+@pytest.mark.parametrize("post_relu", [True, False])
+def test_conv_bias_residual(conv: str, layout: str, post_relu: bool, rng: np.random.Generator) -> None:
+    g = _graph(conv, layout, "none", residual=True, post_relu=post_relu)
+    _check(g, rng, bind=True, expect=["conv+bias+add+relu" if post_relu else "conv+bias+add"])
+
+
+def test_activation_then_residual_fuses_only_the_activation(rng: np.random.Generator) -> None:
+    """oneDNN's binary post-op comes before the activation, so relu-then-add keeps the add apart."""
+    _check(_graph("3x3", "NHWC", "relu", residual=True), rng, bind=True, expect=["conv+bias+relu"])
+
+
+def test_exposed_intermediate_is_not_swallowed(rng: np.random.Generator) -> None:
+    g = fg.Graph("exposed", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    x = g.tensor("x", [1, 4, 6, 6], fg.strides_for([1, 4, 6, 6], "NHWC"))
+    w = g.tensor("w", [4, 4, 3, 3])
+    b = g.tensor("b", [1, 4, 1, 1])
+    pre = g.bias(g.conv_fprop(x, w, padding=[1, 1]), b).set_output(True).set_name("pre")
+    g.relu(pre).set_output(True).set_name("y")
+    plan = _check(g.validate(), rng, bind=True, expect=["conv+bias"])
+    pack = random_inputs(g, rng)
+    got, ref = plan.execute(pack), g.execute(pack, engine="reference")
+    assert np.allclose(got["pre"], ref["pre"], rtol=1e-4, atol=1e-5)
+
+
+def test_shared_branch_is_claimed_once(rng: np.random.Generator) -> None:
+    """Two convs meeting in one add (a ResNet block with a projection shortcut): the add
+    joins one of the two chains, never both."""
+    g = fg.Graph("block", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    x = g.tensor("x", [1, 8, 7, 7], fg.strides_for([1, 8, 7, 7], "NHWC"))
+    w1, w2 = g.tensor("w", [16, 8, 3, 3]), g.tensor("w2", [16, 8, 1, 1])
+    b1, b2 = g.tensor("b", [1, 16, 1, 1]), g.tensor("b2", [1, 16, 1, 1])
+    main = g.bias(g.conv_fprop(x, w1, padding=[1, 1]), b1)
+    short = g.bias(g.conv_fprop(x, w2), b2)
+    g.relu(g.add(main, short)).set_output(True).set_name("y")
+    _check(g.validate(), rng, bind=True, expect=["conv+bias+add+relu", "conv+bias"])
+
+
+def test_other_weight_object_runs_with_that_value(rng: np.random.Generator) -> None:
+    """A pack holding a different filter than the bound one must use it, not the packed copy."""
+    g = _graph("3x3", "NHWC", "relu")
+    pack = random_inputs(g, rng)
+    plan = ENGINE.build(g, CPU)
+    plan.bind_constants({"w": pack["w"]})
+    w2 = np.empty_like(pack["w"])  # same layout, other values
+    w2[...] = pack["w"] * np.float32(-1.5)
+    other = {**pack, "w": w2}
+    got = plan.execute(other)["y"]
+    ref = g.execute(other, engine="reference")["y"]
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+
+
+def test_knob_off_runs_node_by_node(rng: np.random.Generator) -> None:
+    g = _graph("3x3", "NHWC", "relu")
+    assert "onednn" in {k.name for k in ENGINE.knobs(g, CPU)}
+    plan = ENGINE.build(g, CPU, EngineConfig("torch", (("onednn", False),)))
+    assert isinstance(plan, torch_engine.TorchPlan) and not plan.fusions
+    pack = random_inputs(g, rng)
+    ref = g.execute(pack, engine="reference")["y"]
+    assert np.linalg.norm(plan.execute(pack)["y"] - ref) / np.linalg.norm(ref) < TOL
+
+
+def test_f16_and_3d_convs_are_not_fused() -> None:
+    g = fg.Graph("half", io_data_type=DT.HALF, intermediate_data_type=DT.FLOAT)
+    x, w, b = g.tensor("x", [1, 4, 6, 6]), g.tensor("w", [4, 4, 3, 3]), g.tensor("b", [1, 4, 1, 1])
+    g.relu(g.bias(g.conv_fprop(x, w, padding=[1, 1]), b)).set_output(True)
+    assert torch_onednn.plan_fusions(g.validate()) == {}
+    g3 = fg.Graph("3d", io_data_type=DT.FLOAT)
+    x3, w3, b3 = g3.tensor("x", [1, 4, 4, 4, 4]), g3.tensor("w", [4, 4, 3, 3, 3]), g3.tensor("b", [1, 4, 1, 1, 1])
+    g3.relu(g3.bias(g3.conv_fprop(x3, w3, padding=[1, 1, 1]), b3)).set_output(True)
+    assert torch_onednn.plan_fusions(g3.validate()) == {}
+    assert "onednn" not in {k.name for k in ENGINE.knobs(g3, CPU)}
