@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from fusegraph.dtypes import DataType
-from fusegraph.engines import torch_onednn
+from fusegraph.engines import torch_fusion
 from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support
 from fusegraph.errors import CompileError, ExecutionError, VariantPackError
 from fusegraph.graph import layout
@@ -293,7 +293,7 @@ class TorchEngine:
                     "cores); 1 avoids OpenMP barrier stalls on a busy or shared machine",
                 )
             )
-        if not handle.device.is_gpu and torch_onednn.available() and torch_onednn.plan_fusions(graph):
+        if not handle.device.is_gpu and torch_fusion.available() and torch_fusion.plan_fusions(graph):
             out.append(
                 Knob(
                     "onednn",
@@ -390,7 +390,7 @@ class _Ctx:
             not self.gpu
             and not config.get("compile", False)
             and bool(config.get("onednn", True))
-            and torch_onednn.available()
+            and torch_fusion.available()
         )
 
     def compute(self, node: Node) -> DataType:
@@ -819,13 +819,13 @@ LOWER: dict[OpKind, Lowering] = {
 
 # ---- the plan --------------------------------------------------------------------------------
 def _graph_function(
-    graph: Graph, ctx: _Ctx, device: Any, fused: Mapping[str, torch_onednn.FusedConv]
+    graph: Graph, ctx: _Ctx, device: Any, fused: Mapping[str, torch_fusion.Step]
 ) -> Callable[[dict[str, Tensor]], dict[str, Tensor]]:
     """One Python function running the graph's nodes in order (what torch.compile traces);
-    the nodes of each fused convolution run as one call where the last of them stood."""
+    the nodes of each multi-node step run as one where the last of them stood."""
     torch = _torch()
     swallowed = {id(n) for fc in fused.values() for n in fc.nodes[:-1]}
-    order: list[Node | torch_onednn.FusedConv] = [
+    order: list[Node | torch_fusion.Step] = [
         fused.get(n.name, n) for n in graph.topological_order() if id(n) not in swallowed
     ]
     outputs = graph.outputs()
@@ -838,10 +838,10 @@ def _graph_function(
     def run(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         env: dict[str, Tensor] = {**constants, **inputs}
         for node in order:
-            if type(node) is torch_onednn.FusedConv:
-                env[node.out.name] = torch_onednn.run_fused(node, env, ctx.memory_format)
+            if type(node) is not Node:
+                assert not isinstance(node, Node)
+                env[node.out.name] = node.run(env, ctx.memory_format)
                 continue
-            assert isinstance(node, Node)
             ins = {p: env[t.name] for p, t in node.inputs.items()}
             outs = LOWER[node.kind](ctx, node, ins)
             for port, value in outs.items():
@@ -869,7 +869,9 @@ class TorchPlan(ExecutionPlan):
         self._compiled = bool(config.get("compile", False))
         self._benchmark = bool(config.get("cudnn_benchmark", True))
         self._threads = int(config.get("threads", 0))
-        self.fusions = torch_onednn.plan_fusions(graph) if self._ctx.onednn else {}
+        self.fusions: dict[str, torch_fusion.Step] = (
+            {} if self._compiled else torch_fusion.plan_steps(graph, onednn=self._ctx.onednn)
+        )
         self._bound: dict[str, tuple[Any, Tensor]] = {}  # bound input -> (its value, torch form)
         fn = _graph_function(graph, self._ctx, self.device, self.fusions)
         if self._compiled:
@@ -974,7 +976,9 @@ class TorchPlan(ExecutionPlan):
         it, and reorders the filter of each fused convolution (read by it alone) into
         oneDNN's blocked layout once. See ExecutionPlan.bind_constants."""
         named = {(k.name if isinstance(k, TensorAttr) else str(k)): v for k, v in values.items()}
-        packable = {fc.conv.inputs["w"].name: fc.conv for fc in self.fusions.values()}
+        packable = {
+            fc.conv.inputs["w"].name: fc.conv for fc in self.fusions.values() if isinstance(fc, torch_fusion.FusedConv)
+        }
         readers: dict[str, int] = {}
         for n in self.graph.nodes:
             for t in n.inputs.values():
@@ -988,7 +992,7 @@ class TorchPlan(ExecutionPlan):
                 value = self._to_device(t, src)
                 conv = packable.get(t.name)
                 if conv is not None and readers.get(t.name) == 1 and value.device.type == "cpu":
-                    value = torch_onednn.pack_filter(conv, value)
+                    value = torch_fusion.pack_filter(conv, value)
                 bound[t.name] = (src, value)
         self._bound = bound
 
@@ -1088,7 +1092,7 @@ class TorchPlan(ExecutionPlan):
         d["device"] = str(self.device)
         d["compiled"] = self._compiled
         if self.fusions:
-            d["onednn_fusions"] = [fc.describe() for fc in self.fusions.values()]
+            d["fused_steps"] = [fc.describe() for fc in self.fusions.values()]
             d["prepacked_filters"] = len(self._bound)
         return d
 

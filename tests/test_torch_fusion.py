@@ -17,9 +17,9 @@ from fusegraph.select.autotune import random_inputs
 torch = pytest.importorskip("torch", reason="the torch engine needs PyTorch (pip install 'fusegraph[torch]')")
 
 from fusegraph.engines import torch as torch_engine  # noqa: E402
-from fusegraph.engines import torch_onednn  # noqa: E402
+from fusegraph.engines import torch_fusion  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch_onednn.available(), reason="this torch build has no oneDNN (mkldnn) ops")
+pytestmark = pytest.mark.skipif(not torch_fusion.available(), reason="this torch build has no oneDNN (mkldnn) ops")
 
 CPU = fg.Handle("cpu")
 ENGINE = torch_engine.TorchEngine()
@@ -156,9 +156,60 @@ def test_f16_and_3d_convs_are_not_fused() -> None:
     g = fg.Graph("half", io_data_type=DT.HALF, intermediate_data_type=DT.FLOAT)
     x, w, b = g.tensor("x", [1, 4, 6, 6]), g.tensor("w", [4, 4, 3, 3]), g.tensor("b", [1, 4, 1, 1])
     g.relu(g.bias(g.conv_fprop(x, w, padding=[1, 1]), b)).set_output(True)
-    assert torch_onednn.plan_fusions(g.validate()) == {}
+    assert torch_fusion.plan_fusions(g.validate()) == {}
     g3 = fg.Graph("3d", io_data_type=DT.FLOAT)
     x3, w3, b3 = g3.tensor("x", [1, 4, 4, 4, 4]), g3.tensor("w", [4, 4, 3, 3, 3]), g3.tensor("b", [1, 4, 1, 1, 1])
     g3.relu(g3.bias(g3.conv_fprop(x3, w3, padding=[1, 1, 1]), b3)).set_output(True)
-    assert torch_onednn.plan_fusions(g3.validate()) == {}
+    assert torch_fusion.plan_fusions(g3.validate()) == {}
     assert "onednn" not in {k.name for k in ENGINE.knobs(g3, CPU)}
+
+
+def test_lone_conv_and_shared_output_are_prepacked(rng: np.random.Generator) -> None:
+    """A conv whose output is read twice keeps its epilogue apart but is still one prepacked
+    oneDNN call; so is a conv that is the graph's output."""
+    g = fg.Graph("lone", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    x = g.tensor("x", [1, 6, 7, 7], fg.strides_for([1, 6, 7, 7], "NHWC"))
+    w, w2 = g.tensor("w", [6, 6, 3, 3]), g.tensor("w2", [5, 6, 1, 1])
+    c = g.conv_fprop(x, w, padding=[1, 1])
+    g.add(g.relu(c), g.sigmoid(c)).set_output(True).set_name("y")
+    g.conv_fprop(x, w2).set_output(True).set_name("z")
+    plan = _check(g.validate(), rng, bind=True, expect=["conv", "conv"])
+    pack = random_inputs(g, rng)
+    plan.bind_constants({"w": pack["w"], "w2": pack["w2"]})
+    got, ref = plan.execute(pack), g.execute(pack, engine="reference")
+    err = np.linalg.norm(got["z"] - ref["z"]) / np.linalg.norm(ref["z"])
+    assert err < TOL
+
+
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("scale_first", [True, False])
+@pytest.mark.parametrize("dt", [DT.FLOAT, DT.DOUBLE])
+def test_scale_shift(relu: bool, scale_first: bool, dt: DT, rng: np.random.Generator) -> None:
+    """The BatchNorm-after-concat form (DenseNet): mul by a per-channel scale, add a shift."""
+    g = fg.Graph("ss", io_data_type=dt, intermediate_data_type=dt, compute_data_type=dt)
+    x = g.tensor("x", [2, 6, 5, 4], fg.strides_for([2, 6, 5, 4], "NHWC"))
+    s, b = g.tensor("s", [1, 6, 1, 1]), g.tensor("b", [6, 1, 1])
+    y = g.add(g.mul(s, x) if scale_first else g.mul(x, s), b)
+    if relu:
+        y = g.relu(y)
+    y.set_output(True).set_name("y")
+    g.validate()
+    plan = ENGINE.build(g, CPU)
+    assert isinstance(plan, torch_engine.TorchPlan)
+    assert [st.describe() for st in plan.fusions.values()] == ["scale+shift+relu" if relu else "scale+shift"]
+    pack = random_inputs(g, rng)
+    got, ref = plan.execute(pack)["y"], g.execute(pack, engine="reference")["y"]
+    assert got.strides == ref.strides
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < (1e-6 if dt == DT.FLOAT else 1e-14)
+
+
+def test_scale_shift_needs_private_intermediate_and_one_type(rng: np.random.Generator) -> None:
+    g = fg.Graph("ss2", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    x, s, b = g.tensor("x", [1, 3, 4, 4]), g.tensor("s", [1, 3, 1, 1]), g.tensor("b", [1, 3, 1, 1])
+    m = g.mul(x, s).set_output(True).set_name("m")  # exposed: the add stays apart
+    g.add(m, b).set_output(True).set_name("y")
+    assert torch_fusion.plan_scale_shifts(g.validate()) == {}
+    h = fg.Graph("ss3", io_data_type=DT.HALF, intermediate_data_type=DT.FLOAT)
+    x, s, b = h.tensor("x", [1, 3, 4, 4]), h.tensor("s", [1, 3, 1, 1]), h.tensor("b", [1, 3, 1, 1])
+    h.add(h.mul(x, s), b).set_output(True)
+    assert torch_fusion.plan_scale_shifts(h.validate()) == {}  # f16 computed in f32: left to the node path

@@ -1,4 +1,5 @@
-"""oneDNN fused convolutions for the torch engine on the CPU.
+"""The torch engine's multi-node steps: oneDNN fused convolutions on the CPU, and
+scale-shift chains (the inference form of a BatchNorm that follows no conv) anywhere.
 
 A convolution with its epilogue -- per-channel bias, an activation, or a residual add
 followed by ReLU -- becomes one oneDNN call (``torch.ops.mkldnn._convolution_pointwise``,
@@ -10,6 +11,11 @@ Why: eager PyTorch runs the conv, the bias add and the ReLU as three passes over
 and reorders each filter per call. Hand-built ResNet-50, batch 1, f32, 2 cores: eager
 34.6 ms, fused epilogues 33.0 ms, fused + prepacked filters 22.5 ms (ONNX Runtime on the
 same model 24.3 ms, measured side by side).
+
+A scale-shift ``x * s + b`` with per-channel ``s``, ``b`` (what the importer makes of a
+BatchNormalization after a concat, as in DenseNet), and a ReLU after it, is one
+``torch.addcmul`` plus an in-place ReLU: one new tensor instead of three, two passes
+instead of three (26 vs 49 us on a 96x56x56 NHWC tensor).
 
 Only f32 2-D convolutions are fused (f16/bf16 stay on the eager path, which computes them
 in f32 on the CPU anyway); every intermediate the fusion swallows must be virtual and
@@ -51,7 +57,8 @@ class Unary:
 
 @dataclass(frozen=True)
 class FusedConv:
-    """conv -> [+ bias] -> [activation | + residual -> [ReLU]] as one oneDNN call."""
+    """conv -> [+ bias] -> [activation | + residual -> [ReLU]] as one oneDNN call (a lone
+    conv included: its filter is prepacked all the same)."""
 
     conv: Node
     nodes: tuple[Node, ...]  # the graph nodes it replaces, conv first
@@ -65,6 +72,9 @@ class FusedConv:
     def last(self) -> Node:
         return self.nodes[-1]
 
+    def run(self, env: Mapping[str, Tensor], memory_format: str = "auto") -> Tensor:
+        return _run_conv(self, env, memory_format)
+
     def describe(self) -> str:
         parts = ["conv"]
         if self.bias is not None:
@@ -76,6 +86,33 @@ class FusedConv:
         if self.post_relu:
             parts.append("relu")
         return "+".join(parts)
+
+
+@dataclass(frozen=True)
+class ScaleShift:
+    """mul(x, scale) -> add(., shift) -> [ReLU], as addcmul (+ relu_)."""
+
+    nodes: tuple[Node, ...]
+    x: TensorAttr
+    scale: TensorAttr
+    shift: TensorAttr
+    relu: bool
+    out: TensorAttr
+
+    @property
+    def last(self) -> Node:
+        return self.nodes[-1]
+
+    def describe(self) -> str:
+        return "scale+shift+relu" if self.relu else "scale+shift"
+
+    def run(self, env: Mapping[str, Tensor], memory_format: str = "auto") -> Tensor:
+        torch = _torch()
+        y = torch.addcmul(env[self.shift.name], env[self.x.name], env[self.scale.name])
+        return torch.relu_(y) if self.relu else y
+
+
+Step = FusedConv | ScaleShift
 
 
 def available() -> bool:
@@ -92,8 +129,12 @@ def _f32(*ts: TensorAttr) -> bool:
 
 
 def _compute_ok(node: Node, graph: Graph) -> bool:
+    return _compute_in(node, graph, DataType.FLOAT)
+
+
+def _compute_in(node: Node, graph: Graph, dt: DataType) -> bool:
     cd = getattr(node.attrs, "compute_data_type", None) or graph.compute_data_type
-    return cd in (None, DataType.FLOAT)
+    return cd in (None, dt)
 
 
 def _fusable_conv(node: Node, graph: Graph) -> bool:
@@ -138,7 +179,6 @@ class _Walker:
         for n in graph.nodes:
             for t in n.inputs.values():
                 self.readers.setdefault(id(t), []).append(n)
-
         self.claimed: set[int] = set()  # nodes already inside a fusion
 
     def next(self, t: TensorAttr) -> Node | None:
@@ -150,9 +190,14 @@ class _Walker:
         if len(readers) != 1:
             return None
         n = readers[0]
-        if id(n) in self.claimed or n.kind != OpKind.POINTWISE or not _compute_ok(n, self.graph) or not _f32(*n.outputs.values()):
-            return None
-        return n
+        return None if id(n) in self.claimed or n.kind != OpKind.POINTWISE else n
+
+
+def _f32_step(n: Node | None, graph: Graph) -> Node | None:
+    """``n`` if it computes in f32 and produces f32 (what a fused f32 conv may swallow)."""
+    if n is None or not _compute_ok(n, graph) or not _f32(*n.outputs.values()):
+        return None
+    return n
 
 
 def _binary_other(node: Node, t: TensorAttr) -> TensorAttr | None:
@@ -180,9 +225,70 @@ def _per_channel(other: TensorAttr, y: TensorAttr) -> bool:
     return full[0] == 1 and full[2] == 1 and full[3] == 1 and full[1] == y.shape[1]
 
 
-def plan_fusions(graph: Graph) -> dict[str, FusedConv]:
-    """The fused convolutions of a graph, keyed by the name of the last node each replaces."""
+def _smaller_operand(node: Node, t: TensorAttr, dtype: DataType) -> TensorAttr | None:
+    """The other operand of a MUL/ADD reading ``t``, when it broadcasts into ``t``'s shape."""
+    a, b = node.inputs["a"], node.inputs.get("b")
+    if b is None or node.inputs.get("c") is not None:
+        return None
+    other = b if a is t else a if b is t else None
+    if other is None or other is t or other.is_scalar or other.dtype != dtype:
+        return None
+    shape, full = tuple(other.shape), tuple(t.shape)
+    if len(shape) > len(full):
+        return None
+    padded = (1,) * (len(full) - len(shape)) + shape
+    return other if all(d in (1, f) for d, f in zip(padded, full, strict=True)) else None
+
+
+def plan_scale_shifts(graph: Graph, walk: _Walker | None = None) -> dict[str, ScaleShift]:
+    """mul -> add (-> ReLU) chains of one float type computed in it, keyed by last node."""
+    walk = walk or _Walker(graph)
+    out: dict[str, ScaleShift] = {}
+    for mul in graph.topological_order():
+        attrs = mul.attrs
+        if id(mul) in walk.claimed or mul.kind != OpKind.POINTWISE or not isinstance(attrs, PointwiseAttrs):
+            continue
+        y = mul.outputs["y"]
+        dt = y.dtype
+        if attrs.mode != M.MUL or dt not in (DataType.FLOAT, DataType.DOUBLE) or not _compute_in(mul, graph, dt):
+            continue
+        full = [t for t in (mul.inputs["a"], mul.inputs.get("b")) if t is not None and tuple(t.shape) == tuple(y.shape)]
+        x = full[0] if full and full[0].dtype == dt else None
+        scale = _smaller_operand(mul, x, dt) if x is not None else None
+        if x is None or scale is None:
+            continue
+        add = walk.next(y)
+        if add is None or not isinstance(add.attrs, PointwiseAttrs) or add.attrs.mode != M.ADD:
+            continue
+        shift = _smaller_operand(add, y, dt)
+        if shift is None or add.outputs["y"].dtype != dt or not _compute_in(add, graph, dt):
+            continue
+        nodes = [mul, add]
+        cur = add.outputs["y"]
+        r = walk.next(cur)
+        relu = r is not None and _is_plain_relu(r) and r.outputs["y"].dtype == dt
+        if relu and r is not None:
+            nodes.append(r)
+            cur = r.outputs["y"]
+        walk.claimed.update(id(n) for n in nodes)
+        ss = ScaleShift(tuple(nodes), x, scale, shift, relu, cur)
+        out[ss.last.name] = ss
+    return out
+
+
+def plan_steps(graph: Graph, *, onednn: bool) -> dict[str, Step]:
+    """Every multi-node step of a graph (oneDNN convolutions first), keyed by last node."""
     walk = _Walker(graph)
+    steps: dict[str, Step] = {}
+    if onednn:
+        steps.update(plan_fusions(graph, walk))
+    steps.update(plan_scale_shifts(graph, walk))
+    return steps
+
+
+def plan_fusions(graph: Graph, walk: _Walker | None = None) -> dict[str, FusedConv]:
+    """The fused convolutions of a graph, keyed by the name of the last node each replaces."""
+    walk = walk or _Walker(graph)
     out: dict[str, FusedConv] = {}
     for conv in graph.topological_order():
         if not _fusable_conv(conv, graph):
@@ -193,13 +299,13 @@ def plan_fusions(graph: Graph) -> dict[str, FusedConv]:
         unary: Unary | None = None
         residual: TensorAttr | None = None
         post_relu = False
-        n = walk.next(cur)
+        n = _f32_step(walk.next(cur), graph)
         if n is not None:
             other = _binary_other(n, cur)
             if other is not None and _per_channel(other, cur):
                 bias, cur = other, n.outputs["y"]
                 nodes.append(n)
-                n = walk.next(cur)
+                n = _f32_step(walk.next(cur), graph)
         if n is not None:
             u = _unary_of(n) if n.inputs.get("b") is None else None
             if u is not None:
@@ -210,14 +316,14 @@ def plan_fusions(graph: Graph) -> dict[str, FusedConv]:
                 if other is not None and _f32(other) and tuple(other.shape) == tuple(cur.shape):
                     residual, cur = other, n.outputs["y"]
                     nodes.append(n)
-                    r = walk.next(cur)
+                    r = _f32_step(walk.next(cur), graph)
                     if r is not None and _is_plain_relu(r):
                         post_relu, cur = True, r.outputs["y"]
                         nodes.append(r)
-        if len(nodes) > 1:
-            walk.claimed.update(id(n) for n in nodes)
-            fc = FusedConv(conv, tuple(nodes), bias, unary, residual, post_relu, cur)
-            out[fc.last.name] = fc
+        # A lone conv too: it still gets its filter prepacked.
+        walk.claimed.update(id(n) for n in nodes)
+        fc = FusedConv(conv, tuple(nodes), bias, unary, residual, post_relu, cur)
+        out[fc.last.name] = fc
     return out
 
 
@@ -269,6 +375,10 @@ def _dense(x: Tensor, memory_format: str) -> Tensor:
 
 def run_fused(fc: FusedConv, env: Mapping[str, Tensor], memory_format: str = "auto") -> Tensor:
     """Runs one fused convolution on the values in ``env`` (filter dense or prepacked)."""
+    return fc.run(env, memory_format)
+
+
+def _run_conv(fc: FusedConv, env: Mapping[str, Tensor], memory_format: str) -> Tensor:
     torch = _torch()
     conv = fc.conv
     x, w = env[conv.inputs["x"].name], env[conv.inputs["w"].name]
@@ -291,4 +401,5 @@ def run_fused(fc: FusedConv, env: Mapping[str, Tensor], memory_format: str = "au
     return ops._convolution_pointwise(x, w, b, pad, stride, dilation, groups, u.attr, list(u.scalars), u.algorithm)
 
 
-__all__ = ["FusedConv", "Unary", "available", "pack_filter", "plan_fusions", "run_fused"]
+__all__ = ["FusedConv", "ScaleShift", "Step", "Unary", "available", "pack_filter", "plan_fusions", "plan_scale_shifts",
+           "plan_steps", "run_fused"]
