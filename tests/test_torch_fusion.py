@@ -213,3 +213,34 @@ def test_scale_shift_needs_private_intermediate_and_one_type(rng: np.random.Gene
     x, s, b = h.tensor("x", [1, 3, 4, 4]), h.tensor("s", [1, 3, 1, 1]), h.tensor("b", [1, 3, 1, 1])
     h.add(h.mul(x, s), b).set_output(True)
     assert torch_fusion.plan_scale_shifts(h.validate()) == {}  # f16 computed in f32: left to the node path
+
+
+@pytest.mark.parametrize("epilogue", ["relu", "gelu", "none"])
+@pytest.mark.parametrize("b_layout", ["column_major", "row_major"])
+@pytest.mark.parametrize("bias_shape", ["n", "1n", None])
+def test_linear(epilogue: str, b_layout: str, bias_shape: str | None, rng: np.random.Generator) -> None:
+    """GEMM + bias + activation as one oneDNN linear; B column-major is read in place, a
+    row-major B is copied per call -- both exact to f32."""
+    m, k, n = 3, 40, 24
+    g = fg.Graph("lin", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    a = g.tensor("a", [m, k])
+    b = g.tensor("w", [k, n], (1, k) if b_layout == "column_major" else (n, 1))
+    y = g.matmul(a, b)
+    if bias_shape is not None:
+        y = g.add(y, g.tensor("b", [n] if bias_shape == "n" else [1, n]))
+    y = EPILOGUES[epilogue][0](g, y)
+    y.set_output(True).set_name("y")
+    g.validate()
+    want = "+".join(["linear", *(["bias"] if bias_shape else []), *([] if epilogue == "none" else [epilogue])])
+    plan = ENGINE.build(g, CPU)
+    assert isinstance(plan, torch_engine.TorchPlan)
+    assert [st.describe() for st in plan.fusions.values()] == [want]
+    pack = random_inputs(g, rng)
+    got, ref = plan.execute(pack)["y"], g.execute(pack, engine="reference")["y"]
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+
+
+def test_batched_matmul_stays_unfused() -> None:
+    g = fg.Graph("bmm", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    g.relu(g.matmul(g.tensor("a", [2, 3, 4]), g.tensor("w", [4, 5]))).set_output(True)
+    assert torch_fusion.plan_linears(g.validate()) == {}

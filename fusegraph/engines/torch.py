@@ -293,14 +293,15 @@ class TorchEngine:
                     "cores); 1 avoids OpenMP barrier stalls on a busy or shared machine",
                 )
             )
-        if not handle.device.is_gpu and torch_fusion.available() and torch_fusion.plan_fusions(graph):
+        if not handle.device.is_gpu and torch_fusion.available() and torch_fusion.has_onednn_steps(graph):
             out.append(
                 Knob(
                     "onednn",
                     True,
                     (True, False),
-                    description="run each f32 2-D convolution with its bias / activation / residual "
-                    "add as one oneDNN call, filters bound as constants pre-reordered (eager only)",
+                    description="run each f32 2-D convolution (with its bias / activation / residual "
+                    "add) and each f32 2-D matmul (with bias / activation) as one oneDNN call, conv "
+                    "filters bound as constants pre-reordered (eager only)",
                 )
             )
         has_4d_conv = any(n.kind in CONVOLUTIONS and len(_conv_image(n).shape) in (4, 5) for n in graph.nodes)

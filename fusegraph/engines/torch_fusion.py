@@ -112,7 +112,39 @@ class ScaleShift:
         return torch.relu_(y) if self.relu else y
 
 
-Step = FusedConv | ScaleShift
+@dataclass(frozen=True)
+class FusedLinear:
+    """matmul(a [M, K], b [K, N]) -> [+ bias over N] -> [activation] as one oneDNN linear,
+    which reads b as [N, K] rows: free when b is stored column-major (the ONNX importer
+    packs constant B so for this engine), a per-call copy otherwise."""
+
+    matmul: Node
+    nodes: tuple[Node, ...]
+    bias: TensorAttr | None
+    unary: Unary | None
+    out: TensorAttr
+
+    @property
+    def last(self) -> Node:
+        return self.nodes[-1]
+
+    def describe(self) -> str:
+        return "+".join(["linear", *(["bias"] if self.bias is not None else []), *([self.unary.attr] if self.unary else [])])
+
+    def run(self, env: Mapping[str, Tensor], memory_format: str = "auto") -> Tensor:
+        torch = _torch()
+        a = env[self.matmul.inputs["a"].name]
+        w = env[self.matmul.inputs["b"].name].t()
+        if not a.is_contiguous():
+            a = a.contiguous()
+        if not w.is_contiguous():
+            w = w.contiguous()
+        b = env[self.bias.name].reshape(-1) if self.bias is not None else None
+        u = self.unary or Unary("none")
+        return torch.ops.mkldnn._linear_pointwise(a, w, b, u.attr, list(u.scalars), u.algorithm)
+
+
+Step = FusedConv | ScaleShift | FusedLinear
 
 
 def available() -> bool:
@@ -282,8 +314,51 @@ def plan_steps(graph: Graph, *, onednn: bool) -> dict[str, Step]:
     steps: dict[str, Step] = {}
     if onednn:
         steps.update(plan_fusions(graph, walk))
+        steps.update(plan_linears(graph, walk))
     steps.update(plan_scale_shifts(graph, walk))
     return steps
+
+
+def has_onednn_steps(graph: Graph) -> bool:
+    """Whether the ``onednn`` knob changes anything for this graph."""
+    return any(not isinstance(st, ScaleShift) for st in plan_steps(graph, onednn=True).values())
+
+
+def plan_linears(graph: Graph, walk: _Walker | None = None) -> dict[str, FusedLinear]:
+    """f32 2-D matmuls with their bias and activation, keyed by last node."""
+    walk = walk or _Walker(graph)
+    out: dict[str, FusedLinear] = {}
+    for mm in graph.topological_order():
+        if mm.kind != OpKind.MATMUL or id(mm) in walk.claimed or not _compute_ok(mm, graph):
+            continue
+        a, b, c = mm.inputs["a"], mm.inputs["b"], mm.outputs["c"]
+        if len(a.shape) != 2 or len(b.shape) != 2 or not _f32(a, b, c):
+            continue
+        nodes, cur = [mm], c
+        bias: TensorAttr | None = None
+        unary: Unary | None = None
+        n = _f32_step(walk.next(cur), graph)
+        if n is not None:
+            other = _binary_other(n, cur)
+            if other is not None and _f32(other) and not other.is_scalar and _row_vector(other, cur):
+                bias, cur = other, n.outputs["y"]
+                nodes.append(n)
+                n = _f32_step(walk.next(cur), graph)
+        if n is not None and n.inputs.get("b") is None:
+            unary = _unary_of(n)
+            if unary is not None:
+                cur = n.outputs["y"]
+                nodes.append(n)
+        walk.claimed.update(id(x) for x in nodes)
+        fl = FusedLinear(mm, tuple(nodes), bias, unary, cur)
+        out[fl.last.name] = fl
+    return out
+
+
+def _row_vector(other: TensorAttr, y: TensorAttr) -> bool:
+    """A bias broadcast along the rows of a [M, N] result: [N] or [1, N]."""
+    shape = tuple(other.shape)
+    return shape in ((y.shape[1],), (1, y.shape[1]))
 
 
 def plan_fusions(graph: Graph, walk: _Walker | None = None) -> dict[str, FusedConv]:
@@ -401,5 +476,5 @@ def _run_conv(fc: FusedConv, env: Mapping[str, Tensor], memory_format: str) -> T
     return ops._convolution_pointwise(x, w, b, pad, stride, dilation, groups, u.attr, list(u.scalars), u.algorithm)
 
 
-__all__ = ["FusedConv", "ScaleShift", "Step", "Unary", "available", "pack_filter", "plan_fusions", "plan_scale_shifts",
+__all__ = ["FusedConv", "FusedLinear", "ScaleShift", "Step", "Unary", "available", "has_onednn_steps", "pack_filter", "plan_fusions", "plan_linears", "plan_scale_shifts",
            "plan_steps", "run_fused"]
