@@ -293,14 +293,15 @@ def test_pooling(mode: PoolingMode, layout: str, pads: tuple[tuple[int, int], tu
     [(112, 3, 2, 0, 1), (9, 3, 2, 0, 2), (10, 3, 2, 1, 1), (10, 3, 2, 1, 2), (8, 2, 2, 0, 1), (7, 3, 1, 1, 1),
      (11, 5, 3, 2, 3), (6, 4, 2, 0, 3)],
 )
-def test_max_pooling_asymmetric_padding(size: int, window: int, stride: int, pre: int, post: int,
+@pytest.mark.parametrize("mode", list(PoolingMode), ids=lambda m: m.value)
+def test_pooling_asymmetric_padding(size: int, window: int, stride: int, pre: int, post: int, mode: PoolingMode,
                                         rng: np.random.Generator) -> None:
-    """Cases torch pads natively (ceil_mode) and cases that need the -inf copy, all exact."""
+    """Cases torch pads natively (ceil_mode) and cases that need the padded copy."""
     g = _g(DT.FLOAT)
     x = _nchw(g, "x", [1, 4, size, size + 1], "NHWC")
-    g.pooling(x, PoolingMode.MAX, window=(window, window), stride=(stride, stride), pre_padding=(pre, pre),
+    g.pooling(x, mode, window=(window, window), stride=(stride, stride), pre_padding=(pre, pre),
               post_padding=(post, pre)).set_output(True)
-    check(g, rng, 0.0)
+    check(g, rng, 0.0 if mode == PoolingMode.MAX else TOL[DT.FLOAT])
 
 
 def test_pooling_f16_and_int_max(rng: np.random.Generator) -> None:
@@ -495,3 +496,33 @@ def test_module_imports_without_torch() -> None:
 def test_every_op_kind_is_lowered() -> None:
     assert set(torch_engine.LOWER) == set(fg.OpKind)
 
+
+
+@pytest.mark.parametrize("out_layout", ["NHWC", "NCHW"])
+def test_channel_shuffle_lands_in_declared_layout(out_layout: str, rng: np.random.Generator) -> None:
+    """reshape -> transpose -> reshape (ShuffleNet): the copy goes straight into the declared
+    layout of the last reshape, so a channels-last graph stays channels-last."""
+    g = _g(DT.FLOAT)
+    x = _nchw(g, "x", [1, 12, 5, 6], "NHWC")
+    s5 = g.reshape(x, [1, 3, 4, 5, 6])
+    t5 = g.transpose(s5, [0, 2, 1, 3, 4])
+    y = g.reshape(t5, [1, 12, 5, 6])
+    y.set_stride(list(fg.strides_for([1, 12, 5, 6], out_layout)))
+    w = g.tensor("w", [8, 12, 1, 1], fg.strides_for([8, 12, 1, 1], "KRSC"))
+    g.conv_fprop(y, w).set_output(True).set_name("z")
+    y.set_output(True).set_name("y")
+    check(g, rng, TOL[DT.FLOAT])
+    plan = ENGINE.build(g, CPU)
+    fn = plan._fn
+    seen: dict[str, object] = {}
+
+    def spy(inputs: dict[str, object]) -> dict[str, object]:
+        out = fn(inputs)
+        seen.update(out)
+        return out
+
+    plan._fn = spy
+    plan.execute(random_inputs(g, rng))
+    got = seen["y"]
+    assert isinstance(got, torch.Tensor)
+    assert got.stride() == tuple(fg.strides_for([1, 12, 5, 6], out_layout))

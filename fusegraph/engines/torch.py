@@ -694,10 +694,10 @@ def _lower_rmsnorm(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, T
 
 
 def _native_max_padding(attrs: PoolingAttrs, size: tuple[int, ...], want: Sequence[int]) -> bool | None:
-    """The ceil_mode with which torch's own max-pool padding (``pre`` on both sides, extra
+    """The ceil_mode with which torch's own pooling padding (``pre`` on both sides, extra
     windows only where they overlap the input) yields exactly the graph's windows -- each
-    starts at ``i * stride - pre`` either way and padding never wins a max -- or None when
-    neither does (then the input is padded with -inf first, a copy)."""
+    starts at ``i * stride - pre`` either way, and padding never wins a max nor counts in an
+    exclude-pad average -- or None when neither does (then the input is padded first, a copy)."""
     if any(2 * p > k for p, k in zip(attrs.pre_padding, attrs.window, strict=True)):
         return None
     if any(a > b for a, b in zip(attrs.pre_padding, attrs.post_padding, strict=True)):
@@ -736,6 +736,10 @@ def _lower_pooling(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, T
     avg = getattr(F, f"avg_pool{nsp}d")
     if not padded:
         return {"y": avg(x, win, stride)}
+    if attrs.mode != PoolingMode.AVG_INCLUDE_PAD:  # divisor = real elements: as for max
+        native = _native_max_padding(attrs, tuple(x.shape[2:]), node.outputs["y"].shape[2:])
+        if native is not None:
+            return {"y": avg(x, win, stride, padding=list(attrs.pre_padding), ceil_mode=native, count_include_pad=False)}
     xp = F.pad(x, pads)
     if attrs.mode == PoolingMode.AVG_INCLUDE_PAD:
         return {"y": avg(xp, win, stride)}
@@ -774,7 +778,20 @@ def _lower_softmax(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, T
 
 
 def _lower_reshape(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, Tensor]:
-    return {"y": ins["x"].reshape(node.outputs["y"].shape)}
+    """A view when ``x``'s layout allows one; otherwise one copy straight into the declared
+    layout of ``y`` (torch's own reshape would copy to row-major, and a channels-last
+    partition would then run on NCHW from a channel shuffle onwards)."""
+    x, y = ins["x"], node.outputs["y"]
+    try:
+        return {"y": x.view(y.shape)}
+    except RuntimeError:
+        pass
+    out = _torch().empty_strided(y.shape, y.strides, dtype=x.dtype, device=x.device)
+    try:
+        out.view(x.shape).copy_(x)
+    except RuntimeError:  # the declared layout does not split into x's dims either
+        return {"y": x.reshape(y.shape)}
+    return {"y": out}
 
 
 def _lower_transpose(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -959,7 +959,10 @@ def lower_reshape_like(imp: Importer, node: ONode) -> None:
     if not out or 0 in out:
         raise Unmappable(f"{op}: output dims {list(out)} (rank-0 or empty)")
     x = imp.tensor(node.inputs[0], "plain")
-    imp.set(node.outputs[0], imp.g.reshape(x, list(out)))
+    y = imp.g.reshape(x, list(out))
+    if imp.channels_last and len(out) == 4:
+        y.set_stride(imp._strides(out, "act"))  # back to NHWC after e.g. a channel shuffle
+    imp.set(node.outputs[0], y)
 
 
 def lower_transpose(imp: Importer, node: ONode) -> None:
