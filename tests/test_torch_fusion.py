@@ -244,3 +244,29 @@ def test_batched_matmul_stays_unfused() -> None:
     g = fg.Graph("bmm", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
     g.relu(g.matmul(g.tensor("a", [2, 3, 4]), g.tensor("w", [4, 5]))).set_output(True)
     assert torch_fusion.plan_linears(g.validate()) == {}
+
+
+@pytest.mark.parametrize(("c", "groups"), [(12, 3), (16, 4), (10, 2)])
+@pytest.mark.parametrize("layout", ["NHWC", "NCHW"])
+def test_channel_shuffle(c: int, groups: int, layout: str, rng: np.random.Generator) -> None:
+    g = fg.Graph("shuffle", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    x = g.tensor("x", [2, c, 3, 5], fg.strides_for([2, c, 3, 5], layout))
+    t5 = g.transpose(g.reshape(x, [2, groups, c // groups, 3, 5]), [0, 2, 1, 3, 4])
+    y = g.reshape(t5, [2, c, 3, 5])
+    y.set_stride(list(fg.strides_for([2, c, 3, 5], layout)))
+    g.relu(y).set_output(True).set_name("y")
+    g.validate()
+    plan = ENGINE.build(g, CPU)
+    assert isinstance(plan, torch_engine.TorchPlan)
+    assert [st.describe() for st in plan.fusions.values()] == [f"channel_shuffle(g={groups})"]
+    pack = random_inputs(g, rng)
+    got, ref = plan.execute(pack)["y"], g.execute(pack, engine="reference")["y"]
+    assert np.array_equal(got, ref)  # a permutation, then ReLU: exact
+
+
+def test_other_permutations_are_not_shuffles() -> None:
+    g = fg.Graph("notshuffle", io_data_type=DT.FLOAT)
+    x = g.tensor("x", [1, 12, 3, 5])
+    t5 = g.transpose(g.reshape(x, [1, 3, 4, 3, 5]), [0, 1, 2, 4, 3])
+    g.reshape(t5, [1, 12, 3, 5]).set_output(True)
+    assert torch_fusion.plan_channel_shuffles(g.validate()) == {}

@@ -1,5 +1,6 @@
-"""The torch engine's multi-node steps: oneDNN fused convolutions on the CPU, and
-scale-shift chains (the inference form of a BatchNorm that follows no conv) anywhere.
+"""The torch engine's multi-node steps: oneDNN fused convolutions and linears on the CPU;
+scale-shift chains (the inference form of a BatchNorm that follows no conv) and channel
+shuffles anywhere.
 
 A convolution with its epilogue -- per-channel bias, an activation, or a residual add
 followed by ReLU -- becomes one oneDNN call (``torch.ops.mkldnn._convolution_pointwise``,
@@ -144,7 +145,34 @@ class FusedLinear:
         return torch.ops.mkldnn._linear_pointwise(a, w, b, u.attr, list(u.scalars), u.algorithm)
 
 
-Step = FusedConv | ScaleShift | FusedLinear
+@dataclass(frozen=True)
+class ChannelShuffle:
+    """reshape [N, C, H, W] -> [N, g, C/g, H, W], swap axes 1 and 2, reshape back: ShuffleNet's
+    channel shuffle, as ``torch.channel_shuffle`` (a vectorized channels-last kernel, 3-4x
+    faster than the strided copy the three ops make)."""
+
+    nodes: tuple[Node, ...]
+    x: TensorAttr
+    groups: int
+    out: TensorAttr
+
+    @property
+    def last(self) -> Node:
+        return self.nodes[-1]
+
+    def describe(self) -> str:
+        return f"channel_shuffle(g={self.groups})"
+
+    def run(self, env: Mapping[str, Tensor], memory_format: str = "auto") -> Tensor:
+        torch = _torch()
+        y = torch.channel_shuffle(env[self.x.name], self.groups)  # in x's memory format
+        if tuple(y.stride()) == tuple(self.out.strides):
+            return y
+        out = torch.empty_strided(self.out.shape, self.out.strides, dtype=y.dtype, device=y.device)
+        return out.copy_(y)  # the declared layout, as the reshape would have made it
+
+
+Step = FusedConv | ScaleShift | FusedLinear | ChannelShuffle
 
 
 def available() -> bool:
@@ -213,16 +241,20 @@ class _Walker:
                 self.readers.setdefault(id(t), []).append(n)
         self.claimed: set[int] = set()  # nodes already inside a fusion
 
-    def next(self, t: TensorAttr) -> Node | None:
+    def next_any(self, t: TensorAttr) -> Node | None:
         """The one node reading ``t``, if ``t`` is a private intermediate (virtual, not an
         output) and that node is in no fusion yet."""
         if t.is_output or not t.is_virtual:
             return None
         readers = self.readers.get(id(t), [])
-        if len(readers) != 1:
+        if len(readers) != 1 or id(readers[0]) in self.claimed:
             return None
-        n = readers[0]
-        return None if id(n) in self.claimed or n.kind != OpKind.POINTWISE else n
+        return readers[0]
+
+    def next(self, t: TensorAttr) -> Node | None:
+        """The one pointwise node reading ``t`` (see ``next_any``)."""
+        n = self.next_any(t)
+        return n if n is not None and n.kind == OpKind.POINTWISE else None
 
 
 def _f32_step(n: Node | None, graph: Graph) -> Node | None:
@@ -316,12 +348,45 @@ def plan_steps(graph: Graph, *, onednn: bool) -> dict[str, Step]:
         steps.update(plan_fusions(graph, walk))
         steps.update(plan_linears(graph, walk))
     steps.update(plan_scale_shifts(graph, walk))
+    steps.update(plan_channel_shuffles(graph, walk))
     return steps
+
+
+def plan_channel_shuffles(graph: Graph, walk: _Walker | None = None) -> dict[str, ChannelShuffle]:
+    """reshape -> transpose(0, 2, 1, ...) -> reshape chains that are channel shuffles."""
+    walk = walk or _Walker(graph)
+    out: dict[str, ChannelShuffle] = {}
+    for r1 in graph.topological_order():
+        if r1.kind != OpKind.RESHAPE or id(r1) in walk.claimed:
+            continue
+        x, s5 = r1.inputs["x"], r1.outputs["y"]
+        if len(x.shape) != 4 or len(s5.shape) != 5:
+            continue
+        n, c, h, w = x.shape
+        g = s5.shape[1]
+        if tuple(s5.shape) != (n, g, c // g, h, w) or g * (c // g) != c or g < 2:
+            continue
+        tr = walk.next_any(s5)
+        if tr is None or tr.kind != OpKind.TRANSPOSE:
+            continue
+        perm = getattr(tr.attrs, "permutation", None)
+        if tuple(perm or ()) != (0, 2, 1, 3, 4):
+            continue
+        r2 = walk.next_any(tr.outputs["y"])
+        if r2 is None or r2.kind != OpKind.RESHAPE or tuple(r2.outputs["y"].shape) != tuple(x.shape):
+            continue
+        if r2.outputs["y"].dtype != x.dtype:
+            continue
+        nodes = (r1, tr, r2)
+        walk.claimed.update(id(k) for k in nodes)
+        cs = ChannelShuffle(nodes, x, g, r2.outputs["y"])
+        out[cs.last.name] = cs
+    return out
 
 
 def has_onednn_steps(graph: Graph) -> bool:
     """Whether the ``onednn`` knob changes anything for this graph."""
-    return any(not isinstance(st, ScaleShift) for st in plan_steps(graph, onednn=True).values())
+    return any(isinstance(st, FusedConv | FusedLinear) for st in plan_steps(graph, onednn=True).values())
 
 
 def plan_linears(graph: Graph, walk: _Walker | None = None) -> dict[str, FusedLinear]:
@@ -476,5 +541,5 @@ def _run_conv(fc: FusedConv, env: Mapping[str, Tensor], memory_format: str) -> T
     return ops._convolution_pointwise(x, w, b, pad, stride, dilation, groups, u.attr, list(u.scalars), u.algorithm)
 
 
-__all__ = ["FusedConv", "FusedLinear", "ScaleShift", "Step", "Unary", "available", "has_onednn_steps", "pack_filter", "plan_fusions", "plan_linears", "plan_scale_shifts",
+__all__ = ["ChannelShuffle", "FusedConv", "FusedLinear", "ScaleShift", "Step", "Unary", "available", "has_onednn_steps", "pack_filter", "plan_channel_shuffles", "plan_fusions", "plan_linears", "plan_scale_shifts",
            "plan_steps", "run_fused"]
