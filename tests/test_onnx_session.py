@@ -354,6 +354,30 @@ def test_unclaimed_reasons_name_the_attribute(rng: np.random.Generator) -> None:
     assert "MaxPool" in text and "dilations" in text
 
 
+def _sub_sessions(sess: fgo.InferenceSession) -> list[Any]:
+    return [u.session for plan in sess._plans.values() for u in plan.units if getattr(u, "session", None) is not None]
+
+
+def test_ort_sub_sessions_do_not_spin_next_to_fusegraph_units(rng: np.random.Generator) -> None:
+    """A spinning ORT thread would hold a core the next fusegraph unit needs; the caller's
+    own SessionOptions are left as given."""
+    m = _model([
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("Pad", ["a", "pads"], ["y"], mode="reflect"),
+    ], {"x": [1, 2, 4, 4]}, {"y": None}, {"pads": np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64)})
+    x = {"x": rng.standard_normal((1, 2, 4, 4)).astype(np.float32)}
+    sess = _versus_ort(m, x)
+    subs = _sub_sessions(sess)
+    assert subs and all(
+        s.get_session_options().get_session_config_entry("session.intra_op.allow_spinning") == "0" for s in subs
+    )
+    mine = ort.SessionOptions()
+    mine.intra_op_num_threads = 1
+    sess2 = fgo.InferenceSession(m.SerializeToString(), sess_options=mine, providers=_providers())
+    sess2.run(None, x)
+    assert all(s.get_session_options().intra_op_num_threads == 1 for s in _sub_sessions(sess2))
+
+
 def test_shape_subgraph_folded_at_creation(rng: np.random.Generator) -> None:
     """Shape -> Gather -> Unsqueeze -> Concat feeding a Reshape becomes a constant."""
     m = _model([

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import onnx
+import onnxruntime as ort
 
 from fusegraph.engines.registry import REGISTRY
 from fusegraph.errors import CompileError, ExecutionError, FusegraphError
@@ -157,6 +158,7 @@ class SessionPlan:
         self.notes: dict[str, str] = {}
         self.compile_s: dict[str, float] = {}
         by_name = {n.name: n for n in og.nodes}
+        self.sub_session_options = self._sub_session_options()
         self.units: list[Unit] = []
         for k, group in enumerate(self.partitioning.groups):
             self.units.append(self._make_unit(k, group, [by_name[n] for n in group.nodes]))
@@ -347,8 +349,19 @@ class SessionPlan:
             del u
         return best
 
+    def _sub_session_options(self) -> Any:
+        """The caller's SessionOptions as given; without any, and with fusegraph units in the
+        plan, ONNX Runtime's intra-op threads are told not to spin after a run: a spinning
+        thread holds a core the next fusegraph unit needs (on 2 cores, a PyTorch ResNet-50
+        right after an ORT run took 71 ms instead of 34)."""
+        if self.sess_options is not None or not self.partitioning.claimed:
+            return self.sess_options
+        so = ort.SessionOptions()
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        return so
+
     def _ort_unit(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> OrtUnit:
-        return OrtUnit(name, self.og, nodes, ins, outs, self.sess_options, self.ort_providers, self.dump)
+        return OrtUnit(name, self.og, nodes, ins, outs, self.sub_session_options, self.ort_providers, self.dump)
 
     def _unclaimed_unit(self, k: int, nodes: list[ONode], ins: list[str], outs: list[str]) -> Unit:
         ort_unit = self._ort_unit(f"onnxruntime_{k}", nodes, ins, outs)
