@@ -131,6 +131,8 @@ def bench_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str
         opts["engine"] = args.engine
     if args.autotune:
         opts["autotune"] = args.autotune
+    if args.device != "cpu":
+        opts["device"] = args.device
     rng = np.random.default_rng(0)
 
     gc.collect()
@@ -255,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--engine", default=None, help="pin an engine (default: the selection layer)")
+    p.add_argument("--device", default="cpu",
+                   help="where fusegraph runs (cpu, cuda:0); ONNX Runtime always runs on the CPU, so on a GPU the "
+                        "ratio is against ORT's CPU provider")
     p.add_argument("--cache-dir", default=None, help="compile cache to use (default: a fresh one, so setup is a cold compile)")
     p.add_argument("--json", default=None, help="also write the rows here")
     p.add_argument("--autotune", type=float, default=0.0,
@@ -316,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
           f"fusegraph); the default was faster on {sum(r['ort_best'] == 'default' for r in rows)}/{len(rows)} models")
     print("others' CPU: share of the machine's CPU time used by other processes while timing (a busy "
           "neighbour makes latencies unreliable)")
-    print(f"memory method: {rows[0]['mem_method']}; repeat {args.repeat} after {args.warmup} warm-up runs, batch 1, "
+    print(f"fusegraph on {args.device}; memory method: {rows[0]['mem_method']}; repeat {args.repeat} after {args.warmup} warm-up runs, batch 1, "
           f"{'weights as shipped' if args.shipped_weights else f'random weights (seed {args.seed})'}, "
           f"{'engine ' + args.engine if args.engine else 'engines chosen by the selection layer'}"
           f"{f', autotune {args.autotune:g} s per model at setup' if args.autotune else ''}")
