@@ -18,13 +18,13 @@ and the logits (the softmax's input) are an extra output, compared too;
 Fairness: after each run ONNX Runtime's intra-op threads spin for a while
 ("session.intra_op.allow_spinning", on by default), and on a machine with few cores a
 spinning thread slows whatever runs next in the process (measured on 2 cores: a PyTorch
-ResNet-50 took 71 ms right after an ORT run vs 34 ms with ORT's spinning off). So
-fusegraph runs are interleaved only with an ORT session that does not spin (the two see
-the same machine state and neither slows the other), while ORT's default configuration,
-whose spinning shortens ORT's own wake-ups between its parallel sections (alone on 2 cores:
-light SqueezeNet 1.8 ms with spinning, 3.1 ms without; ResNet-50 18.9 vs 22.8 ms), is
-timed in a block of its own after a pause. ORT's latency is the faster of the two
-medians, so fusegraph is compared against ORT at its best; both are printed. The
+ResNet-50 took 71 ms right after an ORT run vs 34 ms with ORT's spinning off). Even a
+non-spinning session's runs, interleaved, cost the other ~12% (cache, thread wake-ups). So
+each is timed alone: ROUNDS rounds of three blocks (fusegraph; ORT's default configuration,
+whose spinning shortens its own wake-ups between parallel sections -- alone on 2 cores,
+light SqueezeNet 1.8 ms with spinning, 3.1 ms without, ResNet-50 18.9 vs 22.8 ms; ORT with
+spinning off), each after a pause and its own warm-up. ORT's latency is the faster of its
+two medians, so fusegraph is compared against ORT at its best; both are printed. The
 machine may be shared: "others' CPU" is the share of CPU time other processes used
 meanwhile (a busy neighbour slowed small multi-threaded kernels up to 60x here).
 
@@ -66,7 +66,9 @@ def _mib(n: int) -> float:
     return n / 2**20
 
 
-PAUSE_S = 0.5  # before and after the default-config ORT block: lets its spinning threads settle
+ROUNDS = 4  # alternating rounds of the three timing blocks
+PAUSE_S = 0.05  # between blocks: lets a spinning ORT pool go quiet
+WARM_S = 0.3  # each block's warm-up lasts at least this long (see _warm)
 
 
 def _ort_session(src: str | bytes, *, spin: bool) -> ort.InferenceSession:
@@ -124,6 +126,18 @@ def _time(fn: Any, feed: dict[str, Any], out: list[float]) -> None:
     out.append(time.perf_counter() - t)
 
 
+def _warm(run: Any, feed: dict[str, Any], runs: int) -> None:
+    """At least ``runs`` runs and WARM_S seconds: after even a short idle spell this 2-vCPU
+    machine runs slowly for tens of milliseconds (fusegraph's SqueezeNet: ~6 ms a run for
+    the first ~70 ms after a 1 s pause, 3.8 ms after), so a count-based warm-up would time
+    whoever follows a pause in that slow spell."""
+    t0 = time.perf_counter()
+    k = 0
+    while k < runs or time.perf_counter() - t0 < WARM_S:
+        run(None, feed)
+        k += 1
+
+
 def bench_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
     src, logits = _model_source(name, args)
     opts: dict[str, Any] = {"cache_dir": cache_dir}
@@ -166,19 +180,17 @@ def bench_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str
     t_calm: list[float] = []
     t_ref: list[float] = []
     with _OthersCpu() as others:
-        # Block 1: fusegraph interleaved with the ORT session that does not spin.
-        for _ in range(args.warmup):
-            ours.run(None, feed)
-            calm.run(None, feed)
-        for _ in range(args.repeat):
-            _time(ours.run, feed, t_ours)
-            _time(calm.run, feed, t_calm)
-        # Block 2: ORT's default configuration alone, after a pause.
-        time.sleep(PAUSE_S)
-        for _ in range(args.warmup):
-            ref.run(None, feed)
-        for _ in range(args.repeat):
-            _time(ref.run, feed, t_ref)
+        # Rounds of three blocks, each alone after a pause: fusegraph, ORT's default
+        # configuration, ORT without spinning. Nothing interleaves with anything, so no
+        # session's threads or cache footprint taxes another's runs (interleaving with even
+        # a non-spinning ORT session slowed fusegraph's SqueezeNet by ~12% here).
+        per_round = max(1, -(-args.repeat // ROUNDS))
+        for _ in range(ROUNDS):
+            for run, into in ((ours.run, t_ours), (ref.run, t_ref), (calm.run, t_calm)):
+                time.sleep(PAUSE_S)
+                _warm(run, feed, args.warmup)
+                for _ in range(per_round):
+                    _time(run, feed, into)
     time.sleep(PAUSE_S)
 
     with measure_peak() as ours_run_mem:

@@ -79,7 +79,16 @@ def torch_installed() -> bool:
         return False
 
 
+_DTYPES: dict[DataType, Any] = {}  # filled on first use (torch imports lazily)
+
+
 def torch_dtype(dt: DataType) -> Any:
+    if not _DTYPES:
+        _DTYPES.update(_dtype_table())
+    return _DTYPES[dt]
+
+
+def _dtype_table() -> dict[DataType, Any]:
     torch = _torch()
     table = {
         DataType.HALF: torch.float16,
@@ -95,7 +104,7 @@ def torch_dtype(dt: DataType) -> Any:
         DataType.FP8_E4M3: torch.float8_e4m3fn,
         DataType.FP8_E5M2: torch.float8_e5m2,
     }
-    return table[dt]
+    return table
 
 
 # numpy has no bf16/fp8 of its own (ml_dtypes has): they cross as same-size unsigned ints.
@@ -397,6 +406,7 @@ class _Ctx:
         self.graph = graph
         self.gpu = handle.device.is_gpu
         self.memory_format: str = config.get("memory_format", "auto")
+        self.compiled = bool(config.get("compile", False))
         self.onednn = (
             not self.gpu
             and not config.get("compile", False)
@@ -846,6 +856,21 @@ LOWER: dict[OpKind, Lowering] = {
 
 
 # ---- the plan --------------------------------------------------------------------------------
+def _node_thunk(ctx: _Ctx, node: Node) -> Callable[[dict[str, Tensor]], None]:
+    """One node as a closure over its lowering, port names and output casts."""
+    lower = LOWER[node.kind]
+    ports = [(p, t.name) for p, t in node.inputs.items()]
+    outs = [(port, t.name, torch_dtype(t.dtype)) for port, t in node.outputs.items()]
+
+    def step(env: dict[str, Tensor]) -> None:
+        res = lower(ctx, node, {p: env[n] for p, n in ports})
+        for port, name, target in outs:
+            value = res[port]
+            env[name] = value if value.dtype == target else value.to(target)
+
+    return step
+
+
 def _graph_function(
     graph: Graph, ctx: _Ctx, device: Any, fused: Mapping[str, torch_fusion.Step]
 ) -> Callable[[dict[str, Tensor]], dict[str, Tensor]]:
@@ -862,6 +887,20 @@ def _graph_function(
         for t in graph.tensors
         if t.is_scalar
     }
+
+    out_names = [t.name for t in outputs]
+    if not ctx.compiled:
+        # Eager: each step a closure with everything that does not change between calls
+        # settled now (names, casts, conv arguments); Python is the per-op cost left.
+        thunks = [_node_thunk(ctx, n) if isinstance(n, Node) else n.thunk(ctx.memory_format) for n in order]
+
+        def run_eager(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+            env: dict[str, Tensor] = {**constants, **inputs}
+            for step in thunks:
+                step(env)
+            return {n: env[n] for n in out_names}
+
+        return run_eager
 
     def run(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         env: dict[str, Tensor] = {**constants, **inputs}

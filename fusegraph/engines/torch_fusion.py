@@ -26,7 +26,7 @@ read by the next node of the chain alone, so no value the graph exposes goes mis
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,6 +76,44 @@ class FusedConv:
     def run(self, env: Mapping[str, Tensor], memory_format: str = "auto") -> Tensor:
         return _run_conv(self, env, memory_format)
 
+    def thunk(self, memory_format: str = "auto") -> Callable[[dict[str, Tensor]], None]:
+        """``run`` with its arguments settled once: the per-call Python is a few lookups."""
+        torch = _torch()
+        ops = torch.ops.mkldnn
+        unary_op, binary_op = ops._convolution_pointwise, ops._convolution_pointwise.binary
+        conv = self.conv
+        attrs = conv.attrs
+        assert isinstance(attrs, ConvAttrs)
+        xn, wn, on = conv.inputs["x"].name, conv.inputs["w"].name, self.out.name
+        bn = self.bias.name if self.bias is not None else None
+        rn = self.residual.name if self.residual is not None else None
+        if memory_format != "auto" or attrs.pre_padding != attrs.post_padding:
+            def general(env: dict[str, Tensor]) -> None:
+                env[on] = _run_conv(self, env, memory_format)
+
+            return general
+        pad, stride, dilation, groups = _conv_args(conv)
+        u = self.unary or Unary("none")
+        ua, us, ualg = u.attr, list(u.scalars), u.algorithm
+        post = "relu" if self.post_relu else None
+        cl = torch.channels_last
+
+        def step(env: dict[str, Tensor]) -> None:
+            x = env[xn]
+            if not x.is_contiguous(memory_format=cl) and not x.is_contiguous():
+                x = x.contiguous()
+            w = env[wn]
+            b = env[bn].reshape(-1) if bn is not None else None
+            if rn is None:
+                env[on] = unary_op(x, w, b, pad, stride, dilation, groups, ua, us, ualg)
+                return
+            other = env[rn]
+            fmt = cl if x.is_contiguous(memory_format=cl) and not x.is_contiguous() else torch.contiguous_format
+            env[on] = binary_op(x, other.contiguous(memory_format=fmt), w, b, pad, stride, dilation, groups,
+                                "add", 1.0, post, [], "")
+
+        return step
+
     def describe(self) -> str:
         parts = ["conv"]
         if self.bias is not None:
@@ -89,8 +127,25 @@ class FusedConv:
         return "+".join(parts)
 
 
+class _RunStep:
+    """``thunk`` for a step whose ``run`` has nothing worth settling ahead of the call."""
+
+    out: TensorAttr
+
+    def run(self, env: Mapping[str, Tensor], memory_format: str = "auto") -> Tensor:
+        raise NotImplementedError
+
+    def thunk(self, memory_format: str = "auto") -> Callable[[dict[str, Tensor]], None]:
+        name, run = self.out.name, self.run
+
+        def step(env: dict[str, Tensor]) -> None:
+            env[name] = run(env, memory_format)
+
+        return step
+
+
 @dataclass(frozen=True)
-class ScaleShift:
+class ScaleShift(_RunStep):
     """mul(x, scale) -> add(., shift) -> [ReLU], as addcmul (+ relu_)."""
 
     nodes: tuple[Node, ...]
@@ -114,7 +169,7 @@ class ScaleShift:
 
 
 @dataclass(frozen=True)
-class FusedLinear:
+class FusedLinear(_RunStep):
     """matmul(a [M, K], b [K, N]) -> [+ bias over N] -> [activation] as one oneDNN linear,
     which reads b as [N, K] rows: free when b is stored column-major (the ONNX importer
     packs constant B so for this engine), a per-call copy otherwise."""
@@ -146,7 +201,7 @@ class FusedLinear:
 
 
 @dataclass(frozen=True)
-class ChannelShuffle:
+class ChannelShuffle(_RunStep):
     """reshape [N, C, H, W] -> [N, g, C/g, H, W], swap axes 1 and 2, reshape back: ShuffleNet's
     channel shuffle, as ``torch.channel_shuffle`` (a vectorized channels-last kernel, 3-4x
     faster than the strided copy the three ops make)."""
@@ -173,6 +228,8 @@ class ChannelShuffle:
 
 
 Step = FusedConv | ScaleShift | FusedLinear | ChannelShuffle
+
+
 
 
 def available() -> bool:
