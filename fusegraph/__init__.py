@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"  # part of the tuning-database and autotune-choice keys: bump when speed-relevant code changes
 
 from fusegraph.dtypes import DataType, as_data_type
 from fusegraph.errors import (
