@@ -15,18 +15,19 @@ with random weights (fusegraph.onnx.weights.randomize_weights: He-scaled, fixed 
 and the logits (the softmax's input) are an extra output, compared too;
 --shipped-weights runs the files as they are.
 
-Fairness: after each run ONNX Runtime's intra-op threads spin for a while
-("session.intra_op.allow_spinning", on by default), and on a machine with few cores a
-spinning thread slows whatever runs next in the process (measured on 2 cores: a PyTorch
-ResNet-50 took 71 ms right after an ORT run vs 34 ms with ORT's spinning off). Even a
-non-spinning session's runs, interleaved, cost the other ~12% (cache, thread wake-ups). So
-each is timed alone: ROUNDS rounds of three blocks (fusegraph; ORT's default configuration,
-whose spinning shortens its own wake-ups between parallel sections -- alone on 2 cores,
-light SqueezeNet 1.8 ms with spinning, 3.1 ms without, ResNet-50 18.9 vs 22.8 ms; ORT with
-spinning off), each after a pause and its own warm-up. ORT's latency is the faster of its
-two medians, so fusegraph is compared against ORT at its best; both are printed. The
-machine may be shared: "others' CPU" is the share of CPU time other processes used
-meanwhile (a busy neighbour slowed small multi-threaded kernels up to 60x here).
+Fairness: fusegraph runs in this process, ONNX Runtime in a worker process of its own
+(OrtWorker), in ROUNDS rounds of three blocks, each alone, after a short pause and a
+time-based warm-up: fusegraph; ORT's default configuration; ORT with
+"session.intra_op.allow_spinning" off. Separate processes because sharing one skewed
+both ways: ORT's spinning threads slowed whatever ran next (a PyTorch ResNet-50 took 71 ms
+right after an ORT run vs 34 ms), even non-spinning interleaved runs cost ~12%, and ORT's
+allocations left fusegraph's heap trimmed after every run (DenseNet-121: ~17,000 page
+faults and 42 ms a run instead of none and 24 ms). ORT's latency is the faster of its two
+configurations (its spinning keeps its threads hot between parallel sections: alone on 2
+cores, light SqueezeNet 1.7 ms with spinning, 2.2 ms without), so fusegraph is compared
+against ORT at its best; both are printed. The machine may be shared: "others' CPU" is
+the share of CPU time other processes used meanwhile (a busy neighbour slowed small
+multi-threaded kernels up to 60x here).
 
     python benchmarks/bench_onnx.py                       # all nine, fresh cache
     python benchmarks/bench_onnx.py --models resnet50 --repeat 50 --cache-dir ~/.cache/fusegraph
@@ -78,6 +79,79 @@ def _ort_session(src: str | bytes, *, spin: bool) -> ort.InferenceSession:
     return ort.InferenceSession(src, sess_options=so, providers=["CPUExecutionProvider"])
 
 
+def _ort_worker(conn: Any) -> None:
+    """The ONNX Runtime side, in a process of its own: its thread pool, arena and heap never
+    share a process with fusegraph's (in one process, ORT's allocations left fusegraph's
+    torch heap trimmed after every run: DenseNet-121 then took ~17,000 page faults and
+    42 ms a run instead of 0 and 24 ms, while any allocator tuning slowed ORT instead)."""
+    ort.set_default_logger_severity(3)
+    sessions: dict[str, ort.InferenceSession] = {}
+    feed: dict[str, Any] = {}
+    while True:
+        msg = conn.recv()
+        op = msg[0]
+        if op == "load":
+            _, src, feed = msg
+            sessions.clear()
+            gc.collect()
+            t0 = time.perf_counter()
+            with measure_peak() as mem:
+                sessions["default"] = _ort_session(src, spin=True)  # ORT as a user gets it
+                want = sessions["default"].run(None, feed)
+            setup_s = time.perf_counter() - t0
+            sessions["no-spin"] = _ort_session(src, spin=False)
+            sessions["no-spin"].run(None, feed)
+            conn.send((want, setup_s, mem.bytes))
+        elif op == "time":
+            _, which, warmup, n = msg
+            run = sessions[which].run
+            cpu0 = sum(os.times()[:2])
+            _warm(run, feed, warmup)
+            times: list[float] = []
+            for _ in range(n):
+                _time(run, feed, times)
+            conn.send((times, sum(os.times()[:2]) - cpu0))
+        elif op == "mem":
+            with measure_peak() as mem:
+                sessions[msg[1]].run(None, feed)
+            conn.send(mem.bytes)
+        else:
+            conn.send(None)
+            return
+
+
+class OrtWorker:
+    """Drives _ort_worker: ORT's sessions for the current model, timed on request."""
+
+    def __init__(self) -> None:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_ort_worker, args=(child,), daemon=True)
+        self._proc.start()
+        self.cpu_s = 0.0  # CPU time the worker spent timing (not "others'" CPU)
+
+    def load(self, src: str, feed: dict[str, Any]) -> tuple[list[np.ndarray], float, int]:
+        self._conn.send(("load", src, feed))
+        return self._conn.recv()  # type: ignore[no-any-return]
+
+    def time(self, which: str, warmup: int, n: int) -> list[float]:
+        self._conn.send(("time", which, warmup, n))
+        times, cpu = self._conn.recv()
+        self.cpu_s += cpu
+        return times  # type: ignore[no-any-return]
+
+    def mem(self, which: str) -> int:
+        self._conn.send(("mem", which))
+        return int(self._conn.recv())
+
+    def close(self) -> None:
+        self._conn.send(("close",))
+        self._conn.recv()
+        self._proc.join(timeout=10)
+
+
 def _model_source(name: str, args: argparse.Namespace) -> tuple[str | bytes, str | None]:
     """The model as given to both sessions (a path as shipped, else the bytes of the
     randomized model) and the name of the exposed logits output, if any."""
@@ -97,8 +171,13 @@ class _OthersCpu:
     kernels by an order of magnitude (threads wait at every barrier for a core), so the
     table says how quiet the machine was. Linux only (NaN elsewhere)."""
 
+    def __init__(self, worker: OrtWorker | None = None) -> None:
+        self.worker = worker
+        self.share = math.nan
+
     def __enter__(self) -> _OthersCpu:
         self.share = math.nan
+        self._worker0 = self.worker.cpu_s if self.worker else 0.0
         self._start = self._sample()
         return self
 
@@ -107,6 +186,8 @@ class _OthersCpu:
         if self._start is None or end is None:
             return
         busy, ours, wall = (e - s for e, s in zip(end, self._start, strict=True))
+        if self.worker is not None:
+            ours += self.worker.cpu_s - self._worker0
         self.share = max(busy - ours, 0.0) / max(wall * (os.cpu_count() or 1), 1e-9)
 
     @staticmethod
@@ -138,8 +219,12 @@ def _warm(run: Any, feed: dict[str, Any], runs: int) -> None:
         k += 1
 
 
-def bench_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
+def bench_model(name: str, args: argparse.Namespace, cache_dir: str, worker: OrtWorker, tmp: str) -> dict[str, Any]:
     src, logits = _model_source(name, args)
+    if isinstance(src, bytes):  # the worker loads it from a file, not through the pipe
+        path = str(Path(tmp) / f"{name}.onnx")
+        Path(path).write_bytes(src)
+        src = path
     opts: dict[str, Any] = {"cache_dir": cache_dir}
     if args.engine:
         opts["engine"] = args.engine
@@ -158,16 +243,7 @@ def bench_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str
         got = ours.run(None, feed)
     setup_s = time.perf_counter() - t0
     report = ours.partition_report()
-
-    gc.collect()
-    t0 = time.perf_counter()
-    with measure_peak() as ort_setup_mem:
-        ref = _ort_session(src, spin=True)  # ORT as a user gets it
-        want = ref.run(None, feed)
-    ort_setup_s = time.perf_counter() - t0
-    time.sleep(PAUSE_S)
-    calm = _ort_session(src, spin=False)
-    calm.run(None, feed)
+    want, ort_setup_s, ort_setup_bytes = worker.load(src, feed)
 
     names = [o.name for o in ours.get_outputs()]
     errs: dict[str, float] = {}
@@ -179,24 +255,25 @@ def bench_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str
     t_ours: list[float] = []
     t_calm: list[float] = []
     t_ref: list[float] = []
-    with _OthersCpu() as others:
-        # Rounds of three blocks, each alone after a pause: fusegraph, ORT's default
-        # configuration, ORT without spinning. Nothing interleaves with anything, so no
-        # session's threads or cache footprint taxes another's runs (interleaving with even
-        # a non-spinning ORT session slowed fusegraph's SqueezeNet by ~12% here).
+    with _OthersCpu(worker) as others:
+        # Rounds of three blocks, each alone after a pause: fusegraph here, then ORT's
+        # default configuration and ORT without spinning in the worker process (this one
+        # idle meanwhile). Nothing interleaves with anything.
         per_round = max(1, -(-args.repeat // ROUNDS))
         for _ in range(ROUNDS):
-            for run, into in ((ours.run, t_ours), (ref.run, t_ref), (calm.run, t_calm)):
-                time.sleep(PAUSE_S)
-                _warm(run, feed, args.warmup)
-                for _ in range(per_round):
-                    _time(run, feed, into)
+            time.sleep(PAUSE_S)
+            _warm(ours.run, feed, args.warmup)
+            for _ in range(per_round):
+                _time(ours.run, feed, t_ours)
+            time.sleep(PAUSE_S)
+            t_ref += worker.time("default", args.warmup, per_round)
+            time.sleep(PAUSE_S)
+            t_calm += worker.time("no-spin", args.warmup, per_round)
     time.sleep(PAUSE_S)
 
     with measure_peak() as ours_run_mem:
         ours.run(None, feed)
-    with measure_peak() as ort_run_mem:
-        calm.run(None, feed)
+    ort_run_bytes = worker.mem("default")
     ort_default_ms = statistics.median(t_ref) * 1e3
     ort_nospin_ms = statistics.median(t_calm) * 1e3
     row: dict[str, Any] = {
@@ -216,9 +293,9 @@ def bench_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str
         "ort_ms": min(ort_default_ms, ort_nospin_ms),
         "ort_best": "default" if ort_default_ms <= ort_nospin_ms else "no-spin",
         "setup_mib": _mib(ours_setup_mem.bytes),
-        "ort_setup_mib": _mib(ort_setup_mem.bytes),
+        "ort_setup_mib": _mib(ort_setup_bytes),
         "run_mib": _mib(ours_run_mem.bytes),
-        "ort_run_mib": _mib(ort_run_mem.bytes),
+        "ort_run_mib": _mib(ort_run_bytes),
         "live_mib": _mib(ours.peak_live_bytes),
         "mem_method": ours_run_mem.method,
         "others_cpu": others.share,
@@ -228,18 +305,17 @@ def bench_model(name: str, args: argparse.Namespace, cache_dir: str) -> dict[str
     }
     row["ratio"] = row["ms"] / row["ort_ms"]
     if args.tier:
-        row.update(tier_row(src, feed, calm, args, cache_dir))
-        row["tier_ort_ms"] = min(row["tier_ort_ms"], ort_default_ms)
-    del ours, ref, calm
+        row.update(tier_row(src, feed, args, cache_dir))
+        row["tier_ort_ms"] = row["ort_ms"]
+    del ours
     gc.collect()
     return row
 
 
-def tier_row(src: str | bytes, feed: dict[str, Any], ref: Any, args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
+def tier_row(src: str, feed: dict[str, Any], args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
     """The whole model as one region through the torch-mlir tier (every op type excluded
-    from the graph API, tier forced on), timed interleaved with the ONNX Runtime session
-    that does not spin (the caller takes the faster of that and ORT's default config)."""
-    model = onnx.load_from_string(src) if isinstance(src, bytes) else onnx.load(src)
+    from the graph API, tier forced on), timed alone; compared with ORT's best timing."""
+    model = onnx.load(src)
     ops = ",".join(sorted({n.op_type for n in model.graph.node}))
     del model
     t0 = time.perf_counter()
@@ -249,18 +325,12 @@ def tier_row(src: str | bytes, feed: dict[str, Any], ref: Any, args: argparse.Na
     tier.run(None, feed)
     setup = time.perf_counter() - t0
     if tier.partition_report().tier_nodes == 0:
-        return {"tier_ms": float("nan"), "tier_ort_ms": float("nan"), "tier_setup_s": setup}
-    for _ in range(args.warmup):
-        tier.run(None, feed)
-    t_tier, t_ort = [], []
+        return {"tier_ms": float("nan"), "tier_setup_s": setup}
+    _warm(tier.run, feed, args.warmup)
+    t_tier: list[float] = []
     for _ in range(max(args.repeat // 2, 3)):
-        t = time.perf_counter()
-        tier.run(None, feed)
-        t_tier.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        ref.run(None, feed)
-        t_ort.append(time.perf_counter() - t)
-    return {"tier_ms": statistics.median(t_tier) * 1e3, "tier_ort_ms": statistics.median(t_ort) * 1e3, "tier_setup_s": setup}
+        _time(tier.run, feed, t_tier)
+    return {"tier_ms": statistics.median(t_tier) * 1e3, "tier_setup_s": setup}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -290,12 +360,16 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         p.error(f"unknown model(s) {unknown}")
-    with tempfile.TemporaryDirectory(prefix="fusegraph-bench-") as tmp:
-        cache = args.cache_dir or tmp
-        rows = []
-        for name in names:
-            print(f"... {name}", file=sys.stderr, flush=True)
-            rows.append(bench_model(name, args, cache))
+    worker = OrtWorker()
+    try:
+        with tempfile.TemporaryDirectory(prefix="fusegraph-bench-") as tmp:
+            cache = args.cache_dir or str(Path(tmp) / "cache")
+            rows = []
+            for name in names:
+                print(f"... {name}", file=sys.stderr, flush=True)
+                rows.append(bench_model(name, args, cache, worker, tmp))
+    finally:
+        worker.close()
     head = (
         "| model | on fusegraph | subgraphs | engine(s) | setup s (ORT) | fusegraph ms | ORT ms | ratio "
         "| ORT default / no-spin ms | others' CPU | setup+1st run MiB (ORT) | warm run MiB (ORT) | rel err per output | worst |"
@@ -329,8 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lowest share of nodes on fusegraph: {100 * cov:.1f}%  (target >= 90%)")
     worst = max(rows, key=lambda r: r["rel_err"])
     print(f"largest relative error: {worst['rel_err']:.1e} ({worst['model']}, output {worst['worst_output']})")
-    print(f"ORT ms = the faster of ORT's default config (spinning, timed alone) and no-spin (interleaved with "
-          f"fusegraph); the default was faster on {sum(r['ort_best'] == 'default' for r in rows)}/{len(rows)} models")
+    print(f"ORT ms = the faster of ORT's default config (spinning) and no-spin, each timed alone in a process of "
+          f"its own; the default was faster on {sum(r['ort_best'] == 'default' for r in rows)}/{len(rows)} models")
     print("others' CPU: share of the machine's CPU time used by other processes while timing (a busy "
           "neighbour makes latencies unreliable)")
     print(f"fusegraph on {args.device}; memory method: {rows[0]['mem_method']}; repeat {args.repeat} after {args.warmup} warm-up runs, batch 1, "
