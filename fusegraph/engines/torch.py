@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from fusegraph.dtypes import DataType
-from fusegraph.engines import torch_fusion
+from fusegraph.engines import torch_fusion, torch_onednn_graph
 from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support
 from fusegraph.errors import CompileError, ExecutionError, VariantPackError
 from fusegraph.graph import layout
@@ -187,6 +187,9 @@ def _torch_device(handle: Handle) -> Any:
     return torch.device("cuda", handle.device.index)  # ROCm builds of torch call HIP "cuda"
 
 
+ONEDNN_GRAPH_DEFAULT = True  # see docs/engines.md for the measurements behind it
+
+
 class TorchEngine:
     """Runs graphs on PyTorch; see the module docstring for its numerics."""
 
@@ -323,6 +326,17 @@ class TorchEngine:
                     "filters bound as constants pre-reordered (eager only)",
                 )
             )
+        if not handle.device.is_gpu and torch_onednn_graph.available() and torch_fusion.plan_fusions(graph):
+            out.append(
+                Knob(
+                    "onednn_graph",
+                    ONEDNN_GRAPH_DEFAULT,
+                    (True, False),
+                    description="trace the plan into TorchScript with its bound weights frozen in and let "
+                    "oneDNN Graph fuse and compile it (checked against the eager plan on the first call; "
+                    "eager on any failure)",
+                )
+            )
         has_4d_conv = any(n.kind in CONVOLUTIONS and len(_conv_image(n).shape) in (4, 5) for n in graph.nodes)
         if has_4d_conv:
             out.append(
@@ -407,6 +421,7 @@ class _Ctx:
         self.gpu = handle.device.is_gpu
         self.memory_format: str = config.get("memory_format", "auto")
         self.compiled = bool(config.get("compile", False))
+        self.functional = False  # lower without in-place writes (for tracing)
         self.onednn = (
             not self.gpu
             and not config.get("compile", False)
@@ -802,6 +817,8 @@ def _lower_reshape(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, T
     layout of ``y`` (torch's own reshape would copy to row-major, and a channels-last
     partition would then run on NCHW from a channel shuffle onwards)."""
     x, y = ins["x"], node.outputs["y"]
+    if ctx.functional:  # traced for oneDNN Graph: no in-place copies into views
+        return {"y": x.reshape(y.shape)}
     try:
         return {"y": x.view(y.shape)}
     except RuntimeError:
@@ -937,6 +954,16 @@ class TorchPlan(ExecutionPlan):
         self._benchmark = bool(config.get("cudnn_benchmark", True))
         self._threads = int(config.get("threads", 0))
         self._cuda_graph = handle.device.is_gpu and not self._compiled and bool(config.get("cuda_graph", True))
+        self._llga_on = (
+            not handle.device.is_gpu
+            and not self._compiled
+            and bool(config.get("onednn_graph", ONEDNN_GRAPH_DEFAULT))
+            and torch_onednn_graph.available()
+            and bool(torch_fusion.plan_fusions(graph))
+        )
+        self._llga: Any = None  # the frozen, fused function, once built
+        self._llga_bound: Any = None  # the bindings it was traced with
+        self._dense: dict[str, Tensor] = {}  # bound inputs before any oneDNN reordering
         self._graph: tuple[Any, dict[str, Tensor], dict[str, Tensor]] | None = None
         self._graph_bound: Any = None  # the bindings the graph was captured with
         self.fusions: dict[str, torch_fusion.Step] = (
@@ -950,6 +977,7 @@ class TorchPlan(ExecutionPlan):
         self._inputs = graph.inputs()
         self._outputs = graph.outputs()
         self._in_by_name = {t.name: t for t in self._inputs}
+        self._out_names = [t.name for t in self._outputs]
         self._out_by_name = {t.name: t for t in self._outputs}
         if self._compiled:
             self._warm_compile()
@@ -1054,17 +1082,20 @@ class TorchPlan(ExecutionPlan):
             for t in n.inputs.values():
                 readers[t.name] = readers.get(t.name, 0) + 1
         bound: dict[str, tuple[Any, Tensor]] = {}
+        dense: dict[str, Tensor] = {}
         with self._torch.inference_mode():
             for t in self._inputs:
                 if t.name not in named:
                     continue
                 src = self._check(t, named[t.name], what="bound constant")
                 value = self._to_device(t, src)
+                dense[t.name] = value
                 conv = packable.get(t.name)
                 if conv is not None and readers.get(t.name) == 1 and value.device.type == "cpu":
                     value = torch_fusion.pack_filter(conv, value)
                 bound[t.name] = (src, value)
         self._bound = bound
+        self._dense = dense
 
     def _resolve(self, variant_pack: Mapping[Any, Any]) -> Any:
         """resolve_pack without its per-call scans (and without re-checking a bound constant
@@ -1128,6 +1159,8 @@ class TorchPlan(ExecutionPlan):
             with torch.inference_mode(), self._flags():
                 results = self._replay(pack) if self._cuda_graph else None
                 replayed = results is not None
+                if results is None and self._llga_on:
+                    results = self._run_llga(pack)
                 if results is None:
                     results = self._fn(self._inputs_of(pack))
         except Exception as exc:
@@ -1154,6 +1187,70 @@ class TorchPlan(ExecutionPlan):
             else:
                 out[t.name] = value
         return out
+
+    # -- oneDNN Graph (CPU) -----------------------------------------------------------------
+    def _run_llga(self, pack: Any) -> dict[str, Tensor] | None:
+        """The plan through its oneDNN Graph function (built on first use); None when this
+        call must run eagerly (a bound input passed as another object) or building failed."""
+        for name, (src, _) in self._bound.items():
+            if pack.inputs[name] is not src:
+                return None
+        acts = [t for t in self._inputs if t.name not in self._bound]
+        values = [self._to_device(t, pack.inputs[t.name]) for t in acts]
+        stale = self._llga is None or self._llga_bound is not self._bound
+        if stale and not self._build_llga(pack, acts, values):
+            return None
+        return dict(zip(self._out_names, self._llga(*values), strict=True))
+
+    def _build_llga(self, pack: Any, acts: list[TensorAttr], values: list[Tensor]) -> bool:
+        why = self.onednn_graph_verdict(pack, acts=acts, values=values)
+        if why:
+            log.warning("graph '%s': oneDNN Graph disabled, running eagerly (%s)", self.graph.name, why)
+            self._llga_on = False
+            self._llga = None
+            return False
+        return True
+
+    def onednn_graph_verdict(
+        self, pack: Any, *, probe: bool = True, acts: list[TensorAttr] | None = None, values: list[Tensor] | None = None
+    ) -> str:
+        """Builds the oneDNN Graph function for this plan (first in a child process, when
+        ``probe``); '' on success, else why it cannot be used."""
+        torch = self._torch
+        if not isinstance(pack, ResolvedPack):
+            pack = self._resolve(pack)
+        if acts is None or values is None:
+            acts = [t for t in self._inputs if t.name not in self._bound]
+            values = [self._to_device(t, pack.inputs[t.name]) for t in acts]
+        if probe:
+            why = torch_onednn_graph.probe(self.graph, sorted(self._bound), self.config.knobs)
+            if why:
+                return f"probe: {why}"
+        ctx = _Ctx(self.graph, self.handle, self.config)
+        ctx.onednn = False
+        ctx.functional = True
+        scalars = {
+            t.name: torch.full((1,), t.value, dtype=torch_dtype(t.dtype)) for t in self.graph.tensors if t.is_scalar
+        }
+        try:
+            with torch.inference_mode(), self._flags():
+                fn = torch_onednn_graph.trace(
+                    self.graph,
+                    lambda n: _node_thunk(ctx, n),
+                    torch_fusion.plan_linears(self.graph),
+                    self._dense,
+                    scalars,
+                    values,
+                    acts,
+                )
+                got = fn(*values)
+                eager = self._fn(self._inputs_of(pack))
+            why = torch_onednn_graph.agrees(got, [eager[n] for n in self._out_names])
+        except Exception as exc:  # the bridge's gaps: an op it cannot take, a failed fused run
+            why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        if not why:
+            self._llga, self._llga_bound = fn, self._bound
+        return why
 
     # -- CUDA graphs ------------------------------------------------------------------------
     def _replay(self, pack: Any) -> dict[str, Tensor] | None:
@@ -1223,6 +1320,8 @@ class TorchPlan(ExecutionPlan):
         d["compiled"] = self._compiled
         if self.handle.device.is_gpu:
             d["cuda_graph"] = self._graph is not None
+        else:
+            d["onednn_graph"] = self._llga is not None
         if self.fusions:
             d["fused_steps"] = [fc.describe() for fc in self.fusions.values()]
             d["prepacked_filters"] = len(self._bound)

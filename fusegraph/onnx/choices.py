@@ -19,6 +19,7 @@ from typing import Any
 
 from fusegraph import __version__
 from fusegraph.engines.base import EngineConfig
+from fusegraph.runtime.cache_dir import cache_root
 
 log = logging.getLogger("fusegraph.onnx")
 
@@ -33,14 +34,7 @@ class Choice:
 
 
 def _root(cache_dir: str | None) -> Path:
-    if cache_dir:
-        return Path(cache_dir)
-    env = os.environ.get("FUSEGRAPH_CACHE_DIR")
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("fusegraph"))
+    return Path(cache_dir) if cache_dir else cache_root()
 
 
 def _key(graph_key: str, device: str) -> str:

@@ -25,11 +25,11 @@ from fusegraph.graph.graph import Graph
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.onnx.importer import with_strides
 from fusegraph.onnx.model import OnnxGraph, ONode
+from fusegraph.runtime.cache_dir import CACHE_DIR_ENV  # where the engines keep compiled modules
 from fusegraph.runtime.handle import Handle
 
 log = logging.getLogger("fusegraph.onnx")
 
-CACHE_DIR_ENV = "FUSEGRAPH_CACHE_DIR"  # where the engines keep compiled modules
 
 
 class Unit(Protocol):

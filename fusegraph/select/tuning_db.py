@@ -24,21 +24,16 @@ from typing import Any
 
 from fusegraph import __version__
 from fusegraph.engines.base import Engine, EngineConfig
+from fusegraph.runtime.cache_dir import cache_root
 
 log = logging.getLogger("fusegraph.select")
 
-CACHE_DIR_ENV = "FUSEGRAPH_CACHE_DIR"
 FORMAT = "fusegraph.tuning"
 VERSION = 1
 
 
 def cache_dir() -> Path:
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return Path(env)
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("fusegraph"))
+    return cache_root()
 
 
 def default_path() -> Path:

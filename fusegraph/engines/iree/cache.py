@@ -29,10 +29,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fusegraph.runtime.cache_dir import cache_enabled, cache_root
+
 log = logging.getLogger("fusegraph.iree.cache")
 
-CACHE_DIR_ENV = "FUSEGRAPH_CACHE_DIR"
-CACHE_ENV = "FUSEGRAPH_CACHE"
 SCHEMA = 1
 MANIFEST = "manifest.json"
 VMFB = "module.vmfb"
@@ -41,19 +41,6 @@ MEMORY_ENTRIES = 256
 
 class CacheCorruptionWarning(RuntimeWarning):
     """A cache entry failed its checksum and is being rebuilt."""
-
-
-def cache_root() -> Path:
-    env = os.environ.get(CACHE_DIR_ENV)
-    if env:
-        return Path(env).expanduser()
-    import platformdirs
-
-    return Path(platformdirs.user_cache_dir("fusegraph"))
-
-
-def cache_enabled() -> bool:
-    return os.environ.get(CACHE_ENV, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
 def failures_dir() -> Path:

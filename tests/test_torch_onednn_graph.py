@@ -1,0 +1,162 @@
+"""The torch engine's oneDNN Graph path (CPU): the plan traced with its bound weights
+frozen in, probed in a child process first, checked against the eager plan, and eager
+whenever anything about it fails."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fusegraph as fg
+from fusegraph import DataType as DT
+from fusegraph.engines.base import EngineConfig
+from fusegraph.select.autotune import random_inputs
+
+torch = pytest.importorskip("torch", reason="the torch engine needs PyTorch (pip install 'fusegraph[torch]')")
+
+from fusegraph.engines import torch as torch_engine  # noqa: E402
+from fusegraph.engines import torch_onednn_graph as ong  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not ong.available(), reason="this torch build has no oneDNN Graph bridge")
+
+CPU = fg.Handle("cpu")
+ENGINE = torch_engine.TorchEngine()
+TOL = 1e-4  # oneDNN Graph's fused f32 kernels against float64, after a few layers
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test its own verdict cache, so that probes really run."""
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def _net() -> fg.Graph:
+    """conv + bias + ReLU, a residual block, max pooling, a flatten and a GEMM + bias + ReLU:
+    what the light CNNs are made of."""
+    g = fg.Graph("net", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    x = g.tensor("x", [1, 4, 12, 12], fg.strides_for([1, 4, 12, 12], "NHWC"))
+    w1 = g.tensor("w1", [8, 4, 3, 3], fg.strides_for([8, 4, 3, 3], "KRSC"))
+    b1 = g.tensor("b1", [1, 8, 1, 1])
+    w2 = g.tensor("w2", [8, 8, 3, 3], fg.strides_for([8, 8, 3, 3], "KRSC"))
+    b2 = g.tensor("b2", [1, 8, 1, 1])
+    h = g.relu(g.bias(g.conv_fprop(x, w1, padding=[1, 1]), b1))
+    h = g.relu(g.add(g.bias(g.conv_fprop(h, w2, padding=[1, 1]), b2), h))
+    p = g.pooling(h, fg.PoolingMode.MAX, window=(2, 2), stride=(2, 2), pre_padding=(0, 0), post_padding=(1, 1))
+    flat = g.reshape(p, [1, 8 * 6 * 6])
+    wf = g.tensor("wf", [8 * 6 * 6, 10], (1, 8 * 6 * 6))
+    bf = g.tensor("bf", [10])
+    g.relu(g.add(g.matmul(flat, wf), bf)).set_output(True).set_name("y")
+    return g.validate()
+
+
+WEIGHTS = ("w1", "b1", "w2", "b2", "wf", "bf")
+
+
+def _bound_plan(g: fg.Graph, rng: np.random.Generator, config: EngineConfig | None = None) -> tuple[torch_engine.TorchPlan, dict[str, np.ndarray]]:
+    plan = ENGINE.build(g, CPU, config)
+    assert isinstance(plan, torch_engine.TorchPlan)
+    pack = random_inputs(g, rng)
+    plan.bind_constants({k: pack[k] for k in WEIGHTS if k in pack})
+    return plan, pack
+
+
+def _err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
+
+
+def test_traced_plan_matches_the_reference_and_is_reused(rng: np.random.Generator, _own_cache: Path) -> None:
+    g = _net()
+    plan, pack = _bound_plan(g, rng)
+    for _ in range(3):
+        pack = {**pack, "x": random_inputs(g, rng)["x"]}
+        assert _err(plan.execute(pack)["y"], g.execute(pack, engine="reference")["y"]) < TOL
+    assert plan.describe()["onednn_graph"] is True
+    verdicts = json.loads((_own_cache / ong.VERDICTS).read_text())
+    assert list(verdicts.values()) == [""]  # probed once, fine
+
+
+def test_cached_verdict_skips_the_probe(rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    g = _net()
+    plan, pack = _bound_plan(g, rng)
+    plan.execute(pack)
+
+    def no_probe(*a: object, **k: object) -> tuple[str, bool]:
+        raise AssertionError("probed again despite a cached verdict")
+
+    monkeypatch.setattr(ong, "_run_probe", no_probe)
+    again, pack = _bound_plan(g, rng)
+    assert _err(again.execute(pack)["y"], g.execute(pack, engine="reference")["y"]) < TOL
+    assert again.describe()["onednn_graph"] is True
+
+
+def test_a_crashing_probe_leaves_the_plan_eager(rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture, _own_cache: Path) -> None:
+    """A child killed by a signal (what a segfault in the bridge looks like) is a definitive,
+    cached 'no'; the plan runs eagerly, correctly, and says why in the log."""
+    def crashed(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(cmd, -11, "", "")
+
+    monkeypatch.setattr(subprocess, "run", crashed)
+    g = _net()
+    plan, pack = _bound_plan(g, rng)
+    with caplog.at_level(logging.WARNING, logger="fusegraph.engines.torch"):
+        got = plan.execute(pack)["y"]
+    assert _err(got, g.execute(pack, engine="reference")["y"]) < 1e-5
+    assert plan.describe()["onednn_graph"] is False
+    assert "signal 11" in caplog.text and "running eagerly" in caplog.text
+    assert "signal 11" in next(iter(json.loads((_own_cache / ong.VERDICTS).read_text()).values()))
+
+
+def test_a_child_that_cannot_start_is_not_cached(monkeypatch: pytest.MonkeyPatch, _own_cache: Path) -> None:
+    def broken(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
+        return subprocess.CompletedProcess(cmd, 1, "", "ImportError: no module named torch")
+
+    monkeypatch.setattr(subprocess, "run", broken)
+    why = ong.probe(_net(), list(WEIGHTS), ())
+    assert "exit code 1" in why and "ImportError" in why
+    assert not (_own_cache / ong.VERDICTS).exists()
+
+
+def test_a_result_that_differs_from_eager_is_refused(rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    real = ong.trace
+
+    def skewed(*a: object, **k: object) -> object:
+        fn = real(*a, **k)  # type: ignore[arg-type]
+        return lambda *xs: tuple(t * 1.01 for t in fn(*xs))
+
+    monkeypatch.setattr(ong, "trace", skewed)
+    g = _net()
+    plan, pack = _bound_plan(g, rng)
+    with caplog.at_level(logging.WARNING, logger="fusegraph.engines.torch"):
+        got = plan.execute(pack)["y"]
+    assert _err(got, g.execute(pack, engine="reference")["y"]) < 1e-5
+    assert plan.describe()["onednn_graph"] is False
+    assert "against the eager plan" in caplog.text
+
+
+def test_another_weight_object_runs_eagerly(rng: np.random.Generator) -> None:
+    g = _net()
+    plan, pack = _bound_plan(g, rng)
+    plan.execute(pack)
+    w1 = np.empty_like(pack["w1"])
+    w1[...] = -pack["w1"]
+    other = {**pack, "w1": w1}
+    assert _err(plan.execute(other)["y"], g.execute(other, engine="reference")["y"]) < TOL
+    assert _err(plan.execute(pack)["y"], g.execute(pack, engine="reference")["y"]) < TOL  # still the bound weights
+
+
+def test_knob_off_and_graphs_without_convs(rng: np.random.Generator) -> None:
+    g = _net()
+    plan, pack = _bound_plan(g, rng, EngineConfig("torch", (("onednn_graph", False),)))
+    plan.execute(pack)
+    assert plan.describe()["onednn_graph"] is False
+    m = fg.Graph("mm", io_data_type=DT.FLOAT)
+    m.relu(m.matmul(m.tensor("a", [3, 4]), m.tensor("b", [4, 5]))).set_output(True)
+    assert "onednn_graph" not in {k.name for k in ENGINE.knobs(m.validate(), CPU)}
