@@ -23,6 +23,14 @@ pytestmark = pytest.mark.skipif(not torch_fusion.available(), reason="this torch
 
 CPU = fg.Handle("cpu")
 ENGINE = torch_engine.TorchEngine()
+
+
+def _eager(g: fg.Graph) -> torch_engine.TorchPlan:
+    """The eager plan (these steps), not the oneDNN Graph one that bound weights would get."""
+    knobs = (("onednn_graph", False),) if "onednn_graph" in {k.name for k in ENGINE.knobs(g, CPU)} else ()
+    plan = ENGINE.build(g, CPU, EngineConfig("torch", knobs))
+    assert isinstance(plan, torch_engine.TorchPlan)
+    return plan
 TOL = 2e-5  # f32 conv sums of up to ~150 products, against float64
 
 Epilogue = Callable[[fg.Graph, fg.TensorAttr], fg.TensorAttr]
@@ -67,7 +75,7 @@ def _graph(conv: str, layout: str, epilogue: str, *, residual: bool = False, pos
 
 def _check(g: fg.Graph, rng: np.random.Generator, *, bind: bool, expect: list[str]) -> torch_engine.TorchPlan:
     pack = random_inputs(g, rng)
-    plan = ENGINE.build(g, CPU)
+    plan = _eager(g)
     assert isinstance(plan, torch_engine.TorchPlan)
     assert sorted(fc.describe() for fc in plan.fusions.values()) == sorted(expect)
     if bind:
@@ -132,7 +140,7 @@ def test_other_weight_object_runs_with_that_value(rng: np.random.Generator) -> N
     """A pack holding a different filter than the bound one must use it, not the packed copy."""
     g = _graph("3x3", "NHWC", "relu")
     pack = random_inputs(g, rng)
-    plan = ENGINE.build(g, CPU)
+    plan = _eager(g)
     plan.bind_constants({"w": pack["w"]})
     w2 = np.empty_like(pack["w"])  # same layout, other values
     w2[...] = pack["w"] * np.float32(-1.5)
@@ -194,7 +202,7 @@ def test_scale_shift(relu: bool, scale_first: bool, dt: DT, rng: np.random.Gener
         y = g.relu(y)
     y.set_output(True).set_name("y")
     g.validate()
-    plan = ENGINE.build(g, CPU)
+    plan = _eager(g)
     assert isinstance(plan, torch_engine.TorchPlan)
     assert [st.describe() for st in plan.fusions.values()] == ["scale+shift+relu" if relu else "scale+shift"]
     pack = random_inputs(g, rng)
@@ -232,7 +240,7 @@ def test_linear(epilogue: str, b_layout: str, bias_shape: str | None, rng: np.ra
     y.set_output(True).set_name("y")
     g.validate()
     want = "+".join(["linear", *(["bias"] if bias_shape else []), *([] if epilogue == "none" else [epilogue])])
-    plan = ENGINE.build(g, CPU)
+    plan = _eager(g)
     assert isinstance(plan, torch_engine.TorchPlan)
     assert [st.describe() for st in plan.fusions.values()] == [want]
     pack = random_inputs(g, rng)
@@ -256,7 +264,7 @@ def test_channel_shuffle(c: int, groups: int, layout: str, rng: np.random.Genera
     y.set_stride(list(fg.strides_for([2, c, 3, 5], layout)))
     g.relu(y).set_output(True).set_name("y")
     g.validate()
-    plan = ENGINE.build(g, CPU)
+    plan = _eager(g)
     assert isinstance(plan, torch_engine.TorchPlan)
     assert [st.describe() for st in plan.fusions.values()] == [f"channel_shuffle(g={groups})"]
     pack = random_inputs(g, rng)

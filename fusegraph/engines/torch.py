@@ -332,9 +332,9 @@ class TorchEngine:
                     "onednn_graph",
                     ONEDNN_GRAPH_DEFAULT,
                     (True, False),
-                    description="trace the plan into TorchScript with its bound weights frozen in and let "
-                    "oneDNN Graph fuse and compile it (checked against the eager plan on the first call; "
-                    "eager on any failure)",
+                    description="once weights are bound (bind_constants), trace the plan into TorchScript "
+                    "with them frozen in and let oneDNN Graph fuse and compile it (probed in a child process, "
+                    "checked against the eager plan on the first call; eager on any failure)",
                 )
             )
         has_4d_conv = any(n.kind in CONVOLUTIONS and len(_conv_image(n).shape) in (4, 5) for n in graph.nodes)
@@ -1159,7 +1159,7 @@ class TorchPlan(ExecutionPlan):
             with torch.inference_mode(), self._flags():
                 results = self._replay(pack) if self._cuda_graph else None
                 replayed = results is not None
-                if results is None and self._llga_on:
+                if results is None and self._llga_on and self._bound:  # worth compiling once weights are fixed
                     results = self._run_llga(pack)
                 if results is None:
                     results = self._fn(self._inputs_of(pack))
@@ -1237,7 +1237,7 @@ class TorchPlan(ExecutionPlan):
                 fn = torch_onednn_graph.trace(
                     self.graph,
                     lambda n: _node_thunk(ctx, n),
-                    torch_fusion.plan_linears(self.graph),
+                    torch_fusion.plan_steps(self.graph, onednn=True, kinds=(torch_fusion.FusedConv, torch_fusion.FusedLinear)),
                     self._dense,
                     scalars,
                     values,

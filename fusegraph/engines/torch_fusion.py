@@ -397,16 +397,19 @@ def plan_scale_shifts(graph: Graph, walk: _Walker | None = None) -> dict[str, Sc
     return out
 
 
-def plan_steps(graph: Graph, *, onednn: bool) -> dict[str, Step]:
-    """Every multi-node step of a graph (oneDNN convolutions first), keyed by last node."""
+def plan_steps(graph: Graph, *, onednn: bool, kinds: tuple[type, ...] | None = None) -> dict[str, Step]:
+    """Every multi-node step of a graph (oneDNN convolutions first), keyed by last node;
+    only those of ``kinds`` when given."""
     walk = _Walker(graph)
     steps: dict[str, Step] = {}
     if onednn:
         steps.update(plan_fusions(graph, walk))
         steps.update(plan_linears(graph, walk))
-    steps.update(plan_scale_shifts(graph, walk))
-    steps.update(plan_channel_shuffles(graph, walk))
-    return steps
+    if kinds is None or ScaleShift in kinds:
+        steps.update(plan_scale_shifts(graph, walk))
+    if kinds is None or ChannelShuffle in kinds:
+        steps.update(plan_channel_shuffles(graph, walk))
+    return {k: v for k, v in steps.items() if kinds is None or isinstance(v, kinds)}
 
 
 def plan_channel_shuffles(graph: Graph, walk: _Walker | None = None) -> dict[str, ChannelShuffle]:
