@@ -1249,6 +1249,9 @@ class TorchPlan(ExecutionPlan):
         except Exception as exc:  # the bridge's gaps: an op it cannot take, a failed fused run
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         if not why:
+            # The eager plan's oneDNN-packed filter copies are not needed any more (bound
+            # inputs now run through the traced function): keep the plain views only.
+            self._bound = {name: (src, self._dense.get(name, value)) for name, (src, value) in self._bound.items()}
             self._llga, self._llga_bound = fn, self._bound
         return why
 
