@@ -70,6 +70,17 @@ def _err(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want))
 
 
+def _assert_runs_eagerly(rng: np.random.Generator, caplog: pytest.LogCaptureFixture, *why: str) -> None:
+    """The plan falls back: correct results from the eager path, and a warning saying why."""
+    g = _net()
+    plan, pack = _bound_plan(g, rng)
+    with caplog.at_level(logging.WARNING, logger="fusegraph.engines.torch"):
+        got = plan.execute(pack)["y"]
+    assert _err(got, g.execute(pack, engine="reference")["y"]) < 1e-5
+    assert plan.describe()["onednn_graph"] is False
+    assert "running eagerly" in caplog.text and all(w in caplog.text for w in why)
+
+
 def test_traced_plan_matches_the_reference_and_is_reused(rng: np.random.Generator, _own_cache: Path) -> None:
     g = _net()
     plan, pack = _bound_plan(g, rng)
@@ -103,13 +114,7 @@ def test_a_crashing_probe_leaves_the_plan_eager(rng: np.random.Generator, monkey
         return subprocess.CompletedProcess(cmd, -11, "", "")
 
     monkeypatch.setattr(subprocess, "run", crashed)
-    g = _net()
-    plan, pack = _bound_plan(g, rng)
-    with caplog.at_level(logging.WARNING, logger="fusegraph.engines.torch"):
-        got = plan.execute(pack)["y"]
-    assert _err(got, g.execute(pack, engine="reference")["y"]) < 1e-5
-    assert plan.describe()["onednn_graph"] is False
-    assert "signal 11" in caplog.text and "running eagerly" in caplog.text
+    _assert_runs_eagerly(rng, caplog, "signal 11")
     assert "signal 11" in next(iter(json.loads((_own_cache / ong.VERDICTS).read_text()).values()))
 
 
@@ -132,13 +137,7 @@ def test_a_result_that_differs_from_eager_is_refused(rng: np.random.Generator, m
         return lambda *xs: tuple(t * 1.01 for t in fn(*xs))
 
     monkeypatch.setattr(ong, "trace", skewed)
-    g = _net()
-    plan, pack = _bound_plan(g, rng)
-    with caplog.at_level(logging.WARNING, logger="fusegraph.engines.torch"):
-        got = plan.execute(pack)["y"]
-    assert _err(got, g.execute(pack, engine="reference")["y"]) < 1e-5
-    assert plan.describe()["onednn_graph"] is False
-    assert "against the eager plan" in caplog.text
+    _assert_runs_eagerly(rng, caplog, "against the eager plan")
 
 
 def test_another_weight_object_runs_eagerly(rng: np.random.Generator) -> None:

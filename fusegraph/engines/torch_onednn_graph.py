@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import tempfile
 import threading
 import warnings
@@ -235,33 +234,25 @@ def _verdict_key(graph: Graph, bound: Sequence[str], knobs: Sequence[tuple[str, 
 def probe(graph: Graph, bound: Sequence[str], knobs: Sequence[tuple[str, Any]]) -> str:
     """'' when tracing and running this graph through oneDNN Graph works (in a child process,
     on random values, ``bound`` inputs frozen in as constants), else why not; cached."""
-    from fusegraph.runtime.cache_dir import cache_enabled, cache_root
+    from fusegraph.runtime.cache_dir import cache_enabled, cache_root, read_table, write_table
 
     key = _verdict_key(graph, bound, knobs)
     path = cache_root() / VERDICTS
     if cache_enabled():
         with _LOCK:
-            known = _read(path).get(key)
+            known = read_table(path).get(key)
         if known is not None:
             return str(known)
     verdict, definitive = _run_probe(graph, bound, knobs)
     if cache_enabled() and definitive:
         with _LOCK:
-            table = _read(path)
+            table = read_table(path)
             table[key] = verdict
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(table, indent=1, sort_keys=True))
-            os.replace(tmp, path)
+            try:
+                write_table(path, table)
+            except OSError as exc:  # a read-only cache: the verdict is still used now
+                log.info("could not record the oneDNN Graph verdict in %s: %s", path, exc)
     return verdict
-
-
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
 
 
 def _run_probe(graph: Graph, bound: Sequence[str], knobs: Sequence[tuple[str, Any]]) -> tuple[str, bool]:

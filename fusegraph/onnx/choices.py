@@ -9,17 +9,14 @@ the winner, and later sessions build it directly without tuning again.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fusegraph import __version__
 from fusegraph.engines.base import EngineConfig
-from fusegraph.runtime.cache_dir import cache_root
+from fusegraph.runtime.cache_dir import cache_root, read_table, write_table
 
 log = logging.getLogger("fusegraph.onnx")
 
@@ -45,16 +42,8 @@ def _tuple(v: Any) -> Any:
     return tuple(_tuple(x) for x in v) if isinstance(v, list) else v
 
 
-def _read(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
-        return {}
-
-
 def lookup(cache_dir: str | None, graph_key: str, device: str) -> Choice | None:
-    entry = _read(_root(cache_dir) / FILE).get(_key(graph_key, device))
+    entry = read_table(_root(cache_dir) / FILE).get(_key(graph_key, device))
     if not isinstance(entry, dict):
         return None
     try:
@@ -67,18 +56,14 @@ def lookup(cache_dir: str | None, graph_key: str, device: str) -> Choice | None:
 def record(cache_dir: str | None, graph_key: str, device: str, choice: Choice) -> None:
     root = _root(cache_dir)
     try:
-        root.mkdir(parents=True, exist_ok=True)
         path = root / FILE
-        data = _read(path)
+        data = read_table(path)
         data[_key(graph_key, device)] = {
             "engine": choice.config.engine,
             "knobs": dict(choice.config.knobs),
             "filter_layout": choice.filter_layout,
             "median_ms": choice.median_ms,
         }
-        fd, tmp = tempfile.mkstemp(dir=root, prefix=".onnx-choices-")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1, default=list)
-        os.replace(tmp, path)
+        write_table(path, data)
     except OSError as exc:
         log.info("could not record the tuned choice in %s: %s", root, exc)
