@@ -12,7 +12,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from fusegraph.onnx.weights import randomize_weights
+from fusegraph.onnx.weights import expose_logits, randomize_weights
 
 LIGHT = Path(onnx.__file__).parent / "backend" / "test" / "data" / "light"
 
@@ -206,3 +206,14 @@ def _data_input(m: onnx.ModelProto) -> str:
     inits = {t.name for t in m.graph.initializer}
     (name,) = [i.name for i in m.graph.input if i.name not in inits]
     return name
+
+
+def test_expose_logits_copies_and_adds_the_softmax_input() -> None:
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])
+    g = helper.make_graph([helper.make_node("Relu", ["x"], ["z"]), helper.make_node("Softmax", ["z"], ["y"])], "g", [x], [y])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    out = expose_logits(m)
+    assert [o.name for o in out.graph.output] == ["y", "z"]
+    assert [o.name for o in m.graph.output] == ["y"]  # the input model is left alone
+    assert [o.name for o in expose_logits(out).graph.output] == ["y", "z"]  # not twice
