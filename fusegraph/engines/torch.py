@@ -1071,9 +1071,23 @@ class TorchPlan(ExecutionPlan):
 
     def bind_constants(self, values: Mapping[Any, Any]) -> None:
         """Keeps a torch view of each bound input, so later calls skip checking and wrapping
-        it, and reorders the filter of each fused convolution (read by it alone) into
-        oneDNN's blocked layout once. See ExecutionPlan.bind_constants."""
+        it, and -- unless the oneDNN Graph path will take the plan over -- reorders the
+        filter of each fused convolution (read by it alone) into oneDNN's blocked layout
+        once. See ExecutionPlan.bind_constants."""
         named = {(k.name if isinstance(k, TensorAttr) else str(k)): v for k, v in values.items()}
+        bound: dict[str, tuple[Any, Tensor]] = {}
+        with self._torch.inference_mode():
+            for t in self._inputs:
+                if t.name in named:
+                    src = self._check(t, named[t.name], what="bound constant")
+                    bound[t.name] = (src, self._to_device(t, src))
+        self._dense = {name: value for name, (_, value) in bound.items()}
+        self._bound = bound
+        if not self._llga_on:
+            self._prepack()
+
+    def _prepack(self) -> None:
+        """Bound conv filters in oneDNN's blocked layout, for the eager fused path."""
         packable = {
             fc.conv.inputs["w"].name: fc.conv for fc in self.fusions.values() if isinstance(fc, torch_fusion.FusedConv)
         }
@@ -1081,21 +1095,13 @@ class TorchPlan(ExecutionPlan):
         for n in self.graph.nodes:
             for t in n.inputs.values():
                 readers[t.name] = readers.get(t.name, 0) + 1
-        bound: dict[str, tuple[Any, Tensor]] = {}
-        dense: dict[str, Tensor] = {}
+        bound = dict(self._bound)
         with self._torch.inference_mode():
-            for t in self._inputs:
-                if t.name not in named:
-                    continue
-                src = self._check(t, named[t.name], what="bound constant")
-                value = self._to_device(t, src)
-                dense[t.name] = value
-                conv = packable.get(t.name)
-                if conv is not None and readers.get(t.name) == 1 and value.device.type == "cpu":
-                    value = torch_fusion.pack_filter(conv, value)
-                bound[t.name] = (src, value)
+            for name, (src, value) in self._bound.items():
+                conv = packable.get(name)
+                if conv is not None and readers.get(name) == 1 and value.device.type == "cpu":
+                    bound[name] = (src, torch_fusion.pack_filter(conv, self._dense[name]))
         self._bound = bound
-        self._dense = dense
 
     def _resolve(self, variant_pack: Mapping[Any, Any]) -> Any:
         """resolve_pack without its per-call scans (and without re-checking a bound constant
@@ -1208,6 +1214,7 @@ class TorchPlan(ExecutionPlan):
             log.warning("graph '%s': oneDNN Graph disabled, running eagerly (%s)", self.graph.name, why)
             self._llga_on = False
             self._llga = None
+            self._prepack()  # the eager path's filters, skipped while the traced one was expected
             return False
         return True
 
@@ -1249,9 +1256,6 @@ class TorchPlan(ExecutionPlan):
         except Exception as exc:  # the bridge's gaps: an op it cannot take, a failed fused run
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         if not why:
-            # The eager plan's oneDNN-packed filter copies are not needed any more (bound
-            # inputs now run through the traced function): keep the plain views only.
-            self._bound = {name: (src, self._dense.get(name, value)) for name, (src, value) in self._bound.items()}
             self._llga, self._llga_bound = fn, self._bound
         return why
 
