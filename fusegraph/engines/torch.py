@@ -841,7 +841,8 @@ def _lower_concat(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, Te
     assert isinstance(node.attrs, ConcatAttrs)
     parts = [ins[p] for p in node.inputs if p.startswith("x")]
     target = torch_dtype(node.outputs["y"].dtype)
-    return {"y": torch.cat([p.to(target) for p in parts], dim=node.attrs.axis)}
+    # .to only where a type changes: a traced no-op aten::to splits oneDNN Graph partitions
+    return {"y": torch.cat([p if p.dtype == target else p.to(target) for p in parts], dim=node.attrs.axis)}
 
 
 def _lower_slice(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, Tensor]:

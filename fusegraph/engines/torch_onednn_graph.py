@@ -217,7 +217,7 @@ def agrees(got: Sequence[Tensor], want: Sequence[Tensor], tol: float = 1e-4) -> 
 
 # ---- the crash-isolated probe ------------------------------------------------------------------
 VERDICTS = "onednn-graph-verdicts.json"
-RECIPE = 2  # how a plan is written for the bridge; part of the verdict key (bump on change)
+RECIPE = 3  # how a plan is written for the bridge; part of the verdict key (bump on change)
 PROBE_TIMEOUT_S = 300.0
 _LOCK = threading.Lock()
 
