@@ -54,20 +54,25 @@ def available() -> bool:
         return False
 
 
+_SWITCH = threading.Lock()  # one plan at a time flips the bridge's process-wide switch
+
+
 @contextlib.contextmanager
 def _fusion_on() -> Iterator[None]:
     """The bridge's global switch, on only while this plan is traced and first run (the
-    fused plan stays with the frozen function after the switch goes back)."""
+    fused plan stays with the frozen function after the switch goes back); plans built on
+    several threads take turns, so none sees another's switch go back mid-trace."""
     import torch
 
-    before = bool(torch._C._jit_llga_enabled())
-    torch.jit.enable_onednn_fusion(True)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # TorchScript's deprecation notices
-            yield
-    finally:
-        torch.jit.enable_onednn_fusion(before)
+    with _SWITCH:
+        before = bool(torch._C._jit_llga_enabled())
+        torch.jit.enable_onednn_fusion(True)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # TorchScript's deprecation notices
+                yield
+        finally:
+            torch.jit.enable_onednn_fusion(before)
 
 
 def _linear_step(fl: Any) -> Step:
