@@ -12,6 +12,7 @@ import pytest
 import fusegraph as fg
 from fusegraph import DataType as DT
 from fusegraph.engines.base import EngineConfig
+from fusegraph.onnx.importer import filter_strides
 from fusegraph.select.autotune import random_inputs
 
 torch = pytest.importorskip("torch", reason="the torch engine needs PyTorch (pip install 'fusegraph[torch]')")
@@ -278,3 +279,18 @@ def test_other_permutations_are_not_shuffles() -> None:
     t5 = g.transpose(g.reshape(x, [1, 3, 4, 3, 5]), [0, 1, 2, 4, 3])
     g.reshape(t5, [1, 12, 3, 5]).set_output(True)
     assert torch_fusion.plan_channel_shuffles(g.validate()) == {}
+
+
+def test_filter_in_any_declared_layout(rng: np.random.Generator) -> None:
+    """An HWCF-strided filter (IREE's packing) is dense in neither torch format: the step
+    makes it so rather than hand oneDNN memory it would misread."""
+    g = fg.Graph("hwcf", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    x = g.tensor("x", [1, 6, 7, 7], fg.strides_for([1, 6, 7, 7], "NHWC"))
+    w = g.tensor("w", [5, 6, 3, 3], filter_strides([5, 6, 3, 3], "HWCF"))
+    g.relu(g.bias(g.conv_fprop(x, w, padding=[1, 1]), g.tensor("b", [1, 5, 1, 1]))).set_output(True).set_name("y")
+    g.validate()
+    plan = _eager(g)
+    assert [st.describe() for st in plan.fusions.values()] == ["conv+bias+relu"]
+    pack = random_inputs(g, rng)
+    got, ref = plan.execute(pack)["y"], g.execute(pack, engine="reference")["y"]
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL

@@ -728,7 +728,7 @@ def _lower_rmsnorm(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, T
     return out
 
 
-def _native_max_padding(attrs: PoolingAttrs, size: tuple[int, ...], want: Sequence[int]) -> bool | None:
+def _native_padding(attrs: PoolingAttrs, size: tuple[int, ...], want: Sequence[int]) -> bool | None:
     """The ceil_mode with which torch's own pooling padding (``pre`` on both sides, extra
     windows only where they overlap the input) yields exactly the graph's windows -- each
     starts at ``i * stride - pre`` either way, and padding never wins a max nor counts in an
@@ -763,7 +763,7 @@ def _lower_pooling(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, T
     if attrs.mode == PoolingMode.MAX:
         pool = getattr(F, f"max_pool{nsp}d")
         if padded:
-            native = _native_max_padding(attrs, tuple(x.shape[2:]), node.outputs["y"].shape[2:])
+            native = _native_padding(attrs, tuple(x.shape[2:]), node.outputs["y"].shape[2:])
             if native is not None:
                 return {"y": pool(x, win, stride, padding=list(attrs.pre_padding), ceil_mode=native)}
             x = F.pad(x, pads, value=-math.inf)
@@ -772,7 +772,7 @@ def _lower_pooling(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, T
     if not padded:
         return {"y": avg(x, win, stride)}
     if attrs.mode != PoolingMode.AVG_INCLUDE_PAD:  # divisor = real elements: as for max
-        native = _native_max_padding(attrs, tuple(x.shape[2:]), node.outputs["y"].shape[2:])
+        native = _native_padding(attrs, tuple(x.shape[2:]), node.outputs["y"].shape[2:])
         if native is not None:
             return {"y": avg(x, win, stride, padding=list(attrs.pre_padding), ceil_mode=native, count_include_pad=False)}
     xp = F.pad(x, pads)
@@ -920,13 +920,13 @@ def _graph_function(
 
         return run_eager
 
+    # Compiled: the plain nodes (Inductor does its own fusion), in code dynamo traces well.
+    assert not fused, "multi-node steps are for eager plans"
+    nodes = graph.topological_order()
+
     def run(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
         env: dict[str, Tensor] = {**constants, **inputs}
-        for node in order:
-            if type(node) is not Node:
-                assert not isinstance(node, Node)
-                env[node.out.name] = node.run(env, ctx.memory_format)
-                continue
+        for node in nodes:
             ins = {p: env[t.name] for p, t in node.inputs.items()}
             outs = LOWER[node.kind](ctx, node, ins)
             for port, value in outs.items():
@@ -1195,14 +1195,21 @@ class TorchPlan(ExecutionPlan):
                 out[t.name] = value
         return out
 
+    def _bound_as_given(self, pack: Any) -> bool:
+        """Whether every bound input arrives as the very object bound (else the call runs
+        eagerly on what it was given: a captured or traced plan holds the bound values)."""
+        return all(pack.inputs[name] is src for name, (src, _) in self._bound.items())
+
+    def _activations(self) -> list[TensorAttr]:
+        return [t for t in self._inputs if t.name not in self._bound]
+
     # -- oneDNN Graph (CPU) -----------------------------------------------------------------
     def _run_llga(self, pack: Any) -> dict[str, Tensor] | None:
         """The plan through its oneDNN Graph function (built on first use); None when this
         call must run eagerly (a bound input passed as another object) or building failed."""
-        for name, (src, _) in self._bound.items():
-            if pack.inputs[name] is not src:
-                return None
-        acts = [t for t in self._inputs if t.name not in self._bound]
+        if not self._bound_as_given(pack):
+            return None
+        acts = self._activations()
         values = [self._to_device(t, pack.inputs[t.name]) for t in acts]
         stale = self._llga is None or self._llga_bound is not self._bound
         if stale and not self._build_llga(pack, acts, values):
@@ -1228,7 +1235,7 @@ class TorchPlan(ExecutionPlan):
         if not isinstance(pack, ResolvedPack):
             pack = self._resolve(pack)
         if acts is None or values is None:
-            acts = [t for t in self._inputs if t.name not in self._bound]
+            acts = self._activations()
             values = [self._to_device(t, pack.inputs[t.name]) for t in acts]
         if probe:
             why = torch_onednn_graph.probe(self.graph, sorted(self._bound), self.config.knobs)
@@ -1264,9 +1271,8 @@ class TorchPlan(ExecutionPlan):
     def _replay(self, pack: Any) -> dict[str, Tensor] | None:
         """The plan as one replayed CUDA graph; None when this call must run eagerly (a bound
         constant passed as another object) or capture failed (then never again)."""
-        for name, (src, _) in self._bound.items():
-            if pack.inputs[name] is not src:
-                return None
+        if not self._bound_as_given(pack):
+            return None
         stale = self._graph is None or self._graph_bound is not self._bound
         if stale and not self._capture(pack):
             return None

@@ -73,43 +73,45 @@ class FusedConv:
     def last(self) -> Node:
         return self.nodes[-1]
 
-    def run(self, env: Mapping[str, Tensor], memory_format: str = "auto") -> Tensor:
-        return _run_conv(self, env, memory_format)
-
     def thunk(self, memory_format: str = "auto") -> Callable[[dict[str, Tensor]], None]:
-        """``run`` with its arguments settled once: the per-call Python is a few lookups."""
+        """The step with its arguments settled once: the per-call Python is a few lookups
+        and layout checks (the filter may be oneDNN-packed, dense, or any declared layout)."""
         torch = _torch()
         ops = torch.ops.mkldnn
         unary_op, binary_op = ops._convolution_pointwise, ops._convolution_pointwise.binary
         conv = self.conv
-        attrs = conv.attrs
-        assert isinstance(attrs, ConvAttrs)
         xn, wn, on = conv.inputs["x"].name, conv.inputs["w"].name, self.out.name
         bn = self.bias.name if self.bias is not None else None
         rn = self.residual.name if self.residual is not None else None
-        if memory_format != "auto" or attrs.pre_padding != attrs.post_padding:
-            def general(env: dict[str, Tensor]) -> None:
-                env[on] = _run_conv(self, env, memory_format)
-
-            return general
-        pad, stride, dilation, groups = _conv_args(conv)
+        pre_pad, pad = conv_padding(conv)
+        _, stride, dilation, groups = _conv_args(conv)
         u = self.unary or Unary("none")
         ua, us, ualg = u.attr, list(u.scalars), u.algorithm
         post = "relu" if self.post_relu else None
         cl = torch.channels_last
+        F = torch.nn.functional
+
+        def dense(t: Tensor) -> Tensor:
+            if memory_format == "channels_last":
+                return t.contiguous(memory_format=cl)
+            if memory_format == "contiguous" or not (t.is_contiguous(memory_format=cl) or t.is_contiguous()):
+                return t.contiguous()
+            return t
 
         def step(env: dict[str, Tensor]) -> None:
-            x = env[xn]
-            if not x.is_contiguous(memory_format=cl) and not x.is_contiguous():
-                x = x.contiguous()
+            x = dense(env[xn])
+            if pre_pad is not None:
+                x = F.pad(x, pre_pad)
             w = env[wn]
-            b = env[bn].reshape(-1) if bn is not None else None
+            if not w.is_mkldnn:
+                w = dense(w)
+            b = env[bn].reshape(-1).contiguous() if bn is not None else None
             if rn is None:
                 env[on] = unary_op(x, w, b, pad, stride, dilation, groups, ua, us, ualg)
                 return
-            other = env[rn]
+            # oneDNN's binary post-op reads `other` in the output's (= x's) memory format.
             fmt = cl if x.is_contiguous(memory_format=cl) and not x.is_contiguous() else torch.contiguous_format
-            env[on] = binary_op(x, other.contiguous(memory_format=fmt), w, b, pad, stride, dilation, groups,
+            env[on] = binary_op(x, env[rn].contiguous(memory_format=fmt), w, b, pad, stride, dilation, groups,
                                 "add", 1.0, post, [], "")
 
         return step
@@ -533,18 +535,17 @@ def _conv_args(conv: Node) -> tuple[list[int], list[int], list[int], int]:
     return list(attrs.pre_padding), list(attrs.stride), list(attrs.dilation), conv_groups(conv)
 
 
-def _padded(conv: Node, x: Tensor) -> tuple[Tensor, list[int]]:
-    """oneDNN takes symmetric padding; asymmetric padding is applied to the input first."""
+def conv_padding(conv: Node) -> tuple[list[int] | None, list[int]]:
+    """(F.pad's list, the conv call's padding): oneDNN and F.conv2d take symmetric padding,
+    so asymmetric padding is applied to the input first (F.pad's list, else None)."""
     attrs = conv.attrs
     assert isinstance(attrs, ConvAttrs)
     if attrs.pre_padding == attrs.post_padding:
-        return x, list(attrs.pre_padding)
-    import torch.nn.functional as F
-
+        return None, list(attrs.pre_padding)
     pads: list[int] = []
     for a, b in zip(reversed(attrs.pre_padding), reversed(attrs.post_padding), strict=True):
         pads += [a, b]
-    return F.pad(x, pads), [0] * len(attrs.pre_padding)
+    return pads, [0] * len(attrs.pre_padding)
 
 
 def pack_filter(conv: Node, w: Tensor) -> Tensor:
@@ -552,54 +553,14 @@ def pack_filter(conv: Node, w: Tensor) -> Tensor:
     torch = _torch()
     attrs = conv.attrs
     assert isinstance(attrs, ConvAttrs)
-    x = conv.inputs["x"]
-    shape = list(x.shape)
-    if attrs.pre_padding != attrs.post_padding:  # the call sees the padded input
+    pre_pad, pad = conv_padding(conv)
+    shape = list(conv.inputs["x"].shape)
+    if pre_pad is not None:  # the call sees the padded input
         for i, (a, b) in enumerate(zip(attrs.pre_padding, attrs.post_padding, strict=True)):
             shape[2 + i] += a + b
-    pad = list(attrs.pre_padding) if attrs.pre_padding == attrs.post_padding else [0] * len(attrs.pre_padding)
     _, stride, dilation, groups = _conv_args(conv)
-    dense = w.contiguous().to_mkldnn()
-    return torch._C._nn.mkldnn_reorder_conv2d_weight(dense, pad, stride, dilation, groups, shape)
+    return torch._C._nn.mkldnn_reorder_conv2d_weight(w.contiguous().to_mkldnn(), pad, stride, dilation, groups, shape)
 
 
-def _dense(x: Tensor, memory_format: str) -> Tensor:
-    """``x`` in the memory format asked for (``auto``: as it is, if dense in some format)."""
-    torch = _torch()
-    if memory_format == "channels_last":
-        return x.contiguous(memory_format=torch.channels_last)
-    if memory_format == "contiguous" or not (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last)):
-        return x.contiguous()
-    return x
-
-
-def run_fused(fc: FusedConv, env: Mapping[str, Tensor], memory_format: str = "auto") -> Tensor:
-    """Runs one fused convolution on the values in ``env`` (filter dense or prepacked)."""
-    return fc.run(env, memory_format)
-
-
-def _run_conv(fc: FusedConv, env: Mapping[str, Tensor], memory_format: str) -> Tensor:
-    torch = _torch()
-    conv = fc.conv
-    x, w = env[conv.inputs["x"].name], env[conv.inputs["w"].name]
-    x = _dense(x, memory_format)
-    if not w.is_mkldnn:
-        w = _dense(w, memory_format)
-    x, pad = _padded(conv, x)
-    _, stride, dilation, groups = _conv_args(conv)
-    b = env[fc.bias.name].reshape(-1) if fc.bias is not None else None
-    ops = torch.ops.mkldnn
-    if fc.residual is not None:
-        other = env[fc.residual.name]
-        # oneDNN's binary post-op reads `other` in the output's memory format.
-        fmt = torch.channels_last if x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous() else torch.contiguous_format
-        other = other.contiguous(memory_format=fmt)
-        return ops._convolution_pointwise.binary(
-            x, other, w, b, pad, stride, dilation, groups, "add", 1.0, "relu" if fc.post_relu else None, [], ""
-        )
-    u = fc.unary or Unary("none")
-    return ops._convolution_pointwise(x, w, b, pad, stride, dilation, groups, u.attr, list(u.scalars), u.algorithm)
-
-
-__all__ = ["ChannelShuffle", "FusedConv", "FusedLinear", "ScaleShift", "Step", "Unary", "available", "has_onednn_steps", "pack_filter", "plan_channel_shuffles", "plan_fusions", "plan_linears", "plan_scale_shifts",
-           "plan_steps", "run_fused"]
+__all__ = ["ChannelShuffle", "FusedConv", "FusedLinear", "ScaleShift", "Step", "Unary", "available", "conv_padding", "has_onednn_steps", "pack_filter", "plan_channel_shuffles", "plan_fusions", "plan_linears", "plan_scale_shifts",
+           "plan_steps"]

@@ -128,19 +128,16 @@ def _conv_step(fc: Any) -> Step:
     x_name, w_name = conv.inputs["x"].name, conv.inputs["w"].name
     bias_name = fc.bias.name if fc.bias is not None else None
     res_name = fc.residual.name if fc.residual is not None else None
+    from fusegraph.engines.torch_fusion import conv_padding
     from fusegraph.graph.infer import conv_groups
 
     groups = conv_groups(conv)
     stride, dilation = list(attrs.stride), list(attrs.dilation)
-    sym = attrs.pre_padding == attrs.post_padding
-    pad = list(attrs.pre_padding) if sym else [0] * len(attrs.pre_padding)
-    pads: list[int] = []
-    for a, b in zip(reversed(attrs.pre_padding), reversed(attrs.post_padding), strict=True):
-        pads += [a, b]
+    pre_pad, pad = conv_padding(conv)
     unary, post_relu, out = fc.unary, fc.post_relu, fc.out.name
 
     def step(env: dict[str, Tensor]) -> None:
-        x = env[x_name] if sym else F.pad(env[x_name], pads)
+        x = env[x_name] if pre_pad is None else F.pad(env[x_name], pre_pad)
         b = env[bias_name].reshape(-1) if bias_name is not None else None
         y = F.conv2d(x, env[w_name], b, stride, pad, dilation, groups)
         if res_name is not None:
