@@ -1252,7 +1252,7 @@ class TorchPlan(ExecutionPlan):
                 fn = torch_onednn_graph.trace(
                     self.graph,
                     lambda n: _node_thunk(ctx, n),
-                    torch_fusion.plan_steps(self.graph, onednn=True, kinds=(torch_fusion.FusedConv, torch_fusion.FusedLinear)),
+                    torch_fusion.plan_onednn_steps(self.graph),
                     self._dense,
                     scalars,
                     values,

@@ -55,6 +55,27 @@ class Unary:
     scalars: tuple[float, ...] = ()
     algorithm: str = ""
 
+    def aten(self, y: Tensor) -> Tensor:
+        """The same activation as plain torch ops (for a trace that oneDNN Graph reads)."""
+        torch = _torch()
+        F = torch.nn.functional
+        if self.attr == "relu":
+            return torch.relu(y)
+        if self.attr == "leaky_relu":
+            return F.leaky_relu(y, self.scalars[0])
+        if self.attr == "hardtanh":
+            return torch.clamp(y, self.scalars[0], self.scalars[1])
+        if self.attr == "sigmoid":
+            return torch.sigmoid(y)
+        if self.attr == "tanh":
+            return torch.tanh(y)
+        if self.attr == "gelu":
+            return F.gelu(y, approximate="tanh" if self.algorithm == "tanh" else "none")
+        if self.attr == "swish":
+            return F.silu(y)
+        assert self.attr == "none", self.attr
+        return y
+
 
 @dataclass(frozen=True)
 class FusedConv:
@@ -84,7 +105,7 @@ class FusedConv:
         bn = self.bias.name if self.bias is not None else None
         rn = self.residual.name if self.residual is not None else None
         pre_pad, pad = conv_padding(conv)
-        _, stride, dilation, groups = _conv_args(conv)
+        _, stride, dilation, groups = conv_args(conv)
         u = self.unary or Unary("none")
         ua, us, ualg = u.attr, list(u.scalars), u.algorithm
         post = "relu" if self.post_relu else None
@@ -399,19 +420,24 @@ def plan_scale_shifts(graph: Graph, walk: _Walker | None = None) -> dict[str, Sc
     return out
 
 
-def plan_steps(graph: Graph, *, onednn: bool, kinds: tuple[type, ...] | None = None) -> dict[str, Step]:
-    """Every multi-node step of a graph (oneDNN convolutions first), keyed by last node;
-    only those of ``kinds`` when given."""
+def plan_steps(graph: Graph, *, onednn: bool) -> dict[str, Step]:
+    """Every multi-node step of a graph (oneDNN convolutions first), keyed by last node."""
     walk = _Walker(graph)
     steps: dict[str, Step] = {}
     if onednn:
-        steps.update(plan_fusions(graph, walk))
-        steps.update(plan_linears(graph, walk))
-    if kinds is None or ScaleShift in kinds:
-        steps.update(plan_scale_shifts(graph, walk))
-    if kinds is None or ChannelShuffle in kinds:
-        steps.update(plan_channel_shuffles(graph, walk))
-    return {k: v for k, v in steps.items() if kinds is None or isinstance(v, kinds)}
+        steps.update(plan_onednn_steps(graph, walk))
+    steps.update(plan_scale_shifts(graph, walk))
+    steps.update(plan_channel_shuffles(graph, walk))
+    return steps
+
+
+def plan_onednn_steps(graph: Graph, walk: _Walker | None = None) -> dict[str, FusedConv | FusedLinear]:
+    """The fused convolutions and linears alone (what the oneDNN knobs change)."""
+    walk = walk or _Walker(graph)
+    steps: dict[str, FusedConv | FusedLinear] = {}
+    steps.update(plan_fusions(graph, walk))
+    steps.update(plan_linears(graph, walk))
+    return steps
 
 
 def plan_channel_shuffles(graph: Graph, walk: _Walker | None = None) -> dict[str, ChannelShuffle]:
@@ -448,7 +474,7 @@ def plan_channel_shuffles(graph: Graph, walk: _Walker | None = None) -> dict[str
 
 def has_onednn_steps(graph: Graph) -> bool:
     """Whether the ``onednn`` knob changes anything for this graph."""
-    return any(isinstance(st, FusedConv | FusedLinear) for st in plan_steps(graph, onednn=True).values())
+    return bool(plan_onednn_steps(graph))
 
 
 def plan_linears(graph: Graph, walk: _Walker | None = None) -> dict[str, FusedLinear]:
@@ -529,7 +555,7 @@ def plan_fusions(graph: Graph, walk: _Walker | None = None) -> dict[str, FusedCo
     return out
 
 
-def _conv_args(conv: Node) -> tuple[list[int], list[int], list[int], int]:
+def conv_args(conv: Node) -> tuple[list[int], list[int], list[int], int]:
     attrs = conv.attrs
     assert isinstance(attrs, ConvAttrs)
     return list(attrs.pre_padding), list(attrs.stride), list(attrs.dilation), conv_groups(conv)
@@ -558,9 +584,9 @@ def pack_filter(conv: Node, w: Tensor) -> Tensor:
     if pre_pad is not None:  # the call sees the padded input
         for i, (a, b) in enumerate(zip(attrs.pre_padding, attrs.post_padding, strict=True)):
             shape[2 + i] += a + b
-    _, stride, dilation, groups = _conv_args(conv)
+    _, stride, dilation, groups = conv_args(conv)
     return torch._C._nn.mkldnn_reorder_conv2d_weight(w.contiguous().to_mkldnn(), pad, stride, dilation, groups, shape)
 
 
-__all__ = ["ChannelShuffle", "FusedConv", "FusedLinear", "ScaleShift", "Step", "Unary", "available", "conv_padding", "has_onednn_steps", "pack_filter", "plan_channel_shuffles", "plan_fusions", "plan_linears", "plan_scale_shifts",
+__all__ = ["ChannelShuffle", "FusedConv", "FusedLinear", "ScaleShift", "Step", "Unary", "available", "conv_args", "conv_padding", "has_onednn_steps", "pack_filter", "plan_channel_shuffles", "plan_fusions", "plan_linears", "plan_onednn_steps", "plan_scale_shifts",
            "plan_steps"]
