@@ -12,6 +12,7 @@ import pytest
 import fusegraph as fg
 from fusegraph import DataType as DT
 from fusegraph.engines.base import EngineConfig
+from fusegraph.errors import VariantPackError
 from fusegraph.onnx.importer import filter_strides
 from fusegraph.select.autotune import random_inputs
 
@@ -294,3 +295,11 @@ def test_filter_in_any_declared_layout(rng: np.random.Generator) -> None:
     pack = random_inputs(g, rng)
     got, ref = plan.execute(pack)["y"], g.execute(pack, engine="reference")["y"]
     assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < TOL
+
+
+def test_bound_constant_of_the_wrong_shape_is_refused_by_name(rng: np.random.Generator) -> None:
+    g = _graph("3x3", "NHWC", "relu")
+    plan = _eager(g)
+    with pytest.raises(VariantPackError, match="bound constant") as err:
+        plan.bind_constants({"w": np.zeros((3, 3), np.float32)})
+    assert err.value.tensor == "w"

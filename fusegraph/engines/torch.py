@@ -951,7 +951,7 @@ class TorchPlan(ExecutionPlan):
         self._torch = torch
         self.device = _torch_device(handle)
         self._ctx = _Ctx(graph, handle, config)
-        self._compiled = bool(config.get("compile", False))
+        self._compiled = self._ctx.compiled
         self._benchmark = bool(config.get("cudnn_benchmark", True))
         self._threads = int(config.get("threads", 0))
         self._cuda_graph = handle.device.is_gpu and not self._compiled and bool(config.get("cuda_graph", True))
