@@ -5,7 +5,8 @@ its weights frozen in, then partitioned, fused and compiled by oneDNN's graph co
 Why: in eager mode every oneDNN call pays ~20 us of framework overhead and reads and writes
 plain NHWC tensors; a compiled oneDNN Graph partition keeps activations in its own blocked
 layouts, fuses conv + bias + add + ReLU chains and pooling, and runs from C++. Hand-built
-ResNet-50, batch 1, f32, 2 cores: eager fused + prepacked 23.0 ms, oneDNN Graph 19.3 ms.
+ResNet-50 in an ad-hoc script, batch 1, f32, 2 cores: eager fused + prepacked 23.0 ms,
+oneDNN Graph 19.3 ms; through the ONNX provider, benchmarks/bench_onnx.py: docs/onnx.md.
 
 The bridge is old TorchScript machinery with gaps, so nothing is trusted blindly: a 2-D
 matmul is written as ``F.linear`` with a bias (a matmul followed by any elementwise op
