@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,3 +33,18 @@ def rng() -> np.random.Generator:
     seed = int.from_bytes(os.urandom(4), "little")
     print(f"rng seed {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="module")
+def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One compile cache per test module (modules that want it use ``iree_cache_dir``)."""
+    return tmp_path_factory.mktemp("iree-cache")
+
+
+@pytest.fixture
+def iree_cache_dir(monkeypatch: pytest.MonkeyPatch, shared_cache: Path) -> Path:
+    """The engines' cache pointed at the module's own directory, caching on, in-process compiler."""
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(shared_cache))
+    monkeypatch.delenv("FUSEGRAPH_CACHE", raising=False)
+    monkeypatch.delenv("FUSEGRAPH_IREE_COMPILER", raising=False)
+    return shared_cache

@@ -39,16 +39,9 @@ from _iree_fake_emit import FakeEmitted, fake_emit
 TOL = {DataType.FLOAT: 1e-5, DataType.HALF: 1e-2, DataType.BFLOAT16: 2e-2}
 
 
-@pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("iree-cache")
-
-
 @pytest.fixture(autouse=True)
-def _cache_dir(monkeypatch: pytest.MonkeyPatch, shared_cache: Path) -> None:
-    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(shared_cache))
-    monkeypatch.delenv("FUSEGRAPH_CACHE", raising=False)
-    monkeypatch.delenv("FUSEGRAPH_IREE_COMPILER", raising=False)
+def _cache_dir(iree_cache_dir: Path) -> None:
+    """Every test here on the module's own compile cache (conftest.iree_cache_dir)."""
 
 
 def assert_close(out: Any, ref: np.ndarray, dt: DataType) -> None:

@@ -23,15 +23,9 @@ from fusegraph.runtime.handle import Device, parse_device
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def shared_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("iree-cache")
-
-
 @pytest.fixture(autouse=True)
-def _cache_dir(monkeypatch: pytest.MonkeyPatch, shared_cache: Path) -> None:
-    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(shared_cache))
-    monkeypatch.delenv("FUSEGRAPH_CACHE", raising=False)
+def _cache_dir(iree_cache_dir: Path) -> None:
+    """Every test here on the module's own compile cache (conftest.iree_cache_dir)."""
 
 
 def rel_err(out: Any, ref: Any) -> float:
