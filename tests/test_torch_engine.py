@@ -526,3 +526,23 @@ def test_channel_shuffle_lands_in_declared_layout(out_layout: str, rng: np.rando
     got = seen["y"]
     assert isinstance(got, torch.Tensor)
     assert got.stride() == tuple(fg.strides_for([1, 12, 5, 6], out_layout))
+
+
+def test_host_inputs_in_another_layout_are_laid_out_by_torch(rng: np.random.Generator) -> None:
+    """The torch plan relayouts a NumPy input whose memory order differs from the declared
+    one (TorchPlan.relayouts_host_inputs), with the same result; engines that do not keep
+    refusing it by name."""
+    g = fg.Graph("cl", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    x = g.tensor("x", [2, 3, 5, 7], fg.strides_for([2, 3, 5, 7], "NHWC"))
+    g.relu(g.mul(x, g.tensor("s", [1, 3, 1, 1]))).set_output(True).set_name("y")
+    g.validate()
+    pack = random_inputs(g, rng)
+    nchw = np.ascontiguousarray(pack["x"])  # row-major, not the declared NHWC
+    assert not np.array_equal(np.array(nchw.strides), np.array(pack["x"].strides))
+    plan = torch_engine.TorchEngine().build(g, fg.Handle("cpu"))
+    assert plan.relayouts_host_inputs
+    want = g.execute(pack, engine="reference")["y"]
+    np.testing.assert_allclose(plan.execute({**pack, "x": nchw})["y"], want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(plan.execute({**pack, "x": nchw[..., ::-1].copy()[..., ::-1]})["y"], want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(VariantPackError, match="strides"):
+        g.execute({**pack, "x": nchw}, engine="reference")

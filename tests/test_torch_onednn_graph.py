@@ -159,3 +159,49 @@ def test_knob_off_and_graphs_without_convs(rng: np.random.Generator) -> None:
     m = fg.Graph("mm", io_data_type=DT.FLOAT)
     m.relu(m.matmul(m.tensor("a", [3, 4]), m.tensor("b", [4, 5]))).set_output(True)
     assert "onednn_graph" not in {k.name for k in ENGINE.knobs(m.validate(), CPU)}
+
+
+def test_bound_weights_may_be_left_out_of_the_pack(rng: np.random.Generator) -> None:
+    """bind_constants says the plan keeps them: a pack of the activations alone runs with
+    the bound weights, on the fused path."""
+    g = _net()
+    plan = ENGINE.build(g, CPU)
+    pack = random_inputs(g, rng)
+    assert plan.bind_constants({k: pack[k] for k in WEIGHTS}) is True
+    for _ in range(2):
+        x = random_inputs(g, rng)["x"]
+        want = g.execute({**pack, "x": x}, engine="reference")["y"]
+        assert _err(plan.execute({"x": x})["y"], want) < TOL
+    assert plan.describe()["onednn_graph"] is True
+
+
+def test_fused_results_are_fresh_arrays_the_caller_owns(rng: np.random.Generator) -> None:
+    """Results may be lent as views of the tensors computed, never of memory that a later
+    call, an input or a weight reuses: writing into one result changes nothing after."""
+    g = fg.Graph("two", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    x = g.tensor("x", [1, 4, 6, 6], fg.strides_for([1, 4, 6, 6], "NHWC"))
+    w = g.tensor("w", [4, 4, 1, 1], fg.strides_for([4, 4, 1, 1], "KRSC"))
+    b = g.tensor("b", [1, 4, 1, 1])
+    y = g.relu(g.bias(g.conv_fprop(x, w), b))
+    y.set_output(True).set_name("y")
+    g.identity(y).set_output(True).set_name("y2")
+    g.identity(x).set_output(True).set_name("x2")
+    g.validate()
+    plan = ENGINE.build(g, CPU)
+    pack = random_inputs(g, rng)
+    plan.bind_constants({"w": pack["w"], "b": pack["b"]})
+    want = g.execute(pack, engine="reference")
+    first = plan.execute({"x": pack["x"]})
+    assert plan.describe()["onednn_graph"] is True
+    for name in ("y", "y2", "x2"):
+        assert _err(first[name], want[name]) < TOL
+    assert not np.shares_memory(first["x2"], pack["x"])
+    assert not np.shares_memory(first["y"], first["y2"])
+    kept = {k: v.copy() for k, v in first.items()}
+    for v in first.values():
+        v[...] = np.nan
+    again = plan.execute({"x": pack["x"]})
+    for name, v in kept.items():
+        assert np.array_equal(again[name], v), name
+    assert not any(np.shares_memory(again[n], first[n]) for n in first)
+    assert np.isfinite(pack["w"]).all() and np.isfinite(pack["x"]).all()

@@ -76,6 +76,10 @@ class EngineConfig:
 class ExecutionPlan(abc.ABC):
     """A built, runnable graph for one engine, config and handle."""
 
+    # True when execute() takes host (NumPy) inputs in any memory order and lays them out
+    # as declared itself -- faster than a NumPy copy; else they must match the declared strides.
+    relayouts_host_inputs: bool = False
+
     def __init__(self, graph: Graph, handle: Handle, config: EngineConfig) -> None:
         self.graph = graph
         self.handle = handle
@@ -93,14 +97,18 @@ class ExecutionPlan(abc.ABC):
     def execute(self, variant_pack: Mapping[Any, Any]) -> dict[str, Any]:
         """Runs the graph; same contract as Graph.execute."""
 
-    def bind_constants(self, values: Mapping[Any, Any]) -> None:
+    def bind_constants(self, values: Mapping[Any, Any]) -> bool:
         """Declares inputs that keep these values -- the same objects, never written -- in
-        every later pack (a model's weights), so that the engine may transform them once:
+        every later call (a model's weights), so that the engine may transform them once:
         the torch engine reorders convolution filters into oneDNN's blocked layout here
-        instead of on every call. Callers still pass the values in each pack; a pack holding
-        a different object for one of them runs with that value, untransformed. The default
-        transforms nothing."""
-        return None
+        instead of on every call.
+
+        Returns whether the plan keeps them. If it does, later packs may leave them out
+        (saving the caller a pass over every weight per call; they run with the bound
+        value), and a pack holding a different object for one of them runs with that value,
+        untransformed. If not (the default, which transforms nothing), callers pass them in
+        every pack as before."""
+        return False
 
     def serialize(self) -> bytes | None:
         """Bytes that rebuild this plan elsewhere (None when the engine cannot)."""

@@ -133,6 +133,15 @@ def to_numpy_into(src: Tensor, dst: np.ndarray, dt: DataType) -> None:
 _DLPACK_DEVICE = {"cpu": 1, "cuda": 2, "hip": 10}
 
 
+_NO_FLAGS = contextlib.nullcontext()
+
+
+def _strides_match(t: TensorAttr, strides: Sequence[int]) -> bool:
+    """Whether a value with these element strides is laid out as ``t`` declares (axes of
+    length one may have any stride)."""
+    return all(d <= 1 or a == b for d, a, b in zip(t.shape, strides, t.strides, strict=True))
+
+
 def _is_buffer(value: Any) -> bool:
     cls = type(value)
     return cls.__name__ == "Buffer" and cls.__module__ == "fusegraph.runtime.buffer"
@@ -945,6 +954,8 @@ def _graph_function(
 class TorchPlan(ExecutionPlan):
     """A graph as one PyTorch function (eager, or compiled once per plan)."""
 
+    relayouts_host_inputs = True  # torch's threaded copy (NCHW -> NHWC: ~5x NumPy's)
+
     def __init__(self, graph: Graph, handle: Handle, config: EngineConfig) -> None:
         super().__init__(graph, handle, config)
         torch = _torch()
@@ -954,6 +965,7 @@ class TorchPlan(ExecutionPlan):
         self._compiled = self._ctx.compiled
         self._benchmark = bool(config.get("cudnn_benchmark", True))
         self._threads = int(config.get("threads", 0))
+        self._has_flags = handle.device.is_gpu or bool(self._threads)  # else _flags() sets nothing
         self._cuda_graph = handle.device.is_gpu and not self._compiled and bool(config.get("cuda_graph", True))
         self._llga_on = (
             not handle.device.is_gpu
@@ -964,6 +976,7 @@ class TorchPlan(ExecutionPlan):
         )
         self._llga: Any = None  # the frozen, fused function, once built
         self._llga_bound: Any = None  # the bindings it was traced with
+        self._llga_fresh: frozenset[str] = frozenset()  # its outputs allocated anew on every call
         self._dense: dict[str, Tensor] = {}  # bound inputs before any oneDNN reordering
         self._graph: tuple[Any, dict[str, Tensor], dict[str, Tensor]] | None = None
         self._graph_bound: Any = None  # the bindings the graph was captured with
@@ -971,6 +984,7 @@ class TorchPlan(ExecutionPlan):
             {} if self._compiled else torch_fusion.plan_steps(graph, onednn=self._ctx.onednn)
         )
         self._bound: dict[str, tuple[Any, Tensor]] = {}  # bound input -> (its value, torch form)
+        self._bound_src: dict[str, Any] = {}  # bound input -> its value as bound
         fn = _graph_function(graph, self._ctx, self.device, self.fusions)
         if self._compiled:
             fn = torch.compile(fn, dynamic=False)
@@ -978,6 +992,10 @@ class TorchPlan(ExecutionPlan):
         self._inputs = graph.inputs()
         self._outputs = graph.outputs()
         self._in_by_name = {t.name: t for t in self._inputs}
+        self._acts = list(self._inputs)  # the inputs not bound (all, until bind_constants)
+        self._act_names = [t.name for t in self._acts]
+        self._bound_buffers, self._bound_host = False, True
+        self._bound_memory: set[int] = set()  # addresses of the bound constants' memory
         self._out_names = [t.name for t in self._outputs]
         self._out_by_name = {t.name: t for t in self._outputs}
         if self._compiled:
@@ -1060,19 +1078,21 @@ class TorchPlan(ExecutionPlan):
             except Exception as exc:
                 raise VariantPackError(f"{what}: DLPack import into torch failed: {exc}", tensor=t.name) from exc
             return self._check(t, imported, what=what)
-        return check_array(t, value, what=what)
+        return check_array(t, value, what=what, strides=what == "output")
 
     def _to_device(self, t: TensorAttr, value: Any) -> Tensor:
         if isinstance(value, np.ndarray):
             x = from_numpy(value, t.dtype)
+            if not _strides_match(t, x.stride()):  # laid out by torch (threaded), not by NumPy
+                return self._torch.empty_strided(t.shape, t.strides, dtype=x.dtype, device=self.device).copy_(x)
             return x.to(self.device, non_blocking=False) if self.device.type != "cpu" else x
         if _is_buffer(value):
             return buffer_to_torch(value, t)
         return value
 
-    def bind_constants(self, values: Mapping[Any, Any]) -> None:
-        """Keeps a torch view of each bound input, so later calls skip checking and wrapping
-        it, and -- unless the oneDNN Graph path will take the plan over -- reorders the
+    def bind_constants(self, values: Mapping[Any, Any]) -> bool:
+        """Keeps a torch view of each bound input, so later calls may omit it and skip checking
+        and wrapping it, and -- unless the oneDNN Graph path will take the plan over -- reorders the
         filter of each fused convolution (read by it alone) into oneDNN's blocked layout
         once. See ExecutionPlan.bind_constants."""
         named = {(k.name if isinstance(k, TensorAttr) else str(k)): v for k, v in values.items()}
@@ -1084,8 +1104,17 @@ class TorchPlan(ExecutionPlan):
                     bound[t.name] = (src, self._to_device(t, src))
         self._dense = {name: value for name, (_, value) in bound.items()}
         self._bound = bound
+        self._bound_src = {name: src for name, (src, _) in bound.items()}
+        self._acts = [t for t in self._inputs if t.name not in bound]
+        self._act_names = [t.name for t in self._acts]
+        self._bound_buffers = any(_is_buffer(src) for src in self._bound_src.values())
+        self._bound_host = all(isinstance(src, np.ndarray) for src in self._bound_src.values())
+        self._bound_memory = {
+            v.untyped_storage().data_ptr() for _, v in bound.values() if v.device.type == "cpu"
+        } | {v.__array_interface__["data"][0] for v in self._bound_src.values() if isinstance(v, np.ndarray)}
         if not self._llga_on:
             self._prepack()
+        return True
 
     def _prepack(self) -> None:
         """Bound conv filters in oneDNN's blocked layout, for the eager fused path."""
@@ -1109,9 +1138,10 @@ class TorchPlan(ExecutionPlan):
         passed as the very object bound); any irregular pack goes to resolve_pack, which
         raises the precise error."""
         if not isinstance(variant_pack, Mapping):
-            return resolve_pack(self.graph, variant_pack, check=self._check)
+            return self._resolve_slowly(variant_pack)
         inputs: dict[str, Any] = {}
         outputs: dict[str, Any] = {}
+        overridden = False
         ins, outs, bound = self._in_by_name, self._out_by_name, self._bound
         for key, value in variant_pack.items():
             if type(key) is str:
@@ -1119,22 +1149,37 @@ class TorchPlan(ExecutionPlan):
             elif isinstance(key, TensorAttr) and key.graph is self.graph:
                 name = key.name
             else:
-                return resolve_pack(self.graph, variant_pack, check=self._check)
+                return self._resolve_slowly(variant_pack)
             t = ins.get(name)
             if t is not None:
                 b = bound.get(name)
-                inputs[name] = value if b is not None and value is b[0] else self._check(t, value, what="input")
+                if b is not None and value is b[0]:
+                    inputs[name] = value
+                else:
+                    inputs[name] = self._check(t, value, what="input")
+                    overridden = overridden or b is not None
                 continue
             t = outs.get(name)
             if t is None or name in outputs:
-                return resolve_pack(self.graph, variant_pack, check=self._check)
+                return self._resolve_slowly(variant_pack)
             arr = self._check(t, value, what="output")
             if isinstance(arr, np.ndarray) and not arr.flags.writeable:
                 raise VariantPackError("output array is read-only", tensor=t.name)
             outputs[name] = arr
         if len(inputs) != len(ins):
-            return resolve_pack(self.graph, variant_pack, check=self._check)
-        return ResolvedPack(inputs, outputs)
+            inputs = {**self._bound_src, **inputs}  # bound inputs the caller left out
+            if len(inputs) != len(ins):
+                return self._resolve_slowly(variant_pack)
+        return ResolvedPack(inputs, outputs, overridden)
+
+    def _resolve_slowly(self, variant_pack: Any) -> ResolvedPack:
+        """resolve_pack, with bound inputs filled in where left out: it raises the precise error."""
+        if isinstance(variant_pack, Mapping) and self._bound_src:
+            named = {k.name if isinstance(k, TensorAttr) else k for k in variant_pack}
+            variant_pack = {**{n: v for n, v in self._bound_src.items() if n not in named}, **variant_pack}
+        pack = resolve_pack(self.graph, variant_pack, check=self._check)
+        pack.overridden = any(pack.inputs[n] is not src for n, src in self._bound_src.items())
+        return pack
 
     def _inputs_of(self, pack: Any) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
@@ -1159,15 +1204,21 @@ class TorchPlan(ExecutionPlan):
         Buffers if any input was one, as NumPy arrays if every input was, else as tensors."""
         torch = self._torch
         pack = self._resolve(variant_pack)
-        values = pack.inputs.values()
-        as_buffers = any(_is_buffer(v) for v in values)
-        host_io = not as_buffers and all(isinstance(v, np.ndarray) for v in values)
+        if pack.overridden:
+            values: Any = pack.inputs.values()
+            as_buffers = any(_is_buffer(v) for v in values)
+            host_io = not as_buffers and all(isinstance(v, np.ndarray) for v in values)
+        else:  # the bound inputs' kinds are known since bind_constants
+            acts = [pack.inputs[n] for n in self._act_names]
+            as_buffers = self._bound_buffers or any(_is_buffer(v) for v in acts)
+            host_io = not as_buffers and self._bound_host and all(isinstance(v, np.ndarray) for v in acts)
         try:
-            with torch.inference_mode(), self._flags():
+            with torch.inference_mode(), (self._flags() if self._has_flags else _NO_FLAGS):
                 results = self._replay(pack) if self._cuda_graph else None
                 replayed = results is not None
                 if results is None and self._llga_on and self._bound:  # worth compiling once weights are fixed
                     results = self._run_llga(pack)
+                fused = results is not None and not replayed
                 if results is None:
                     results = self._fn(self._inputs_of(pack))
         except Exception as exc:
@@ -1175,6 +1226,10 @@ class TorchPlan(ExecutionPlan):
         if replayed and not host_io:  # the graph's static outputs are overwritten by the next replay
             results = {k: v.clone() for k, v in results.items()}
         out: dict[str, Any] = {}
+        # Host results of the oneDNN Graph function may be lent as NumPy views of the tensors
+        # it computed (not copied): those it allocates afresh on every call (_llga_fresh), on
+        # memory no input, constant or other output shares.
+        taken = self._held_memory(pack) if fused and host_io else None
         for t in self._outputs:
             value = results[t.name]
             given = pack.outputs.get(t.name)
@@ -1188,20 +1243,48 @@ class TorchPlan(ExecutionPlan):
             elif as_buffers:
                 out[t.name] = torch_to_buffer(value, t, self.handle)
             elif host_io:
-                arr = layout.empty_strided(t.shape, t.strides, t.dtype.numpy)
-                to_numpy_into(value, arr, t.dtype)
+                lent = taken is not None and t.name in self._llga_fresh and self._lendable(value, t, taken)
+                arr = value.numpy() if lent else layout.empty_strided(t.shape, t.strides, t.dtype.numpy)
+                if not lent:
+                    to_numpy_into(value, arr, t.dtype)
                 out[t.name] = arr
             else:
                 out[t.name] = value
         return out
 
-    def _bound_as_given(self, pack: Any) -> bool:
-        """Whether every bound input arrives as the very object bound (else the call runs
-        eagerly on what it was given: a captured or traced plan holds the bound values)."""
-        return all(pack.inputs[name] is src for name, (src, _) in self._bound.items())
+    def _held_memory(self, pack: ResolvedPack) -> set[int]:
+        """Addresses of the memory a result must not be lent over: the host inputs' and the
+        bound constants' (both forms)."""
+        held = set(self._bound_memory)
+        for name in self._act_names:
+            v = pack.inputs[name]
+            if isinstance(v, np.ndarray):
+                held.add(v.__array_interface__["data"][0])
+        if pack.overridden:
+            held.update(v.__array_interface__["data"][0] for v in pack.inputs.values() if isinstance(v, np.ndarray))
+        return held
+
+    @staticmethod
+    def _lendable(value: Any, t: TensorAttr, taken: set[int]) -> bool:
+        """Whether ``value`` may go out as a NumPy view: a CPU tensor laid out as ``t``
+        declares, NumPy-typed, on memory no input, constant or other output holds."""
+        if value.device.type != "cpu" or t.dtype in _VIEW_AS or not _strides_match(t, value.stride()):
+            return False
+        base = value.untyped_storage().data_ptr()
+        if base in taken:
+            return False
+        taken.add(base)
+        return True
+
+    @staticmethod
+    def _bound_as_given(pack: ResolvedPack) -> bool:
+        """Whether every bound input arrives as the very object bound, or is left out (else
+        the call runs eagerly on what it was given: a captured or traced plan holds the
+        bound values)."""
+        return not pack.overridden
 
     def _activations(self) -> list[TensorAttr]:
-        return [t for t in self._inputs if t.name not in self._bound]
+        return self._acts
 
     # -- oneDNN Graph (CPU) -----------------------------------------------------------------
     def _run_llga(self, pack: Any) -> dict[str, Tensor] | None:
@@ -1259,12 +1342,17 @@ class TorchPlan(ExecutionPlan):
                     acts,
                 )
                 got = fn(*values)
+                again = fn(*values)  # with ``got`` alive: a result at the same address is not fresh
+                fresh = {
+                    name for name, a, b in zip(self._out_names, got, again, strict=True)
+                    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+                }
                 eager = self._fn(self._inputs_of(pack))
             why = torch_onednn_graph.agrees(got, [eager[n] for n in self._out_names])
         except Exception as exc:  # the bridge's gaps: an op it cannot take, a failed fused run
             why = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         if not why:
-            self._llga, self._llga_bound = fn, self._bound
+            self._llga, self._llga_bound, self._llga_fresh = fn, self._bound, frozenset(fresh)
         return why
 
     # -- CUDA graphs ------------------------------------------------------------------------

@@ -184,7 +184,7 @@ class Importer:
             if not dims or 0 in dims:
                 raise Unmappable(f"{self.op}: input '{name}' has dims {list(dims)} (rank-0 or empty tensors stay on ONNX Runtime)")
             # Activations entering a channels-last partition are NHWC whoever reads them first.
-            if role == "plain" and len(dims) in (4, 5):
+            if role == "plain" and len(dims) in (4, 5) and not __import__("os").environ.get("FG_NCHW_IN"):
                 role = "act"
             t = self.g.tensor(self._unique(name), dims, self._strides(dims, role), dt)
             self.inputs[name] = t

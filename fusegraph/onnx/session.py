@@ -145,6 +145,14 @@ class InferenceSession:
             if i.name not in inits
         ]
         self._input_types = {i.name: i.type for i in self._model.graph.input if i.name not in inits}
+        # Per input, the NumPy dtype a tensor must have (None: not a tensor, passed as is).
+        self._input_dtypes: dict[str, np.dtype[Any] | None] = {
+            name: np.dtype(helper.tensor_dtype_to_np_dtype(t.tensor_type.elem_type))
+            if t.WhichOneof("value") == "tensor_type" else None
+            for name, t in self._input_types.items()
+        }
+        self._output_names = [o.name for o in self._model.graph.output]
+        self._output_set = frozenset(self._output_names)
         self._plans: dict[tuple[Any, ...], SessionPlan] = {}
         self._last: SessionPlan | None = None
         self.last_peak: PeakMemory | None = None
@@ -202,11 +210,10 @@ class InferenceSession:
     ) -> list[Any]:
         """Outputs in the order asked (all of them for None), as NumPy arrays."""
         feed = self._check_feed(input_feed)
-        all_outs = [o.name for o in self._model.graph.output]
-        wanted = list(output_names) if output_names else all_outs
+        wanted = list(output_names) if output_names else self._output_names
         for name in wanted:
-            if name not in all_outs:
-                raise VariantPackError(f"not an output of the model (outputs: {all_outs})", tensor=name)
+            if name not in self._output_set:
+                raise VariantPackError(f"not an output of the model (outputs: {self._output_names})", tensor=name)
         plan = self._plan_for({k: tuple(np.shape(v)) for k, v in feed.items() if isinstance(v, np.ndarray)})
         if not self.measure_memory:
             return plan.run(feed, wanted)
@@ -251,16 +258,15 @@ class InferenceSession:
             raise VariantPackError(f"input_feed must be a dict of name -> array, got {type(input_feed).__name__}")
         feed: dict[str, Any] = {}
         for name, value in input_feed.items():
-            if name not in self._input_types:
+            if name not in self._input_dtypes:
                 raise VariantPackError(
                     f"not an input of the model (inputs: {[i.name for i in self._inputs]})", tensor=name
                 )
-            t = self._input_types[name]
-            if t.WhichOneof("value") != "tensor_type":
+            want = self._input_dtypes[name]
+            if want is None:
                 feed[name] = value
                 continue
             arr = np.asarray(value)
-            want = helper.tensor_dtype_to_np_dtype(t.tensor_type.elem_type)
             if arr.dtype != want:
                 raise VariantPackError(f"has dtype {arr.dtype}, the model expects {np.dtype(want)}", tensor=name)
             declared = self._signature.get(name)

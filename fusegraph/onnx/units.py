@@ -109,6 +109,9 @@ class FusegraphUnit:
         self.fusions: dict[str, int] = {}
         self.filter_layout = ""
         self._buffers = False
+        self._kept = False  # the plan keeps the bound weights: packs leave them out
+        self._relayouts = False  # the plan lays host inputs out itself
+        self._ran = False  # the plan has run once (lazy compiles, e.g. oneDNN Graph's, are done)
 
     @property
     def engine_name(self) -> str:
@@ -148,9 +151,10 @@ class FusegraphUnit:
                 for name, arr in self.weights.items()
             }
             self._buffers = True
+        self._ran = False
         bind = getattr(self.plan, "bind_constants", None)
-        if bind is not None:
-            bind(self.weights)
+        self._kept = bool(bind(self.weights)) if bind is not None else False
+        self._relayouts = bool(getattr(self.plan, "relayouts_host_inputs", False))
 
     def _autotune(self, budget_s: float) -> Any:
         rng = np.random.default_rng(0)
@@ -171,11 +175,15 @@ class FusegraphUnit:
     def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
         if self.plan is None:
             self.build()
-        pack: dict[str, Any] = dict(self.weights)
+        pack: dict[str, Any] = {} if self._kept else dict(self.weights)  # a plan keeping them needs them once
         for onnx_name, t in self._in.items():
-            pack[t.name] = _conform(values[onnx_name], t, self._buffers)
-        with engine_cache(self.cache_dir):
+            pack[t.name] = _conform(values[onnx_name], t, self._buffers, self._relayouts)
+        if self._ran:  # built and run once: nothing left to compile or cache
             res = self.plan.execute(pack)
+        else:
+            with engine_cache(self.cache_dir):
+                res = self.plan.execute(pack)
+            self._ran = True
         return {o: res[tname] for o, tname in self._out.items()}
 
 
@@ -197,9 +205,10 @@ def engine_cache(cache_dir: str | None) -> Iterator[None]:
             os.environ[CACHE_DIR_ENV] = old
 
 
-def _conform(value: Any, t: TensorAttr, buffers: bool) -> Any:
+def _conform(value: Any, t: TensorAttr, buffers: bool, relayouts: bool = False) -> Any:
     """The value as the plan takes it: a device Buffer laid out as ``t`` declares (passed
-    as is), or a host array with ``t``'s strides (copied only when the order differs)."""
+    as is), or a host array with ``t``'s strides (copied only when the order differs), or
+    in any order when the plan ``relayouts`` host arrays itself (faster than NumPy's copy)."""
     if buffers and hasattr(value, "layout_mismatch") and value.layout_mismatch(t.shape, t.strides, t.dtype) is None:
         return value
     value = to_host(value)
@@ -207,7 +216,7 @@ def _conform(value: Any, t: TensorAttr, buffers: bool) -> Any:
         value = np.asarray(value)
     if value.dtype != t.dtype.numpy:
         value = value.astype(t.dtype.numpy)
-    return with_strides(value, t.strides)
+    return value if relayouts else with_strides(value, t.strides)
 
 
 def _value_info(og: OnnxGraph, name: str, array: Any = None) -> onnx.ValueInfoProto | None:

@@ -22,6 +22,7 @@ from fusegraph.graph.tensor import TensorAttr
 class ResolvedPack:
     inputs: dict[str, Any]  # graph input name -> array (or device buffer)
     outputs: dict[str, Any]  # output name -> caller's array to write, when given
+    overridden: bool = False  # a bound constant (ExecutionPlan.bind_constants) came as another object
 
 
 def _key_name(graph: Any, key: Any) -> TensorAttr:
@@ -37,7 +38,9 @@ def _key_name(graph: Any, key: Any) -> TensorAttr:
     raise VariantPackError(f"variant pack keys must be TensorAttr or names, got {type(key).__name__}")
 
 
-def check_array(t: TensorAttr, value: Any, *, what: str) -> np.ndarray:
+def check_array(t: TensorAttr, value: Any, *, what: str, strides: bool = True) -> np.ndarray:
+    """``value`` as a NumPy array matching ``t``; ``strides=False`` accepts any memory order
+    (for an engine that lays host arrays out itself)."""
     arr: np.ndarray
     if isinstance(value, np.ndarray):
         arr = value
@@ -51,13 +54,13 @@ def check_array(t: TensorAttr, value: Any, *, what: str) -> np.ndarray:
         raise VariantPackError(f"{what} has shape {list(arr.shape)}, expected dims {t.dim}", tensor=t.name)
     if arr.dtype != t.dtype.numpy:
         raise VariantPackError(f"{what} has dtype {arr.dtype}, expected {t.dtype.name} ({t.dtype.numpy})", tensor=t.name)
-    strides = layout.element_strides(arr.shape, arr.strides, arr.itemsize)
-    bad = strides is None or any(
-        d > 1 and s != e for d, s, e in zip(t.shape, strides, t.strides, strict=True)
-    )
+    have = layout.element_strides(arr.shape, arr.strides, arr.itemsize)
+    if not strides:  # what the engine can view as is (torch takes no negative strides), else a copy
+        return arr if have is not None and min(have, default=0) >= 0 else np.ascontiguousarray(arr)
+    bad = have is None or any(d > 1 and s != e for d, s, e in zip(t.shape, have, t.strides, strict=True))
     if bad:
         raise VariantPackError(
-            f"{what} has element strides {list(strides) if strides else arr.strides}, but the tensor "
+            f"{what} has element strides {list(have) if have else arr.strides}, but the tensor "
             f"declares strides {t.stride}; pass an array in that layout (e.g. np.ascontiguousarray "
             "of the permuted data, viewed back with .transpose) or declare its strides",
             tensor=t.name,
