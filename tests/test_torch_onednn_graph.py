@@ -20,6 +20,7 @@ from fusegraph.select.autotune import random_inputs
 torch = pytest.importorskip("torch", reason="the torch engine needs PyTorch (pip install 'fusegraph[torch]')")
 
 from fusegraph.engines import torch as torch_engine  # noqa: E402
+from fusegraph.engines import torch_fusion  # noqa: E402
 from fusegraph.engines import torch_onednn_graph as ong  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ong.available(), reason="this torch build has no oneDNN Graph bridge")
@@ -205,3 +206,39 @@ def test_fused_results_are_fresh_arrays_the_caller_owns(rng: np.random.Generator
         assert np.array_equal(again[name], v), name
     assert not any(np.shares_memory(again[n], first[n]) for n in first)
     assert np.isfinite(pack["w"]).all() and np.isfinite(pack["x"]).all()
+
+
+def test_traced_channel_shuffle_keeps_channels_last(rng: np.random.Generator) -> None:
+    """conv -> channel shuffle -> conv, traced: the shuffle is one torch.channel_shuffle
+    whose result stays NHWC (a row-major reshape copy would make every later oneDNN
+    partition reorder its input and output), and the result matches the reference."""
+    g = fg.Graph("shuffled", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    nhwc = lambda dims: fg.strides_for(dims, "NHWC")  # noqa: E731
+    x = g.tensor("x", [1, 12, 5, 5], nhwc([1, 12, 5, 5]))
+    w1 = g.tensor("w1", [12, 4, 1, 1], fg.strides_for([12, 4, 1, 1], "KRSC"))
+    b1 = g.tensor("b1", [1, 12, 1, 1])
+    h = g.relu(g.bias(g.conv_fprop(x, w1), b1))
+    h.set_stride(list(nhwc([1, 12, 5, 5])))
+    t5 = g.transpose(g.reshape(h, [1, 3, 4, 5, 5]), [0, 2, 1, 3, 4])
+    s = g.reshape(t5, [1, 12, 5, 5])
+    s.set_stride(list(nhwc([1, 12, 5, 5])))
+    w2 = g.tensor("w2", [12, 4, 1, 1], fg.strides_for([12, 4, 1, 1], "KRSC"))
+    b2 = g.tensor("b2", [1, 12, 1, 1])
+    g.relu(g.bias(g.conv_fprop(s, w2), b2)).set_output(True).set_name("y")
+    g.validate()
+    assert "channel_shuffle(g=3)" in [st.describe() for st in torch_fusion.plan_traced_steps(g).values()]
+    plan = ENGINE.build(g, CPU)
+    pack = random_inputs(g, rng)
+    plan.bind_constants({k: pack[k] for k in ("w1", "b1", "w2", "b2")})
+    assert _err(plan.execute(pack)["y"], g.execute(pack, engine="reference")["y"]) < TOL
+    assert plan.describe()["onednn_graph"] is True
+
+
+def test_as_declared_restores_the_declared_memory_format() -> None:
+    t = fg.Graph("t").tensor("t", [2, 3, 4, 5], fg.strides_for([2, 3, 4, 5], "NHWC"))
+    y = torch_fusion.as_declared(torch.randn(2, 3, 4, 5), t)
+    assert y.is_contiguous(memory_format=torch.channels_last)
+    rm = fg.Graph("r").tensor("r", [2, 3, 4, 5])
+    assert torch_fusion.as_declared(y, rm).is_contiguous()
+    odd = fg.Graph("o").tensor("o", [2, 3, 4, 5], (60, 1, 3, 12))  # neither format: left as is
+    assert torch_fusion.as_declared(y, odd) is y

@@ -827,7 +827,7 @@ def _lower_reshape(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, T
     partition would then run on NCHW from a channel shuffle onwards)."""
     x, y = ins["x"], node.outputs["y"]
     if ctx.functional:  # traced for oneDNN Graph: no in-place copies into views
-        return {"y": x.reshape(y.shape)}
+        return {"y": torch_fusion.as_declared(x.reshape(y.shape), y)}
     try:
         return {"y": x.view(y.shape)}
     except RuntimeError:
@@ -1335,7 +1335,7 @@ class TorchPlan(ExecutionPlan):
                 fn = torch_onednn_graph.trace(
                     self.graph,
                     lambda n: _node_thunk(ctx, n),
-                    torch_fusion.plan_onednn_steps(self.graph),
+                    torch_fusion.plan_traced_steps(self.graph),
                     self._dense,
                     scalars,
                     values,

@@ -253,6 +253,24 @@ class ChannelShuffle(_RunStep):
 Step = FusedConv | ScaleShift | FusedLinear | ChannelShuffle
 
 
+def as_declared(y: Tensor, t: TensorAttr) -> Tensor:
+    """``y`` in ``t``'s declared layout when that is a torch memory format (row-major,
+    channels-last), without writing into a view: the functional form, for traced plans. A
+    traced op that loses the layout (a reshape's copy is row-major) would otherwise run the
+    rest of a channels-last partition on NCHW, paying two reorders per oneDNN partition."""
+    torch = _torch()
+    if _strides_equal(y, t):
+        return y
+    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(t.shape))
+    if fmt is not None and _strides_equal(y.contiguous(memory_format=fmt), t):
+        return y.contiguous(memory_format=fmt)
+    return y.contiguous() if _strides_equal(y.contiguous(), t) else y
+
+
+def _strides_equal(y: Tensor, t: TensorAttr) -> bool:
+    return all(d <= 1 or a == b for d, a, b in zip(t.shape, y.stride(), t.strides, strict=True))
+
+
 
 
 def available() -> bool:
@@ -440,6 +458,16 @@ def plan_onednn_steps(graph: Graph, walk: _Walker | None = None) -> dict[str, Fu
     return steps
 
 
+def plan_traced_steps(graph: Graph) -> dict[str, FusedConv | FusedLinear | ChannelShuffle]:
+    """What a traced (oneDNN Graph) plan runs as one step: the fused convolutions and linears,
+    and channel shuffles (one layout-keeping aten op between partitions, not three)."""
+    walk = _Walker(graph)
+    steps: dict[str, FusedConv | FusedLinear | ChannelShuffle] = {}
+    steps.update(plan_onednn_steps(graph, walk))
+    steps.update(plan_channel_shuffles(graph, walk))
+    return steps
+
+
 def plan_channel_shuffles(graph: Graph, walk: _Walker | None = None) -> dict[str, ChannelShuffle]:
     """reshape -> transpose(0, 2, 1, ...) -> reshape chains that are channel shuffles."""
     walk = walk or _Walker(graph)
@@ -588,5 +616,24 @@ def pack_filter(conv: Node, w: Tensor) -> Tensor:
     return torch._C._nn.mkldnn_reorder_conv2d_weight(w.contiguous().to_mkldnn(), pad, stride, dilation, groups, shape)
 
 
-__all__ = ["ChannelShuffle", "FusedConv", "FusedLinear", "ScaleShift", "Step", "Unary", "available", "conv_args", "conv_padding", "has_onednn_steps", "pack_filter", "plan_channel_shuffles", "plan_fusions", "plan_linears", "plan_onednn_steps", "plan_scale_shifts",
-           "plan_steps"]
+__all__ = [
+    "ChannelShuffle",
+    "FusedConv",
+    "FusedLinear",
+    "ScaleShift",
+    "Step",
+    "Unary",
+    "as_declared",
+    "available",
+    "conv_args",
+    "conv_padding",
+    "has_onednn_steps",
+    "pack_filter",
+    "plan_channel_shuffles",
+    "plan_fusions",
+    "plan_linears",
+    "plan_onednn_steps",
+    "plan_scale_shifts",
+    "plan_steps",
+    "plan_traced_steps",
+]

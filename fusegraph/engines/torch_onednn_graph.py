@@ -35,7 +35,15 @@ from typing import Any
 import numpy as np
 
 from fusegraph.engines import torch_fusion
-from fusegraph.engines.torch_fusion import FusedConv, FusedLinear, Unary, conv_args, conv_padding
+from fusegraph.engines.torch_fusion import (
+    ChannelShuffle,
+    FusedConv,
+    FusedLinear,
+    Unary,
+    as_declared,
+    conv_args,
+    conv_padding,
+)
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.tensor import TensorAttr
@@ -96,6 +104,18 @@ def _linear_step(fl: FusedLinear) -> Step:
     return step
 
 
+def _shuffle_step(cs: ChannelShuffle) -> Step:
+    """torch.channel_shuffle keeps its input's memory format (channels-last stays so)."""
+    import torch
+
+    x_name, groups, out = cs.x.name, cs.groups, cs.out
+
+    def step(env: dict[str, Tensor]) -> None:
+        env[out.name] = as_declared(torch.channel_shuffle(env[x_name], groups), out)
+
+    return step
+
+
 def _conv_step(fc: FusedConv) -> Step:
     """conv (+ bias) (+ activation | + residual (+ ReLU)) as F.conv2d with its bias, then
     the epilogue in aten ops: the form the bridge fuses into one partition."""
@@ -128,7 +148,7 @@ def _conv_step(fc: FusedConv) -> Step:
 def trace(
     graph: Graph,
     node_step: Callable[[Node], Step],
-    fused: Mapping[str, FusedConv | FusedLinear],
+    fused: Mapping[str, FusedConv | FusedLinear | ChannelShuffle],
     constants: Mapping[str, Tensor],
     scalars: Mapping[str, Tensor],
     example: Sequence[Tensor],
@@ -148,6 +168,8 @@ def trace(
             steps.append(node_step(n))
         elif isinstance(fl, FusedLinear):
             steps.append(_linear_step(fl))
+        elif isinstance(fl, ChannelShuffle):
+            steps.append(_shuffle_step(fl))
         else:
             steps.append(_conv_step(fl))
     act_names = [t.name for t in activations]
@@ -194,7 +216,7 @@ def agrees(got: Sequence[Tensor], want: Sequence[Tensor], tol: float = 1e-4) -> 
 
 # ---- the crash-isolated probe ------------------------------------------------------------------
 VERDICTS = "onednn-graph-verdicts.json"
-RECIPE = 3  # how a plan is written for the bridge; part of the verdict key (bump on change)
+RECIPE = 4  # how a plan is written for the bridge; part of the verdict key (bump on change)
 PROBE_TIMEOUT_S = 300.0
 _LOCK = threading.Lock()
 
