@@ -303,3 +303,11 @@ def test_bound_constant_of_the_wrong_shape_is_refused_by_name(rng: np.random.Gen
     with pytest.raises(VariantPackError, match="bound constant") as err:
         plan.bind_constants({"w": np.zeros((3, 3), np.float32)})
     assert err.value.tensor == "w"
+
+
+def test_binding_a_name_the_graph_does_not_read_is_refused(rng: np.random.Generator) -> None:
+    g = fg.Graph("b", io_data_type=DT.FLOAT)
+    g.relu(g.tensor("x", [2, 3])).set_output(True).set_name("y")
+    plan = _eager(g.validate())
+    with pytest.raises(VariantPackError, match=r"'nope'.*not an input"):
+        plan.bind_constants({"nope": rng.standard_normal((2, 3)).astype(np.float32)})

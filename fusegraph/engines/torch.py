@@ -1096,6 +1096,9 @@ class TorchPlan(ExecutionPlan):
         filter of each fused convolution (read by it alone) into oneDNN's blocked layout
         once. See ExecutionPlan.bind_constants."""
         named = {(k.name if isinstance(k, TensorAttr) else str(k)): v for k, v in values.items()}
+        for name in named:
+            if name not in self._in_by_name:
+                raise VariantPackError("bound constant is not an input of the graph (nothing would read it)", tensor=name)
         bound: dict[str, tuple[Any, Tensor]] = {}
         with self._torch.inference_mode():
             for t in self._inputs:
