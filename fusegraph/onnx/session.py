@@ -144,12 +144,12 @@ class InferenceSession:
             for i in self._model.graph.input
             if i.name not in inits
         ]
-        self._input_types = {i.name: i.type for i in self._model.graph.input if i.name not in inits}
+        input_types = {i.name: i.type for i in self._model.graph.input if i.name not in inits}
         # Per input, the NumPy dtype a tensor must have (None: not a tensor, passed as is).
         self._input_dtypes: dict[str, np.dtype[Any] | None] = {
             name: np.dtype(helper.tensor_dtype_to_np_dtype(t.tensor_type.elem_type))
             if t.WhichOneof("value") == "tensor_type" else None
-            for name, t in self._input_types.items()
+            for name, t in input_types.items()
         }
         self._output_names = [o.name for o in self._model.graph.output]
         self._output_set = frozenset(self._output_names)
