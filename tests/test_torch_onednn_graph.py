@@ -242,3 +242,30 @@ def test_as_declared_restores_the_declared_memory_format() -> None:
     assert torch_fusion.as_declared(y, rm).is_contiguous()
     odd = fg.Graph("o").tensor("o", [2, 3, 4, 5], (60, 1, 3, 12))  # neither format: left as is
     assert torch_fusion.as_declared(y, odd) is y
+
+
+def test_the_lean_call_path_agrees_with_the_general_one(rng: np.random.Generator) -> None:
+    """Activations alone, as NumPy (the ONNX provider's call) take a lean path once the
+    traced function exists; anything else -- another layout, a read-only or mistyped
+    array, an extra weight -- takes the general path, with the same result or error."""
+    g = _net()
+    plan, pack = _bound_plan(g, rng)
+    plan.execute(pack)  # builds the traced function
+    assert plan._hot_in is not None
+    x = random_inputs(g, rng)["x"]
+    want = g.execute({**pack, "x": x}, engine="reference")["y"]
+    lean = plan.execute({"x": x})["y"]
+    assert _err(lean, want) < TOL
+    nchw = np.ascontiguousarray(x)  # declared NHWC: laid out by torch on the lean path
+    assert np.array_equal(plan.execute({"x": nchw})["y"], lean)
+    frozen = x.copy()
+    frozen.setflags(write=False)
+    assert np.array_equal(plan.execute({"x": frozen})["y"], lean)
+    assert np.array_equal(plan.execute({**pack, "x": x})["y"], lean)  # weights passed too
+    with pytest.raises(fg.VariantPackError, match=r"'x'.*dtype"):
+        plan.execute({"x": x.astype(np.float64)})
+    with pytest.raises(fg.VariantPackError, match=r"'x'.*shape"):
+        plan.execute({"x": x[:, :, :-1]})
+    plan.bind_constants({k: (-pack[k] if k == "w1" else pack[k]) for k in WEIGHTS})  # new weights
+    other = {**pack, "w1": -pack["w1"], "x": x}
+    assert _err(plan.execute({"x": x})["y"], g.execute(other, engine="reference")["y"]) < TOL
