@@ -146,7 +146,7 @@ print(json.dumps({"source": p.entry.source, "key": p.key, "dispatches": p.dispat
 
 
 def test_fresh_process_is_served_from_disk(cache_dir: Path) -> None:
-    env = {**os.environ, "FUSEGRAPH_CACHE_DIR": str(cache_dir), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "FUSEGRAPH_CACHE_DIR": str(cache_dir), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     runs = []
     for _ in range(2):
         proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120, check=False)

@@ -297,7 +297,7 @@ print("ok", float(KEEP_BUF.to_numpy().sum()), float(KEEP_ARR.sum()))
 def test_interpreter_exits_cleanly_with_live_results(shared_cache: Path) -> None:
     """IREE 3.13's bindings crash at exit when a result buffer outlives its device; the
     runtime releases tracked Buffers first (see runtime.track)."""
-    env = {**os.environ, "FUSEGRAPH_CACHE_DIR": str(shared_cache), "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "FUSEGRAPH_CACHE_DIR": str(shared_cache), "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == 0, (proc.returncode, proc.stderr)
     assert proc.stdout.strip() == "ok 16.0 16.0"
