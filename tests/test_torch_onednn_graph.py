@@ -269,3 +269,33 @@ def test_the_lean_call_path_agrees_with_the_general_one(rng: np.random.Generator
     plan.bind_constants({k: (-pack[k] if k == "w1" else pack[k]) for k in WEIGHTS})  # new weights
     other = {**pack, "w1": -pack["w1"], "x": x}
     assert _err(plan.execute({"x": x})["y"], g.execute(other, engine="reference")["y"]) < TOL
+
+
+def test_a_shared_value_scaled_and_concatenated_stays_correct(rng: np.random.Generator) -> None:
+    """DenseNet's pattern: a value both concatenated and pre-activated (scale, shift, ReLU)
+    then convolved. Fused by the bridge, the scale-shift overwrote its input before the
+    concat read it (relative error ~0.3, so the plan fell back to eager); traced as aten
+    addcmul + relu it runs fused and right."""
+    g = fg.Graph("dense", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
+    nhwc = lambda dims: fg.strides_for(dims, "NHWC")  # noqa: E731
+    x = g.tensor("x", [1, 8, 10, 10], nhwc([1, 8, 10, 10]))
+    w0 = g.tensor("w0", [16, 8, 3, 3], fg.strides_for([16, 8, 3, 3], "KRSC"))
+    y = g.pooling(g.relu(g.conv_fprop(x, w0, padding=[1, 1])), fg.PoolingMode.MAX, window=(2, 2), stride=(2, 2),
+                  pre_padding=(0, 0), post_padding=(0, 0))
+    y.set_stride(list(nhwc([1, 16, 5, 5])))
+    z = g.relu(g.add(g.mul(y, g.tensor("scale", [1, 16, 1, 1])), g.tensor("shift", [1, 16, 1, 1])))
+    w1 = g.tensor("w1", [8, 16, 1, 1], fg.strides_for([8, 16, 1, 1], "KRSC"))
+    c = g.conv_fprop(z, w1)
+    c.set_stride(list(nhwc([1, 8, 5, 5])))
+    out = g.concatenate([y, c], axis=1)
+    out.set_stride(list(nhwc([1, 24, 5, 5])))
+    out.set_output(True).set_name("y")
+    g.validate()
+    assert "scale+shift+relu" in [st.describe() for st in torch_fusion.plan_traced_steps(g).values()]
+    plan = ENGINE.build(g, CPU)
+    pack = random_inputs(g, rng)
+    plan.bind_constants({k: pack[k] for k in ("w0", "scale", "shift", "w1")})
+    for _ in range(2):
+        x_ = random_inputs(g, rng)["x"]
+        assert _err(plan.execute({"x": x_})["y"], g.execute({**pack, "x": x_}, engine="reference")["y"]) < TOL
+    assert plan.describe()["onednn_graph"] is True

@@ -458,12 +458,26 @@ def plan_onednn_steps(graph: Graph, walk: _Walker | None = None) -> dict[str, Fu
     return steps
 
 
-def plan_traced_steps(graph: Graph) -> dict[str, FusedConv | FusedLinear | ChannelShuffle]:
-    """What a traced (oneDNN Graph) plan runs as one step: the fused convolutions and linears,
-    and channel shuffles (one layout-keeping aten op between partitions, not three)."""
+TracedStep = FusedConv | FusedLinear | ChannelShuffle | ScaleShift
+
+
+def plan_traced_steps(graph: Graph) -> dict[str, TracedStep]:
+    """What a traced (oneDNN Graph) plan runs as one step: the fused convolutions and linears;
+    channel shuffles (one layout-keeping aten op between partitions, not three); and
+    scale-shifts of a value something else reads too, as aten ops outside the bridge's
+    partitions -- fused there, mul -> add -> ReLU on a value that a concat also reads
+    (DenseNet's pre-activation BN) gave wrong results (the fused op computed in place over
+    its input, which the concat read after: relative error ~0.3)."""
     walk = _Walker(graph)
-    steps: dict[str, FusedConv | FusedLinear | ChannelShuffle] = {}
+    steps: dict[str, TracedStep] = {}
     steps.update(plan_onednn_steps(graph, walk))
+    shared = {
+        name: ss for name, ss in plan_scale_shifts(graph, _Walker(graph)).items()
+        if len(walk.readers.get(id(ss.x), [])) > 1 and not any(id(n) in walk.claimed for n in ss.nodes)
+    }
+    for ss in shared.values():
+        walk.claimed.update(id(n) for n in ss.nodes)
+    steps.update(shared)
     steps.update(plan_channel_shuffles(graph, walk))
     return steps
 
@@ -622,6 +636,7 @@ __all__ = [
     "FusedLinear",
     "ScaleShift",
     "Step",
+    "TracedStep",
     "Unary",
     "as_declared",
     "available",

@@ -39,6 +39,8 @@ from fusegraph.engines.torch_fusion import (
     ChannelShuffle,
     FusedConv,
     FusedLinear,
+    ScaleShift,
+    TracedStep,
     Unary,
     as_declared,
     conv_args,
@@ -104,6 +106,20 @@ def _linear_step(fl: FusedLinear) -> Step:
     return step
 
 
+def _scale_shift_step(ss: ScaleShift) -> Step:
+    """x * scale + shift (+ ReLU) as addcmul (+ relu): aten ops the bridge leaves alone (see
+    plan_traced_steps for why)."""
+    import torch
+
+    x_name, scale_name, shift_name, relu, out = ss.x.name, ss.scale.name, ss.shift.name, ss.relu, ss.out
+
+    def step(env: dict[str, Tensor]) -> None:
+        y = torch.addcmul(env[shift_name], env[x_name], env[scale_name])
+        env[out.name] = as_declared(torch.relu(y) if relu else y, out)
+
+    return step
+
+
 def _shuffle_step(cs: ChannelShuffle) -> Step:
     """torch.channel_shuffle keeps its input's memory format (channels-last stays so)."""
     import torch
@@ -148,7 +164,7 @@ def _conv_step(fc: FusedConv) -> Step:
 def trace(
     graph: Graph,
     node_step: Callable[[Node], Step],
-    fused: Mapping[str, FusedConv | FusedLinear | ChannelShuffle],
+    fused: Mapping[str, TracedStep],
     constants: Mapping[str, Tensor],
     scalars: Mapping[str, Tensor],
     example: Sequence[Tensor],
@@ -170,6 +186,8 @@ def trace(
             steps.append(_linear_step(fl))
         elif isinstance(fl, ChannelShuffle):
             steps.append(_shuffle_step(fl))
+        elif isinstance(fl, ScaleShift):
+            steps.append(_scale_shift_step(fl))
         else:
             steps.append(_conv_step(fl))
     act_names = [t.name for t in activations]
@@ -216,7 +234,7 @@ def agrees(got: Sequence[Tensor], want: Sequence[Tensor], tol: float = 1e-4) -> 
 
 # ---- the crash-isolated probe ------------------------------------------------------------------
 VERDICTS = "onednn-graph-verdicts.json"
-RECIPE = 4  # how a plan is written for the bridge; part of the verdict key (bump on change)
+RECIPE = 5  # how a plan is written for the bridge; part of the verdict key (bump on change)
 PROBE_TIMEOUT_S = 300.0
 _LOCK = threading.Lock()
 
