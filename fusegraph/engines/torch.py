@@ -136,22 +136,24 @@ _DLPACK_DEVICE = {"cpu": 1, "cuda": 2, "hip": 10}
 _NO_FLAGS = contextlib.nullcontext()
 
 
-def _lendable(value: Any, t: TensorAttr, taken: list[int]) -> bool:
-    """Whether a fresh result may go out as a NumPy view: a CPU tensor laid out as ``t``
-    declares, NumPy-typed, on memory no other result of the call was lent over."""
-    if value.device.type != "cpu" or t.dtype in _VIEW_AS or not _strides_match(t, value.stride()):
-        return False
-    base = value.untyped_storage().data_ptr()
-    if base in taken:
-        return False
-    taken.append(base)
-    return True
-
-
-def _strides_match(t: TensorAttr, strides: Sequence[int]) -> bool:
-    """Whether a value with these element strides is laid out as ``t`` declares (axes of
-    length one may have any stride)."""
-    return all(d <= 1 or a == b for d, a, b in zip(t.shape, strides, t.strides, strict=True))
+def _host_result(value: Tensor, t: TensorAttr, taken: list[int] | None) -> np.ndarray:
+    """A result as a NumPy array laid out as ``t`` declares: lent as a view when the caller
+    may take it (``taken`` not None: a tensor allocated afresh by this call), is a CPU
+    tensor in that layout of a NumPy type, and no other result of the call was lent over
+    its memory (``taken`` collects those); else copied."""
+    if (
+        taken is not None
+        and value.device.type == "cpu"
+        and t.dtype not in _VIEW_AS
+        and layout.same_strides(t.shape, value.stride(), t.strides)
+        and value.untyped_storage().data_ptr() not in taken
+    ):
+        taken.append(value.untyped_storage().data_ptr())
+        lent: np.ndarray = value.numpy()
+        return lent
+    arr = layout.empty_strided(t.shape, t.strides, t.dtype.numpy)
+    to_numpy_into(value, arr, t.dtype)
+    return arr
 
 
 def _is_buffer(value: Any) -> bool:
@@ -1096,7 +1098,7 @@ class TorchPlan(ExecutionPlan):
     def _to_device(self, t: TensorAttr, value: Any) -> Tensor:
         if isinstance(value, np.ndarray):
             x = from_numpy(value, t.dtype)
-            if not _strides_match(t, x.stride()):  # laid out by torch (threaded), not by NumPy
+            if not layout.same_strides(t.shape, x.stride(), t.strides):  # laid out by torch (threaded), not by NumPy
                 return self._torch.empty_strided(t.shape, t.strides, dtype=x.dtype, device=self.device).copy_(x)
             return x.to(self.device, non_blocking=False) if self.device.type != "cpu" else x
         if _is_buffer(value):
@@ -1261,11 +1263,7 @@ class TorchPlan(ExecutionPlan):
             elif as_buffers:
                 out[t.name] = torch_to_buffer(value, t, self.handle)
             elif host_io:
-                lent = taken is not None and t.name in self._llga_fresh and _lendable(value, t, taken)
-                arr = value.numpy() if lent else layout.empty_strided(t.shape, t.strides, t.dtype.numpy)
-                if not lent:
-                    to_numpy_into(value, arr, t.dtype)
-                out[t.name] = arr
+                out[t.name] = _host_result(value, t, taken if t.name in self._llga_fresh else None)
             else:
                 out[t.name] = value
         return out
@@ -1313,31 +1311,16 @@ class TorchPlan(ExecutionPlan):
         out: dict[str, Any] = {}
         taken: list[int] = []
         for (name, t, fresh), value in zip(self._hot_out, results, strict=True):
-            if fresh and _lendable(value, t, taken):
-                out[name] = value.numpy()
-            else:
-                arr = layout.empty_strided(t.shape, t.strides, t.dtype.numpy)
-                to_numpy_into(value, arr, t.dtype)
-                out[name] = arr
+            out[name] = _host_result(value, t, taken if fresh else None)
         return out
-
-    @staticmethod
-    def _bound_as_given(pack: ResolvedPack) -> bool:
-        """Whether every bound input arrives as the very object bound, or is left out (else
-        the call runs eagerly on what it was given: a captured or traced plan holds the
-        bound values)."""
-        return not pack.overridden
-
-    def _activations(self) -> list[TensorAttr]:
-        return self._acts
 
     # -- oneDNN Graph (CPU) -----------------------------------------------------------------
     def _run_llga(self, pack: Any) -> dict[str, Tensor] | None:
         """The plan through its oneDNN Graph function (built on first use); None when this
         call must run eagerly (a bound input passed as another object) or building failed."""
-        if not self._bound_as_given(pack):
+        if pack.overridden:  # a captured or traced plan holds the bound values: run eagerly
             return None
-        acts = self._activations()
+        acts = self._acts
         values = [self._to_device(t, pack.inputs[t.name]) for t in acts]
         stale = self._llga is None or self._llga_bound is not self._bound
         if stale and not self._build_llga(pack, acts, values):
@@ -1363,7 +1346,7 @@ class TorchPlan(ExecutionPlan):
         if not isinstance(pack, ResolvedPack):
             pack = self._resolve(pack)
         if acts is None or values is None:
-            acts = self._activations()
+            acts = self._acts
             values = [self._to_device(t, pack.inputs[t.name]) for t in acts]
         if probe:
             why = torch_onednn_graph.probe(self.graph, sorted(self._bound), self.config.knobs)
@@ -1405,7 +1388,7 @@ class TorchPlan(ExecutionPlan):
     def _replay(self, pack: Any) -> dict[str, Tensor] | None:
         """The plan as one replayed CUDA graph; None when this call must run eagerly (a bound
         constant passed as another object) or capture failed (then never again)."""
-        if not self._bound_as_given(pack):
+        if pack.overridden:  # a captured or traced plan holds the bound values: run eagerly
             return None
         stale = self._graph is None or self._graph_bound is not self._bound
         if stale and not self._capture(pack):

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusegraph.dtypes import DataType
+from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.infer import conv_groups
 from fusegraph.graph.node import Node
@@ -77,8 +78,18 @@ class Unary:
         return y
 
 
+class _Chain:
+    """A step replacing a chain of graph nodes; keyed by (and run in place of) the last one."""
+
+    nodes: tuple[Node, ...]
+
+    @property
+    def last(self) -> Node:
+        return self.nodes[-1]
+
+
 @dataclass(frozen=True)
-class FusedConv:
+class FusedConv(_Chain):
     """conv -> [+ bias] -> [activation | + residual -> [ReLU]] as one oneDNN call (a lone
     conv included: its filter is prepacked all the same)."""
 
@@ -89,10 +100,6 @@ class FusedConv:
     residual: TensorAttr | None
     post_relu: bool  # ReLU after the residual add
     out: TensorAttr
-
-    @property
-    def last(self) -> Node:
-        return self.nodes[-1]
 
     def thunk(self, memory_format: str = "auto") -> Callable[[dict[str, Tensor]], None]:
         """The step with its arguments settled once: the per-call Python is a few lookups
@@ -150,7 +157,7 @@ class FusedConv:
         return "+".join(parts)
 
 
-class _RunStep:
+class _RunStep(_Chain):
     """``thunk`` for a step whose ``run`` has nothing worth settling ahead of the call."""
 
     out: TensorAttr
@@ -178,10 +185,6 @@ class ScaleShift(_RunStep):
     relu: bool
     out: TensorAttr
 
-    @property
-    def last(self) -> Node:
-        return self.nodes[-1]
-
     def describe(self) -> str:
         return "scale+shift+relu" if self.relu else "scale+shift"
 
@@ -202,10 +205,6 @@ class FusedLinear(_RunStep):
     bias: TensorAttr | None
     unary: Unary | None
     out: TensorAttr
-
-    @property
-    def last(self) -> Node:
-        return self.nodes[-1]
 
     def describe(self) -> str:
         return "+".join(["linear", *(["bias"] if self.bias is not None else []), *([self.unary.attr] if self.unary else [])])
@@ -234,17 +233,13 @@ class ChannelShuffle(_RunStep):
     groups: int
     out: TensorAttr
 
-    @property
-    def last(self) -> Node:
-        return self.nodes[-1]
-
     def describe(self) -> str:
         return f"channel_shuffle(g={self.groups})"
 
     def run(self, env: Mapping[str, Tensor], memory_format: str = "auto") -> Tensor:
         torch = _torch()
         y = torch.channel_shuffle(env[self.x.name], self.groups)  # in x's memory format
-        if tuple(y.stride()) == tuple(self.out.strides):
+        if layout.same_strides(self.out.shape, y.stride(), self.out.strides):
             return y
         out = torch.empty_strided(self.out.shape, self.out.strides, dtype=y.dtype, device=y.device)
         return out.copy_(y)  # the declared layout, as the reshape would have made it
@@ -259,18 +254,13 @@ def as_declared(y: Tensor, t: TensorAttr) -> Tensor:
     traced op that loses the layout (a reshape's copy is row-major) would otherwise run the
     rest of a channels-last partition on NCHW, paying two reorders per oneDNN partition."""
     torch = _torch()
-    if _strides_equal(y, t):
+    if layout.same_strides(t.shape, y.stride(), t.strides):
         return y
-    fmt = {4: torch.channels_last, 5: torch.channels_last_3d}.get(len(t.shape))
-    if fmt is not None and _strides_equal(y.contiguous(memory_format=fmt), t):
-        return y.contiguous(memory_format=fmt)
-    return y.contiguous() if _strides_equal(y.contiguous(), t) else y
-
-
-def _strides_equal(y: Tensor, t: TensorAttr) -> bool:
-    return all(d <= 1 or a == b for d, a, b in zip(t.shape, y.stride(), t.strides, strict=True))
-
-
+    channels_last = {4: ("NHWC", torch.channels_last), 5: ("NDHWC", torch.channels_last_3d)}.get(len(t.shape))
+    for name, fmt in (*((channels_last,) if channels_last else ()), ("row_major", torch.contiguous_format)):
+        if layout.same_strides(t.shape, layout.strides_for(t.shape, name), t.strides):
+            return y.contiguous(memory_format=fmt)
+    return y  # a layout torch has no memory format for: values are right, strides as they come
 
 
 def available() -> bool:
@@ -471,13 +461,9 @@ def plan_traced_steps(graph: Graph) -> dict[str, TracedStep]:
     walk = _Walker(graph)
     steps: dict[str, TracedStep] = {}
     steps.update(plan_onednn_steps(graph, walk))
-    shared = {
-        name: ss for name, ss in plan_scale_shifts(graph, _Walker(graph)).items()
-        if len(walk.readers.get(id(ss.x), [])) > 1 and not any(id(n) in walk.claimed for n in ss.nodes)
-    }
-    for ss in shared.values():
-        walk.claimed.update(id(n) for n in ss.nodes)
-    steps.update(shared)
+    # The other scale-shifts are claimed too but traced node by node, for the bridge to fuse.
+    shifts = plan_scale_shifts(graph, walk)
+    steps.update({name: ss for name, ss in shifts.items() if len(walk.readers[id(ss.x)]) > 1})
     steps.update(plan_channel_shuffles(graph, walk))
     return steps
 

@@ -94,6 +94,12 @@ def is_packed(dim: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
+def same_strides(dim: Sequence[int], have: Sequence[int], want: Sequence[int]) -> bool:
+    """Whether strides ``have`` lay ``dim`` out as ``want`` does: equal on every axis longer
+    than one (a size-1 axis is never stepped over, so its stride does not matter)."""
+    return all(d <= 1 or h == w for d, h, w in zip(dim, have, want, strict=True))
+
+
 def overlapping_axes(dim: Sequence[int], stride: Sequence[int]) -> tuple[int, int] | None:
     """Two axes (of size > 1, non-zero stride) whose elements can alias, or None.
 

@@ -106,7 +106,7 @@ def with_strides(arr: np.ndarray, strides: Sequence[int]) -> np.ndarray:
     only when the memory order differs."""
     want = tuple(strides)
     have = layout.element_strides(arr.shape, arr.strides, arr.itemsize)
-    if have is not None and all(d <= 1 or h == w for d, h, w in zip(arr.shape, have, want, strict=True)):
+    if have is not None and layout.same_strides(arr.shape, have, want):
         return arr
     order = layout.physical_order(arr.shape, want)
     phys = np.ascontiguousarray(arr.transpose(order))

@@ -57,8 +57,7 @@ def check_array(t: TensorAttr, value: Any, *, what: str, strides: bool = True) -
     have = layout.element_strides(arr.shape, arr.strides, arr.itemsize)
     if not strides:  # what the engine can view as is (torch takes no negative strides), else a copy
         return arr if have is not None and min(have, default=0) >= 0 else np.ascontiguousarray(arr)
-    bad = have is None or any(d > 1 and s != e for d, s, e in zip(t.shape, have, t.strides, strict=True))
-    if bad:
+    if have is None or not layout.same_strides(t.shape, have, t.strides):
         raise VariantPackError(
             f"{what} has element strides {list(have) if have else arr.strides}, but the tensor "
             f"declares strides {t.stride}; pass an array in that layout (e.g. np.ascontiguousarray "
