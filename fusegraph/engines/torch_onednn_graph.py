@@ -300,8 +300,8 @@ def _probe_child(spec_path: str, result_path: str) -> None:
     """In the child: the plan built as the parent would, on random values; the verdict written."""
     from fusegraph.engines.base import EngineConfig
     from fusegraph.engines.torch import TorchEngine
+    from fusegraph.reference.inputs import random_inputs
     from fusegraph.runtime.handle import Handle
-    from fusegraph.select.autotune import random_inputs
 
     spec = json.loads(Path(spec_path).read_text())
     graph = Graph.from_json(spec["graph"]).validate()

@@ -34,11 +34,9 @@ from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan
 from fusegraph.engines.registry import Registry, active_registry
 from fusegraph.errors import FusegraphError, UnsupportedError
-from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
-from fusegraph.graph.ops import OpKind, PointwiseAttrs, PointwiseMode
-from fusegraph.graph.tensor import TensorAttr
 from fusegraph.reference.executor import run_reference
+from fusegraph.reference.inputs import random_inputs
 from fusegraph.runtime.handle import Handle, as_handle
 from fusegraph.runtime.variant_pack import resolve_pack
 from fusegraph.select import api
@@ -65,10 +63,6 @@ TOLERANCE: dict[DataType, float] = {
     DataType.FP8_E5M2: 2.5e-1,
 }
 BLOCK = 3  # timed runs per plan per round
-_POSITIVE_MODES = {
-    PointwiseMode.LOG, PointwiseMode.SQRT, PointwiseMode.RSQRT, PointwiseMode.POW,
-    PointwiseMode.RECIPROCAL, PointwiseMode.DIV,
-}
 
 
 @dataclass
@@ -117,50 +111,6 @@ def format_entry(entry: TuningEntry) -> str:
 
 
 # ---- inputs and checking ---------------------------------------------------------------------
-def _positive_ports(graph: Graph) -> set[str]:
-    """Input tensors that must be positive for the graph's math to be defined."""
-    names: set[str] = set()
-    pos_graph = any(
-        n.kind == OpKind.POINTWISE and isinstance(n.attrs, PointwiseAttrs) and n.attrs.mode in _POSITIVE_MODES
-        for n in graph.nodes
-    )
-    for n in graph.nodes:
-        for port, t in n.inputs.items():
-            if port == "var" or pos_graph:
-                names.add(t.name)
-    return names
-
-
-def random_inputs(graph: Graph, rng: np.random.Generator | None = None) -> dict[str, np.ndarray]:
-    """Random inputs laid out as the graph declares them (stride-0 axes stay broadcast)."""
-    rng = rng or np.random.default_rng()
-    positive = _positive_ports(graph)
-    has_div = any(isinstance(n.attrs, PointwiseAttrs) and n.attrs.mode == PointwiseMode.DIV for n in graph.nodes)
-    out = {}
-    for t in graph.inputs():
-        out[t.name] = _random_tensor(t, rng, positive=t.name in positive, nonzero=has_div)
-    return out
-
-
-def _random_tensor(t: TensorAttr, rng: np.random.Generator, *, positive: bool, nonzero: bool) -> np.ndarray:
-    dense = tuple(1 if s == 0 else d for d, s in zip(t.shape, t.strides, strict=True))
-    dt = t.dtype
-    if dt == DataType.BOOLEAN:
-        vals: np.ndarray = rng.random(dense) < 0.8
-    elif dt.is_integer:
-        lo = 1 if (positive or nonzero) else (0 if dt == DataType.UINT8 else -5)
-        vals = rng.integers(lo, 6, dense)
-    elif positive:
-        vals = rng.uniform(0.5, 1.5, dense)
-    else:
-        vals = rng.uniform(-1.0, 1.0, dense)
-    arr = layout.empty_strided(dense, layout.packed_strides(dense, layout.stride_order(t.shape, t.strides)), dt.numpy)
-    arr[...] = vals.astype(dt.numpy) if dt.is_float else vals
-    if dense != t.shape:
-        arr = np.broadcast_to(arr, t.shape)
-    return arr
-
-
 def tolerance(graph: Graph) -> float:
     """The tolerance of the narrowest float type the graph reads, writes or computes in."""
     types = {t.dtype for t in graph.tensors if t.data_type is not None and t.dtype.is_float and not t.is_scalar}
