@@ -30,6 +30,18 @@ class ProviderOptions:
     torch_mlir_tier: str = "auto"  # unclaimed regions through IREE's ONNX importer: off / on / auto (where it wins)
     channels_last: str = "auto"  # activations NHWC inside partitions with convolutions / pooling
     autotune: float = 0.0  # seconds per claimed subgraph to time engine configs at creation (0: off)
+    floor: str = "auto"  # claimed subgraphs timed against ONNX Runtime: auto / on / off / a budget in seconds
+
+    def floor_budget(self, *, pinned: bool) -> float:
+        """Seconds the floor may spend timing (0: off). ``auto`` is on unless an engine is
+        pinned (a pinned engine is the caller's explicit choice)."""
+        if self.floor == "auto":
+            return 0.0 if pinned else DEFAULT_FLOOR_S
+        if self.floor == "on":
+            return DEFAULT_FLOOR_S
+        if self.floor == "off":
+            return 0.0
+        return float(self.floor)
 
     @classmethod
     def parse(cls, raw: Mapping[str, Any] | None) -> ProviderOptions:
@@ -67,6 +79,8 @@ class ProviderOptions:
             values["torch_mlir_tier"] = _choice(raw["torch_mlir_tier"], "torch_mlir_tier", TIERS)
         if "autotune" in raw:
             values["autotune"] = _budget(raw["autotune"])
+        if "floor" in raw:
+            values["floor"] = _floor(raw["floor"])
         if "channels_last" in raw:
             values["channels_last"] = _choice(raw["channels_last"], "channels_last", LAYOUTS)
         return cls(**values)
@@ -88,6 +102,23 @@ class ProviderOptions:
 
 
 DEFAULT_AUTOTUNE_S = 60.0
+DEFAULT_FLOOR_S = 30.0  # fusegraph.onnx.floor.DEFAULT_BUDGET_S (kept here: options import nothing above)
+
+
+def _floor(v: Any) -> str:
+    """auto, on (1), off (0), or a positive budget in seconds."""
+    s = str(v).strip().lower()
+    alias = {"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off", "": "auto"}
+    s = alias.get(s, s)
+    if s in ("auto", "on", "off"):
+        return s
+    try:
+        f = float(s)
+    except ValueError:
+        raise ValueError(f"{PROVIDER} option floor={v!r}: expected auto, on, off or a budget in seconds") from None
+    if not f > 0 or f == float("inf"):
+        raise ValueError(f"{PROVIDER} option floor={v!r}: expected auto, on, off or a budget in seconds")
+    return f"{f:g}"
 
 
 def _budget(v: Any) -> float:

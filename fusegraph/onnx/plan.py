@@ -25,14 +25,21 @@ import onnxruntime as ort
 from fusegraph.engines.registry import REGISTRY
 from fusegraph.errors import CompileError, ExecutionError, FusegraphError
 from fusegraph.graph.graph import Graph
-from fusegraph.onnx import choices, torch_mlir_tier
-from fusegraph.onnx.importer import SPATIAL_OPS, Importer, Unmappable, filter_layout_for
+from fusegraph.graph.layout import packed_strides, same_strides
+from fusegraph.onnx import choices, floor, torch_mlir_tier
+from fusegraph.onnx.importer import (
+    SPATIAL_OPS,
+    Importer,
+    Unmappable,
+    filter_layout_for,
+    with_strides,
+)
 from fusegraph.onnx.memory import LiveBytes
 from fusegraph.onnx.model import OnnxGraph, ONode, specialize
 from fusegraph.onnx.options import PROVIDER, ProviderOptions
-from fusegraph.onnx.partition import Group, PNode, partition
+from fusegraph.onnx.partition import Group, Partitioning, PNode, partition
 from fusegraph.onnx.patterns import apply_rewrites, label_fusions
-from fusegraph.onnx.report import PartitionReport, SubgraphEntry, UnclaimedEntry
+from fusegraph.onnx.report import Boundaries, PartitionReport, SubgraphEntry, UnclaimedEntry
 from fusegraph.onnx.units import FusegraphUnit, OrtUnit, Unit, to_host
 from fusegraph.runtime.handle import Handle
 
@@ -152,18 +159,28 @@ class SessionPlan:
             verdicts = {n.name: self._verdict(n) for n in og.nodes}
         else:
             verdicts = {n.name: f"{PROVIDER} is not among the session's providers" for n in og.nodes}
-        pnodes = [PNode(n.name, n.op_type, n.all_inputs(), n.outputs) for n in og.nodes]
-        self.partitioning = partition(pnodes, verdicts, min_size=opts.min_subgraph_size)
-        self.reasons = dict(self.partitioning.reasons)
+        self.pnodes = [PNode(n.name, n.op_type, n.all_inputs(), n.outputs) for n in og.nodes]
+        self.node_verdicts: dict[str, str | None] = verdicts
+        self.partitioning = partition(self.pnodes, verdicts, min_size=opts.min_subgraph_size)
         self.notes: dict[str, str] = {}
         self.compile_s: dict[str, float] = {}
-        by_name = {n.name: n for n in og.nodes}
+        self.by_name = {n.name: n for n in og.nodes}
         self.sub_session_options = self._sub_session_options()
+        self.floor_budget = opts.floor_budget(pinned=engine is not None and engine.name is not None) if enabled else 0.0
+        self.floor_whole: floor.Verdict | None = None
+        self._released: dict[str, str] = {}  # node -> note of the ORT unit it went to
+        self._floor: dict[frozenset[str], floor.Verdict] = {}  # claimed group -> verdict
+        built = self._settle_claimed()
+        self.sub_session_options = self._sub_session_options()  # spinning again where all went to ORT
+        self.reasons = dict(self.partitioning.reasons)
         self.units: list[Unit] = []
         for k, group in enumerate(self.partitioning.groups):
-            self.units.append(self._make_unit(k, group, [by_name[n] for n in group.nodes]))
+            self.units.append(self._final_unit(k, group, built))
+        del built
         self._plan_frees()
         self._proven: set[int] = set()
+        if self.floor_budget > 0 and not opts.lazy_compile and any(isinstance(u, FusegraphUnit) for u in self.units):
+            self._whole_model_floor()
         self.setup_s = time.perf_counter() - t0
         self.last_peak_live = 0
         self.model_name = model_name
@@ -195,27 +212,186 @@ class SessionPlan:
         return value in self.og.outputs or any(value in n.all_inputs() for n in self.og.nodes)
 
     # ---- units -----------------------------------------------------------------------------
-    def _make_unit(self, k: int, group: Group, nodes: list[ONode]) -> Unit:
-        ins, outs = _read_outside(self.og, nodes)
+    def _settle_claimed(self) -> dict[frozenset[str], FusegraphUnit]:
+        """Builds the claimed groups and, with the floor on, keeps those faster than ONNX
+        Runtime. A group that fails to build, or that the floor hands back, is released
+        (its nodes unclaimed, with the reason) and the model re-partitioned, so it joins its
+        ONNX Runtime neighbours in one sub-model; rounds repeat until nothing is released
+        (a release can let two other claimed groups merge: that new group is built and
+        measured in the next round)."""
+        built: dict[frozenset[str], FusegraphUnit] = {}
+        cache = self._verdict_cache() if self.floor_budget > 0 else None
+        spent = 0.0
+        while True:
+            released = False
+            todo = [g for g in self.partitioning.groups if g.claimed and frozenset(g.nodes) not in built]
+            for k, group in enumerate(self.partitioning.groups):
+                if not group.claimed or frozenset(group.nodes) in built:
+                    continue
+                nodes = [self.by_name[n] for n in group.nodes]
+                ins, outs = _read_outside(self.og, nodes)
+                content = floor.group_key(self.og, nodes, ins, outs) if cache is not None else ""
+                verdict = cache.lookup(content) if cache is not None else None
+                if verdict is not None and not verdict.keep:  # known to lose: not even built
+                    self._release(group.nodes, verdict.describe())
+                    released = True
+                    continue
+                unit = self._try_build(f"fusegraph_{k}", nodes, ins, outs)
+                if unit is None:
+                    released = True
+                    continue
+                if cache is not None and verdict is None and not self.opts.lazy_compile:
+                    left = len([g for g in todo if frozenset(g.nodes) not in built])
+                    share = min(floor.UNIT_S, max(self.floor_budget * floor.UNITS_SHARE - spent, 0.0) / max(left, 1))
+                    t0 = time.perf_counter()
+                    verdict = self._measure(unit, nodes, ins, outs, share)
+                    spent += time.perf_counter() - t0
+                    cache.record(content, verdict)
+                if verdict is not None:
+                    self._floor[frozenset(group.nodes)] = verdict
+                    if not verdict.keep:
+                        self._release(group.nodes, verdict.describe())
+                        released = True
+                        continue
+                built[frozenset(group.nodes)] = unit
+            if not released:
+                break
+            self.partitioning = partition(self.pnodes, self.node_verdicts, min_size=self.opts.min_subgraph_size)
+        if cache is not None:
+            cache.flush()
+        return built
+
+    def _release(self, names: Sequence[str], note: str) -> None:
+        for n in names:
+            self.node_verdicts[n] = note
+            self._released[n] = note
+
+    def _verdict_cache(self) -> floor.VerdictCache:
+        from fusegraph.select.device_id import device_id
+
+        settings = {
+            "engine": self.opts.engine or "auto", "channels_last": self.opts.channels_last,
+            "autotune": self.opts.autotune > 0, "keep_below": floor.KEEP_BELOW,
+        }
+        return floor.VerdictCache(self.opts.cache_dir, floor.settings_key(device_id(self.handle), settings))
+
+    def _try_build(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> FusegraphUnit | None:
+        """The built unit, or None after a failure (released with the reason, or raised under strict)."""
+        try:
+            return self._fusegraph_unit(name, nodes, ins, outs)
+        except (Unmappable, FusegraphError, Exception) as exc:
+            why = exc.reason if isinstance(exc, Unmappable) else f"{type(exc).__name__}: {exc}"
+            if self.opts.strict:
+                if isinstance(exc, CompileError):
+                    raise
+                raise CompileError(
+                    f"claimed subgraph {name} ({len(nodes)} nodes) failed to build and strict=1: {why}",
+                    node=nodes[0].name,
+                ) from exc
+            log.warning("claimed subgraph %s (%d nodes) falls back to ONNX Runtime: %s", name, len(nodes), why)
+            self._release(
+                [n.name for n in nodes], f"claimed, but fell back to ONNX Runtime: {_one_line(why)}"
+            )
+            for n in nodes:
+                self.node_verdicts[n.name] = f"its claimed subgraph failed to build: {_one_line(why)}"
+            return None
+
+    def _final_unit(self, k: int, group: Group, built: Mapping[frozenset[str], FusegraphUnit]) -> Unit:
+        nodes = [self.by_name[n] for n in group.nodes]
         if group.claimed:
+            unit = built[frozenset(group.nodes)]
             name = f"fusegraph_{k}"
+            if unit.name != name:
+                if unit.name in self.compile_s:
+                    self.compile_s[name] = self.compile_s.pop(unit.name)
+                unit.name = name
+            return unit
+        ins, outs = _read_outside(self.og, nodes)
+        unit_ = self._unclaimed_unit(k, nodes, ins, outs)
+        notes = list(dict.fromkeys(self._released[n.name] for n in nodes if n.name in self._released))
+        if notes:
+            self.notes[unit_.name] = " | ".join(notes)
+        return unit_
+
+    def _measure(
+        self, unit: FusegraphUnit, nodes: list[ONode], ins: list[str], outs: list[str], budget_s: float
+    ) -> floor.Verdict:
+        """One trial run of each (outputs compared), then both timed (``floor.time_pair``)."""
+        try:
+            feed = floor.sample_inputs(self.og, ins)
+        except KeyError as exc:
+            return floor.Verdict(True, source="not measured", why=f"the type of input {exc} is unknown")
+        claimed = {n for g in self.partitioning.groups if g.claimed for n in g.nodes}
+        producers = self.og.producers()
+        # Inputs a fusegraph neighbour produces arrive in the declared layout; the rest are
+        # contiguous, as ONNX Runtime and the caller give them (their relayout is timed).
+        fg_feed = {
+            i: with_strides(v, unit._in[i].strides) if i in unit._in and i in producers and producers[i].name in claimed
+            else v
+            for i, v in feed.items()
+        }
+        try:
+            ort_unit = self._ort_unit(f"{unit.name}_floor", nodes, ins, outs)
+            want = ort_unit.run(feed)
+        except Exception as exc:
+            return floor.Verdict(True, source="not measured",
+                                 why=f"ONNX Runtime cannot run the sub-model alone: {_one_line(str(exc), 200)}")
+        try:
+            got = {k: to_host(v) for k, v in unit.run(fg_feed).items()}
+        except Exception as exc:
+            if self.opts.strict:
+                raise CompileError(f"claimed subgraph {unit.name} failed its trial run and strict=1: {exc}") from exc
+            return floor.Verdict(False, source="measured", why=f"failed its trial run: {_one_line(str(exc), 200)}")
+        err = floor.agreement(got, want)
+        if err > floor.AGREE:
+            if self.opts.strict:
+                raise CompileError(f"claimed subgraph {unit.name} disagrees with ONNX Runtime (rel err {err:.1e})")
+            return floor.Verdict(False, source="measured", why=f"disagrees with ONNX Runtime (rel err {err:.1e})")
+        fg_ms, ort_ms = floor.time_pair(lambda: unit.run(fg_feed), lambda: ort_unit.run(feed), budget_s)
+        log.info("floor %s: fusegraph %.3f ms, ONNX Runtime %.3f ms", unit.name, fg_ms, ort_ms)
+        return floor.decide(fg_ms, ort_ms)
+
+    def _whole_model_floor(self) -> None:
+        """The plan against ONNX Runtime running the whole model (boundary copies and the
+        extra sub-session calls counted); the whole model goes to ONNX Runtime if it loses."""
+        nodes = list(self.og.nodes)
+        ins, outs = _read_outside(self.og, nodes)
+        cache = self._verdict_cache()
+        content = "whole|" + floor.group_key(self.og, nodes, ins, outs) + "|" + ",".join(
+            f"{u.kind}:{len(u.nodes)}" for u in self.units
+        )
+        verdict = cache.lookup(content)
+        whole: OrtUnit | None = None
+        if verdict is None:
             try:
-                return self._fusegraph_unit(name, nodes, ins, outs)
-            except (Unmappable, FusegraphError, Exception) as exc:
-                why = exc.reason if isinstance(exc, Unmappable) else f"{type(exc).__name__}: {exc}"
-                if self.opts.strict:
-                    if isinstance(exc, CompileError):
-                        raise
-                    raise CompileError(
-                        f"claimed subgraph {name} ({len(nodes)} nodes) failed to build and strict=1: {why}",
-                        node=nodes[0].name,
-                    ) from exc
-                log.warning("claimed subgraph %s (%d nodes) falls back to ONNX Runtime: %s", name, len(nodes), why)
-                self.notes[f"onnxruntime_{k}"] = f"claimed, but fell back to ONNX Runtime: {_one_line(why)}"
-                for n in nodes:
-                    self.reasons[n.name] = f"its claimed subgraph failed to build: {_one_line(why)}"
-                return self._ort_unit(f"onnxruntime_{k}", nodes, ins, outs)
-        return self._unclaimed_unit(k, nodes, ins, outs)
+                feed = floor.sample_inputs(self.og, ins)
+                whole = OrtUnit("onnxruntime_0", self.og, nodes, ins, outs, self.sess_options, self.ort_providers, None)
+                whole.run(feed)
+                wanted = list(self.og.outputs)
+                budget = min(floor.WHOLE_S, self.floor_budget * (1 - floor.UNITS_SHARE))
+                fg_ms, ort_ms = floor.time_pair(lambda: self.run(feed, wanted), lambda: whole.run(feed), budget)  # type: ignore[union-attr]
+                verdict = floor.decide(fg_ms, ort_ms)
+            except Exception as exc:
+                log.info("floor: the whole model was not compared with ONNX Runtime: %s", exc)
+                self.floor_whole = floor.Verdict(True, source="not measured", why=_one_line(str(exc), 200))
+                return
+            cache.record(content, verdict)
+            cache.flush()
+        self.floor_whole = verdict
+        if verdict.keep:
+            return
+        if whole is None:
+            whole = OrtUnit("onnxruntime_0", self.og, nodes, ins, outs, self.sess_options, self.ort_providers, self.dump)
+        note = f"whole model: {verdict.describe()}"
+        for n in nodes:
+            self.reasons[n.name] = note
+            self.node_verdicts[n.name] = note
+        self.partitioning = Partitioning([Group([n.name for n in nodes], False)], dict(self.reasons))
+        self.units = [whole]
+        self.notes = {whole.name: note}
+        self.compile_s = {}
+        self._plan_frees()
+        self._proven = set()
 
     def _lower_unit(
         self,
@@ -463,9 +639,12 @@ class SessionPlan:
             sources = tuple(s for n in u.nodes for s in n.sources)
             ops = collections.Counter(_source_ops(self.og, u.nodes))
             if isinstance(u, FusegraphUnit):
+                v = self._floor.get(frozenset(n.name for n in u.nodes))
                 subs.append(
                     SubgraphEntry(u.name, "fusegraph", u.engine_name, sources, dict(ops), u.fusions,
-                                  compile_s=self.compile_s.get(u.name, 0.0))
+                                  compile_s=self.compile_s.get(u.name, 0.0),
+                                  floor=v.describe() if v else self._floor_off(),
+                                  fusegraph_ms=v.fusegraph_ms if v else None, ort_ms=v.ort_ms if v else None)
                 )
                 continue
             engine = "onnxruntime" if u.kind == "onnxruntime" else "iree (torch-mlir onnx importer)"
@@ -486,7 +665,60 @@ class SessionPlan:
             rewrites={k: v for k, v in self.rewrites.items() if v},
             input_shapes=self.input_shapes,
             setup_s=self.setup_s,
+            floor=f"whole model {self.floor_whole.describe()}" if self.floor_whole else "",
+            boundaries=self.boundaries(),
         )
+
+    def _floor_off(self) -> str:
+        if self.floor_budget <= 0:
+            return "floor: off"
+        return "floor: not measured (lazy_compile)" if self.opts.lazy_compile else ""
+
+    def boundaries(self) -> Boundaries:
+        """Static count of the values crossing units and the copies made there (see Boundaries)."""
+        producer: dict[str, Unit] = {o: u for u in self.units for o in u.outputs}
+        values = copies = nbytes = 0
+
+        def size(v: str) -> int:
+            info = self.og.types.get(v)
+            if info is None or info.shape is None or not info.elem:
+                return 0
+            itemsize = onnx.helper.tensor_dtype_to_np_dtype(info.elem).itemsize
+            return int(np.prod(info.shape, dtype=np.int64)) * itemsize
+
+        def strided(u: Unit, v: str, out: bool) -> bool:
+            """True where fusegraph holds ``v`` in another layout than contiguous (or on a device)."""
+            if not isinstance(u, FusegraphUnit):
+                return False
+            if u._buffers:
+                return True
+            try:
+                t = u.graph.tensor_by_name(u._out[v]) if out else u._in[v]
+            except (KeyError, Exception):
+                return False
+            return not same_strides(t.shape, t.strides, packed_strides(t.shape))
+
+        for u in self.units:
+            for v in u.inputs:
+                p = producer.get(v)
+                if p is None and v not in self.og.inputs:
+                    continue
+                values += 1
+                if p is None:  # a feed: contiguous
+                    moved = strided(u, v, out=False)
+                elif isinstance(p, FusegraphUnit) and isinstance(u, FusegraphUnit):
+                    moved = False  # passed as it is (the next unit declares the same strides)
+                else:
+                    moved = strided(p, v, out=True) or strided(u, v, out=False)
+                if moved:
+                    copies += 1
+                    nbytes += size(v)
+        for v in self.og.outputs:
+            p = producer.get(v)
+            if p is not None and strided(p, v, out=True):
+                copies += 1
+                nbytes += size(v)
+        return Boundaries(values, copies, nbytes)
 
 
 def _one_line(text: str, limit: int = 400) -> str:

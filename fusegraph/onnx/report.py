@@ -17,6 +17,20 @@ class SubgraphEntry:
     fusions: dict[str, int] = field(default_factory=dict)
     note: str = ""  # e.g. why a claimed subgraph fell back
     compile_s: float = 0.0
+    floor: str = ""  # the floor's verdict on a claimed subgraph (times of both sides)
+    fusegraph_ms: float | None = None  # the floor's timing of the subgraph on fusegraph
+    ort_ms: float | None = None  # ... and of the same sub-model on ONNX Runtime
+
+
+@dataclass(frozen=True)
+class Boundaries:
+    """Values crossing unit boundaries in one run, and how many of them are copied there
+    (a channels-last fusegraph output made contiguous for ONNX Runtime or the caller, a
+    contiguous array laid out channels-last for a fusegraph unit, a device buffer read back)."""
+
+    values: int = 0
+    copies: int = 0
+    copy_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -37,6 +51,8 @@ class PartitionReport:
     rewrites: dict[str, int] = field(default_factory=dict)
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     setup_s: float = 0.0
+    floor: str = ""  # the whole-model verdict (plan vs ONNX Runtime alone), or why none
+    boundaries: Boundaries = field(default_factory=Boundaries)
 
     @property
     def running_nodes(self) -> int:
@@ -68,6 +84,12 @@ class PartitionReport:
 
     def __str__(self) -> str:
         lines = [f"partition report: {self.model}", "  " + self.summary()]
+        b = self.boundaries
+        lines.append(
+            f"  boundaries: {b.values} values cross units, {b.copies} copied ({b.copy_bytes / 2**20:.2f} MiB per run)"
+        )
+        if self.floor:
+            lines.append(f"  {self.floor}")
         if self.rewrites:
             lines.append("  rewrites: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.rewrites.items()) if v))
         for s in self.subgraphs:
@@ -76,6 +98,8 @@ class PartitionReport:
             lines.append(f"  {s.name}: {s.kind} ({s.engine}), {len(s.nodes)} nodes: {ops}{extra}")
             if s.fusions:
                 lines.append("      fused: " + ", ".join(f"{k} x{v}" for k, v in sorted(s.fusions.items())))
+            if s.floor:
+                lines.append(f"      {s.floor}")
             if s.note:
                 lines.append(f"      note: {s.note}")
         if self.unclaimed:

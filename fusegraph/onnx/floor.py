@@ -1,0 +1,264 @@
+"""The floor: fusegraph keeps a claimed subgraph only where it is faster than ONNX Runtime.
+
+Nothing else compares a claimed subgraph with what ONNX Runtime would have done with it,
+and on graphs nobody tuned for fusegraph's plans are often slower (issue 14: 1.4-7.2x on
+twelve real architectures). So at session creation each built claimed unit is timed
+against an ONNX Runtime session of the same sub-model (the export the partitioner makes
+for its ORT units), on the same random activations, in alternating blocks with
+time-based warm-ups (as ``benchmarks/bench_onnx.py`` does, in one process here), within
+a bounded budget; a unit that is not clearly faster is handed back to ONNX Runtime and
+re-partitioned with its ORT neighbours, so no extra unit boundary appears. Then the
+whole plan is timed against ONNX Runtime running the whole model, which counts what the
+unit timings cannot see (boundary copies, one ORT call instead of several): when the
+plan loses, the whole model runs on ONNX Runtime.
+
+Verdicts are cached (``onnx-floor.json`` in the cache directory) by a content key of the
+sub-model (op types, attributes, shapes, types, small constants; not weight values), the
+machine's identity and the versions involved, so later sessions decide without timing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+
+from fusegraph import __version__
+from fusegraph.onnx.model import OnnxGraph, ONode
+from fusegraph.runtime.cache_dir import cache_enabled, cache_root, read_table, write_table
+
+log = logging.getLogger("fusegraph.onnx")
+
+FILE = "onnx-floor.json"
+KEEP_BELOW = 0.97  # fusegraph stays only when at least 3% faster: ties (and noise) go to ORT
+ROUNDS = 3  # alternating rounds of the two timing blocks
+MIN_RUNS = 2  # timed runs per block, whatever the budget
+WARM_S = 0.05  # a block's warm-up lasts at least this long (or its share of the budget)
+AGREE = 1e-3  # a unit whose trial output differs more from ONNX Runtime's (relative) is handed back
+UNIT_S = 0.6  # the most one unit's comparison takes (its share of the budget may be less)
+UNITS_SHARE = 0.8  # of the budget, for the units; the rest for the whole-model comparison
+WHOLE_S = 3.0  # the most the whole-model comparison takes
+SMALL_CONSTANT = 64  # constants up to this many elements enter the content key by value
+
+Call = Callable[[], object]
+# (fusegraph call, ORT call, budget in seconds) -> (fusegraph ms, ORT ms)
+Timer = Callable[[Call, Call, float], tuple[float, float]]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The floor's decision for one unit (or the whole plan)."""
+
+    keep: bool  # True: fusegraph runs it; False: ONNX Runtime does
+    fusegraph_ms: float | None = None
+    ort_ms: float | None = None
+    source: str = "measured"  # "measured", "cached", or "not measured"
+    why: str = ""
+
+    def describe(self) -> str:
+        times = ""
+        if self.fusegraph_ms is not None and self.ort_ms is not None:
+            times = f"fusegraph {self.fusegraph_ms:.3f} ms vs ONNX Runtime {self.ort_ms:.3f} ms ({self.source})"
+        who = "kept on fusegraph" if self.keep else "handed to ONNX Runtime"
+        parts = [p for p in (times, self.why) if p]
+        return f"floor: {who}" + (f" -- {'; '.join(parts)}" if parts else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"keep": self.keep, "fusegraph_ms": self.fusegraph_ms, "ort_ms": self.ort_ms, "why": self.why}
+
+    @staticmethod
+    def from_json(entry: Any) -> Verdict | None:
+        if not isinstance(entry, dict) or not isinstance(entry.get("keep"), bool):
+            return None
+        try:
+            fg = entry.get("fusegraph_ms")
+            ort_ms = entry.get("ort_ms")
+            return Verdict(
+                entry["keep"], None if fg is None else float(fg), None if ort_ms is None else float(ort_ms),
+                "cached", str(entry.get("why", "")),
+            )
+        except (TypeError, ValueError):
+            return None
+
+
+def decide(fusegraph_ms: float, ort_ms: float) -> Verdict:
+    """Keep fusegraph only when clearly faster (``KEEP_BELOW``)."""
+    keep = fusegraph_ms <= ort_ms * KEEP_BELOW
+    return Verdict(keep, fusegraph_ms, ort_ms, "measured")
+
+
+def _block(fn: Call, block_s: float, out: list[float]) -> None:
+    """A time-based warm-up, then timed runs for ``block_s`` (at least MIN_RUNS): after any
+    pause this shared machine runs slowly for tens of milliseconds."""
+    t0 = time.perf_counter()
+    fn()
+    while time.perf_counter() - t0 < min(WARM_S, block_s / 2):
+        fn()
+    t1 = time.perf_counter()
+    k = 0
+    while k < MIN_RUNS or time.perf_counter() - t1 < block_s:
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+        k += 1
+
+
+def time_pair(fusegraph: Call, ort: Call, budget_s: float) -> tuple[float, float]:
+    """Median ms of each side, timed in ROUNDS alternating blocks (never interleaved call by
+    call: an ORT run right before slows the next PyTorch run on 2 cores)."""
+    block = max(budget_s, 0.0) / (2 * ROUNDS)
+    a: list[float] = []
+    b: list[float] = []
+    for k in range(ROUNDS):
+        first, second = ((fusegraph, a), (ort, b)) if k % 2 == 0 else ((ort, b), (fusegraph, a))
+        _block(first[0], block, first[1])
+        _block(second[0], block, second[1])
+    return statistics.median(a) * 1e3, statistics.median(b) * 1e3
+
+
+# ---- content keys ---------------------------------------------------------------------------
+def group_key(og: OnnxGraph, nodes: Sequence[ONode], inputs: Sequence[str], outputs: Sequence[str]) -> str:
+    """What decides a sub-model's speed, hashed: per node its op type, domain and attributes,
+    the values it reads and writes renamed by first appearance, their types and shapes, and
+    the values of small constants (shapes, axes); not node names, not weight values."""
+    h = hashlib.sha256()
+    names: dict[str, str] = {}
+
+    def ref(v: str) -> str:
+        if v not in names:
+            names[v] = f"v{len(names)}"
+            info = og.types.get(v)
+            c = og.constants.get(v)
+            desc = ""
+            if c is not None:
+                arr = np.asarray(c)
+                desc = f"const {arr.dtype} {arr.shape}"
+                if arr.size <= SMALL_CONSTANT:
+                    desc += f" {arr.tolist()}"
+            elif info is not None:
+                desc = f"{info.elem} {info.shape}"
+            h.update(f"{names[v]}:{desc};".encode())
+        return names[v]
+
+    for i in inputs:
+        ref(i)
+    for n in nodes:
+        h.update(f"[{n.domain}:{n.op_type} ".encode())
+        h.update(" ".join(ref(i) if i else "-" for i in n.inputs).encode())
+        h.update(b" -> ")
+        h.update(" ".join(ref(o) if o else "-" for o in n.outputs).encode())
+        for k in sorted(n.attrs):
+            h.update(f" {k}={_attr_text(n.attrs[k])}".encode())
+        h.update(b"]")
+    h.update(("out " + " ".join(ref(o) for o in outputs)).encode())
+    return h.hexdigest()
+
+
+def _attr_text(v: Any) -> str:
+    if isinstance(v, onnx.GraphProto | onnx.TensorProto):
+        return hashlib.sha256(v.SerializeToString()).hexdigest()[:16]
+    if isinstance(v, np.ndarray):
+        return f"{v.dtype}{v.shape}{hashlib.sha256(v.tobytes()).hexdigest()[:16]}"
+    if isinstance(v, list | tuple):
+        return "[" + ",".join(_attr_text(x) for x in v) + "]"
+    return repr(v)
+
+
+def settings_key(device: str, settings: Mapping[str, Any]) -> str:
+    """The machine and everything besides the sub-model that decides the verdict."""
+    import onnxruntime
+
+    parts = [device, f"fusegraph {__version__}", f"onnxruntime {onnxruntime.__version__}", _torch_version()]
+    parts += [f"{k}={settings[k]}" for k in sorted(settings)]
+    return "|".join(parts)
+
+
+def _torch_version() -> str:
+    import importlib.metadata as md
+
+    try:
+        return f"torch {md.version('torch')}"
+    except md.PackageNotFoundError:
+        return "no torch"
+
+
+# ---- the verdict table ------------------------------------------------------------------------
+class VerdictCache:
+    """``onnx-floor.json`` under the cache directory, read once per session and written back
+    once (``flush``), keyed by ``content|settings``."""
+
+    def __init__(self, cache_dir: str | None, settings: str) -> None:
+        self.path = (Path(cache_dir) if cache_dir else cache_root()) / FILE
+        self.settings = settings
+        self.enabled = cache_enabled()
+        self._table: dict[str, Any] | None = None
+        self._dirty: dict[str, Any] = {}
+
+    def _key(self, content: str) -> str:
+        return hashlib.sha256(f"{content}|{self.settings}".encode()).hexdigest()
+
+    def lookup(self, content: str) -> Verdict | None:
+        if not self.enabled:
+            return None
+        if self._table is None:
+            self._table = read_table(self.path)
+        key = self._key(content)
+        return Verdict.from_json(self._dirty.get(key, self._table.get(key)))
+
+    def record(self, content: str, verdict: Verdict) -> None:
+        if self.enabled and verdict.source == "measured":
+            self._dirty[self._key(content)] = verdict.to_json()
+
+    def flush(self) -> None:
+        if not self._dirty:
+            return
+        try:
+            table = read_table(self.path)  # re-read: another session may have written meanwhile
+            table.update(self._dirty)
+            write_table(self.path, table)
+            self._dirty = {}
+        except OSError as exc:
+            log.info("could not record floor verdicts in %s: %s", self.path, exc)
+
+
+# ---- sample data ---------------------------------------------------------------------------
+def sample_inputs(og: OnnxGraph, names: Iterable[str], seed: int = 0) -> dict[str, np.ndarray]:
+    """Random activations for the floor's trial runs: standard normal floats, zeros for
+    integers (usually indices) and False for booleans; None when a type is unknown."""
+    rng = np.random.default_rng(seed)
+    out: dict[str, np.ndarray] = {}
+    for n in names:
+        info = og.types.get(n)
+        if info is None or not info.elem or info.shape is None:
+            raise KeyError(n)
+        dtype = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(info.elem))
+        shape = tuple(int(d) for d in info.shape)
+        if dtype.kind == "f":
+            out[n] = rng.standard_normal(shape).astype(dtype)
+        else:
+            out[n] = np.zeros(shape, dtype)
+    return out
+
+
+def agreement(got: Mapping[str, Any], want: Mapping[str, Any]) -> float:
+    """Worst relative error over the outputs (inf where NaN/inf patterns differ)."""
+    worst = 0.0
+    for k, w in want.items():
+        g = np.asarray(got[k], np.float64) if np.asarray(got[k]).dtype.kind in "fiub" else None
+        w64 = np.asarray(w, np.float64) if np.asarray(w).dtype.kind in "fiub" else None
+        if g is None or w64 is None:
+            continue
+        if g.shape != w64.shape or not np.array_equal(np.isfinite(g), np.isfinite(w64)):
+            return float("inf")
+        fin = np.isfinite(w64)
+        den = max(float(np.linalg.norm(w64[fin])), 1e-30)
+        worst = max(worst, float(np.linalg.norm(g[fin] - w64[fin])) / den)
+    return worst
