@@ -40,7 +40,7 @@ from fusegraph.onnx.options import PROVIDER, ProviderOptions
 from fusegraph.onnx.partition import Group, Partitioning, PNode, partition
 from fusegraph.onnx.patterns import apply_rewrites, label_fusions
 from fusegraph.onnx.report import Boundaries, PartitionReport, SubgraphEntry, UnclaimedEntry
-from fusegraph.onnx.units import FusegraphUnit, OrtUnit, Unit, to_host
+from fusegraph.onnx.units import FusegraphUnit, OrtUnit, Unit, _ort_value, to_host
 from fusegraph.runtime.handle import Handle
 
 log = logging.getLogger("fusegraph.onnx")
@@ -170,17 +170,24 @@ class SessionPlan:
         self.floor_whole: floor.Verdict | None = None
         self._released: dict[str, str] = {}  # node -> note of the ORT unit it went to
         self._floor: dict[frozenset[str], floor.Verdict] = {}  # claimed group -> verdict
-        built = self._settle_claimed()
-        self.sub_session_options = self._sub_session_options()  # spinning again where all went to ORT
-        self.reasons = dict(self.partitioning.reasons)
-        self.units: list[Unit] = []
-        for k, group in enumerate(self.partitioning.groups):
-            self.units.append(self._final_unit(k, group, built))
-        del built
-        self._plan_frees()
+        self._whole_ort: OrtUnit | None = None  # set when the whole model runs as one ORT session
         self._proven: set[int] = set()
-        if self.floor_budget > 0 and not opts.lazy_compile and any(isinstance(u, FusegraphUnit) for u in self.units):
-            self._whole_model_floor()
+        self.units: list[Unit] = []
+        known = self._cached_whole() if self.floor_budget > 0 and not opts.lazy_compile else None
+        if known is not None:  # a cached verdict: the whole model on ONNX Runtime, nothing built
+            self._go_whole_ort(known, None)
+        else:
+            built = self._settle_claimed()
+            self.sub_session_options = self._sub_session_options()  # spinning again where all went to ORT
+            self.reasons = dict(self.partitioning.reasons)
+            for k, group in enumerate(self.partitioning.groups):
+                self.units.append(self._final_unit(k, group, built))
+            del built
+            self._plan_frees()
+            if len(self.units) == 1 and isinstance(self.units[0], OrtUnit):
+                self._whole_ort = self.units[0]
+            if self.floor_budget > 0 and not opts.lazy_compile and any(isinstance(u, FusegraphUnit) for u in self.units):
+                self._whole_model_floor()
         self.setup_s = time.perf_counter() - t0
         self.last_peak_live = 0
         self.model_name = model_name
@@ -351,15 +358,48 @@ class SessionPlan:
         log.info("floor %s: fusegraph %.3f ms, ONNX Runtime %.3f ms", unit.name, fg_ms, ort_ms)
         return floor.decide(fg_ms, ort_ms)
 
+    def _whole_key(self) -> str:
+        """The whole-model verdict's content key: the model and how it is partitioned."""
+        nodes = list(self.og.nodes)
+        ins, outs = _read_outside(self.og, nodes)
+        shape = ",".join(f"{'f' if g.claimed else 'o'}{len(g.nodes)}" for g in self.partitioning.groups)
+        return f"whole|{floor.group_key(self.og, nodes, ins, outs)}|{shape}"
+
+    def _cached_whole(self) -> floor.Verdict | None:
+        """With every claimed group's verdict cached (releases applied), the cached whole-model
+        verdict when it says ONNX Runtime: then nothing needs building (a warm session of a
+        model fusegraph loses on costs little more than ONNX Runtime's own)."""
+        cache = self._verdict_cache()
+        if not self.partitioning.claimed:
+            return None
+        while True:
+            released = False
+            for group in self.partitioning.groups:
+                if not group.claimed:
+                    continue
+                nodes = [self.by_name[n] for n in group.nodes]
+                ins, outs = _read_outside(self.og, nodes)
+                v = cache.lookup(floor.group_key(self.og, nodes, ins, outs))
+                if v is None:
+                    return None
+                if not v.keep:
+                    self._release(group.nodes, v.describe())
+                    released = True
+            if not released:
+                break
+            self.partitioning = partition(self.pnodes, self.node_verdicts, min_size=self.opts.min_subgraph_size)
+        if not self.partitioning.claimed:
+            return floor.Verdict(False, source="cached", why="every claimed subgraph was handed back")
+        whole = cache.lookup(self._whole_key())
+        return whole if whole is not None and not whole.keep else None
+
     def _whole_model_floor(self) -> None:
         """The plan against ONNX Runtime running the whole model (boundary copies and the
         extra sub-session calls counted); the whole model goes to ONNX Runtime if it loses."""
         nodes = list(self.og.nodes)
         ins, outs = _read_outside(self.og, nodes)
         cache = self._verdict_cache()
-        content = "whole|" + floor.group_key(self.og, nodes, ins, outs) + "|" + ",".join(
-            f"{u.kind}:{len(u.nodes)}" for u in self.units
-        )
+        content = self._whole_key()
         verdict = cache.lookup(content)
         whole: OrtUnit | None = None
         if verdict is None:
@@ -378,16 +418,24 @@ class SessionPlan:
             cache.record(content, verdict)
             cache.flush()
         self.floor_whole = verdict
-        if verdict.keep:
-            return
+        if not verdict.keep:
+            self._go_whole_ort(verdict, whole)
+
+    def _go_whole_ort(self, verdict: floor.Verdict, whole: OrtUnit | None) -> None:
+        """The whole model as one ONNX Runtime session (the caller's session options)."""
+        self.floor_whole = verdict
+        nodes = list(self.og.nodes)
+        ins, outs = _read_outside(self.og, nodes)
         if whole is None:
             whole = OrtUnit("onnxruntime_0", self.og, nodes, ins, outs, self.sess_options, self.ort_providers, self.dump)
-        note = f"whole model: {verdict.describe()}"
-        for n in nodes:
-            self.reasons[n.name] = note
-            self.node_verdicts[n.name] = note
+        note = f"whole model {verdict.describe()}"
+        self.reasons = dict(self.partitioning.reasons)
+        for n in (n for g in self.partitioning.claimed for n in g.nodes):
+            self.reasons[n] = note
+            self.node_verdicts[n] = note
         self.partitioning = Partitioning([Group([n.name for n in nodes], False)], dict(self.reasons))
         self.units = [whole]
+        self._whole_ort = whole
         self.notes = {whole.name: note}
         self.compile_s = {}
         self._plan_frees()
@@ -571,6 +619,10 @@ class SessionPlan:
 
     # ---- running ---------------------------------------------------------------------------
     def run(self, feed: Mapping[str, Any], wanted: Sequence[str]) -> list[Any]:
+        whole = self._whole_ort
+        if whole is not None and whole.session is not None and all(w in whole.outputs for w in wanted):
+            # the whole model on ONNX Runtime: nothing to route, nothing held between units
+            return whole.session.run(list(wanted), {i: _ort_value(feed[i]) for i in whole.inputs})  # type: ignore[no-any-return]
         env: dict[str, Any] = dict(feed)
         live = LiveBytes()
         for k, unit in enumerate(self.units):
