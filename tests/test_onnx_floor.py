@@ -1,0 +1,243 @@
+"""The floor (fusegraph/onnx/floor.py): claimed subgraphs kept on fusegraph only where faster
+than ONNX Runtime. Timings are injected (a fake timer replaces ``floor.time_pair``), so no
+test depends on the machine's speed; numerics are checked against ONNX Runtime."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import fusegraph.onnx as fgo
+from fusegraph.onnx import floor
+from fusegraph.onnx.options import ProviderOptions
+
+
+def _chain(rng: np.random.Generator) -> onnx.ModelProto:
+    """conv -> relu | exp (excluded: ORT) | conv -> sigmoid: two claimed groups around one ORT node."""
+    w1 = (rng.standard_normal((4, 4, 3, 3)) * 0.3).astype(np.float32)
+    w2 = (rng.standard_normal((4, 4, 3, 3)) * 0.3).astype(np.float32)
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["a"], name="conv1", pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["a"], ["b"], name="relu1"),
+        helper.make_node("Neg", ["b"], ["c"], name="neg"),
+        helper.make_node("Conv", ["c", "w2"], ["d"], name="conv2", pads=[1, 1, 1, 1]),
+        helper.make_node("Sigmoid", ["d"], ["y"], name="sig"),
+    ]
+    g = helper.make_graph(
+        nodes, "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 6, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 6, 6])],
+        [numpy_helper.from_array(w1, "w1"), numpy_helper.from_array(w2, "w2")],
+    )
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    onnx.checker.check_model(m)
+    return m
+
+
+class FakeTimer:
+    """Returns the given (fusegraph ms, ORT ms) pairs in call order; calls each side once."""
+
+    def __init__(self, pairs: Sequence[tuple[float, float]]) -> None:
+        self.pairs = list(pairs)
+        self.calls = 0
+
+    def __call__(self, fg: floor.Call, ref: floor.Call, budget_s: float) -> tuple[float, float]:
+        assert budget_s >= 0
+        fg()
+        ref()
+        self.calls += 1
+        return self.pairs.pop(0)
+
+
+@pytest.fixture
+def fake_timer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    def install(pairs: Sequence[tuple[float, float]]) -> FakeTimer:
+        t = FakeTimer(pairs)
+        monkeypatch.setattr(floor, "time_pair", t)
+        return t
+
+    yield install
+
+
+def _session(model: onnx.ModelProto, cache: Path, **opts: Any) -> fgo.InferenceSession:
+    o = {"engine": "reference", "torch_mlir_tier": "off", "op_types_to_exclude": "Neg",
+         "floor": "on", "cache_dir": str(cache), **opts}
+    return fgo.InferenceSession(model.SerializeToString(), providers=[(fgo.PROVIDER, o), "CPUExecutionProvider"])
+
+
+def _check(sess: fgo.InferenceSession, model: onnx.ModelProto, rng: np.random.Generator) -> None:
+    x = rng.standard_normal((1, 4, 6, 6)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (got,), (want,) = sess.run(None, {"x": x}), ref.run(None, {"x": x})
+    assert not np.isnan(got).any()
+    err = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want.astype(np.float64))
+    assert err < 1e-5, f"relative error {err:.2e}"
+
+
+# ---- the decision --------------------------------------------------------------------------------
+def test_decide_keeps_only_clearly_faster() -> None:
+    assert floor.decide(0.5, 1.0).keep
+    assert not floor.decide(1.0, 1.0).keep  # a tie goes to ONNX Runtime
+    assert not floor.decide(0.99, 1.0).keep  # within the margin: noise
+    assert not floor.decide(2.0, 1.0).keep
+    v = floor.decide(2.0, 1.0)
+    assert "2.000 ms" in v.describe() and "1.000 ms" in v.describe() and "ONNX Runtime" in v.describe()
+
+
+def test_slower_unit_is_handed_back_and_merged_with_its_ort_neighbour(
+    rng: np.random.Generator, tmp_path: Path, fake_timer: Any
+) -> None:
+    model = _chain(rng)
+    # first claimed group slower, second faster, then the whole plan faster than ORT alone
+    timer = fake_timer([(2.0, 1.0), (0.5, 1.0), (0.5, 1.0)])
+    sess = _session(model, tmp_path)
+    assert timer.calls == 3
+    rep = sess.partition_report()
+    kinds = [(s.kind, sorted(s.op_types)) for s in rep.subgraphs]
+    # conv1+relu1 joined the Neg's ONNX Runtime unit: two units, not three
+    assert kinds == [("onnxruntime", ["Conv", "Neg", "Relu"]), ("fusegraph", ["Conv", "Sigmoid"])]
+    ort_unit, fg_unit = rep.subgraphs
+    assert "handed to ONNX Runtime" in ort_unit.note and "2.000 ms" in ort_unit.note
+    assert fg_unit.fusegraph_ms == 0.5 and fg_unit.ort_ms == 1.0 and "kept on fusegraph" in fg_unit.floor
+    assert "kept on fusegraph" in rep.floor
+    reasons = {u.node: u.reason for u in rep.unclaimed}
+    assert "handed to ONNX Runtime" in reasons["conv1"] and "op_types_to_exclude" in reasons["neg"]
+    assert "floor" in str(rep) and rep.to_dict()["subgraphs"][1]["fusegraph_ms"] == 0.5
+    _check(sess, model, rng)
+
+
+def test_whole_model_that_loses_runs_on_onnxruntime(rng: np.random.Generator, tmp_path: Path, fake_timer: Any) -> None:
+    model = _chain(rng)
+    fake_timer([(0.5, 1.0), (0.5, 1.0), (3.0, 1.0)])  # each unit wins, the whole plan loses
+    sess = _session(model, tmp_path)
+    rep = sess.partition_report()
+    assert [s.kind for s in rep.subgraphs] == ["onnxruntime"] and rep.fusegraph_nodes == 0
+    assert "whole model" in rep.floor and "handed to ONNX Runtime" in rep.floor
+    _check(sess, model, rng)
+
+
+def test_verdicts_are_cached_per_machine(rng: np.random.Generator, tmp_path: Path, fake_timer: Any) -> None:
+    model = _chain(rng)
+    fake_timer([(2.0, 1.0), (0.5, 1.0), (0.5, 1.0)])
+    first = [s.kind for s in _session(model, tmp_path).partition_report().subgraphs]
+    again = fake_timer([])  # a later session decides without timing anything
+    sess = _session(model, tmp_path)
+    assert again.calls == 0
+    rep = sess.partition_report()
+    assert [s.kind for s in rep.subgraphs] == first
+    assert "(cached)" in rep.subgraphs[0].note and "(cached)" in rep.subgraphs[1].floor
+    _check(sess, model, rng)
+    # another machine (or versions) has its own verdicts
+    here = floor.VerdictCache(str(tmp_path), "machine A")
+    here.record("k", floor.decide(2.0, 1.0))
+    here.flush()
+    assert floor.VerdictCache(str(tmp_path), "machine A").lookup("k") == floor.Verdict(False, 2.0, 1.0, "cached")
+    assert floor.VerdictCache(str(tmp_path), "machine B").lookup("k") is None
+
+
+def test_cached_whole_model_verdict_builds_nothing(
+    rng: np.random.Generator, tmp_path: Path, fake_timer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _chain(rng)
+    fake_timer([(0.5, 1.0), (0.5, 1.0), (3.0, 1.0)])
+    _session(model, tmp_path)
+    from fusegraph.onnx import plan
+
+    def no_build(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a unit was built although the cached verdict is ONNX Runtime")
+
+    monkeypatch.setattr(plan.SessionPlan, "_fusegraph_unit", no_build)
+    sess = _session(model, tmp_path)
+    assert [s.kind for s in sess.partition_report().subgraphs] == ["onnxruntime"]
+    _check(sess, model, rng)
+
+
+def test_floor_off_and_pinned_engine_measure_nothing(rng: np.random.Generator, tmp_path: Path, fake_timer: Any) -> None:
+    model = _chain(rng)
+    timer = fake_timer([])
+    for opts in ({"floor": "off"}, {"floor": "auto"}):  # auto: off where an engine is pinned
+        rep = _session(model, tmp_path, **opts).partition_report()
+        assert [s.kind for s in rep.subgraphs] == ["fusegraph", "onnxruntime", "fusegraph"]
+        assert rep.subgraphs[0].floor == "floor: off" and rep.floor == ""
+    assert timer.calls == 0
+
+
+def test_unit_that_disagrees_is_handed_back(
+    rng: np.random.Generator, tmp_path: Path, fake_timer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _chain(rng)
+    timer = fake_timer([])
+    monkeypatch.setattr(floor, "agreement", lambda got, want: 0.5)
+    rep = _session(model, tmp_path).partition_report()
+    assert timer.calls == 0 and rep.fusegraph_nodes == 0
+    assert "disagrees with ONNX Runtime" in rep.subgraphs[0].note
+
+
+def test_boundary_copies_are_counted(rng: np.random.Generator, tmp_path: Path) -> None:
+    """NHWC inside the claimed conv groups: the feed is laid out on entry, each conv group's
+    output made contiguous for ONNX Runtime or the caller, ORT's output laid out again."""
+    rep = _session(_chain(rng), tmp_path, floor="off", channels_last="on").partition_report()
+    b = rep.boundaries
+    assert b.values == 3  # x -> unit 0, b -> Neg, c -> unit 2
+    assert b.copies == 4 and b.copy_bytes == 4 * 4 * 6 * 6 * 4
+    assert "4 copied" in str(rep)
+    flat = _session(_chain(rng), tmp_path, floor="off", channels_last="off").partition_report()
+    assert flat.boundaries.copies == 0
+
+
+# ---- pieces ---------------------------------------------------------------------------------------
+def test_group_key_ignores_names_and_weights(rng: np.random.Generator) -> None:
+    from fusegraph.onnx.model import specialize
+
+    def key(model: onnx.ModelProto) -> str:
+        og = specialize(model, {"x": (1, 4, 6, 6)})
+        return floor.group_key(og, og.nodes, ["x"], ["y"])
+
+    a = _chain(rng)
+    b = _chain(rng)  # other weights
+    for n in b.graph.node:
+        n.name = n.name + "_renamed"
+    assert key(a) == key(b)
+    c = _chain(rng)
+    c.graph.node[0].attribute[0].ints[:] = [0, 0, 0, 0]  # other pads: another sub-model
+    c.graph.output[0].type.tensor_type.shape.dim[2].dim_value = 2
+    c.graph.output[0].type.tensor_type.shape.dim[3].dim_value = 2
+    c.graph.node[3].attribute[0].ints[:] = [0, 0, 0, 0]
+    assert key(a) != key(c)
+
+
+def test_time_pair_alternates_blocks() -> None:
+    order: list[str] = []
+    fg_ms, ort_ms = floor.time_pair(lambda: order.append("f"), lambda: order.append("o"), 0.0)
+    assert fg_ms >= 0 and ort_ms >= 0
+    runs_per_block = floor.MIN_RUNS + 1  # a warm-up run, then the timed ones
+    blocks = [order[i:i + runs_per_block] for i in range(0, len(order), runs_per_block)]
+    assert len(blocks) == 2 * floor.ROUNDS and all(len(set(b)) == 1 for b in blocks)
+    assert [b[0] for b in blocks] == ["f", "o", "o", "f", "f", "o"]
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"), [("auto", "auto"), ("1", "on"), ("off", "off"), (0, "off"), ("2.5", "2.5"), ("", "auto")]
+)
+def test_floor_option(raw: Any, want: str) -> None:
+    assert ProviderOptions.parse({"floor": raw}).floor == want
+
+
+@pytest.mark.parametrize("raw", ["-1", "fast", "nan", "inf"])
+def test_floor_option_rejects(raw: str) -> None:
+    with pytest.raises(ValueError, match="floor"):
+        ProviderOptions.parse({"floor": raw})
+
+
+def test_floor_budget() -> None:
+    assert ProviderOptions.parse({}).floor_budget(pinned=False) > 0
+    assert ProviderOptions.parse({}).floor_budget(pinned=True) == 0
+    assert ProviderOptions.parse({"floor": "on"}).floor_budget(pinned=True) > 0
+    assert ProviderOptions.parse({"floor": "3"}).floor_budget(pinned=False) == 3.0
