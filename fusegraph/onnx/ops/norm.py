@@ -1,0 +1,183 @@
+"""Normalizations, softmax and reductions: BatchNormalization (folded to a per-channel
+scale and shift when its statistics are constant), LayerNormalization, InstanceNormalization,
+LRN, Softmax/LogSoftmax, Reduce*."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from fusegraph.graph.ops import PoolingMode, ReductionMode
+from fusegraph.graph.tensor import TensorAttr
+from fusegraph.onnx.ops.common import channel_vector, ints, is_read, per_channel, reshape, rows
+from fusegraph.onnx.ops.table import Unmappable, lowers
+
+if TYPE_CHECKING:
+    from fusegraph.onnx.importer import Importer
+    from fusegraph.onnx.model import ONode
+
+
+@lowers("BatchNormalization")
+def lower_batchnorm(imp: Importer, node: ONode) -> None:
+    if int(node.attr("training_mode", 0)):
+        raise Unmappable("BatchNormalization: training_mode=1 (inference only)")
+    if imp.og.opset < 9 and int(node.attr("spatial", 1)) == 0:
+        raise Unmappable("BatchNormalization: spatial=0")
+    if imp.og.opset < 7 and not int(node.attr("is_test", 0)):
+        raise Unmappable("BatchNormalization: is_test=0")
+    for extra in node.outputs[1:]:
+        if extra and is_read(imp, extra):
+            raise Unmappable(f"BatchNormalization: statistics output '{extra}' is used (inference only)")
+    eps = float(node.attr("epsilon", 1e-5))
+    xs = imp.shape(node.inputs[0])
+    x = imp.tensor(node.inputs[0])
+    names = node.inputs[1:5]
+    if all(imp.is_const(n) for n in names):
+        scale, bias, mean, var = (imp.og.constants[n].astype(np.float64) for n in names)
+        a = scale / np.sqrt(var + eps)
+        b = bias - mean * a
+        dt = x.dtype.numpy
+        at = imp.constant(per_channel(a.astype(dt), len(xs)), f"{names[0]}_folded")
+        bt = imp.constant(per_channel(b.astype(dt), len(xs)), f"{names[1]}_folded")
+        imp.set(node.outputs[0], imp.g.add(imp.g.mul(x, at), bt))
+        return
+    ts, tb, tm, tv = (imp.tensor(n, "plain") for n in names)
+    imp.set(node.outputs[0], imp.g.batchnorm_inference(x, ts, tb, tm, tv, epsilon=eps))
+
+
+@lowers("LayerNormalization")
+def lower_layernorm(imp: Importer, node: ONode) -> None:
+    for extra in node.outputs[1:]:
+        if extra and is_read(imp, extra):
+            raise Unmappable(f"LayerNormalization: output '{extra}' (Mean/InvStdDev) is used")
+    xs = imp.shape(node.inputs[0])
+    axis = int(node.attr("axis", -1)) % len(xs)
+    if axis == 0:
+        raise Unmappable("LayerNormalization: axis=0 (normalizing over the batch axis too)")
+    eps = float(node.attr("epsilon", 1e-5))
+    x = imp.tensor(node.inputs[0], "plain")
+    x2, _, inner = rows(imp, x, axis)
+    feat = tuple(xs[axis:])
+
+    def param(name: str | None, fill: float) -> TensorAttr:
+        if name and imp.is_const(name):
+            arr = np.broadcast_to(imp.og.constants[name], feat).reshape(1, inner)
+            return imp.constant(np.ascontiguousarray(arr), name, "plain")
+        if name:
+            t = imp.tensor(name, "plain")
+            if tuple(t.dim) != feat:
+                raise Unmappable(f"LayerNormalization: non-constant '{name}' {t.dim} must have dims {list(feat)}")
+            return reshape(imp, t, (1, inner))
+        return imp.constant(np.full((1, inner), fill, dtype=x.dtype.numpy), "ln_zero_bias", "plain")
+
+    scale = param(node.inputs[1], 1.0)
+    bias = param(node.inputs[2] if len(node.inputs) > 2 else None, 0.0)
+    y, _, _ = imp.g.layernorm(x2, scale, bias, epsilon=eps)
+    imp.set(node.outputs[0], reshape(imp, y, xs))
+
+
+@lowers("InstanceNormalization")
+def lower_instancenorm(imp: Importer, node: ONode) -> None:
+    xs = imp.shape(node.inputs[0])
+    if len(xs) < 3:
+        raise Unmappable(f"InstanceNormalization: input rank {len(xs)} < 3")
+    eps = float(node.attr("epsilon", 1e-5))
+    x = imp.tensor(node.inputs[0], "plain")
+    n, c, sp = xs[0], xs[1], math.prod(xs[2:])
+    dt = x.dtype.numpy
+    x2 = reshape(imp, x, (n * c, sp))
+    ones = imp.constant(np.ones((1, sp), dtype=dt), "in_one", "plain")
+    zeros = imp.constant(np.zeros((1, sp), dtype=dt), "in_zero", "plain")
+    y, _, _ = imp.g.layernorm(x2, ones, zeros, epsilon=eps)
+    y = reshape(imp, y, xs)
+    y = imp.g.mul(y, channel_vector(imp, node.inputs[1], len(xs)))
+    y = imp.g.add(y, channel_vector(imp, node.inputs[2], len(xs)))
+    imp.set(node.outputs[0], y)
+
+
+@lowers("LRN", spatial=True)
+def lower_lrn(imp: Importer, node: ONode) -> None:
+    """x / (bias + alpha/size * sum of squares over a channel window) ** beta.
+
+    The channel-window sum is an average pool over a [N, 1, C, spatial] view of x².
+    """
+    xs = imp.shape(node.inputs[0])
+    if len(xs) < 3:
+        raise Unmappable(f"LRN: input rank {len(xs)} < 3")
+    size = int(node.attr("size"))
+    alpha, beta = float(node.attr("alpha", 1e-4)), float(node.attr("beta", 0.75))
+    bias = float(node.attr("bias", 1.0))
+    if size < 1:
+        raise Unmappable(f"LRN: size={size}")
+    x = imp.tensor(node.inputs[0])
+    n, c, sp = xs[0], xs[1], math.prod(xs[2:])
+    sq = imp.g.mul(x, x)
+    v = reshape(imp, sq, (n, 1, c, sp))
+    pre, post = (size - 1) // 2, size - 1 - (size - 1) // 2
+    if size == 1:
+        avg = v
+    else:
+        avg = imp.g.pooling(
+            v, PoolingMode.AVG_INCLUDE_PAD, window=(size, 1), stride=(1, 1),
+            pre_padding=(pre, 0), post_padding=(post, 0),
+        )
+    avg = reshape(imp, avg, xs)
+    t = imp.g.add(imp.g.mul(avg, imp.scalar(alpha, x.dtype)), imp.scalar(bias, x.dtype))
+    den = imp.g.pow(t, imp.scalar(beta, x.dtype))
+    imp.set(node.outputs[0], imp.g.div(x, den))
+
+
+_REDUCE = {
+    "ReduceSum": ReductionMode.SUM, "ReduceMean": ReductionMode.AVG, "ReduceMax": ReductionMode.MAX,
+    "ReduceMin": ReductionMode.MIN, "ReduceProd": ReductionMode.MUL, "ReduceL1": ReductionMode.NORM1,
+    "ReduceL2": ReductionMode.NORM2, "ReduceSumSquare": ReductionMode.SUM, "ReduceLogSum": ReductionMode.SUM,
+}
+
+
+@lowers(*_REDUCE)
+def lower_reduce(imp: Importer, node: ONode) -> None:
+    op = node.op_type
+    xs = imp.shape(node.inputs[0])
+    axes_as_input = imp.og.opset >= (13 if op == "ReduceSum" else 18)
+    if axes_as_input:
+        axes_v = imp.const(node.inputs[1], "axes") if len(node.inputs) > 1 and node.inputs[1] else None
+        axes = ints(axes_v.reshape(-1)) if axes_v is not None else []
+    else:
+        axes = ints(node.attr("axes", []))
+    keep = int(node.attr("keepdims", 1))
+    x = imp.tensor(node.inputs[0], "plain")
+    if not axes:
+        if int(node.attr("noop_with_empty_axes", 0)):
+            imp.set(node.outputs[0], imp.g.identity(x))
+            return
+        axes = list(range(len(xs)))
+    axes = sorted({a % len(xs) for a in axes})
+    if not keep and len(axes) == len(xs):
+        raise Unmappable(f"{op}: keepdims=0 over every axis gives a rank-0 tensor")
+    src = imp.g.mul(x, x) if op == "ReduceSumSquare" else x
+    y = imp.g.reduction(src, _REDUCE[op], axes=axes)
+    if op == "ReduceLogSum":
+        y = imp.g.log(y)
+    if not keep:
+        y = reshape(imp, y, [d for i, d in enumerate(xs) if i not in axes])
+    imp.set(node.outputs[0], y)
+
+
+@lowers("Softmax", "LogSoftmax")
+def lower_softmax(imp: Importer, node: ONode) -> None:
+    xs = imp.shape(node.inputs[0])
+    log = node.op_type == "LogSoftmax"
+    x = imp.tensor(node.inputs[0], "plain")
+    if imp.og.opset < 13:
+        axis = int(node.attr("axis", 1)) % len(xs)
+        if axis == len(xs) - 1:
+            y = imp.g.softmax(x, axis=axis, log=log)
+        else:
+            x2, _, _ = rows(imp, x, axis)
+            y = reshape(imp, imp.g.softmax(x2, axis=1, log=log), xs)
+    else:
+        axis = int(node.attr("axis", -1)) % len(xs)
+        y = imp.g.softmax(x, axis=axis, log=log)
+    imp.set(node.outputs[0], y)

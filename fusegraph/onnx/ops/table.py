@@ -1,0 +1,69 @@
+"""The ONNX op table: ONNX op type -> the lowering that turns one node into fusegraph ops.
+
+Every lowering is registered with :func:`lowers` in the module of its family (``conv``,
+``gemm``, ``elementwise``, ``norm``, ``shape``), directly above its function, and checks
+the node's attributes first: what it cannot express it rejects by raising
+:class:`Unmappable` with the op type, the attribute and its value, which the partition
+report shows as the reason the node stays on ONNX Runtime. The claim rule reads this table
+alone (``Importer.lower``): an op type that is not in it is unclaimed with "no fusegraph
+lowering", so adding an ONNX op is one registered function.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from fusegraph.onnx.importer import Importer
+    from fusegraph.onnx.model import ONode
+
+
+class Unmappable(Exception):
+    """This node cannot become fusegraph ops; ``reason`` says exactly why."""
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+        super().__init__(reason)
+
+
+Lowering = Callable[["Importer", "ONode"], None]
+F = TypeVar("F", bound=Lowering)
+
+
+@dataclass(frozen=True)
+class OpEntry:
+    """One row of the table."""
+
+    op_type: str
+    lower: Lowering
+    family: str  # the module that holds the lowering
+    spatial: bool  # a partition holding this op keeps its activations channels-last
+
+
+TABLE: dict[str, OpEntry] = {}
+
+
+def register(op_type: str, fn: Lowering, *, spatial: bool = False) -> None:
+    """Adds ``op_type`` to the table; an op type has exactly one lowering."""
+    if op_type in TABLE:
+        raise ValueError(f"ONNX op type {op_type} already lowered by {TABLE[op_type].family}")
+    family = getattr(fn, "__module__", "").rsplit(".", 1)[-1]
+    TABLE[op_type] = OpEntry(op_type, fn, family, spatial)
+
+
+def lowers(*op_types: str, spatial: bool = False) -> Callable[[F], F]:
+    """Decorator: the function lowers nodes of these ONNX op types (default domain)."""
+
+    def add(fn: F) -> F:
+        for op in op_types:
+            register(op, fn, spatial=spatial)
+        return fn
+
+    return add
+
+
+def lowering_for(op_type: str) -> Lowering | None:
+    entry = TABLE.get(op_type)
+    return entry.lower if entry is not None else None
