@@ -25,7 +25,10 @@ from fusegraph.graph.ops import (
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.runtime.buffer import Buffer
 from fusegraph.runtime.handle import Handle
-from fusegraph.select.modes import BuildPlanPolicy, HeurMode
+
+# Importing the selection layer registers the planner behind Graph's plan methods
+# (build, execute, ...: the seam in graph/seam.py); users always have it.
+from fusegraph.select import BuildPlanPolicy, HeurMode
 
 __all__ = [
     "Buffer",

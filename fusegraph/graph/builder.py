@@ -1,0 +1,614 @@
+"""The builder methods users write graphs with (cuDNN frontend names and signatures).
+
+Each method checks its arguments, packs them into the op's frozen attribute dataclass
+(graph/ops.py) and hands the node to ``Graph._add_node``; inference and validation live
+with the IR in graph/graph.py. Kept apart so that the IR reads on one screen and a new
+op's method has one obvious home.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fusegraph.dtypes import DataType
+from fusegraph.errors import ValidationError
+from fusegraph.graph.node import Node
+from fusegraph.graph.ops import (
+    POINTWISE,
+    ConcatAttrs,
+    ConvAttrs,
+    MatmulAttrs,
+    NormAttrs,
+    NormFwdPhase,
+    OpAttrs,
+    OpKind,
+    PointwiseAttrs,
+    PointwiseMode,
+    PoolingAttrs,
+    PoolingMode,
+    ReductionAttrs,
+    ReductionMode,
+    ReshapeAttrs,
+    SdpaAttrs,
+    SliceAttrs,
+    SoftmaxAttrs,
+    TransposeAttrs,
+)
+from fusegraph.graph.tensor import Scalar, TensorAttr
+
+Ints = Sequence[int]
+Epsilon = float | TensorAttr
+
+
+def _name_of(t: Any) -> str | None:
+    return t.name if isinstance(t, TensorAttr) else None
+
+
+class GraphBuilder:
+    """The op-adding methods of ``Graph`` (a mixin: the IR half is ``graph.Graph``)."""
+
+    if TYPE_CHECKING:  # provided by graph.Graph, the one class users construct
+
+        def scalar(self, value: Scalar, data_type: Any = None) -> TensorAttr: ...
+
+        def _add_node(
+            self,
+            kind: OpKind,
+            attrs: OpAttrs,
+            inputs: Mapping[str, TensorAttr | None],
+            name: str | None,
+            outputs: Sequence[str] | None = None,
+        ) -> Node: ...
+
+        def _try_infer(self, node: Node) -> None: ...
+
+        def _compute_default(self, compute_data_type: Any) -> DataType | None: ...
+
+    # ---- convolutions ---------------------------------------------------------------------
+    def _conv_attrs(
+        self,
+        nsp: int,
+        padding: Ints | None,
+        stride: Ints | None,
+        dilation: Ints | None,
+        pre_padding: Ints | None,
+        post_padding: Ints | None,
+        compute_data_type: Any,
+    ) -> ConvAttrs:
+        pad = tuple(padding) if padding is not None else (0,) * nsp
+        return ConvAttrs(
+            pre_padding=tuple(int(p) for p in (pre_padding if pre_padding is not None else pad)),
+            post_padding=tuple(int(p) for p in (post_padding if post_padding is not None else pad)),
+            stride=tuple(int(s) for s in (stride if stride is not None else (1,) * nsp)),
+            dilation=tuple(int(d) for d in (dilation if dilation is not None else (1,) * nsp)),
+            compute_data_type=self._compute_default(compute_data_type),
+        )
+
+    @staticmethod
+    def _nsp(a: Any, b: Any, *given: Ints | None) -> int:
+        """Spatial axes of a convolution, from whichever operand already has dims (a
+        dgrad output gets its dims only later), else from the lengths the caller gave."""
+        for t in (a, b):
+            if isinstance(t, TensorAttr) and t._dim is not None:
+                return max(len(t._dim) - 2, 0)
+        for values in given:
+            if values is not None:
+                return len(values)
+        return 0
+
+    def conv_fprop(
+        self,
+        image: TensorAttr,
+        weight: TensorAttr,
+        padding: Ints | None = None,
+        stride: Ints | None = None,
+        dilation: Ints | None = None,
+        *,
+        pre_padding: Ints | None = None,
+        post_padding: Ints | None = None,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> TensorAttr:
+        """y = conv(image, weight); groups = image channels / weight.dim[1]."""
+        attrs = self._conv_attrs(
+            self._nsp(image, weight, padding, stride, dilation, pre_padding, post_padding),
+            padding, stride, dilation, pre_padding, post_padding, compute_data_type,
+        )
+        return self._add_node(OpKind.CONV_FPROP, attrs, {"x": image, "w": weight}, name).outputs["y"]
+
+    def conv_dgrad(
+        self,
+        loss: TensorAttr,
+        filter: TensorAttr,
+        padding: Ints | None = None,
+        stride: Ints | None = None,
+        dilation: Ints | None = None,
+        *,
+        pre_padding: Ints | None = None,
+        post_padding: Ints | None = None,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> TensorAttr:
+        """dx of a convolution; set its dims with ``.set_dim(...)`` before validate()."""
+        attrs = self._conv_attrs(
+            self._nsp(loss, filter, padding, stride, dilation, pre_padding, post_padding),
+            padding, stride, dilation, pre_padding, post_padding, compute_data_type,
+        )
+        return self._add_node(OpKind.CONV_DGRAD, attrs, {"dy": loss, "w": filter}, name).outputs["dx"]
+
+    def conv_wgrad(
+        self,
+        image: TensorAttr,
+        loss: TensorAttr,
+        padding: Ints | None = None,
+        stride: Ints | None = None,
+        dilation: Ints | None = None,
+        *,
+        pre_padding: Ints | None = None,
+        post_padding: Ints | None = None,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> TensorAttr:
+        """dw of a convolution; set its dims with ``.set_dim(...)`` before validate()."""
+        attrs = self._conv_attrs(
+            self._nsp(image, loss, padding, stride, dilation, pre_padding, post_padding),
+            padding, stride, dilation, pre_padding, post_padding, compute_data_type,
+        )
+        return self._add_node(OpKind.CONV_WGRAD, attrs, {"x": image, "dy": loss}, name).outputs["dw"]
+
+    # ---- matmul -----------------------------------------------------------------------------
+    def matmul(
+        self, A: TensorAttr, B: TensorAttr, *, compute_data_type: Any = None, name: str | None = None
+    ) -> TensorAttr:
+        """C[..., M, N] = A[..., M, K] @ B[..., K, N]; batch dims broadcast."""
+        attrs = MatmulAttrs(self._compute_default(compute_data_type))
+        return self._add_node(OpKind.MATMUL, attrs, {"a": A, "b": B}, name).outputs["c"]
+
+    # ---- pointwise ----------------------------------------------------------------------------
+    def pointwise(
+        self,
+        a: TensorAttr,
+        b: TensorAttr | None = None,
+        c: TensorAttr | None = None,
+        mode: PointwiseMode = PointwiseMode.IDENTITY,
+        *,
+        compute_data_type: Any = None,
+        name: str | None = None,
+        **params: float,
+    ) -> TensorAttr:
+        """An elementwise op with NumPy broadcasting; ``params`` as in the op table."""
+        try:
+            mode = PointwiseMode(mode)
+        except ValueError:
+            raise ValidationError(f"unknown pointwise mode {mode!r}", node=name, tensor=_name_of(a)) from None
+        spec = POINTWISE[mode]
+        allowed = dict(spec.params)
+        for key, value in params.items():
+            if key not in allowed:
+                raise ValidationError(
+                    f"{mode.name} has no parameter '{key}' (it takes: {sorted(allowed) or 'none'})",
+                    node=name,
+                    tensor=_name_of(a),
+                )
+            if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+                raise ValidationError(
+                    f"{mode.name} parameter '{key}' must be a number, got {value!r}",
+                    node=name,
+                    tensor=_name_of(a),
+                )
+        values = tuple((k, float(params.get(k, d))) for k, d in spec.params)
+        attrs = PointwiseAttrs(mode, values, self._compute_default(compute_data_type))
+        return self._add_node(OpKind.POINTWISE, attrs, {"a": a, "b": b, "c": c}, name).outputs["y"]
+
+    def _pw(
+        self,
+        mode: PointwiseMode,
+        a: TensorAttr,
+        b: TensorAttr | None = None,
+        c: TensorAttr | None = None,
+        *,
+        name: str | None,
+        **params: float,
+    ) -> TensorAttr:
+        return self.pointwise(a, b, c, mode=mode, name=name, **params)
+
+    def add(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.ADD, a, b, name=name)
+
+    def bias(self, input: TensorAttr, bias: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.ADD, input, bias, name=name)
+
+    def sub(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.SUB, a, b, name=name)
+
+    def mul(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.MUL, a, b, name=name)
+
+    def scale(self, input: TensorAttr, scale: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.MUL, input, scale, name=name)
+
+    def div(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.DIV, a, b, name=name)
+
+    def max(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.MAX, a, b, name=name)
+
+    def min(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.MIN, a, b, name=name)
+
+    def pow(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.POW, a, b, name=name)
+
+    def abs(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.ABS, input, name=name)
+
+    def neg(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.NEG, input, name=name)
+
+    def exp(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.EXP, input, name=name)
+
+    def log(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.LOG, input, name=name)
+
+    def sqrt(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.SQRT, input, name=name)
+
+    def rsqrt(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.RSQRT, input, name=name)
+
+    def reciprocal(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.RECIPROCAL, input, name=name)
+
+    def sin(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.SIN, input, name=name)
+
+    def cos(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.COS, input, name=name)
+
+    def erf(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.ERF, input, name=name)
+
+    def floor(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.FLOOR, input, name=name)
+
+    def ceil(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.CEIL, input, name=name)
+
+    def identity(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.IDENTITY, input, name=name)
+
+    def relu(
+        self,
+        input: TensorAttr,
+        negative_slope: float | None = None,
+        lower_clip: float | None = None,
+        upper_clip: float | None = None,
+        name: str | None = None,
+    ) -> TensorAttr:
+        """Clamped, leaky ReLU: slope ``negative_slope`` below ``lower_clip`` (default 0)."""
+        return self.pointwise(
+            input,
+            mode=PointwiseMode.RELU_FWD,
+            name=name,
+            relu_lower_clip_slope=0.0 if negative_slope is None else negative_slope,
+            relu_lower_clip=0.0 if lower_clip is None else lower_clip,
+            relu_upper_clip=math.inf if upper_clip is None else upper_clip,
+        )
+
+    def leaky_relu(self, input: TensorAttr, negative_slope: float = 0.01, name: str | None = None) -> TensorAttr:
+        return self.relu(input, negative_slope=negative_slope, name=name)
+
+    def tanh(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.TANH_FWD, input, name=name)
+
+    def sigmoid(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.SIGMOID_FWD, input, name=name)
+
+    def gelu(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.GELU_FWD, input, name=name)
+
+    def gelu_approx_tanh(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.GELU_APPROX_TANH_FWD, input, name=name)
+
+    def elu(self, input: TensorAttr, alpha: float = 1.0, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.ELU_FWD, input, name=name, elu_alpha=alpha)
+
+    def swish(self, input: TensorAttr, beta: float = 1.0, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.SWISH_FWD, input, name=name, swish_beta=beta)
+
+    def softplus(self, input: TensorAttr, beta: float = 1.0, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.SOFTPLUS_FWD, input, name=name, softplus_beta=beta)
+
+    def cmp_eq(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.CMP_EQ, a, b, name=name)
+
+    def cmp_neq(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.CMP_NEQ, a, b, name=name)
+
+    def cmp_gt(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.CMP_GT, a, b, name=name)
+
+    def cmp_ge(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.CMP_GE, a, b, name=name)
+
+    def cmp_lt(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.CMP_LT, a, b, name=name)
+
+    def cmp_le(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.CMP_LE, a, b, name=name)
+
+    def logical_and(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.LOGICAL_AND, a, b, name=name)
+
+    def logical_or(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.LOGICAL_OR, a, b, name=name)
+
+    def logical_not(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.LOGICAL_NOT, input, name=name)
+
+    def binary_select(
+        self, input0: TensorAttr, input1: TensorAttr, mask: TensorAttr, name: str | None = None
+    ) -> TensorAttr:
+        """``input0`` where ``mask`` is true, else ``input1``."""
+        return self._pw(PointwiseMode.BINARY_SELECT, input0, input1, mask, name=name)
+
+    def relu_backward(self, loss: TensorAttr, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.RELU_BWD, loss, input, name=name)
+
+    def gelu_backward(self, loss: TensorAttr, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.GELU_BWD, loss, input, name=name)
+
+    def tanh_backward(self, loss: TensorAttr, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.TANH_BWD, loss, input, name=name)
+
+    def sigmoid_backward(self, loss: TensorAttr, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.SIGMOID_BWD, loss, input, name=name)
+
+    # ---- reductions, norms, pooling, attention ------------------------------------------------
+    def reduction(
+        self,
+        input: TensorAttr,
+        mode: ReductionMode = ReductionMode.SUM,
+        dim: Ints | None = None,
+        *,
+        axes: Ints | None = None,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> TensorAttr:
+        """Reduce to ``dim`` (same rank, 1 on reduced axes), or over ``axes``."""
+        attrs = ReductionAttrs(mode, self._compute_default(compute_data_type))
+        node = self._add_node(OpKind.REDUCTION, attrs, {"x": input}, name)
+        y = node.outputs["y"]
+        if dim is not None and axes is not None:
+            raise ValidationError("give dim= or axes=, not both", node=node.name)
+        if axes is not None:
+            if input._dim is None:
+                raise ValidationError(
+                    "reduction: axes= needs the input's dims, which are not known yet; pass dim=",
+                    node=node.name,
+                    tensor=input.name,
+                )
+            rank = len(input.dim)
+            if any(not -rank <= int(a) < rank for a in axes):
+                raise ValidationError(
+                    f"reduction: axes {list(axes)} out of range for input dims {input.dim}",
+                    node=node.name,
+                    tensor=input.name,
+                )
+            ax = {int(a) % rank for a in axes}
+            dim = [1 if i in ax else d for i, d in enumerate(input.dim)]
+        if dim is not None:
+            y.set_dim(dim)
+            self._try_infer(node)
+        return y
+
+    def _eps(self, epsilon: Epsilon) -> TensorAttr:
+        if isinstance(epsilon, TensorAttr):
+            return epsilon
+        return self.scalar(float(epsilon), DataType.FLOAT)
+
+    def batchnorm_inference(
+        self,
+        input: TensorAttr,
+        scale: TensorAttr,
+        bias: TensorAttr,
+        mean: TensorAttr,
+        var: TensorAttr,
+        epsilon: Epsilon = 1e-5,
+        *,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> TensorAttr:
+        """y = (x - mean) / sqrt(var + eps) * scale + bias, per channel (axis 1)."""
+        attrs = NormAttrs(NormFwdPhase.INFERENCE, self._compute_default(compute_data_type))
+        ins = {"x": input, "scale": scale, "bias": bias, "mean": mean, "var": var, "epsilon": self._eps(epsilon)}
+        return self._add_node(OpKind.BATCHNORM_INFERENCE, attrs, ins, name).outputs["y"]
+
+    def batchnorm(
+        self,
+        input: TensorAttr,
+        scale: TensorAttr,
+        bias: TensorAttr,
+        epsilon: Epsilon = 1e-5,
+        *,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> tuple[TensorAttr, TensorAttr, TensorAttr]:
+        """Training batchnorm over (N, spatial): returns (y, saved_mean, saved_inv_var)."""
+        attrs = NormAttrs(NormFwdPhase.TRAINING, self._compute_default(compute_data_type))
+        ins = {"x": input, "scale": scale, "bias": bias, "epsilon": self._eps(epsilon)}
+        o = self._add_node(OpKind.BATCHNORM, attrs, ins, name).outputs
+        return o["y"], o["mean"], o["inv_var"]
+
+    def layernorm(
+        self,
+        input: TensorAttr,
+        scale: TensorAttr,
+        bias: TensorAttr,
+        epsilon: Epsilon = 1e-5,
+        phase: NormFwdPhase = NormFwdPhase.INFERENCE,
+        *,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> tuple[TensorAttr, TensorAttr | None, TensorAttr | None]:
+        """Normalizes over every dim but the first; (y, mean, inv_var), stats at TRAINING only."""
+        phase = NormFwdPhase(phase)
+        attrs = NormAttrs(phase, self._compute_default(compute_data_type))
+        ins = {"x": input, "scale": scale, "bias": bias, "epsilon": self._eps(epsilon)}
+        ports = ("y", "mean", "inv_var") if phase == NormFwdPhase.TRAINING else ("y",)
+        o = self._add_node(OpKind.LAYERNORM, attrs, ins, name, outputs=ports).outputs
+        return o["y"], o.get("mean"), o.get("inv_var")
+
+    def rmsnorm(
+        self,
+        input: TensorAttr,
+        scale: TensorAttr,
+        epsilon: Epsilon = 1e-5,
+        phase: NormFwdPhase = NormFwdPhase.INFERENCE,
+        *,
+        bias: TensorAttr | None = None,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> tuple[TensorAttr, TensorAttr | None]:
+        """y = x / rms(x) * scale (+ bias) over every dim but the first; (y, inv_rms)."""
+        phase = NormFwdPhase(phase)
+        attrs = NormAttrs(phase, self._compute_default(compute_data_type))
+        ins = {"x": input, "scale": scale, "bias": bias, "epsilon": self._eps(epsilon)}
+        ports = ("y", "inv_rms") if phase == NormFwdPhase.TRAINING else ("y",)
+        o = self._add_node(OpKind.RMSNORM, attrs, ins, name, outputs=ports).outputs
+        return o["y"], o.get("inv_rms")
+
+    def pooling(
+        self,
+        input: TensorAttr,
+        mode: PoolingMode = PoolingMode.MAX,
+        window: Ints = (2, 2),
+        stride: Ints | None = None,
+        padding: Ints | None = None,
+        *,
+        pre_padding: Ints | None = None,
+        post_padding: Ints | None = None,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> TensorAttr:
+        """Max / average pooling over the spatial axes; stride defaults to the window."""
+        win = tuple(int(w) for w in window)
+        pad = tuple(padding) if padding is not None else (0,) * len(win)
+        attrs = PoolingAttrs(
+            mode=PoolingMode(mode),
+            window=win,
+            stride=tuple(int(s) for s in (stride if stride is not None else win)),
+            pre_padding=tuple(int(p) for p in (pre_padding if pre_padding is not None else pad)),
+            post_padding=tuple(int(p) for p in (post_padding if post_padding is not None else pad)),
+            compute_data_type=self._compute_default(compute_data_type),
+        )
+        return self._add_node(OpKind.POOLING, attrs, {"x": input}, name).outputs["y"]
+
+    def sdpa(
+        self,
+        q: TensorAttr,
+        k: TensorAttr,
+        v: TensorAttr,
+        attn_scale: float | None = None,
+        causal: bool = False,
+        mask: TensorAttr | None = None,
+        *,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> TensorAttr:
+        """softmax(q kᵀ · scale + mask) v on [batch, heads, seq, dim]; k/v heads may divide q's."""
+        attrs = SdpaAttrs(
+            None if attn_scale is None else float(attn_scale),
+            bool(causal),
+            self._compute_default(compute_data_type),
+        )
+        return self._add_node(OpKind.SDPA, attrs, {"q": q, "k": k, "v": v, "mask": mask}, name).outputs["o"]
+
+    def softmax(
+        self, input: TensorAttr, axis: int = -1, log: bool = False, *, name: str | None = None
+    ) -> TensorAttr:
+        """Softmax (or log-softmax) along one axis."""
+        attrs = SoftmaxAttrs(axis=int(axis), log=bool(log))
+        return self._add_node(OpKind.SOFTMAX, attrs, {"x": input}, name).outputs["y"]
+
+    # ---- data movement ---------------------------------------------------------------------
+    def reshape(self, input: TensorAttr, dim: Ints, name: str | None = None) -> TensorAttr:
+        """Row-major reshape of the logical dims; one dim may be -1."""
+        dims = [int(d) for d in dim]
+        if dims.count(-1) > 1:
+            raise ValidationError("reshape: at most one -1 in dims", node=name, tensor=input.name)
+        if -1 in dims:
+            if not isinstance(input, TensorAttr) or input._dim is None:
+                raise ValidationError(
+                    "reshape: -1 needs the input's dims, which are not known yet (set them first)",
+                    node=name,
+                    tensor=_name_of(input),
+                )
+            known = math.prod(d for d in dims if d != -1)
+            total = math.prod(input.dim)
+            if known == 0 or total % known:
+                raise ValidationError(
+                    f"reshape: cannot infer -1 in {dims} from {input.dim}", node=name, tensor=input.name
+                )
+            dims[dims.index(-1)] = total // known
+        node = self._add_node(OpKind.RESHAPE, ReshapeAttrs(), {"x": input}, name)
+        y = node.outputs["y"]
+        y.set_dim(dims)
+        self._try_infer(node)
+        return y
+
+    def transpose(self, input: TensorAttr, permutation: Ints, name: str | None = None) -> TensorAttr:
+        """Logical transpose: output dim i is input dim permutation[i]."""
+        attrs = TransposeAttrs(tuple(int(p) for p in permutation))
+        return self._add_node(OpKind.TRANSPOSE, attrs, {"x": input}, name).outputs["y"]
+
+    def concatenate(self, inputs: Sequence[TensorAttr], axis: int, name: str | None = None) -> TensorAttr:
+        rank = len(inputs[0].dim) if inputs else 0
+        axis = int(axis) + rank if axis < 0 else int(axis)
+        ins = {f"x{i}": t for i, t in enumerate(inputs)}
+        return self._add_node(OpKind.CONCATENATE, ConcatAttrs(axis), ins, name).outputs["y"]
+
+    def slice(
+        self,
+        input: TensorAttr,
+        starts: Ints,
+        ends: Ints,
+        steps: Ints | None = None,
+        axes: Ints | None = None,
+        name: str | None = None,
+    ) -> TensorAttr:
+        """Python/NumPy slicing per axis (negative and out-of-range indices clamp); steps >= 1."""
+        if not isinstance(input, TensorAttr) or input._dim is None:
+            raise ValidationError(
+                "slice: the input's dims must be known first (set them with .set_dim())",
+                node=name,
+                tensor=_name_of(input),
+            )
+        dims = input.dim
+        rank = len(dims)
+        if axes is not None and any(not -rank <= int(a) < rank for a in axes):
+            raise ValidationError(
+                f"slice: axes {list(axes)} out of range for rank {rank}", node=name, tensor=input.name
+            )
+        ax = [int(a) % rank for a in axes] if axes is not None else list(range(len(starts)))
+        st = list(steps) if steps is not None else [1] * len(ax)
+        if not (len(ax) == len(starts) == len(ends) == len(st)) or len(set(ax)) != len(ax) or len(ax) > rank:
+            raise ValidationError(
+                "slice: starts, ends, steps and axes must have one entry per sliced axis "
+                f"(got {len(starts)}, {len(ends)}, {len(st)}, axes {ax}) for rank {rank}",
+                node=name,
+                tensor=input.name,
+            )
+        s_all, e_all, k_all = [0] * rank, list(dims), [1] * rank
+        for a, s, e, k in zip(ax, starts, ends, st, strict=True):
+            if int(k) < 1:
+                raise ValidationError(f"slice: step {k} on axis {a} must be >= 1", node=name, tensor=input.name)
+            lo, hi, _ = slice(int(s), int(e), int(k)).indices(dims[a])
+            s_all[a], e_all[a], k_all[a] = lo, max(hi, lo), int(k)
+        attrs = SliceAttrs(tuple(s_all), tuple(e_all), tuple(k_all))
+        return self._add_node(OpKind.SLICE, attrs, {"x": input}, name).outputs["y"]
