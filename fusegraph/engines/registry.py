@@ -21,13 +21,11 @@ import importlib
 import logging
 from collections.abc import Callable, Iterator
 from importlib import metadata
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fusegraph.engines.base import Engine, EngineInfo, Support
+from fusegraph.engines.heuristic import Heuristic
 from fusegraph.errors import UnsupportedError
-
-if TYPE_CHECKING:
-    from fusegraph.select.heuristics import Heuristic
 
 log = logging.getLogger("fusegraph.engines")
 
@@ -106,8 +104,6 @@ class Registry:
             self._broken[name] = f"{origin}: failed to load: {type(exc).__name__}: {exc}"
 
     def _try_heuristic(self, ep: metadata.EntryPoint) -> None:
-        from fusegraph.select.heuristics import Heuristic
-
         try:
             h = _instantiate(ep.load())
             if not isinstance(h, Heuristic):

@@ -21,8 +21,8 @@ from fusegraph.graph import layout
 from fusegraph.runtime.handle import Handle, as_handle
 
 if TYPE_CHECKING:
-    from fusegraph.engines.iree.runtime import IreeRuntime
     from fusegraph.graph.tensor import TensorAttr
+    from fusegraph.runtime.iree_hal import IreeRuntime
 
 # DLPack device type codes (dlpack.h)
 _DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_ROCM = 1, 2, 3, 10
@@ -66,7 +66,7 @@ class Buffer:
         laid out as the tensor's strides declare; without, the array's own dense layout is
         kept (an NHWC-strided view stays NHWC) and anything else is stored row-major.
         """
-        from fusegraph.engines.iree.runtime import runtime_for
+        from fusegraph.runtime.iree_hal import runtime_for
 
         h = as_handle(handle)
         arr = np.asarray(arr)
@@ -81,7 +81,7 @@ class Buffer:
         the handle's device and is row-major contiguous (and, in host memory, 64-byte
         aligned, as IREE requires); otherwise copies host data there. Only a wrapped
         Buffer writes through to the array when used as an execute output."""
-        from fusegraph.engines.iree.runtime import runtime_for
+        from fusegraph.runtime.iree_hal import runtime_for
 
         h = as_handle(handle)
         if not hasattr(obj, "__dlpack__"):
@@ -124,7 +124,7 @@ class Buffer:
     @classmethod
     def empty(cls, tensor: TensorAttr, handle: Handle | str | None = None) -> Buffer:
         """An uninitialized Buffer for a tensor (e.g. to receive an output)."""
-        from fusegraph.engines.iree.runtime import runtime_for
+        from fusegraph.runtime.iree_hal import runtime_for
 
         h = as_handle(handle)
         rt = runtime_for(h)
@@ -198,7 +198,7 @@ class Buffer:
 
 
 def _track(b: Buffer) -> None:
-    from fusegraph.engines.iree.runtime import track
+    from fusegraph.runtime.iree_hal import track
 
     track(b)
 
@@ -241,7 +241,7 @@ def _is_row_major(obj: Any) -> bool:
 
 
 def _data_type_of_view(view: Any) -> DataType:
-    from fusegraph.engines.iree.runtime import element_type
+    from fusegraph.runtime.iree_hal import element_type
 
     et = int(view.element_type)
     for dt in DataType:

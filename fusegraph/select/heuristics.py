@@ -13,9 +13,10 @@ import logging
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from fusegraph.engines.base import Engine, EngineConfig, Knob
+from fusegraph.engines.heuristic import Heuristic as Heuristic  # the plugin interface, re-exported
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import CONVOLUTIONS, DATA_MOVEMENT, NORMS, OpKind
@@ -27,17 +28,6 @@ log = logging.getLogger("fusegraph.select")
 COMPUTE_OPS = CONVOLUTIONS | {OpKind.MATMUL, OpKind.SDPA}
 REDUCE_OPS = NORMS | {OpKind.REDUCTION, OpKind.SOFTMAX, OpKind.POOLING}
 MAX_CONFIGS_PER_ENGINE = 32
-
-
-@runtime_checkable
-class Heuristic(Protocol):
-    """A heuristic plugin: ranks configs of the given engines, or returns None to abstain."""
-
-    name: str
-
-    def rank(
-        self, graph: Graph, handle: Handle, mode: HeurMode, engines: Sequence[Engine]
-    ) -> Sequence[EngineConfig] | None: ...
 
 
 # ---- graph features --------------------------------------------------------------------------

@@ -1,24 +1,16 @@
-"""The selection vocabulary, after cuDNN's frontend: heuristic modes and build policies."""
+"""The selection vocabulary, after cuDNN's frontend: heuristic modes and build policies.
+
+``HeurMode`` is defined beside the heuristic plugin interface (engines/heuristic.py), which
+the engine registry needs; it is re-exported here, where users look for it.
+"""
 
 from __future__ import annotations
 
 import enum
 
+from fusegraph.engines.heuristic import HeurMode
 
-class HeurMode(enum.Enum):
-    """Which heuristics rank the (engine, config) candidates of a graph.
-
-    A: the built-in rule table (from our benchmark data), one config per engine, plus
-       heuristic plugins; instant.
-    B: every knob configuration of every engine, ordered by the same rules (the search
-       space the autotuner walks); still no measurement.
-    FALLBACK: every remaining available engine with its default knobs, the reference
-       engine last and only on CPU handles; broad coverage, no speed promise.
-    """
-
-    A = "a"
-    B = "b"
-    FALLBACK = "fallback"
+__all__ = ["BuildPlanPolicy", "HeurMode"]
 
 
 class BuildPlanPolicy(enum.Enum):

@@ -15,6 +15,7 @@ from functools import cache
 from pathlib import Path
 
 from fusegraph.runtime.handle import Device
+from fusegraph.runtime.iree_hal import HAL_DRIVERS
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,9 @@ _DEFAULT_ARCH = {"cpu": "host", "cuda": "sm_80", "hip": "gfx942"}
 
 # kind -> the default target of that kind. Architectures known to work with IREE 3.13.
 TARGETS: dict[str, Target] = {
-    "cpu": Target("cpu", _DEFAULT_ARCH["cpu"], driver="local-task", backend="local"),
-    "cuda": Target("cuda", _DEFAULT_ARCH["cuda"], driver="cuda", backend="cuda"),
-    "hip": Target("hip", _DEFAULT_ARCH["hip"], driver="hip", backend="hip"),
+    "cpu": Target("cpu", _DEFAULT_ARCH["cpu"], driver=HAL_DRIVERS["cpu"], backend="local"),
+    "cuda": Target("cuda", _DEFAULT_ARCH["cuda"], driver=HAL_DRIVERS["cuda"], backend="cuda"),
+    "hip": Target("hip", _DEFAULT_ARCH["hip"], driver=HAL_DRIVERS["hip"], backend="hip"),
 }
 KNOWN_ARCHES: dict[str, tuple[str, ...]] = {
     "cpu": ("host", "generic", "x86-64-v2", "x86-64-v3", "x86-64-v4", "znver3", "znver4", "skylake-avx512"),
