@@ -153,6 +153,7 @@ class SessionPlan:
         self.sess_options = sess_options
         self.ort_providers = ort_providers
         self.dump = make_dumper(opts.dump_dir)
+        self.model = model  # as given: the whole model on ONNX Runtime, where the floor decides so
         self.og = og = specialize(model, shapes)
         self.rewrites = apply_rewrites(og, opts.op_types_to_exclude) if enabled else {}
         if enabled:
@@ -205,7 +206,8 @@ class SessionPlan:
     def _verdict(self, node: ONode) -> str | None:
         if node.op_type in self.opts.op_types_to_exclude:
             return f"op type {node.op_type} is in op_types_to_exclude"
-        imp = Importer(self.og, node.name, channels_last=self._channels_last([node]))
+        # pack=False: the verdict needs the graph only, not the weights laid out for an engine
+        imp = Importer(self.og, node.name, channels_last=self._channels_last([node]), pack=False)
         try:
             imp.lower(node)
             outs = [o for o in node.outputs if o and o in imp.values and self._is_read(o)]
@@ -396,8 +398,7 @@ class SessionPlan:
     def _whole_model_floor(self) -> None:
         """The plan against ONNX Runtime running the whole model (boundary copies and the
         extra sub-session calls counted); the whole model goes to ONNX Runtime if it loses."""
-        nodes = list(self.og.nodes)
-        ins, outs = _read_outside(self.og, nodes)
+        ins = [i for i in self.og.inputs if i not in self.og.constants]
         cache = self._verdict_cache()
         content = self._whole_key()
         verdict = cache.lookup(content)
@@ -405,7 +406,7 @@ class SessionPlan:
         if verdict is None:
             try:
                 feed = floor.sample_inputs(self.og, ins)
-                whole = OrtUnit("onnxruntime_0", self.og, nodes, ins, outs, self.sess_options, self.ort_providers, None)
+                whole = OrtUnit.whole("onnxruntime_0", self.og, self.model, self.sess_options, self.ort_providers)
                 whole.run(feed)
                 wanted = list(self.og.outputs)
                 budget = min(floor.WHOLE_S, self.floor_budget * (1 - floor.UNITS_SHARE))
@@ -425,9 +426,8 @@ class SessionPlan:
         """The whole model as one ONNX Runtime session (the caller's session options)."""
         self.floor_whole = verdict
         nodes = list(self.og.nodes)
-        ins, outs = _read_outside(self.og, nodes)
         if whole is None:
-            whole = OrtUnit("onnxruntime_0", self.og, nodes, ins, outs, self.sess_options, self.ort_providers, self.dump)
+            whole = OrtUnit.whole("onnxruntime_0", self.og, self.model, self.sess_options, self.ort_providers)
         note = f"whole model {verdict.describe()}"
         self.reasons = dict(self.partitioning.reasons)
         for n in (n for g in self.partitioning.claimed for n in g.nodes):
