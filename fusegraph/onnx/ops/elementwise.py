@@ -5,8 +5,11 @@ Each is one or a few pointwise graph ops; one-element constant operands become s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from fusegraph.dtypes import DataType
 from fusegraph.graph.ops import PointwiseMode
@@ -231,8 +234,49 @@ def lower_cast(imp: Importer, node: ONode) -> None:
     if x.dtype == to:
         imp.set(node.outputs[0], imp.g.identity(x))
         return
-    if x.dtype.is_float and to == DataType.BOOLEAN:
-        raise Unmappable("Cast: float -> bool (ONNX tests != 0; left to ONNX Runtime)")
+    if to == DataType.BOOLEAN and x.dtype != DataType.BOOLEAN:  # ONNX: x != 0 (NaN is true)
+        imp.set(node.outputs[0], imp.g.cmp_neq(x, imp.scalar(0, x.dtype)))
+        return
     y = imp.g.identity(x)
     y.set_data_type(to)
     imp.set(node.outputs[0], y)
+
+
+@lowers("IsNaN")
+def lower_isnan(imp: Importer, node: ONode) -> None:
+    """x != x: true exactly where x is NaN."""
+    x = imp.tensor(node.inputs[0])
+    if not x.dtype.is_float:
+        raise Unmappable(f"IsNaN: input of type {x.dtype.name} (floating point only)")
+    imp.set(node.outputs[0], imp.g.cmp_neq(x, x))
+
+
+@lowers("IsInf")
+def lower_isinf(imp: Importer, node: ONode) -> None:
+    """x == +inf, x == -inf, or either, as detect_positive / detect_negative ask."""
+    x = imp.tensor(node.inputs[0])
+    if not x.dtype.is_float:
+        raise Unmappable(f"IsInf: input of type {x.dtype.name} (floating point only)")
+    pos, neg = int(node.attr("detect_positive", 1)), int(node.attr("detect_negative", 1))
+    if not pos and not neg:
+        raise Unmappable("IsInf: detect_positive=0 and detect_negative=0 (always false)")
+    hits = [imp.g.cmp_eq(x, imp.scalar(v, x.dtype)) for v, on in ((math.inf, pos), (-math.inf, neg)) if on]
+    imp.set(node.outputs[0], hits[0] if len(hits) == 1 else imp.g.logical_or(hits[0], hits[1]))
+
+
+@lowers("Trilu")
+def lower_trilu(imp: Importer, node: ONode) -> None:
+    """x where a constant [M, N] triangle mask holds, else 0 (the mask broadcasts over the
+    leading axes)."""
+    xs = imp.shape(node.inputs[0])
+    if len(xs) < 2:
+        raise Unmappable(f"Trilu: input rank {len(xs)} < 2")
+    k = 0
+    if len(node.inputs) > 1 and node.inputs[1]:
+        k = int(imp.const(node.inputs[1], "k").reshape(-1)[0])
+    m, n = xs[-2], xs[-1]
+    mask = np.triu(np.ones((m, n), dtype=bool), k) if int(node.attr("upper", 1)) else np.tril(np.ones((m, n), dtype=bool), k)
+    x = imp.tensor(node.inputs[0])
+    keep = imp.constant(mask.reshape((1,) * (len(xs) - 2) + (m, n)), "trilu_mask", "plain")
+    zero = imp.scalar(False if x.dtype == DataType.BOOLEAN else 0, x.dtype)
+    imp.set(node.outputs[0], imp.g.binary_select(x, zero, keep))

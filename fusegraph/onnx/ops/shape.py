@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from fusegraph.dtypes import DataType
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.onnx.ops.common import ints, is_read, out_dims, reshape
 from fusegraph.onnx.ops.table import Unmappable, lowers
@@ -103,24 +104,90 @@ def lower_split(imp: Importer, node: ONode) -> None:
         start += size
 
 
+GATHER_MAX_RUNS = 32  # constant Gather indices split into at most this many slices
+
+
 @lowers("Gather")
 def lower_gather(imp: Importer, node: ONode) -> None:
-    """Gather with constant indices that form an arithmetic run: a slice (and a reshape)."""
+    """Gather with constant indices: each increasing arithmetic run of them is one slice, the
+    runs concatenated along the axis, then reshaped to the output."""
     xs = imp.shape(node.inputs[0])
     axis = int(node.attr("axis", 0)) % len(xs)
+    if not imp.is_const(node.inputs[1]):
+        raise Unmappable(
+            f"Gather: indices ('{node.inputs[1]}') are computed at run time "
+            "(fusegraph has no gather op: data-dependent lookups such as embeddings stay on ONNX Runtime)"
+        )
     idx = imp.const(node.inputs[1], "indices").astype(np.int64)
     flat = np.where(idx < 0, idx + xs[axis], idx).reshape(-1)
     if flat.size == 0:
         raise Unmappable("Gather: empty indices")
-    step = int(flat[1] - flat[0]) if flat.size > 1 else 1
-    if step < 1 or not np.array_equal(flat, flat[0] + step * np.arange(flat.size)):
-        raise Unmappable(f"Gather: indices {flat.tolist()[:8]} are not an increasing arithmetic run")
-    x = imp.tensor(node.inputs[0])
-    y = imp.g.slice(x, [int(flat[0])], [int(flat[-1]) + 1], [step], axes=[axis])
+    if flat.min() < 0 or flat.max() >= xs[axis]:
+        raise Unmappable(f"Gather: indices out of range for axis {axis} of dims {list(xs)}")
     out = out_dims(imp, node)
     if not out:
         raise Unmappable("Gather: rank-0 output")
+    runs = arithmetic_runs(flat)
+    if len(runs) > GATHER_MAX_RUNS:
+        raise Unmappable(f"Gather: indices {flat.tolist()[:8]}... form {len(runs)} runs (at most {GATHER_MAX_RUNS} slices)")
+    x = imp.tensor(node.inputs[0])
+    parts = [imp.g.slice(x, [first], [last + 1], [step], axes=[axis]) for first, last, step in runs]
+    y = parts[0] if len(parts) == 1 else imp.g.concatenate(parts, axis=axis)
     imp.set(node.outputs[0], reshape(imp, y, out))
+
+
+def arithmetic_runs(flat: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first, last, step > 0) of consecutive increasing arithmetic runs covering ``flat``."""
+    runs: list[tuple[int, int, int]] = []
+    i, n = 0, flat.size
+    while i < n:
+        first = int(flat[i])
+        if i + 1 < n and flat[i + 1] > flat[i]:
+            step = int(flat[i + 1] - flat[i])
+            j = i + 1
+            while j + 1 < n and int(flat[j + 1] - flat[j]) == step:
+                j += 1
+            runs.append((first, int(flat[j]), step))
+            i = j + 1
+        else:
+            runs.append((first, first, 1))
+            i += 1
+    return runs
+
+
+@lowers("Expand")
+def lower_expand(imp: Importer, node: ONode) -> None:
+    """A broadcast: x times a constant 1 (and with true, for booleans) whose dims are the
+    expanded axes only, so it is as small as the broadcast allows; exact for every value
+    (NaN, inf, -0.0). Not select(x, x, mask): IREE's torch-mlir path miscompiles a select
+    that no operand fixes the shape of."""
+    if not imp.is_const(node.inputs[1]):
+        raise Unmappable("Expand: the target shape is computed at run time (not a constant)")
+    xs, out = imp.shape(node.inputs[0]), out_dims(imp, node)
+    if not out or 0 in out:
+        raise Unmappable(f"Expand: output dims {list(out)} (rank-0 or empty)")
+    x = imp.tensor(node.inputs[0])
+    aligned = (1,) * (len(out) - len(xs)) + tuple(xs)
+    grow = tuple(o if a == 1 and o != 1 else 1 for a, o in zip(aligned, out, strict=True))
+    if all(g == 1 for g in grow):
+        y = reshape(imp, x, out)
+        imp.set(node.outputs[0], y if y is not x else imp.g.identity(x))
+        return
+    one = imp.constant(np.ones(grow, dtype=x.dtype.numpy), "expand_one")
+    if x.dtype == DataType.BOOLEAN:
+        imp.set(node.outputs[0], imp.g.logical_and(x, one))
+    else:
+        imp.set(node.outputs[0], imp.g.mul(x, one))
+
+
+@lowers("GatherElements", "GatherND", "ScatterElements", "ScatterND", "Range", "NonZero")
+def lower_data_dependent(imp: Importer, node: ONode) -> None:
+    """Ops that index by values: constant ones were folded before partitioning, and what is
+    left depends on run-time data, which no graph op expresses."""
+    raise Unmappable(
+        f"{node.op_type}: indexing by values computed at run time (no fusegraph graph op for it; "
+        "with constant inputs it would have been folded)"
+    )
 
 
 @lowers("DepthToSpace", "SpaceToDepth")
