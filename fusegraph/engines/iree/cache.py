@@ -7,6 +7,16 @@ and ``manifest.json`` (sizes and sha256 of every file, plus metadata). An entry 
 a temporary directory and renamed into place, so readers never see half an entry; a
 reader that finds a checksum or size mismatch warns, removes the entry and rebuilds it.
 
+Concurrency and limits: :meth:`ModuleCache.compile_once` holds a per-key file lock
+(``<root>/iree/<key[:2]>/.<key>.lock``) around "look up, else compile and store", so N
+processes asking for one key compile it once. Every file is fsynced before the rename, and
+a process killed mid-write leaves only a ``.tmp-*`` directory (never loaded; swept after an
+hour). The entries' total size is capped (``limits.json``'s ``max_bytes``, default
+:data:`DEFAULT_MAX_BYTES`; ``fusegraph cache limit``): after each store the least recently
+used entries (directory mtime, touched on every hit) are removed. A location that cannot
+be written (read-only, full, a file) gives one :class:`CacheUnavailableWarning` and the
+engine runs uncached.
+
 ``root`` is ``platformdirs.user_cache_dir("fusegraph")``; ``FUSEGRAPH_CACHE_DIR``
 overrides it and ``FUSEGRAPH_CACHE=0`` turns the cache off (compile reproducers are still
 kept under ``<root>/failures/``).
@@ -14,6 +24,7 @@ kept under ``<root>/failures/``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -24,12 +35,21 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fusegraph.runtime.cache_dir import cache_enabled, cache_root
+from fusegraph.runtime.cache_dir import (
+    CacheUnavailableWarning,
+    cache_enabled,
+    cache_root,
+    ensure_dir,
+    file_lock,
+    read_table,
+    update_table,
+    warn_unavailable,
+)
 
 log = logging.getLogger("fusegraph.iree.cache")
 
@@ -37,6 +57,11 @@ SCHEMA = 1
 MANIFEST = "manifest.json"
 VMFB = "module.vmfb"
 MEMORY_ENTRIES = 256
+LIMITS = "limits.json"
+DEFAULT_MAX_BYTES = 2 * 1024**3
+STALE_TMP_S = 3600.0
+
+__all__ = ["CacheCorruptionWarning", "CacheEntry", "CacheUnavailableWarning", "ModuleCache", "clear_memory"]
 
 
 class CacheCorruptionWarning(RuntimeWarning):
@@ -91,6 +116,8 @@ class ModuleCache:
             return None
         hit = _MEMORY.get(key)
         if hit is not None:
+            if hit.path is not None:
+                _touch(hit.path)
             return CacheEntry(hit.key, hit.vmfb, hit.meta, hit.path, "memory")
         path = self.entry_dir(key)
         if not path.exists():
@@ -98,10 +125,33 @@ class ModuleCache:
         try:
             entry = _read_entry(path, key)
         except _Corrupt as exc:
+            if not path.exists():  # evicted or replaced by another process meanwhile: a miss
+                return None
             self._discard_corrupt(path, str(exc))
             return None
+        _touch(path)
         _MEMORY.put(entry)
         return entry
+
+    def compile_once(self, key: str, build: Callable[[], CacheEntry]) -> CacheEntry:
+        """The entry for ``key``, calling ``build`` (which compiles and stores it) only
+        when no process has it: a per-key file lock makes concurrent askers wait for the
+        first one's compile instead of compiling too."""
+        hit = self.get(key)
+        if hit is not None or not self.enabled:
+            return hit if hit is not None else build()
+        parent = self.entry_dir(key).parent
+        if not ensure_dir(parent):
+            return build()
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(file_lock(parent / f".{key}.lock"))
+            except OSError as exc:
+                warn_unavailable(parent, exc)
+                return build()
+            hit = self.get(key)
+            return hit if hit is not None else build()
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _discard_corrupt(self, path: Path, why: str) -> None:
         msg = f"fusegraph: IREE cache entry {path} is corrupt ({why}); removing it and recompiling"
@@ -118,40 +168,50 @@ class ModuleCache:
         meta: Mapping[str, Any],
     ) -> CacheEntry:
         """Stores an entry atomically (when enabled) and returns it."""
+        uncached = CacheEntry(key, vmfb, dict(meta), None, "compiled")
         if not self.enabled:
-            return CacheEntry(key, vmfb, dict(meta), None, "compiled")
+            return uncached
         final = self.entry_dir(key)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:12]}-", dir=final.parent))
+        if not ensure_dir(final.parent):
+            return uncached
+        tmp: Path | None = None
         try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{key[:12]}-", dir=final.parent))
             listing: dict[str, dict[str, Any]] = {}
             for name, content in {VMFB: vmfb, **files}.items():
                 data = content.encode() if isinstance(content, str) else bytes(content)
-                (tmp / name).write_bytes(data)
+                _write_synced(tmp / name, data)
                 listing[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
             manifest = {"schema": SCHEMA, "key": key, "created": time.time(), "files": listing, "meta": dict(meta)}
-            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
+            # the manifest last: an entry without one never loads
+            _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
             if (tmp / "command.sh").exists():
                 (tmp / "command.sh").chmod(0o755)
-            self._install(tmp, final, key)
+            installed = self._install(tmp, final, key)
+        except OSError as exc:  # full disk, vanished directory...: keep running uncached
+            warn_unavailable(final.parent, exc)
+            return uncached
         finally:
-            if tmp.exists():
+            if tmp is not None and tmp.exists():
                 _remove_tree(tmp)
+        if not installed:
+            return uncached
         entry = CacheEntry(key, vmfb, dict(meta), final, "compiled")
         _MEMORY.put(entry)
+        self.evict(keep=key)
         return entry
 
-    def _install(self, tmp: Path, final: Path, key: str) -> None:
+    def _install(self, tmp: Path, final: Path, key: str) -> bool:
         for _ in range(3):
             try:
                 os.rename(tmp, final)
-                return
+                return True
             except OSError:
                 if not final.exists():
                     continue
             try:  # someone else installed it first: keep theirs if it is sound
                 _read_entry(final, key)
-                return
+                return True
             except _Corrupt:
                 trash = final.with_name(f".trash-{key[:12]}-{os.getpid()}-{time.monotonic_ns()}")
                 try:
@@ -160,6 +220,74 @@ class ModuleCache:
                     continue
                 _remove_tree(trash)
         log.warning("could not install cache entry %s; continuing without it", final)
+        return False
+
+    # ---- size limit ------------------------------------------------------------------------
+    def limit(self) -> int:
+        """The most bytes the entries may take (``limits.json``, else the default)."""
+        value = read_table(self.root / LIMITS).get("max_bytes", DEFAULT_MAX_BYTES)
+        return int(value) if isinstance(value, int) and value >= 0 else DEFAULT_MAX_BYTES
+
+    def set_limit(self, max_bytes: int | None) -> None:
+        """Sets (None: resets to the default) the size limit and evicts down to it."""
+        if max_bytes is not None and max_bytes < 0:
+            raise ValueError(f"a cache size limit must be >= 0 bytes, not {max_bytes}")
+
+        def change(t: dict[str, Any]) -> None:
+            if max_bytes is None:
+                t.pop("max_bytes", None)
+            else:
+                t["max_bytes"] = int(max_bytes)
+
+        update_table(self.root / LIMITS, change)
+        self.evict()
+
+    def evict(self, keep: str | None = None) -> int:
+        """Removes least recently used entries until the total is within :meth:`limit`
+        (never ``keep``, the entry just stored), and temporary directories older than an
+        hour (left by killed writers); returns how many entries went."""
+        root = self.entries_root
+        if not root.is_dir():
+            return 0
+        limit = self.limit()
+        removed = 0
+        try:
+            with file_lock(root / ".evict.lock"):
+                now = time.time()
+                sized: list[tuple[float, int, Path]] = []
+                for d in root.glob("*/*"):
+                    try:
+                        st = d.stat()
+                        if not d.is_dir():
+                            continue
+                        if d.name.startswith((".tmp-", ".trash-")):
+                            if now - st.st_mtime > STALE_TMP_S:
+                                _remove_tree(d)
+                            continue
+                        size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
+                    except OSError:
+                        continue
+                    sized.append((st.st_mtime, size, d))
+                total = sum(s for _, s, _ in sized)
+                for _, size, d in sorted(sized, key=lambda x: x[0]):
+                    if total <= limit:
+                        break
+                    if d.name == keep:
+                        continue
+                    trash = d.with_name(f".trash-{d.name[:12]}-{os.getpid()}-{time.monotonic_ns()}")
+                    try:
+                        os.rename(d, trash)
+                    except OSError:
+                        continue
+                    _remove_tree(trash)
+                    _MEMORY.drop(d.name)
+                    total -= size
+                    removed += 1
+        except OSError as exc:
+            log.info("could not evict from %s: %s", root, exc)
+        if removed:
+            log.info("evicted %d least recently used IREE cache entr%s (limit %d bytes)", removed, "y" if removed == 1 else "ies", limit)
+        return removed
 
     # ---- management ------------------------------------------------------------------------
     def list_entries(self) -> list[dict[str, Any]]:
@@ -168,12 +296,19 @@ class ModuleCache:
         if not self.entries_root.exists():
             return out
         for manifest in sorted(self.entries_root.glob(f"*/*/{MANIFEST}")):
+            if manifest.parent.name.startswith("."):  # a writer's temporary directory
+                continue
             try:
                 data = json.loads(manifest.read_text())
             except (OSError, ValueError):
                 data = {"key": manifest.parent.name, "corrupt": True}
+            if not isinstance(data, dict):
+                data = {"key": manifest.parent.name, "corrupt": True}
             data["path"] = str(manifest.parent)
-            data["size"] = sum(p.stat().st_size for p in manifest.parent.iterdir() if p.is_file())
+            try:
+                data["size"] = sum(p.stat().st_size for p in manifest.parent.iterdir() if p.is_file())
+            except OSError:  # evicted meanwhile
+                continue
             out.append(data)
         return out
 
@@ -187,7 +322,7 @@ class ModuleCache:
 
     def clear(self, *, failures: bool = True) -> int:
         """Removes every entry (and kept failure reproducers); returns how many entries."""
-        n = len(list(self.entries_root.glob("*/*"))) if self.entries_root.exists() else 0
+        n = len(list(self.entries_root.glob(f"*/*/{MANIFEST}"))) if self.entries_root.exists() else 0
         _remove_tree(self.entries_root)
         if failures:
             _remove_tree(self.root / "failures")
@@ -202,7 +337,8 @@ class ModuleCache:
             "enabled": self.enabled,
             "entries": len(entries),
             "bytes": sum(int(e.get("size", 0)) for e in entries),
-            "failures": len(list(fails.iterdir())) if fails.exists() else 0,
+            "failures": len(list(fails.iterdir())) if fails.is_dir() else 0,
+            "max_bytes": self.limit(),
             "memory_entries": len(_MEMORY),
         }
 
@@ -236,6 +372,19 @@ def _read_entry(path: Path, key: str) -> CacheEntry:
     return CacheEntry(key, vmfb, manifest.get("meta", {}), path, "disk")
 
 
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _touch(path: Path) -> None:
+    """Marks an entry as just used (its directory's mtime orders the LRU eviction)."""
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
 def _remove_tree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
@@ -265,6 +414,10 @@ class _MemoryCache:
     def clear(self) -> None:
         with self._lock:
             self._items.clear()
+
+    def drop(self, key: str) -> None:
+        with self._lock:
+            self._items.pop(key, None)
 
     def __len__(self) -> int:
         return len(self._items)

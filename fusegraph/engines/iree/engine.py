@@ -174,10 +174,10 @@ class IreeEngine:
         flagset, emit_options = self._split_knobs(target, knobs)
         flags = flagset.flags(target)
         key = self.cache_key(graph, target, flags, emit_options)
-        hit = self.cache.get(key)
-        if hit is not None:
-            return hit
-        return self._compile(graph, target, flagset, flags, emit_options, key)
+        # one compile per key across processes: others wait on the key's lock, then hit
+        return self.cache.compile_once(
+            key, lambda: self._compile(graph, target, flagset, flags, emit_options, key)
+        )
 
     def cache_key(self, graph: Graph, target: Target, flags: Sequence[str], emit_options: Any) -> str:
         fields = {
