@@ -1,4 +1,4 @@
-"""`fusegraph cache info|list|clear`: the IREE engine's compiled-module cache on disk."""
+"""`fusegraph cache info|list|clear|limit`: the IREE engine's compiled-module cache on disk."""
 
 from __future__ import annotations
 
@@ -21,6 +21,11 @@ def register(sub: Any) -> None:
     clr = csub.add_parser("clear", help="remove every entry (and kept compile-failure reproducers)")
     clr.add_argument("--keep-failures", action="store_true", help="keep <cache>/failures/")
     clr.set_defaults(fn=_clear)
+    lim = csub.add_parser(
+        "limit", help="show or set the size limit (least recently used entries are evicted)"
+    )
+    lim.add_argument("size", nargs="?", help="e.g. 500M, 2G, 100000 (bytes) or 'default'")
+    lim.set_defaults(fn=_limit)
 
 
 def _cache() -> Any:
@@ -37,6 +42,7 @@ def _info(args: argparse.Namespace) -> int:
     state = "enabled" if info["enabled"] else "disabled (FUSEGRAPH_CACHE=0)"
     print(f"cache directory : {info['root']} ({state})")
     print(f"entries         : {info['entries']} ({info['bytes'] / 1e6:.2f} MB)")
+    print(f"size limit      : {info['max_bytes'] / 1e6:.2f} MB (least recently used evicted)")
     print(f"kept failures   : {info['failures']} (under {info['root']}/failures)")
     return 0
 
@@ -73,6 +79,35 @@ def _clear(args: argparse.Namespace) -> int:
     cache = _cache()
     n = cache.clear(failures=not args.keep_failures)
     print(f"removed {n} entr{'y' if n == 1 else 'ies'} from {cache.entries_root}")
+    return 0
+
+
+_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def parse_size(text: str) -> int:
+    """'500M' -> bytes (binary units K, M, G, T; an optional trailing B or iB)."""
+    t = text.strip().upper().removesuffix("IB").removesuffix("B")
+    num, unit = (t[:-1], t[-1]) if t and t[-1] in _UNITS else (t, "")
+    try:
+        value = float(num)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500M, 2G, 100000)") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a size limit must be a finite number >= 0, not {text!r}")
+    return int(value * _UNITS[unit])
+
+
+def _limit(args: argparse.Namespace) -> int:
+    cache = _cache()
+    if args.size is not None:
+        try:
+            cache.set_limit(None if args.size.strip().lower() == "default" else parse_size(args.size))
+        except (argparse.ArgumentTypeError, ValueError) as exc:
+            print(f"fusegraph cache limit: {exc}")
+            return 2
+    info = cache.info()
+    print(f"size limit {info['max_bytes'] / 1e6:.2f} MB; {info['entries']} entries use {info['bytes'] / 1e6:.2f} MB")
     return 0
 
 

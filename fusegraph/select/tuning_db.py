@@ -5,7 +5,8 @@ the platform's user cache dir). An entry is keyed by graph key + device identity
 versions (fusegraph, and every available engine with its libraries): any version change
 gives a new key, so old timings are never used; the stale entry stays visible to
 ``fusegraph tune show`` until the graph is tuned again or ``fusegraph tune clear`` runs.
-Writes are atomic (temporary file + rename) under an advisory file lock.
+Writes are atomic (temporary file + fsync + rename) under an advisory file lock; a torn or
+foreign file reads as empty; an unwritable location warns once and tuning runs unrecorded.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -24,7 +23,7 @@ from typing import Any
 
 from fusegraph import __version__
 from fusegraph.engines.base import Engine, EngineConfig
-from fusegraph.runtime.cache_dir import cache_root
+from fusegraph.runtime.cache_dir import atomic_write_bytes, cache_root, file_lock, warn_unavailable
 
 log = logging.getLogger("fusegraph.select")
 
@@ -178,7 +177,7 @@ class TuningDB:
             doc = json.loads(p.read_text(encoding="utf-8"))
             if doc.get("format") != FORMAT or doc.get("version") != VERSION:
                 raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
-            entries = dict(doc["entries"])
+            entries = {str(k): v for k, v in dict(doc["entries"]).items() if isinstance(v, dict)}
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("tuning database %s is unreadable (%s); ignoring it (it is rewritten on the next tune)", p, exc)
             entries = {}
@@ -220,35 +219,24 @@ class TuningDB:
     # -- writing ----------------------------------------------------------------------------
     @contextlib.contextmanager
     def _locked(self) -> Iterator[None]:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        lock_path = self.path.with_suffix(".lock")
-        with open(lock_path, "a+") as fh:
-            try:
-                import fcntl
-
-                fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-            except ImportError:  # no advisory locks here (Windows): last writer wins
-                pass
+        with file_lock(self.path.with_suffix(".lock")):
             yield
 
     def _write(self, entries: dict[str, Any]) -> None:
         doc = {"format": FORMAT, "version": VERSION, "entries": entries}
-        p = self.path
-        fd, tmp = tempfile.mkstemp(prefix=".tuning-", suffix=".json", dir=p.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=1, sort_keys=True)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, p)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        atomic_write_bytes(self.path, json.dumps(doc, indent=1, sort_keys=True).encode("utf-8"))
         self._cache = None
 
     def put(self, entry: TuningEntry) -> None:
-        """Stores an entry, replacing this graph's entries on this device (stale ones too)."""
+        """Stores an entry, replacing this graph's entries on this device (stale ones too).
+        A location that cannot be written (read-only, full, a file) is warned about once and
+        the entry is not kept: tuning still returns its choice."""
+        try:
+            self._put(entry)
+        except OSError as exc:
+            warn_unavailable(self.path.parent, exc)
+
+    def _put(self, entry: TuningEntry) -> None:
         with self._locked():
             self._cache = None
             entries = dict(self._read())
