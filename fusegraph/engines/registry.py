@@ -18,9 +18,14 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import logging
+import os
+import re
+import sys
 from collections.abc import Callable, Iterator
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from fusegraph.engines.base import Engine, EngineInfo, Support
@@ -42,66 +47,112 @@ BUILTIN: dict[str, str] = {
 
 
 class Registry:
-    """Loads engines and heuristic plugins on first use; plugins join the built-ins."""
+    """Engines and heuristic plugins, each loaded on first use; plugins join the built-ins.
+
+    Lazy on purpose (issue 10): ``get(name)`` imports that engine's module only, and no
+    engine module imports its library (torch, iree.compiler, SciPy) until a plan is built
+    or run, so building on one engine never pays for another. Listing everything
+    (``names``, ``engines``, ``info``, ``available_engines``) imports every engine module.
+    """
 
     def __init__(self, builtin: dict[str, str] | None = None, discover: bool = True) -> None:
         self._builtin = dict(BUILTIN if builtin is None else builtin)
         self._discover = discover
+        # name -> (loader, origin) of engines declared but not loaded yet, in registry order
+        self._pending: dict[str, tuple[Callable[[], Any], str]] = {}
+        self._order: list[str] = []  # declared names in registry order (loaded ones keep it)
         self._engines: dict[str, Engine] = {}
         self._origins: dict[str, str] = {}
         self._broken: dict[str, str] = {}
+        self._heuristic_eps: list[metadata.EntryPoint] = []
         self._heuristics: list[Heuristic] = []
+        self._heuristics_loaded = False
         self._broken_heuristics: dict[str, str] = {}
-        self._loaded = False
+        self._declared = False
 
     def register(self, engine: Engine, origin: str = "runtime") -> None:
         """Adds (or replaces) an engine by its name; used by tests and embedding programs."""
-        self._load()
+        self._declare()
+        self._pending.pop(engine.name, None)
         self._broken.pop(engine.name, None)
-        self._engines[engine.name] = engine
-        self._origins[engine.name] = origin
+        self._put(engine, origin)
 
     def unregister(self, name: str) -> None:
-        self._load()
+        self._declare()
+        self._pending.pop(name, None)
         self._engines.pop(name, None)
         self._origins.pop(name, None)
+        if name in self._order:
+            self._order.remove(name)
 
     def register_heuristic(self, heuristic: Heuristic) -> None:
-        self._load()
+        self._load_heuristics()
         self._heuristics.append(heuristic)
 
     def unregister_heuristic(self, name: str) -> None:
-        self._load()
+        self._load_heuristics()
         self._heuristics = [h for h in self._heuristics if h.name != name]
 
-    def _load(self) -> None:
-        if self._loaded:
+    # ---- declaring (cheap: no engine module is imported) ------------------------------------
+    def _declare(self) -> None:
+        if self._declared:
             return
-        self._loaded = True
+        self._declared = True
         for name, target in self._builtin.items():
-            self._try(name, functools.partial(_resolve, target), "built-in")
+            self._pending[name] = (functools.partial(_resolve, target), "built-in")
+            self._order.append(name)
         if not self._discover:
             return
-        for ep in metadata.entry_points(group=ENTRY_POINT_GROUP):
-            if ep.name in self._engines:
+        eps = plugin_entry_points()
+        for ep in eps.select(group=ENTRY_POINT_GROUP):
+            if ep.name in self._pending:
                 log.warning("engine plugin '%s' (%s) shadows an engine of that name", ep.name, ep.value)
-            self._try(ep.name, ep.load, f"plugin {ep.value}")
-        for ep in metadata.entry_points(group=HEURISTICS_GROUP):
-            self._try_heuristic(ep)
+            else:
+                self._order.append(ep.name)
+            self._pending[ep.name] = (ep.load, f"plugin {ep.value}")
+        self._heuristic_eps = list(eps.select(group=HEURISTICS_GROUP))
+
+    # ---- loading ------------------------------------------------------------------------------
+    def _load_one(self, name: str) -> None:
+        entry = self._pending.pop(name, None)
+        if entry is not None:
+            self._try(name, *entry)
+
+    def _load(self) -> None:
+        """Loads every declared engine (listing them all needs their objects)."""
+        self._declare()
+        for name in list(self._pending):
+            self._load_one(name)
+
+    def _put(self, engine: Engine, origin: str) -> None:
+        if engine.name not in self._order:
+            self._order.append(engine.name)
+        self._engines[engine.name] = engine
+        self._origins[engine.name] = origin
 
     def _try(self, name: str, load: Callable[[], Any], origin: str) -> None:
         try:
             engine = _instantiate(load())
-            if not isinstance(engine, Engine):
-                raise TypeError(f"{type(engine).__name__} does not implement the Engine protocol")
+            missing = _missing_members(engine)
+            if missing:
+                raise TypeError(
+                    f"{type(engine).__name__} does not implement the Engine protocol (no {', '.join(missing)})"
+                )
             if engine.name != name:
                 log.info("engine registered as '%s' calls itself '%s'", name, engine.name)
-            self._engines[engine.name] = engine
-            self._origins[engine.name] = origin
+            self._put(engine, origin)
             self._broken.pop(engine.name, None)
         except Exception as exc:  # a broken plugin must not break fusegraph
             log.info("engine '%s' could not be loaded: %s", name, exc)
             self._broken[name] = f"{origin}: failed to load: {type(exc).__name__}: {exc}"
+
+    def _load_heuristics(self) -> None:
+        self._declare()
+        if self._heuristics_loaded:
+            return
+        self._heuristics_loaded = True
+        for ep in self._heuristic_eps:
+            self._try_heuristic(ep)
 
     def _try_heuristic(self, ep: metadata.EntryPoint) -> None:
         try:
@@ -113,12 +164,20 @@ class Registry:
             log.warning("heuristic plugin '%s' could not be loaded: %s", ep.name, exc)
             self._broken_heuristics[ep.name] = f"plugin {ep.value}: failed to load: {exc}"
 
+    def _loaded(self) -> list[Engine]:
+        return [self._engines[n] for n in self._order if n in self._engines]
+
+    # ---- queries --------------------------------------------------------------------------------
     def names(self) -> list[str]:
         self._load()
-        return list(self._engines)
+        return [e.name for e in self._loaded()]
 
     def get(self, name: str) -> Engine:
-        self._load()
+        """The engine called ``name``, loading its module (only its) on first use."""
+        self._declare()
+        self._load_one(name)
+        if name not in self._engines and self._pending:
+            self._load()  # a plugin may call itself differently from its entry point
         if name not in self._engines:
             why = self._broken.get(name)
             raise UnsupportedError(
@@ -128,7 +187,7 @@ class Registry:
 
     def engines(self) -> list[Engine]:
         self._load()
-        return list(self._engines.values())
+        return self._loaded()
 
     def available_engines(self) -> list[Engine]:
         """Engines that can run here at all (library installed, device present...)."""
@@ -141,11 +200,11 @@ class Registry:
 
     def heuristics(self) -> list[Heuristic]:
         """Heuristic plugins, in discovery order (the built-in rules are not listed here)."""
-        self._load()
+        self._load_heuristics()
         return list(self._heuristics)
 
     def broken_heuristics(self) -> dict[str, str]:
-        self._load()
+        self._load_heuristics()
         return dict(self._broken_heuristics)
 
     def origin(self, name: str) -> str:
@@ -156,10 +215,59 @@ class Registry:
         self._load()
         rows = [
             EngineInfo(e.name, str(e.version), _available(e), self._origins.get(e.name, "?"))
-            for e in self._engines.values()
+            for e in self._loaded()
         ]
         rows += [EngineInfo(n, "?", Support.no(why), "broken") for n, why in self._broken.items()]
         return rows
+
+
+_ENGINE_MEMBERS = ("name", "version", "available", "supports", "knobs", "build")
+
+
+def _missing_members(obj: Any) -> list[str]:
+    """The Engine protocol's members ``obj`` lacks, found without calling anything:
+    ``isinstance(obj, Engine)`` reads ``version``, which may import the engine's library."""
+    missing = []
+    for member in _ENGINE_MEMBERS:
+        try:
+            inspect.getattr_static(obj, member)
+        except AttributeError:
+            missing.append(member)
+    return missing
+
+
+_SECTIONS = (f"[{ENTRY_POINT_GROUP}]", f"[{HEURISTICS_GROUP}]")
+
+
+def plugin_entry_points() -> metadata.EntryPoints:
+    """The entry points of distributions that declare fusegraph plugins.
+
+    ``importlib.metadata.entry_points()`` parses the metadata of every installed
+    distribution (10-30 ms here, most of a cached build); this reads each one's
+    entry_points.txt as text and parses only those naming a fusegraph group, with the same
+    rule for duplicates (the first distribution of a name on sys.path wins)."""
+    seen: set[str] = set()
+    found: list[metadata.EntryPoint] = []
+    for entry in sys.path:
+        try:
+            listing = os.scandir(entry or ".")
+        except OSError:  # not a directory (a zip, a missing path): no plugin is looked for there
+            continue
+        with listing:
+            dirs = sorted((d for d in listing if d.name.endswith((".dist-info", ".egg-info"))), key=lambda d: d.name)
+        for d in dirs:
+            name = re.sub(r"[-_.]+", "_", d.name.rsplit(".", 1)[0].split("-", 1)[0]).lower()
+            if name in seen:
+                continue
+            seen.add(name)
+            try:
+                with open(os.path.join(d.path, "entry_points.txt"), encoding="utf-8") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            if any(section in text for section in _SECTIONS):
+                found.extend(metadata.PathDistribution(Path(d.path)).entry_points)
+    return metadata.EntryPoints(ep for ep in found if ep.group in (ENTRY_POINT_GROUP, HEURISTICS_GROUP))
 
 
 def _instantiate(obj: Any) -> Any:

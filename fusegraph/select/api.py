@@ -85,10 +85,17 @@ def ranked_configs(
     handle: Handle,
     modes: Sequence[HeurMode],
     registry: Registry | None = None,
+    *,
+    only: str | None = None,
 ) -> list[Candidate]:
-    """Heuristic candidates for the modes, in order (plugins first in A and B)."""
+    """Heuristic candidates for the modes, in order (plugins first in A and B); with
+    ``only``, that engine's candidates alone (no other engine is loaded or asked)."""
     registry = registry or active_registry()
-    engines = registry.available_engines()
+    if only is None:
+        engines = registry.available_engines()
+    else:
+        e = registry.get(only)
+        engines = [e] if _safe(e.available) else []
     names = {e.name for e in engines}
     out: list[Candidate] = []
     for mode in modes:
@@ -116,7 +123,10 @@ def _tuned_config(graph: Graph, handle: Handle, registry: Registry) -> EngineCon
     from fusegraph.select.tuning_db import default_db, engine_versions
 
     try:
-        entry = default_db().lookup(graph.key(), device_id(handle), engine_versions(registry.available_engines()))
+        db, key, device = default_db(), graph.key(), device_id(handle)
+        if not any(e.graph_key == key and e.device == device for e in db.entries()):
+            return None  # nothing tuned for this graph here: no engine need be asked its versions
+        entry = db.lookup(key, device, engine_versions(registry.available_engines()))
     except OSError as exc:
         log.info("tuning database not readable: %s", exc)
         return None
@@ -160,7 +170,7 @@ def create_execution_plans(
         elif pref is not None:
             registry.get(pref)
         tuned = _tuned_config(graph, h, registry) if use_tuned else None
-        ranked = ranked_configs(graph, h, modes_t, registry)
+        ranked = ranked_configs(graph, h, modes_t, registry, only=engine)
         first = engine or pref
         if first is not None:
             if tuned is not None and tuned.engine == first:
@@ -226,13 +236,20 @@ def every_engine_reason(graph: Graph, handle: Handle, registry: Registry | None 
     return lines
 
 
-def check_support(graph: Graph, handle: Handle | str | None = None, registry: Registry | None = None) -> list[Candidate]:
+def check_support(
+    graph: Graph,
+    handle: Handle | str | None = None,
+    registry: Registry | None = None,
+    *,
+    known: Mapping[str, Support] | None = None,
+) -> list[Candidate]:
     """Keeps the candidates whose engine supports the graph; raises UnsupportedError (with
-    every engine's reason) when none does and no split into supported pieces exists."""
+    every engine's reason) when none does and no split into supported pieces exists.
+    ``known``: engines' answers already asked for this graph and handle."""
     registry = registry or active_registry()
     sel = _selection(graph, handle)
     h = sel.handle
-    cache: dict[str, Support] = {}
+    cache: dict[str, Support] = dict(known or {})
     kept: list[Candidate] = []
     rejected: list[Candidate] = []
     for c in sel.candidates:
@@ -394,8 +411,11 @@ def build(
         graph, modes, h, engine=engine, config=config, preferred_engine=preferred_engine,
         use_tuned=use_tuned, registry=registry,
     )
-    check_support(graph, h, registry)
-    plan = build_plans(graph, BuildPlanPolicy.HEURISTICS_CHOICE, h, registry)[0]
+    asked: dict[str, Support] = {}
+    plan = _first_plan(graph, h, registry, asked)
+    if plan is None:
+        check_support(graph, h, registry, known=asked)
+        plan = build_plans(graph, BuildPlanPolicy.HEURISTICS_CHOICE, h, registry)[0]
     sel = graph._selection
     chosen = next(c for c in sel.candidates if c.plan is plan)
     log.info("graph '%s' on %s: %s (%s)", graph.name, h.device, plan.config, chosen.source)
@@ -403,6 +423,50 @@ def build(
     if engine is not None:
         graph.plans[(engine, h)] = plan
     return plan
+
+
+def _first_plan(graph: Graph, h: Handle, registry: Registry, asked: dict[str, Support]) -> ExecutionPlan | None:
+    """build()'s walk: asks each candidate's engine in order and builds the first that
+    says yes, so that the engines after it are never loaded nor asked (a build on IREE
+    does not import torch). It chooses what check_support + build_plans(HEURISTICS_CHOICE)
+    would, as long as some engine other than the reference supports the graph; when none
+    does (a split or the reference may be the answer) it returns None, leaving in
+    ``asked`` the engines' answers, and build() takes the full path."""
+    sel = graph._selection
+    assert isinstance(sel, Selection)
+    kept: list[Candidate] = []
+    rejected: list[Candidate] = []
+    failures: list[str] = []
+    real = False
+    for i, c in enumerate(sel.candidates):
+        name = c.config.engine
+        if name == PARTITION or (name == "reference" and not real and not sel.strict):
+            return None  # a split may come first: check_support's business
+        if name not in asked:
+            asked[name] = _engine_support(registry, name, graph, h)
+        c.support = asked[name]
+        if not c.support:
+            rejected.append(c)
+            continue
+        kept.append(c)
+        real = real or name != "reference"
+        try:
+            c.plan = build_candidate(graph, h, c.config, registry)
+            c.error = ""
+        except (FusegraphError, ValueError, RuntimeError, OSError) as exc:
+            c.error = f"{type(exc).__name__}: {exc}"
+            log.warning("building %s for graph '%s' failed: %s", c.config, graph.name, c.error)
+            failures.append(f"{c.config}: {c.error}")
+            continue
+        sel.candidates = kept + sel.candidates[i + 1 :]  # the rest not asked yet (support None)
+        sel.rejected, sel.checked, sel.plans = rejected, False, [c.plan]
+        return c.plan
+    if not real:
+        return None  # nothing supported: check_support raises with every engine's reason
+    sel.candidates, sel.rejected, sel.checked, sel.plans = kept, rejected, True, []
+    raise CompileError(  # as build_plans words it; the failed builds are not tried twice
+        f"no candidate plan for graph '{graph.name}' on {h.device} could be built:\n  " + "\n  ".join(failures)
+    )
 
 
 def load_plan(data: bytes, handle: Handle | str | None = None, registry: Registry | None = None) -> ExecutionPlan:
