@@ -516,6 +516,12 @@ def _evaluate(og: OnnxGraph, node: ONode, args: Sequence[np.ndarray | None]) -> 
         idx = args[1].astype(np.int64)
         idx = np.where(idx < 0, idx + x.shape[axis], idx)
         return [np.take(x, idx, axis=axis)]
+    if op == "GatherElements" and x is not None and args[1] is not None:
+        # onnx.reference's GatherElements goes through np.choose, which takes at most 32
+        # choices, and its fallback is wrong (BERT's token-type ids over 128 positions)
+        axis = int(node.attr("axis", 0)) % x.ndim
+        idx = args[1].astype(np.int64)
+        return [np.take_along_axis(x, np.where(idx < 0, idx + x.shape[axis], idx), axis=axis)]
     return _reference_eval(og, node, args)
 
 

@@ -27,11 +27,14 @@ def _bert() -> tuple[Any, dict[str, Any]]:
     import torch
     import transformers as tr
 
+    # over 64 positions: onnx.reference's GatherElements (token-type ids) goes through np.choose,
+    # which takes at most 64 choices (NumPy 2), and its fallback is wrong
+    seq = 80
     cfg = tr.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=128, max_position_embeddings=32)
-    ids = torch.randint(0, 128, (1, SEQ))
-    mask = torch.ones(1, SEQ, dtype=torch.int64)
-    mask[0, SEQ - 3:] = 0
+                        intermediate_size=128, max_position_embeddings=seq)
+    ids = torch.randint(0, 128, (1, seq))
+    mask = torch.ones(1, seq, dtype=torch.int64)
+    mask[0, seq - 3:] = 0
     return tr.BertModel(cfg), {"input_ids": ids, "attention_mask": mask}
 
 
