@@ -1,0 +1,450 @@
+"""A validated fusegraph Graph as one cuDNN frontend graph (``cudnn.pygraph``).
+
+Two halves. :func:`binding` is pure Python (no cudnn, no torch): it decides what the cuDNN
+graph will look like from outside -- which fusegraph tensor gets which cuDNN uid, the rank
+every tensor is described at, the constants passed by value, and the small per-channel
+precomputations (batchnorm inference becomes a scale and shift) -- or refuses the graph
+with a reason, which is what CPU-only machines and the plan loader read. :func:`lower`
+builds the cuDNN graph from a binding, tensor by tensor with the exact types the fusegraph
+graph declares (I/O, intermediate and compute types).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusegraph.dtypes import DataType
+from fusegraph.graph.graph import Graph
+from fusegraph.graph.node import Node
+from fusegraph.graph.ops import (
+    DATA_MOVEMENT,
+    NORMS,
+    ConvAttrs,
+    NormFwdPhase,
+    OpKind,
+    PointwiseAttrs,
+    PointwiseMode,
+    ReductionAttrs,
+    ReductionMode,
+    SdpaAttrs,
+)
+from fusegraph.graph.tensor import TensorAttr
+
+M = PointwiseMode
+
+# fusegraph pointwise mode -> (cuDNN pygraph method, its tensor argument count)
+POINTWISE_METHOD: dict[PointwiseMode, str] = {
+    M.ADD: "add", M.SUB: "sub", M.MUL: "mul", M.DIV: "div", M.MAX: "max", M.MIN: "min",
+    M.POW: "pow", M.ABS: "abs", M.NEG: "neg", M.EXP: "exp", M.LOG: "log", M.SQRT: "sqrt",
+    M.RSQRT: "rsqrt", M.RECIPROCAL: "reciprocal", M.SIN: "sin", M.COS: "cos", M.ERF: "erf",
+    M.FLOOR: "floor", M.CEIL: "ceil", M.IDENTITY: "identity", M.RELU_FWD: "relu",
+    M.TANH_FWD: "tanh", M.SIGMOID_FWD: "sigmoid", M.GELU_FWD: "gelu",
+    M.GELU_APPROX_TANH_FWD: "gelu_approx_tanh", M.ELU_FWD: "elu", M.SWISH_FWD: "swish",
+    M.SOFTPLUS_FWD: "softplus", M.CMP_EQ: "cmp_eq", M.CMP_NEQ: "cmp_neq", M.CMP_GT: "cmp_gt",
+    M.CMP_GE: "cmp_ge", M.CMP_LT: "cmp_lt", M.CMP_LE: "cmp_le", M.LOGICAL_AND: "logical_and",
+    M.LOGICAL_OR: "logical_or", M.LOGICAL_NOT: "logical_not", M.BINARY_SELECT: "binary_select",
+    M.RELU_BWD: "relu_backward", M.GELU_BWD: "gelu_backward", M.TANH_BWD: "tanh_backward",
+    M.SIGMOID_BWD: "sigmoid_backward",
+}
+
+REDUCTION_MODE: dict[ReductionMode, str] = {
+    ReductionMode.SUM: "ADD", ReductionMode.MIN: "MIN", ReductionMode.MAX: "MAX",
+    ReductionMode.AMAX: "AMAX", ReductionMode.AVG: "AVG", ReductionMode.MUL: "MUL",
+    ReductionMode.NORM1: "NORM1", ReductionMode.NORM2: "NORM2",
+}
+
+DATA_TYPE: dict[DataType, str] = {
+    DataType.HALF: "HALF", DataType.BFLOAT16: "BFLOAT16", DataType.FLOAT: "FLOAT",
+    DataType.DOUBLE: "DOUBLE", DataType.INT8: "INT8", DataType.UINT8: "UINT8",
+    DataType.INT32: "INT32", DataType.INT64: "INT64", DataType.BOOLEAN: "BOOLEAN",
+    DataType.FP8_E4M3: "FP8_E4M3", DataType.FP8_E5M2: "FP8_E5M2",
+}
+
+# Op kinds with no lowering here, and why (the reason supports() gives).
+NOT_LOWERED: dict[OpKind, str] = {
+    OpKind.SOFTMAX: "cuDNN's graph API has no softmax node (softmax exists only inside its sdpa)",
+    OpKind.POOLING: "the cuDNN frontend's Python graph (1.32) exposes no resample (pooling) node",
+    **{k: f"cuDNN graphs here take no {k.value} node (data movement stays with other engines)" for k in DATA_MOVEMENT},
+}
+
+
+class Refused(Exception):
+    """The graph cannot be described to cuDNN; the message says why (naming the node)."""
+
+
+@dataclass(frozen=True)
+class Described:
+    """How one fusegraph tensor is described to cuDNN: dims and strides at the graph's rank."""
+
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Prep:
+    """A per-channel scale and shift computed on the device before the cuDNN graph runs:
+    batchnorm inference's ``y = x * a + b`` with ``a = scale / sqrt(var + eps)`` and
+    ``b = bias - mean * a`` (cuDNN's own batchnorm-inference node takes an inverse
+    variance, and fusing it into a convolution's epilogue is a scale and a shift anyway)."""
+
+    node: str
+    scale: str
+    bias: str
+    mean: str
+    var: str
+    epsilon: float
+    channels: int
+    uid_a: int
+    uid_b: int
+    dims: tuple[int, ...]  # [1, C, 1, ...] at the graph's rank
+
+
+@dataclass
+class Binding:
+    """What the cuDNN graph of a fusegraph graph looks like from outside."""
+
+    rank: int
+    trailing: bool  # unit dims appended (norm graphs) rather than prepended
+    described: dict[str, Described]  # every non-scalar tensor
+    uids: dict[str, int]  # graph inputs and outputs -> cuDNN uid
+    scalars: dict[int, tuple[float | int | bool, DataType]]  # pass-by-value uid -> value
+    preps: list[Prep] = field(default_factory=list)
+    scalar_uid: dict[str, int] = field(default_factory=dict)  # scalar tensor name -> uid
+
+    def to_json(self) -> dict[str, Any]:
+        return {"uids": self.uids}
+
+
+def _graph_rank(graph: Graph) -> tuple[int, bool]:
+    kinds = {n.kind for n in graph.nodes}
+    r = max((len(t.shape) for t in graph.tensors if not t.is_scalar), default=1)
+    norms = kinds & (NORMS - {OpKind.BATCHNORM_INFERENCE})
+    if norms and OpKind.MATMUL in kinds:
+        raise Refused(
+            "a matmul and a layer/rms/batch norm in one graph: cuDNN describes the norm at rank 4 "
+            "with unit dims appended and the matmul with batch dims prepended; split the graph"
+        )
+    if norms:
+        return max(4, r), True
+    if OpKind.MATMUL in kinds:
+        return max(3, r), False
+    return max(4, r), False
+
+
+def _describe(t: TensorAttr, rank: int, trailing: bool) -> Described:
+    dims, strides = list(t.shape), list(t.strides)
+    extent = max((d * s for d, s in zip(dims, strides, strict=True)), default=1) or 1
+    if trailing:
+        return Described(tuple(dims + [1] * (rank - len(dims))), tuple(strides + [1] * (rank - len(dims))))
+    pad = rank - len(dims)
+    return Described(tuple([1] * pad + dims), tuple([extent] * pad + strides))
+
+
+def _reason(node: Node, why: str) -> Refused:
+    return Refused(f"node '{node.name}' ({node.kind.value}): {why}")
+
+
+def _check_node(node: Node) -> None:
+    if node.kind in NOT_LOWERED:
+        raise _reason(node, NOT_LOWERED[node.kind])
+    for port, t in node.inputs.items():
+        if not t.is_scalar and t.dtype not in DATA_TYPE:
+            raise _reason(node, f"input '{port}' is {t.dtype.name}, which cuDNN has no type for")
+    for port, t in node.outputs.items():
+        if t.dtype not in DATA_TYPE:
+            raise _reason(node, f"output '{port}' is {t.dtype.name}, which cuDNN has no type for")
+    attrs = node.attrs
+    if isinstance(attrs, PointwiseAttrs):
+        if attrs.mode == M.ELU_FWD and attrs.param("elu_alpha") != 1.0:
+            raise _reason(node, "cuDNN's elu takes no alpha (only alpha = 1)")
+        if attrs.mode == M.SOFTPLUS_FWD and attrs.param("softplus_beta") != 1.0:
+            raise _reason(node, "cuDNN's softplus takes no beta (only beta = 1)")
+    if isinstance(attrs, ConvAttrs) and len(node.inputs["w"].shape) not in (4, 5):
+        raise _reason(node, "cuDNN convolutions here are 2-D or 3-D (filter rank 4 or 5)")
+    if isinstance(attrs, SdpaAttrs):
+        mask = node.inputs.get("mask")
+        if mask is not None and mask.dtype == DataType.BOOLEAN:
+            raise _reason(node, "a boolean mask: cuDNN's sdpa takes an additive bias (pass 0 / -inf as floats)")
+    if node.kind in (OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.BATCHNORM, OpKind.BATCHNORM_INFERENCE):
+        eps = node.inputs["epsilon"]
+        if not eps.is_scalar:
+            raise _reason(node, "epsilon must be a constant (graph.scalar) for cuDNN, not a tensor fed at run time")
+
+
+def binding(graph: Graph) -> Binding:
+    """Decides the outside of the cuDNN graph; raises Refused with the reason."""
+    graph.ensure_valid()
+    for node in graph.nodes:
+        _check_node(node)
+    rank, trailing = _graph_rank(graph)
+    described = {t.name: _describe(t, rank, trailing) for t in graph.tensors if not t.is_scalar and t.data_type is not None and t.dim}
+    uids: dict[str, int] = {}
+    for t in [*graph.inputs(), *graph.outputs()]:
+        uids.setdefault(t.name, len(uids) + 1)
+    next_uid = len(uids) + 1
+    b = Binding(rank, trailing, described, uids, {})
+    for node in graph.nodes:
+        for t in node.inputs.values():
+            if t.is_scalar and t.name not in b.scalar_uid:
+                assert t.value is not None
+                b.scalar_uid[t.name] = next_uid
+                b.scalars[next_uid] = (t.value, t.dtype)
+                next_uid += 1
+        if node.kind == OpKind.BATCHNORM_INFERENCE:
+            x = node.inputs["x"]
+            c = x.shape[1]
+            dims = described[x.name].dims
+            cdims = tuple(c if i == (rank - len(x.shape) + 1 if not trailing else 1) else 1 for i in range(len(dims)))
+            eps = node.inputs["epsilon"].value
+            assert eps is not None
+            ins = node.inputs
+            b.preps.append(
+                Prep(node.name, ins["scale"].name, ins["bias"].name, ins["mean"].name, ins["var"].name,
+                     float(eps), c, next_uid, next_uid + 1, cdims)
+            )
+            next_uid += 2
+    return b
+
+
+def refusal(graph: Graph) -> str | None:
+    """Why cuDNN cannot be given this graph (without asking cuDNN), or None."""
+    try:
+        binding(graph)
+    except Refused as exc:
+        return str(exc)
+    return None
+
+
+# ---- building the cuDNN graph ---------------------------------------------------------------
+def compute_type(node: Node, graph: Graph) -> DataType:
+    cd = getattr(node.attrs, "compute_data_type", None) or graph.compute_data_type
+    if cd is not None:
+        return cd  # type: ignore[no-any-return]
+    types = [t.dtype for t in node.inputs.values() if not t.is_scalar]
+    if any(t.is_float for t in types) or not types:
+        return DataType.DOUBLE if all(t == DataType.DOUBLE for t in types) and types else DataType.FLOAT
+    return DataType.INT32
+
+
+def _strided_packed(dims: tuple[int, ...], order_like: tuple[int, ...]) -> tuple[int, ...]:
+    """Packed strides for ``dims`` in the memory order of ``order_like`` (strides)."""
+    order = sorted(range(len(dims)), key=lambda a: (-order_like[a], a))
+    out = [0] * len(dims)
+    step = 1
+    for a in reversed(order):
+        out[a] = step
+        step *= dims[a]
+    return tuple(out)
+
+
+class _Builder:
+    """Walks the fusegraph nodes in topological order, adding each to the cuDNN graph."""
+
+    def __init__(self, graph: Graph, b: Binding, cudnn: Any, handle: Any) -> None:
+        self.graph, self.b, self.cudnn = graph, b, cudnn
+        io = graph.io_data_type or next((t.dtype for t in graph.inputs() if t.dtype.is_float), DataType.FLOAT)
+        inter = graph.intermediate_data_type or DataType.FLOAT
+        comp = graph.compute_data_type or DataType.FLOAT
+        self.g = cudnn.pygraph(
+            name=_safe(graph.name),
+            io_data_type=self.dt(io),
+            intermediate_data_type=self.dt(inter),
+            compute_data_type=self.dt(comp),
+            handle=handle,
+        )
+        self.t: dict[str, Any] = {}  # fusegraph tensor name -> cuDNN tensor
+
+    def dt(self, d: DataType) -> Any:
+        return getattr(self.cudnn.data_type, DATA_TYPE[d])
+
+    def tensor(self, t: TensorAttr) -> Any:
+        got = self.t.get(t.name)
+        if got is not None:
+            return got
+        if t.is_scalar:
+            uid = self.b.scalar_uid[t.name]
+            r = self.b.rank
+            got = self.g.tensor(dim=[1] * r, stride=[1] * r, data_type=self.dt(t.dtype), is_pass_by_value=True,
+                                name=_safe(t.name), uid=uid)
+        else:
+            d = self.b.described[t.name]
+            got = self.g.tensor(dim=list(d.dims), stride=list(d.strides), data_type=self.dt(t.dtype),
+                                name=_safe(t.name), uid=self.b.uids[t.name])
+        self.t[t.name] = got
+        return got
+
+    def prep_tensor(self, uid: int, dims: tuple[int, ...], name: str) -> Any:
+        strides = _strided_packed(dims, tuple(range(len(dims), 0, -1)))
+        return self.g.tensor(dim=list(dims), stride=list(strides), data_type=self.dt(DataType.FLOAT), name=name, uid=uid)
+
+    def output(self, t: TensorAttr, cud: Any) -> None:
+        d = self.b.described[t.name]
+        cud.set_dim(list(d.dims)).set_stride(list(d.strides)).set_data_type(self.dt(t.dtype))
+        if t.is_output:
+            cud.set_output(True)
+            cud.set_uid(self.b.uids[t.name])
+        self.t[t.name] = cud
+
+    def build(self) -> Any:
+        preps = {p.node: p for p in self.b.preps}
+        for node in self.graph.topological_order():
+            fn = LOWER[node.kind]
+            outs = fn(self, node, preps.get(node.name))
+            for port, cud in outs.items():
+                self.output(node.outputs[port], cud)
+        return self.g
+
+
+def _safe(name: str) -> str:
+    return name.replace("::", "__")
+
+
+def _cdt(bld: _Builder, node: Node) -> Any:
+    return bld.dt(compute_type(node, bld.graph))
+
+
+def _conv_kw(bld: _Builder, node: Node) -> dict[str, Any]:
+    a = node.attrs
+    assert isinstance(a, ConvAttrs)
+    return {"pre_padding": list(a.pre_padding), "post_padding": list(a.post_padding), "stride": list(a.stride),
+            "dilation": list(a.dilation), "compute_data_type": _cdt(bld, node), "name": _safe(node.name)}
+
+
+def _conv_fprop(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
+    y = bld.g.conv_fprop(bld.tensor(node.inputs["x"]), bld.tensor(node.inputs["w"]), **_conv_kw(bld, node))
+    return {"y": y}
+
+
+def _conv_dgrad(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
+    dims = list(bld.b.described[node.outputs["dx"].name].dims)
+    dx = bld.g.conv_dgrad(bld.tensor(node.inputs["dy"]), bld.tensor(node.inputs["w"]), out_dims=dims, **_conv_kw(bld, node))
+    return {"dx": dx}
+
+
+def _conv_wgrad(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
+    dims = list(bld.b.described[node.outputs["dw"].name].dims)
+    dw = bld.g.conv_wgrad(bld.tensor(node.inputs["x"]), bld.tensor(node.inputs["dy"]), out_dims=dims, **_conv_kw(bld, node))
+    return {"dw": dw}
+
+
+def _matmul(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
+    c = bld.g.matmul(bld.tensor(node.inputs["a"]), bld.tensor(node.inputs["b"]), compute_data_type=_cdt(bld, node),
+                     name=_safe(node.name))
+    return {"c": c}
+
+
+def _pointwise(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
+    a = node.attrs
+    assert isinstance(a, PointwiseAttrs)
+    args = [bld.tensor(node.inputs[p]) for p in ("a", "b", "c") if p in node.inputs]
+    kw: dict[str, Any] = {"compute_data_type": _cdt(bld, node), "name": _safe(node.name)}
+    if a.mode == M.RELU_FWD:
+        lower, upper, slope = a.param("relu_lower_clip"), a.param("relu_upper_clip"), a.param("relu_lower_clip_slope")
+        if lower != 0.0:
+            kw["lower_clip"] = lower
+        if math.isfinite(upper):
+            kw["upper_clip"] = upper
+        if slope != 0.0:
+            kw["negative_slope"] = slope
+    elif a.mode == M.RELU_BWD and a.param("relu_lower_clip") != 0.0:
+        kw["lower_clip"] = a.param("relu_lower_clip")
+    elif a.mode == M.SWISH_FWD and a.param("swish_beta") != 1.0:
+        kw["swish_beta"] = a.param("swish_beta")
+    y = getattr(bld.g, POINTWISE_METHOD[a.mode])(*args, **kw)
+    return {"y": y}
+
+
+def _reduction(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
+    a = node.attrs
+    assert isinstance(a, ReductionAttrs)
+    dims = list(bld.b.described[node.outputs["y"].name].dims)
+    mode = getattr(bld.cudnn.reduction_mode, REDUCTION_MODE[a.mode])
+    y = bld.g.reduction(bld.tensor(node.inputs["x"]), mode=mode, compute_data_type=_cdt(bld, node), name=_safe(node.name),
+                        out_dims=dims)
+    return {"y": y}
+
+
+def _bn_inference(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
+    assert prep is not None
+    x = bld.tensor(node.inputs["x"])
+    a = bld.prep_tensor(prep.uid_a, prep.dims, _safe(f"{node.name}__a"))
+    b = bld.prep_tensor(prep.uid_b, prep.dims, _safe(f"{node.name}__b"))
+    cdt = _cdt(bld, node)
+    xa = bld.g.mul(x, a, compute_data_type=cdt, name=_safe(f"{node.name}__mul"))
+    xa.set_data_type(bld.dt(DataType.FLOAT))
+    y = bld.g.add(xa, b, compute_data_type=cdt, name=_safe(f"{node.name}__add"))
+    return {"y": y}
+
+
+def _phase(bld: _Builder, node: Node) -> Any:
+    p = getattr(node.attrs, "phase", NormFwdPhase.INFERENCE)
+    return bld.cudnn.norm_forward_phase.TRAINING if p == NormFwdPhase.TRAINING else bld.cudnn.norm_forward_phase.INFERENCE
+
+
+def _layernorm(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
+    ins = node.inputs
+    outs = bld.g.layernorm(bld.tensor(ins["x"]), bld.tensor(ins["scale"]), bld.tensor(ins["bias"]), bld.tensor(ins["epsilon"]),
+                           norm_forward_phase=_phase(bld, node), compute_data_type=_cdt(bld, node), name=_safe(node.name))
+    y, mean, inv = ([*outs, None, None])[:3] if isinstance(outs, list) else (outs, None, None)
+    res = {"y": y}
+    if "mean" in node.outputs:
+        res["mean"], res["inv_var"] = mean, inv
+    return res
+
+
+def _rmsnorm(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
+    ins = node.inputs
+    bias = bld.tensor(ins["bias"]) if "bias" in ins else None
+    outs = bld.g.rmsnorm(bld.tensor(ins["x"]), bld.tensor(ins["scale"]), bias, bld.tensor(ins["epsilon"]),
+                         norm_forward_phase=_phase(bld, node), compute_data_type=_cdt(bld, node), name=_safe(node.name))
+    y, inv = ([*outs, None])[:2] if isinstance(outs, list) else (outs, None)
+    res = {"y": y}
+    if "inv_rms" in node.outputs:
+        res["inv_rms"] = inv
+    return res
+
+
+def _batchnorm(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
+    ins = node.inputs
+    outs = bld.g.batchnorm(bld.tensor(ins["x"]), bld.tensor(ins["scale"]), bld.tensor(ins["bias"]),
+                           epsilon=bld.tensor(ins["epsilon"]), compute_data_type=_cdt(bld, node), name=_safe(node.name))
+    y, mean, inv = outs[:3]
+    return {"y": y, "mean": mean, "inv_var": inv}
+
+
+def _sdpa(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
+    a = node.attrs
+    assert isinstance(a, SdpaAttrs)
+    q = node.inputs["q"]
+    scale = a.attn_scale if a.attn_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    kw: dict[str, Any] = {"attn_scale": float(scale), "generate_stats": False, "use_causal_mask": bool(a.causal),
+                          "compute_data_type": _cdt(bld, node), "name": _safe(node.name)}
+    if "mask" in node.inputs:
+        kw["bias"] = bld.tensor(node.inputs["mask"])
+    outs = bld.g.sdpa(bld.tensor(q), bld.tensor(node.inputs["k"]), bld.tensor(node.inputs["v"]), **kw)
+    o = outs[0] if isinstance(outs, list | tuple) else outs
+    return {"o": o}
+
+
+Lowering = Callable[[_Builder, Node, Prep | None], dict[str, Any]]
+LOWER: dict[OpKind, Lowering] = {
+    OpKind.CONV_FPROP: _conv_fprop,
+    OpKind.CONV_DGRAD: _conv_dgrad,
+    OpKind.CONV_WGRAD: _conv_wgrad,
+    OpKind.MATMUL: _matmul,
+    OpKind.POINTWISE: _pointwise,
+    OpKind.REDUCTION: _reduction,
+    OpKind.BATCHNORM_INFERENCE: _bn_inference,
+    OpKind.BATCHNORM: _batchnorm,
+    OpKind.LAYERNORM: _layernorm,
+    OpKind.RMSNORM: _rmsnorm,
+    OpKind.SDPA: _sdpa,
+}
+
+
+def lower(graph: Graph, b: Binding, cudnn: Any, handle: Any) -> Any:
+    """The cuDNN pygraph of ``graph`` (not validated or planned yet)."""
+    return _Builder(graph, b, cudnn, handle).build()
