@@ -202,3 +202,29 @@ def test_tiny_transformers_few_units_and_equal_to_onnxruntime(
     assert len(rep.subgraphs) <= max_units
     (got,) = sess.run(None, feed)
     assert _rel(got, want[0]) < 1e-5
+
+
+def test_folding_never_duplicates_a_big_weight(rng: np.random.Generator) -> None:
+    """Transpose(W) of a W that another node also reads stays a node (folding it would keep
+    two copies of W); with one reader it is folded and W dropped."""
+    f = TensorProto.FLOAT
+    w = rng.standard_normal((1030, 1024)).astype(np.float32)  # > 1M elements
+    shared = _model([
+        helper.make_node("Transpose", ["w"], ["wt"]),
+        helper.make_node("MatMul", ["x", "w"], ["a"]),       # x [2, 1030] @ w [1030, 1024]
+        helper.make_node("MatMul", ["a", "wt"], ["y"]),      # [2, 1024] @ [1024, 1030]
+    ], {"x": (f, [2, 1030])}, {"y": (f, [2, 1030])}, {"w": w})
+    og = specialize(shared, {"x": (2, 1030)})
+    assert [n.op_type for n in og.nodes] == ["Transpose", "MatMul", "MatMul"]
+    assert sum(c.size for c in og.constants.values()) == w.size
+    alone = _model([
+        helper.make_node("Transpose", ["w"], ["wt"]),
+        helper.make_node("MatMul", ["x", "wt"], ["y"]),
+    ], {"x": (f, [2, 1024])}, {"y": (f, [2, 1030])}, {"w": w})
+    og = specialize(alone, {"x": (2, 1024)})
+    assert [n.op_type for n in og.nodes] == ["MatMul"]
+    assert sum(c.size for c in og.constants.values()) == w.size
+    x = rng.standard_normal((2, 1030)).astype(np.float32)
+    want = ort.InferenceSession(shared.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    (got,) = _session(shared, "reference").run(None, {"x": x})
+    assert _rel(got, want[0]) < 1e-5

@@ -10,6 +10,7 @@ feeding a Reshape) into arrays, leaving the nodes that really run on each call.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -36,6 +37,10 @@ _SMALL_CONST = 4096
 
 # Rounds of shape inference + folding before giving up on a fixed point (a safety bound only).
 _MAX_FOLD_ROUNDS = 256
+
+# A fold whose result has more elements than this is skipped when it would duplicate a weight
+# (its big constant input is read elsewhere too), so constant folding never doubles weights.
+FOLD_MAX_ELEMENTS = 1 << 20
 
 # Never folded even when every input is constant: their output is not a function of it.
 _NONDETERMINISTIC = frozenset(
@@ -438,7 +443,12 @@ def _fold_constants(og: OnnxGraph) -> bool:
     """Evaluates nodes whose inputs are all known; True when anything was folded."""
     changed = False
     keep: list[ONode] = []
+    readers = collections.Counter(i for n in og.nodes for i in set(n.all_inputs()))
+    readers.update(og.outputs)
     for node in og.nodes:
+        if _would_duplicate(og, node, readers):
+            keep.append(node)
+            continue
         value = _try_fold(og, node)
         if value is None:
             keep.append(node)
@@ -451,6 +461,23 @@ def _fold_constants(og: OnnxGraph) -> bool:
         changed = True
     og.nodes = keep
     return changed
+
+
+def _would_duplicate(og: OnnxGraph, node: ONode, readers: Mapping[str, int]) -> bool:
+    """Folding would keep a big constant alive beside a big derived copy of it (a Transpose or
+    Cast of a weight something else also reads): such nodes run instead. A constant with no
+    other reader is dropped after the fold (``_prune_dead``), so that fold copies nothing."""
+    shared = [
+        i for i in node.inputs
+        if i in og.constants and og.constants[i].size > FOLD_MAX_ELEMENTS and readers.get(i, 0) > 1
+    ]
+    if not shared:
+        return False
+    for o in node.outputs:
+        shape = og.shape(o) if o else ()
+        if shape is None or int(np.prod(shape)) > FOLD_MAX_ELEMENTS:
+            return True
+    return False
 
 
 def _try_fold(og: OnnxGraph, node: ONode) -> list[np.ndarray] | None:
