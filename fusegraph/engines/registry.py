@@ -42,6 +42,7 @@ HEURISTICS_GROUP = "fusegraph.heuristics"
 BUILTIN: dict[str, str] = {
     "iree": "fusegraph.engines.iree:IreeEngine",
     "torch": "fusegraph.engines.torch:TorchEngine",
+    "cudnn": "fusegraph.engines.cudnn:CudnnEngine",
     "reference": "fusegraph.engines.reference:ReferenceEngine",
 }
 
