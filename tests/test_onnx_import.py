@@ -228,3 +228,19 @@ def test_folding_never_duplicates_a_big_weight(rng: np.random.Generator) -> None
     want = ort.InferenceSession(shared.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     (got,) = _session(shared, "reference").run(None, {"x": x})
     assert _rel(got, want[0]) < 1e-5
+
+
+@pytest.mark.parametrize("engine", ["torch", "iree"])
+@pytest.mark.parametrize("name", ["tiny_bert", "tiny_llama"])
+def test_tiny_transformers_on_compiling_engines(name: str, engine: str, iree_cache_dir: Path) -> None:
+    """The glue (mask Expand/Where/IsNaN, grouped-query Expand) built into one unit by each
+    compiling engine (strict: a failed build raises instead of falling back)."""
+    _engine_or_skip(engine)
+    path = DATA / f"{name}.onnx"
+    feed = _feed(name)
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feed)
+    sess = _session(path, engine)
+    claimed = [sg for sg in sess.partition_report().subgraphs if sg.kind != "onnxruntime"]
+    assert len(claimed) == 1 and claimed[0].engine.startswith(engine), [(sg.kind, sg.engine) for sg in claimed]
+    (got,) = sess.run(None, feed)
+    assert _rel(got, want[0]) < 1e-5
