@@ -33,7 +33,7 @@ import onnx
 
 from fusegraph import __version__
 from fusegraph.onnx.model import OnnxGraph, ONode
-from fusegraph.runtime.cache_dir import cache_enabled, cache_root, read_table, write_table
+from fusegraph.runtime.cache_dir import cache_enabled, cache_root, read_table, update_table
 
 log = logging.getLogger("fusegraph.onnx")
 
@@ -220,10 +220,9 @@ class VerdictCache:
     def flush(self) -> None:
         if not self._dirty:
             return
-        try:
-            table = read_table(self.path)  # re-read: another session may have written meanwhile
-            table.update(self._dirty)
-            write_table(self.path, table)
+        dirty = dict(self._dirty)
+        try:  # under the table's lock: another session may write its verdicts meanwhile
+            update_table(self.path, lambda table: table.update(dirty))
             self._dirty = {}
         except OSError as exc:
             log.info("could not record floor verdicts in %s: %s", self.path, exc)
