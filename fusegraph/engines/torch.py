@@ -15,7 +15,9 @@ while a plan runs); on the CPU they are computed in f32.
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import importlib.util
 import json
 import logging
@@ -23,6 +25,7 @@ import math
 import types
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -70,6 +73,29 @@ def _torch() -> Any:
     import torch
 
     return torch
+
+
+@functools.cache
+def torch_build_info() -> dict[str, str | None]:
+    """``__version__``, ``cuda`` and ``hip`` of torch/version.py, read as text: importing
+    torch costs 1-2 s, and a build on another engine must not pay it (issue 10)."""
+    out: dict[str, str | None] = {"__version__": None, "cuda": None, "hip": None}
+    try:
+        spec = importlib.util.find_spec("torch")
+        where = spec.submodule_search_locations if spec is not None else None
+        if not where:
+            return out
+        tree = ast.parse((Path(next(iter(where))) / "version.py").read_text(encoding="utf-8"))
+    except (ImportError, ValueError, OSError, SyntaxError):
+        return out
+    for stmt in tree.body:
+        target = stmt.targets[0] if isinstance(stmt, ast.Assign) else stmt.target if isinstance(stmt, ast.AnnAssign) else None
+        value = stmt.value if isinstance(stmt, ast.Assign | ast.AnnAssign) else None
+        if isinstance(target, ast.Name) and target.id in out and value is not None:
+            with contextlib.suppress(ValueError):
+                v = ast.literal_eval(value)
+                out[target.id] = str(v) if v is not None else None
+    return out
 
 
 def torch_installed() -> bool:
@@ -225,12 +251,16 @@ class TorchEngine:
     def version(self) -> str:
         if not torch_installed():
             return "-"
-        return str(_torch().__version__)
+        info = torch_build_info()
+        return info["__version__"] or str(_torch().__version__)
 
     def library_versions(self) -> dict[str, str]:
         """What the plans' speed depends on besides torch itself (for the tuning DB)."""
         if not torch_installed():
             return {}
+        info = torch_build_info()
+        if info["__version__"] and not info["cuda"] and not info["hip"]:
+            return {"torch": info["__version__"]}  # a CPU build: no cuDNN, CUDA or HIP to ask
         torch = _torch()
         out = {"torch": str(torch.__version__)}
         with contextlib.suppress(Exception):
@@ -243,12 +273,10 @@ class TorchEngine:
         return out
 
     def available(self) -> Support:
+        """Cheap on purpose (the registry asks every engine): torch is found, not imported;
+        a torch that fails to import is reported by supports() and build()."""
         if not torch_installed():
             return Support.no("PyTorch is not installed (pip install 'fusegraph[torch]')")
-        try:
-            _torch()
-        except Exception as exc:
-            return Support.no(f"PyTorch fails to import: {exc}")
         return Support.yes()
 
     def _device_support(self, handle: Handle) -> Support:
@@ -271,6 +299,10 @@ class TorchEngine:
         avail = self.available()
         if not avail:
             return avail
+        try:
+            _torch()
+        except Exception as exc:
+            return Support.no(f"PyTorch fails to import: {exc}")
         dev = self._device_support(handle)
         if not dev:
             return dev
@@ -338,7 +370,7 @@ class TorchEngine:
                     "cores); 1 avoids OpenMP barrier stalls on a busy or shared machine",
                 )
             )
-        if not handle.device.is_gpu and torch_fusion.available() and torch_fusion.has_onednn_steps(graph):
+        if not handle.device.is_gpu and torch_fusion.has_onednn_steps(graph) and torch_fusion.available():
             out.append(
                 Knob(
                     "onednn",
@@ -349,7 +381,7 @@ class TorchEngine:
                     "filters bound as constants pre-reordered (eager only)",
                 )
             )
-        if not handle.device.is_gpu and torch_onednn_graph.available() and torch_fusion.plan_fusions(graph):
+        if not handle.device.is_gpu and torch_fusion.plan_fusions(graph) and torch_onednn_graph.available():
             out.append(
                 Knob(
                     "onednn_graph",
