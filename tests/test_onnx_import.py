@@ -119,8 +119,11 @@ def _glue_model(rng: np.random.Generator) -> tuple[onnx.ModelProto, dict[str, np
         helper.make_node("Equal", ["mexp", "zero"], ["masked"]),
         helper.make_node("Trilu", ["mexp", "k"], ["tri"], upper=0),
         helper.make_node("Where", ["masked", "neg", "tri"], ["bias"]),
+        helper.make_node("Neg", ["m4f"], ["m4n"]),
+        helper.make_node("Where", ["colmask", "m4f", "m4n"], ["wsel"]),  # no operand has the output's dims
+        helper.make_node("Add", ["bias", "wsel"], ["bias2"]),
         helper.make_node("Gather", ["clean", "idx"], ["pick"], axis=3),  # non-arithmetic indices
-        helper.make_node("MatMul", ["bias", "pick"], ["mm"]),
+        helper.make_node("MatMul", ["bias2", "pick"], ["mm"]),
         helper.make_node("Mul", ["mm", "keepf"], ["y"]),
         helper.make_node("Transpose", ["masked"], ["mt"], perm=[0, 1, 3, 2]),
         helper.make_node("Xor", ["masked", "mt"], ["sym"]),
@@ -129,7 +132,7 @@ def _glue_model(rng: np.random.Generator) -> tuple[onnx.ModelProto, dict[str, np
     inits = {
         "zero": np.array(0.0, np.float32), "neg": np.array(-1e4, np.float32),
         "ax12": np.array([1, 2], np.int64), "shape": np.array([2, 1, 6, 6], np.int64),
-        "k": np.array(1, np.int64), "idx": np.array([7, 0, 1, 2, 5, 3, 3, 6], np.int64),
+        "k": np.array(1, np.int64), "colmask": rng.integers(0, 2, (1, 1, 6, 1)).astype(bool), "idx": np.array([7, 0, 1, 2, 5, 3, 3, 6], np.int64),
     }
     m = _model(nodes, {"x": (f, x.shape), "mask": (i64, mask.shape)}, {"y": (f, [2, 1, 6, 8]), "y2": (TensorProto.INT32, [2, 1, 6, 6])}, inits)
     return m, {"x": x, "mask": mask}

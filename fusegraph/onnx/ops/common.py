@@ -108,3 +108,15 @@ def out_rank(imp: Importer, node: ONode) -> int:
 
 def out_dims(imp: Importer, node: ONode) -> tuple[int, ...]:
     return imp.shape(node.outputs[0])
+
+
+def broadcast_to(imp: Importer, x: TensorAttr, out: Sequence[int]) -> TensorAttr:
+    """``x`` broadcast to dims ``out``: x times a constant 1 (and with true, for booleans)
+    whose dims are the expanded axes only, so it is as small as the broadcast allows; exact
+    for every value (NaN, inf, -0.0)."""
+    aligned = (1,) * (len(out) - len(x.dim)) + tuple(x.dim)
+    grow = tuple(o if a == 1 and o != 1 else 1 for a, o in zip(aligned, out, strict=True))
+    if all(g == 1 for g in grow):
+        return reshape(imp, x, out)
+    one = imp.constant(np.ones(grow, dtype=x.dtype.numpy), "broadcast_one")
+    return imp.g.logical_and(x, one) if x.dtype == DataType.BOOLEAN else imp.g.mul(x, one)

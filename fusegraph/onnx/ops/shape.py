@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from fusegraph.dtypes import DataType
 from fusegraph.graph.tensor import TensorAttr
-from fusegraph.onnx.ops.common import ints, is_read, out_dims, reshape
+from fusegraph.onnx.ops.common import broadcast_to, ints, is_read, out_dims, reshape
 from fusegraph.onnx.ops.table import Unmappable, lowers
 
 if TYPE_CHECKING:
@@ -157,27 +156,17 @@ def arithmetic_runs(flat: np.ndarray) -> list[tuple[int, int, int]]:
 
 @lowers("Expand")
 def lower_expand(imp: Importer, node: ONode) -> None:
-    """A broadcast: x times a constant 1 (and with true, for booleans) whose dims are the
-    expanded axes only, so it is as small as the broadcast allows; exact for every value
-    (NaN, inf, -0.0). Not select(x, x, mask): IREE's torch-mlir path miscompiles a select
-    that no operand fixes the shape of."""
+    """A broadcast (``common.broadcast_to``), the output dims from shape inference. Not
+    select(mask, x, x) with a broadcast mask: IREE's torch-mlir path does not compile it
+    ("'tensor.cast' op operand type ... are cast incompatible")."""
     if not imp.is_const(node.inputs[1]):
         raise Unmappable("Expand: the target shape is computed at run time (not a constant)")
-    xs, out = imp.shape(node.inputs[0]), out_dims(imp, node)
+    out = out_dims(imp, node)
     if not out or 0 in out:
         raise Unmappable(f"Expand: output dims {list(out)} (rank-0 or empty)")
     x = imp.tensor(node.inputs[0])
-    aligned = (1,) * (len(out) - len(xs)) + tuple(xs)
-    grow = tuple(o if a == 1 and o != 1 else 1 for a, o in zip(aligned, out, strict=True))
-    if all(g == 1 for g in grow):
-        y = reshape(imp, x, out)
-        imp.set(node.outputs[0], y if y is not x else imp.g.identity(x))
-        return
-    one = imp.constant(np.ones(grow, dtype=x.dtype.numpy), "expand_one")
-    if x.dtype == DataType.BOOLEAN:
-        imp.set(node.outputs[0], imp.g.logical_and(x, one))
-    else:
-        imp.set(node.outputs[0], imp.g.mul(x, one))
+    y = broadcast_to(imp, x, out)
+    imp.set(node.outputs[0], y if y is not x else imp.g.identity(x))
 
 
 @lowers("GatherElements", "GatherND", "ScatterElements", "ScatterND", "Range", "NonZero")
