@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from fusegraph.engines.base import Engine, EngineConfig, ExecutionPlan, Support
 from fusegraph.engines.registry import Registry, active_registry
+from fusegraph.engines.unsupported import declared_unsupported
 from fusegraph.errors import CompileError, ExecutionError, FusegraphError, UnsupportedError
 from fusegraph.graph.graph import Graph
 from fusegraph.runtime.handle import Handle, as_handle
@@ -214,6 +215,9 @@ def _engine_support(registry: Registry, name: str, graph: Graph, handle: Handle)
     avail = _safe(lambda: e.available())
     if not avail:
         return Support.no(f"not available here: {avail.reason}")
+    declared = declared_unsupported(name, graph)
+    if declared is not None:
+        return Support.no(declared)
     return _safe(lambda: e.supports(graph, handle))
 
 
