@@ -209,7 +209,6 @@ def _tagger(cell: str, vocab: int = 1000, d: int = 128, hidden: int = 256, tags:
 def _encoder(d: int = 128, heads: int = 4, layers: int = 2, seq: int = 64) -> Any:
     import torch
 
-    torch.backends.mha.set_fastpath_enabled(False)  # the fused fast path does not export
     layer = torch.nn.TransformerEncoderLayer(d, heads, 4 * d, dropout=0.0, batch_first=True, activation="gelu")
     return torch.nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
 
@@ -351,6 +350,7 @@ def exported(spec: Spec, root: Path, seed: int) -> tuple[Path, Any, dict[str, np
     """(the ONNX file, the eager module, the feed): exported once per spec, seed and torch version."""
     import torch
 
+    torch.backends.mha.set_fastpath_enabled(False)  # torch.nn's fused attention fast path does not export
     torch.manual_seed(seed)
     module, inputs, names = spec.build()
     module.eval()
