@@ -32,7 +32,6 @@ PKG = ROOT / "fusegraph"
 # The layer order (docs/DESIGN.md "Layers"): a module may import its own layer and those
 # below it. Keys are the first component under fusegraph/ (a subpackage or a top module).
 LAYERS: dict[str, int] = {
-    "_version": 0,
     "dtypes": 0,
     "errors": 0,
     "graph": 1,
