@@ -227,6 +227,13 @@ def lower_not(imp: Importer, node: ONode) -> None:
     imp.set(node.outputs[0], imp.g.logical_not(imp.tensor(node.inputs[0])))
 
 
+@lowers("Xor")
+def lower_xor(imp: Importer, node: ONode) -> None:
+    """a != b on booleans (the graph API has and/or/not, and != takes any type)."""
+    rank = out_rank(imp, node)
+    imp.set(node.outputs[0], imp.g.cmp_neq(imp.operand(node.inputs[0], rank), imp.operand(node.inputs[1], rank)))
+
+
 @lowers("Cast")
 def lower_cast(imp: Importer, node: ONode) -> None:
     to = data_type_of(int(node.attr("to")), "Cast target")
