@@ -568,6 +568,9 @@ def _check(engine: str, data: st.DataObject, seed: int) -> None:
         status, detail = "mismatch", f"raised {type(exc).__name__}: {str(exc)[:500]}"
     STATS.graphs[engine] += 1
     STATS.ops.update(ops)
+    if STATS.graphs[engine] % 250 == 0:  # progress of a long run (visible with -s)
+        print(f"fuzz {engine}: {STATS.graphs[engine]} graphs, {STATS.unsupported[engine]} unsupported, "
+              f"{STATS.mismatches[engine]} mismatches", flush=True)
     if status == "unsupported":
         STATS.unsupported[engine] += 1
         return
