@@ -3,7 +3,7 @@
 Each method checks its arguments, packs them into the op's frozen attribute dataclass
 (graph/ops.py) and hands the node to ``Graph._add_node``; inference and validation live
 with the IR in graph/graph.py. Kept apart so that the IR reads on one screen and a new
-op's method has one obvious home.
+op's method has one obvious home. The pointwise methods are in graph/builder_pointwise.py.
 """
 
 from __future__ import annotations
@@ -12,13 +12,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
 from fusegraph.dtypes import DataType
 from fusegraph.errors import ValidationError
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import (
-    POINTWISE,
     ConcatAttrs,
     ConvAttrs,
     MatmulAttrs,
@@ -26,8 +23,6 @@ from fusegraph.graph.ops import (
     NormFwdPhase,
     OpAttrs,
     OpKind,
-    PointwiseAttrs,
-    PointwiseMode,
     PoolingAttrs,
     PoolingMode,
     ReductionAttrs,
@@ -167,207 +162,6 @@ class GraphBuilder:
         """C[..., M, N] = A[..., M, K] @ B[..., K, N]; batch dims broadcast."""
         attrs = MatmulAttrs(self._compute_default(compute_data_type))
         return self._add_node(OpKind.MATMUL, attrs, {"a": A, "b": B}, name).outputs["c"]
-
-    # ---- pointwise ----------------------------------------------------------------------------
-    def pointwise(
-        self,
-        a: TensorAttr,
-        b: TensorAttr | None = None,
-        c: TensorAttr | None = None,
-        mode: PointwiseMode = PointwiseMode.IDENTITY,
-        *,
-        compute_data_type: Any = None,
-        name: str | None = None,
-        **params: float,
-    ) -> TensorAttr:
-        """An elementwise op with NumPy broadcasting; ``params`` as in the op table."""
-        try:
-            mode = PointwiseMode(mode)
-        except ValueError:
-            raise ValidationError(f"unknown pointwise mode {mode!r}", node=name, tensor=_name_of(a)) from None
-        spec = POINTWISE[mode]
-        allowed = dict(spec.params)
-        for key, value in params.items():
-            if key not in allowed:
-                raise ValidationError(
-                    f"{mode.name} has no parameter '{key}' (it takes: {sorted(allowed) or 'none'})",
-                    node=name,
-                    tensor=_name_of(a),
-                )
-            if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-                raise ValidationError(
-                    f"{mode.name} parameter '{key}' must be a number, got {value!r}",
-                    node=name,
-                    tensor=_name_of(a),
-                )
-        values = tuple((k, float(params.get(k, d))) for k, d in spec.params)
-        attrs = PointwiseAttrs(mode, values, self._compute_default(compute_data_type))
-        return self._add_node(OpKind.POINTWISE, attrs, {"a": a, "b": b, "c": c}, name).outputs["y"]
-
-    def _pw(
-        self,
-        mode: PointwiseMode,
-        a: TensorAttr,
-        b: TensorAttr | None = None,
-        c: TensorAttr | None = None,
-        *,
-        name: str | None,
-        **params: float,
-    ) -> TensorAttr:
-        return self.pointwise(a, b, c, mode=mode, name=name, **params)
-
-    def add(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.ADD, a, b, name=name)
-
-    def bias(self, input: TensorAttr, bias: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.ADD, input, bias, name=name)
-
-    def sub(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.SUB, a, b, name=name)
-
-    def mul(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.MUL, a, b, name=name)
-
-    def scale(self, input: TensorAttr, scale: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.MUL, input, scale, name=name)
-
-    def div(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.DIV, a, b, name=name)
-
-    def max(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.MAX, a, b, name=name)
-
-    def min(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.MIN, a, b, name=name)
-
-    def pow(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.POW, a, b, name=name)
-
-    def abs(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.ABS, input, name=name)
-
-    def neg(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.NEG, input, name=name)
-
-    def exp(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.EXP, input, name=name)
-
-    def log(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.LOG, input, name=name)
-
-    def sqrt(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.SQRT, input, name=name)
-
-    def rsqrt(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.RSQRT, input, name=name)
-
-    def reciprocal(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.RECIPROCAL, input, name=name)
-
-    def sin(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.SIN, input, name=name)
-
-    def cos(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.COS, input, name=name)
-
-    def erf(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.ERF, input, name=name)
-
-    def floor(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.FLOOR, input, name=name)
-
-    def ceil(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.CEIL, input, name=name)
-
-    def identity(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.IDENTITY, input, name=name)
-
-    def relu(
-        self,
-        input: TensorAttr,
-        negative_slope: float | None = None,
-        lower_clip: float | None = None,
-        upper_clip: float | None = None,
-        name: str | None = None,
-    ) -> TensorAttr:
-        """Clamped, leaky ReLU: slope ``negative_slope`` below ``lower_clip`` (default 0)."""
-        return self.pointwise(
-            input,
-            mode=PointwiseMode.RELU_FWD,
-            name=name,
-            relu_lower_clip_slope=0.0 if negative_slope is None else negative_slope,
-            relu_lower_clip=0.0 if lower_clip is None else lower_clip,
-            relu_upper_clip=math.inf if upper_clip is None else upper_clip,
-        )
-
-    def leaky_relu(self, input: TensorAttr, negative_slope: float = 0.01, name: str | None = None) -> TensorAttr:
-        return self.relu(input, negative_slope=negative_slope, name=name)
-
-    def tanh(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.TANH_FWD, input, name=name)
-
-    def sigmoid(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.SIGMOID_FWD, input, name=name)
-
-    def gelu(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.GELU_FWD, input, name=name)
-
-    def gelu_approx_tanh(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.GELU_APPROX_TANH_FWD, input, name=name)
-
-    def elu(self, input: TensorAttr, alpha: float = 1.0, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.ELU_FWD, input, name=name, elu_alpha=alpha)
-
-    def swish(self, input: TensorAttr, beta: float = 1.0, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.SWISH_FWD, input, name=name, swish_beta=beta)
-
-    def softplus(self, input: TensorAttr, beta: float = 1.0, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.SOFTPLUS_FWD, input, name=name, softplus_beta=beta)
-
-    def cmp_eq(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.CMP_EQ, a, b, name=name)
-
-    def cmp_neq(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.CMP_NEQ, a, b, name=name)
-
-    def cmp_gt(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.CMP_GT, a, b, name=name)
-
-    def cmp_ge(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.CMP_GE, a, b, name=name)
-
-    def cmp_lt(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.CMP_LT, a, b, name=name)
-
-    def cmp_le(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.CMP_LE, a, b, name=name)
-
-    def logical_and(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.LOGICAL_AND, a, b, name=name)
-
-    def logical_or(self, a: TensorAttr, b: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.LOGICAL_OR, a, b, name=name)
-
-    def logical_not(self, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.LOGICAL_NOT, input, name=name)
-
-    def binary_select(
-        self, input0: TensorAttr, input1: TensorAttr, mask: TensorAttr, name: str | None = None
-    ) -> TensorAttr:
-        """``input0`` where ``mask`` is true, else ``input1``."""
-        return self._pw(PointwiseMode.BINARY_SELECT, input0, input1, mask, name=name)
-
-    def relu_backward(self, loss: TensorAttr, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.RELU_BWD, loss, input, name=name)
-
-    def gelu_backward(self, loss: TensorAttr, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.GELU_BWD, loss, input, name=name)
-
-    def tanh_backward(self, loss: TensorAttr, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.TANH_BWD, loss, input, name=name)
-
-    def sigmoid_backward(self, loss: TensorAttr, input: TensorAttr, name: str | None = None) -> TensorAttr:
-        return self._pw(PointwiseMode.SIGMOID_BWD, loss, input, name=name)
 
     # ---- reductions, norms, pooling, attention ------------------------------------------------
     def reduction(

@@ -1,8 +1,8 @@
 """Graph: the IR users build (cuDNN Python frontend style), and its validation.
 
-Ops are added through the builder methods (graph/builder.py) that return their output
-TensorAttr(s); ``validate()`` infers every dim, stride and dtype that was left unset and
-checks the whole graph. The validated graph is the descriptor every engine reads. The plan
+Ops are added through the builder methods (graph/builder.py, graph/builder_pointwise.py)
+that return their output TensorAttr(s); ``validate()`` infers every dim, stride and dtype
+that was left unset and checks the whole graph. The validated graph is the descriptor every engine reads. The plan
 methods (``build``, ``execute``...) come from graph/seam.py, which forwards them to the
 selection layer without importing it.
 """
@@ -19,6 +19,7 @@ from fusegraph.dtypes import DataType, as_data_type
 from fusegraph.errors import ValidationError
 from fusegraph.graph import layout
 from fusegraph.graph.builder import GraphBuilder
+from fusegraph.graph.builder_pointwise import PointwiseBuilder
 from fusegraph.graph.infer import INFER, INHERIT_LAYOUT
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import OPS, OpAttrs, OpKind
@@ -30,7 +31,7 @@ log = logging.getLogger("fusegraph.graph")
 Ints = Sequence[int]
 
 
-class Graph(GraphBuilder, PlanMethods):
+class Graph(GraphBuilder, PointwiseBuilder, PlanMethods):
     """A graph of tensor operations; see the README for a walk-through."""
 
     def __init__(
