@@ -181,6 +181,30 @@ def test_descriptors() -> None:
     assert len(b.preps) == 1 and b.preps[0].dims == (1, 8, 1, 1)
 
 
+def test_gpu_rules_rank_cudnn_first_for_compute_and_norms() -> None:
+    """The rule table on a GPU handle (no GPU needed: engines are fakes with the real names)."""
+    from engine_fakes import FakeEngine
+
+    from fusegraph.engines.base import Knob
+    from fusegraph.select.heuristics import BUILTIN
+    from fusegraph.select.modes import HeurMode
+
+    compile_knob = Knob("compile", False, (False, True))
+    engines = [FakeEngine("iree"), FakeEngine("torch", knobs=[compile_knob]), FakeEngine("cudnn")]
+
+    def order(g: fg.Graph) -> list[str]:
+        return [str(c) for c in BUILTIN.rank(g.validate(), GPU, HeurMode.A, engines)]
+
+    assert order(conv_graph(DT.HALF, "NHWC")) == ["cudnn", "torch", "iree"]
+    assert order(matmul_graph(DT.HALF)) == ["cudnn", "torch", "iree"]
+    assert order(sdpa_graph(DT.HALF, True)) == ["cudnn", "torch", "iree"]
+    assert order(norm_graph("layernorm", DT.HALF)) == ["cudnn", "torch[compile=True]", "torch", "iree"]
+    chain = fg.Graph("chain", io_data_type=DT.HALF)
+    a = chain.tensor("a", [8, 8])
+    chain.relu(chain.tanh(chain.exp(a))).set_output(True)
+    assert order(chain)[0] == "torch[compile=True]" and order(chain)[-1] == "cudnn"
+
+
 # ---- GPU -----------------------------------------------------------------------------------------
 def _needs_cudnn() -> None:
     s = ENGINE.available()

@@ -20,6 +20,7 @@ from importlib import metadata
 from typing import Any
 
 from fusegraph import __version__
+from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support
 from fusegraph.engines.cudnn import lower, store
 from fusegraph.engines.cudnn.plan import CudnnPlan, split_blob
@@ -50,6 +51,7 @@ class CudnnEngine:
         self._lib_error: str | None = None
         self._handles: dict[int, Any] = {}
         self._verdicts: dict[tuple[str, str], tuple[Support, int]] = {}
+        self._ready: dict[tuple[str, str], Any] = {}  # built by supports(), taken by build()
         self._lock = threading.Lock()
 
     # ---- the libraries, loaded on first need ------------------------------------------------------
@@ -142,16 +144,23 @@ class CudnnEngine:
         key = (graph.key(), str(handle.device))
         got = self._verdicts.get(key)
         if got is None:
+            # cuDNN's check_support answers for the backend as a whole; only a built plan
+            # proves one of its engines takes the graph. The built graph is kept for build().
             try:
-                g = self._planned(graph, handle, "a")
+                g = self._planned(graph, handle, "a", tf32=False)
+                _, torch = self._load()
+                with torch.cuda.device(handle.device.index):
+                    g.build_plans()
+                self._ready[key] = g
                 got = (Support.yes(), int(g.get_execution_plan_count()))
             except Exception as exc:
                 got = (Support.no(f"cuDNN: {_message(exc)}"), 0)
             self._verdicts[key] = got
         return got
 
-    def _planned(self, graph: Graph, handle: Handle, mode: str) -> Any:
-        """The cuDNN graph, validated, planned with ``mode`` and support-checked."""
+    def _planned(self, graph: Graph, handle: Handle, mode: str, *, tf32: bool) -> Any:
+        """The cuDNN graph, validated, planned with ``mode`` and support-checked. Float32
+        graphs keep to plans without tensor-core down-conversion (TF32) unless ``tf32``."""
         cudnn, torch = self._load()
         b = lower.binding(graph)
         with torch.cuda.device(handle.device.index):
@@ -159,6 +168,9 @@ class CudnnEngine:
             g.validate()
             g.build_operation_graph()
             g.create_execution_plans(_modes(cudnn, mode))
+            if not tf32 and _wide_floats_only(graph):
+                notes = cudnn.numerical_note
+                g.deselect_numeric_notes([notes.TENSOR_CORE, notes.DOWN_CONVERT_INPUTS])
             g.check_support()
         return g
 
@@ -166,11 +178,15 @@ class CudnnEngine:
         ok, count = self._verdict(graph, handle)
         if not ok:
             return []
-        return [
+        out = [
             Knob("heur_mode", "a", choices=HEUR_MODES, description="cuDNN's heuristic: A (fast), B (better, slower to ask), FALLBACK"),
             Knob("plan_index", 0, choices=tuple(range(max(1, min(count, MAX_PLAN_INDEX)))),
                  description="which of cuDNN's ranked execution plans (0: its first choice that builds)"),
         ]
+        if _wide_floats_only(graph):
+            out.append(Knob("tf32", False, choices=(False, True),
+                            description="allow tensor-core plans that round float32 inputs to TF32 (faster, ~1e-3 relative error)"))
+        return out
 
     # ---- building ---------------------------------------------------------------------------------
     def _store_key(self, graph: Graph, handle: Handle, config: EngineConfig) -> str:
@@ -196,13 +212,16 @@ class CudnnEngine:
                 log.info("stored cuDNN plan for '%s' not used (%s); rebuilding", graph.name, exc)
                 store.forget(skey)
         cudnn, torch = self._load()
+        tf32 = bool(config.get("tf32", False))
         try:
-            g = self._planned(graph, handle, mode)
-            with torch.cuda.device(handle.device.index):
-                if index == 0:
-                    g.build_plans()  # cuDNN's first plan that builds
-                else:
-                    g.build_plan_at_index(index)
+            g = self._ready.pop((graph.key(), str(handle.device)), None) if (mode, index, tf32) == ("a", 0, False) else None
+            if g is None:
+                g = self._planned(graph, handle, mode, tf32=tf32)
+                with torch.cuda.device(handle.device.index):
+                    if index == 0:
+                        g.build_plans()  # cuDNN's first plan that builds
+                    else:
+                        g.build_plan_at_index(index)
         except Exception as exc:
             raise CompileError(f"cuDNN could not build a plan for graph '{graph.name}' ({config}): {_message(exc)}",
                                diagnostic=str(exc)) from exc
@@ -230,6 +249,12 @@ class CudnnEngine:
         c = head.get("config") or {}
         config = EngineConfig(self.name, tuple(sorted((c.get("knobs") or {}).items())))
         return self._load_plan(graph, handle, config, data)
+
+
+def _wide_floats_only(graph: Graph) -> bool:
+    """No half, bfloat16 or fp8 tensor: the graph asks for float32 (or float64) accuracy."""
+    return all(t.dtype in (DataType.FLOAT, DataType.DOUBLE) for t in graph.tensors
+               if not t.is_scalar and t.data_type is not None and t.dtype.is_float)
 
 
 def _plan_name(g: Any) -> str:
