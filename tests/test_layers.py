@@ -250,7 +250,7 @@ def test_a_cached_iree_build_imports_neither_torch_nor_the_compiler(mode: str, c
     pointwise chain): only iree.runtime is imported. Its time is measured by
     benchmarks/bench_cold_build.py (no wall-clock asserts in tests)."""
     out = _child(mode, cached_iree_env)
-    assert out["engine"] == "iree", out
+    assert (out["engine"], out["source"]) == ("iree", "heuristic:A"), out
     assert out["loaded"] == {"torch": False, "iree.compiler": False, "iree.runtime": True}, out
     assert out["rel_err"] < 1e-5, out
 
