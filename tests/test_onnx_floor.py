@@ -213,14 +213,42 @@ def test_group_key_ignores_names_and_weights(rng: np.random.Generator) -> None:
     assert key(a) != key(c)
 
 
-def test_time_pair_alternates_blocks() -> None:
-    order: list[str] = []
-    fg_ms, ort_ms = floor.time_pair(lambda: order.append("f"), lambda: order.append("o"), 0.0)
-    assert fg_ms >= 0 and ort_ms >= 0
+class FakeClock:
+    """time.perf_counter for floor.time_pair: each call of a side advances it by that side's cost."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.order: list[str] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def side(self, name: str, cost_s: float) -> floor.Call:
+        def run() -> None:
+            self.order.append(name)
+            self.now += cost_s
+
+        return run
+
+
+def test_time_pair_alternates_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(floor.time, "perf_counter", clock)
+    fg_ms, ort_ms = floor.time_pair(clock.side("f", 0.002), clock.side("o", 0.003), 0.0)
+    assert (fg_ms, ort_ms) == pytest.approx((2.0, 3.0))
+    order = clock.order
+    assert order[:2] == ["f", "o"]  # one call each first (not clear-cut here)
     runs_per_block = floor.MIN_RUNS + 1  # a warm-up run, then the timed ones
-    blocks = [order[i:i + runs_per_block] for i in range(0, len(order), runs_per_block)]
+    blocks = [order[i:i + runs_per_block] for i in range(2, len(order), runs_per_block)]
     assert len(blocks) == 2 * floor.ROUNDS and all(len(set(b)) == 1 for b in blocks)
     assert [b[0] for b in blocks] == ["f", "o", "o", "f", "f", "o"]
+
+
+def test_time_pair_decides_clear_cut_cases_after_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(floor.time, "perf_counter", clock)
+    fg_ms, ort_ms = floor.time_pair(clock.side("f", 2.0), clock.side("o", 0.1), 10.0)
+    assert clock.order == ["f", "o"] and (fg_ms, ort_ms) == pytest.approx((2000.0, 100.0))
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ log = logging.getLogger("fusegraph.onnx")
 FILE = "onnx-floor.json"
 KEEP_BELOW = 0.97  # fusegraph stays only when at least 3% faster: ties (and noise) go to ORT
 ROUNDS = 3  # alternating rounds of the two timing blocks
+CLEAR = 4.0  # one call of each side differing this much decides without timing blocks
 MIN_RUNS = 2  # timed runs per block, whatever the budget
 WARM_S = 0.05  # a block's warm-up lasts at least this long (or its share of the budget)
 AGREE = 1e-3  # a unit whose trial output differs more from ONNX Runtime's (relative) is handed back
@@ -117,6 +118,15 @@ def time_pair(fusegraph: Call, ort: Call, budget_s: float) -> tuple[float, float
     The best block, not the median of all runs: a neighbour's burst on this shared machine
     slows whichever side it lands on by up to tens of times (measured: a MobileNetV2 unit at
     456 ms in one block, 22 ms alone), and a burst rarely covers every block of one side."""
+    one = []
+    for fn in (fusegraph, ort):
+        t = time.perf_counter()
+        fn()
+        one.append(time.perf_counter() - t)
+    if one[0] > CLEAR * one[1] or one[1] > CLEAR * one[0]:
+        # Clear-cut after one call each (e.g. a plan that fell to op-by-op execution): no
+        # blocks, whose minimum of runs would cost minutes where a call takes seconds.
+        return one[0] * 1e3, one[1] * 1e3
     block = max(budget_s, 0.0) / (2 * ROUNDS)
     a: list[float] = []
     b: list[float] = []
