@@ -463,9 +463,10 @@ def cold_build(tmp: str) -> dict[str, Any]:
         g.validate()
         from fusegraph.engines.registry import REGISTRY
         e = REGISTRY.get("cudnn"); e.available()
-        t0 = time.perf_counter(); p = e.build(g, fg.Handle("cuda:0")); t1 = time.perf_counter()
-        q = g.build(fg.Handle("cuda:0")); t2 = time.perf_counter()
-        print(json.dumps({"engine_build_ms": (t1 - t0) * 1e3, "loaded": p.loaded, "g_build_ms": (t2 - t1) * 1e3, "picked": str(q.config)}))
+        t0 = time.perf_counter(); q = g.build(fg.Handle("cuda:0")); t1 = time.perf_counter()
+        p = e.build(g, fg.Handle("cuda:0")); t2 = time.perf_counter()
+        print(json.dumps({"g_build_ms": (t1 - t0) * 1e3, "picked": str(q.config), "loaded": getattr(q, "loaded", None),
+                          "engine_build_again_ms": (t2 - t1) * 1e3}))
         """)
     import os
 

@@ -253,10 +253,32 @@ def test_conv_dgrad_wgrad(dt: DT, rng: np.random.Generator) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dt", [DT.HALF, DT.BFLOAT16, DT.FLOAT])
+@pytest.mark.parametrize("dt", [DT.HALF, DT.BFLOAT16])
 def test_matmul_bias_gelu(dt: DT, rng: np.random.Generator) -> None:
     _check(matmul_graph(dt), rng, TOL[dt])
     _check(matmul_graph(dt, 64, 32, 48, batch=3), rng, TOL[dt])
+
+
+@pytest.mark.gpu
+def test_matmul_f32_needs_tf32(rng: np.random.Generator) -> None:
+    """cuDNN 9's matmul engines round float32 to TF32: refused by default (with the reason),
+    run when the tf32 knob is pinned, within TF32's error."""
+    _needs_cudnn()
+    g = matmul_graph(DT.FLOAT).validate()
+    s = ENGINE.supports(g, GPU)
+    if s:  # a cuDNN with a true float32 matmul engine
+        _check(g, rng, TOL[DT.FLOAT])
+        return
+    assert "tf32=True" in s.reason, s.reason
+    _check_pinned(g, rng, 2e-3, EngineConfig("cudnn", (("tf32", True),)))
+
+
+def _check_pinned(g: fg.Graph, rng: np.random.Generator, tol: float, config: EngineConfig) -> None:
+    pack = random_inputs(g, rng)
+    got = ENGINE.build(g, GPU, config).execute(pack)
+    ref = g.execute(pack, engine="reference")
+    for t in g.outputs():
+        assert rel_error(got[t.name], ref[t.name]) <= tol, t.name
 
 
 @pytest.mark.gpu
@@ -281,7 +303,8 @@ def test_layernorm_training_stats(rng: np.random.Generator) -> None:
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 def test_conv_batchnorm_relu(layout: str, rng: np.random.Generator) -> None:
     """Batchnorm inference as a per-channel scale and shift fused after the convolution;
-    recomputed when a statistic changes in place."""
+    recomputed when a statistic changes in place. (cuDNN 9.19 on sm_90 fuses it in NHWC
+    only: NCHW is refused with its reason.)"""
     import torch
 
     g = fg.Graph("cbn", io_data_type=DT.HALF, intermediate_data_type=DT.FLOAT, compute_data_type=DT.FLOAT)
@@ -289,6 +312,11 @@ def test_conv_batchnorm_relu(layout: str, rng: np.random.Generator) -> None:
     w = g.tensor("w", [32, 16, 3, 3], fg.strides_for([32, 16, 3, 3], "KRSC" if layout == "NHWC" else "KCRS"))
     vec = [g.tensor(n, [1, 32, 1, 1], data_type=DT.FLOAT) for n in ("s", "bb", "m", "v")]
     g.relu(g.batchnorm_inference(g.conv_fprop(x, w, padding=[1, 1]), *vec)).set_output(True)
+    _needs_cudnn()
+    s = ENGINE.supports(g.validate(), GPU)
+    if layout == "NCHW" and not s:
+        assert s.reason.startswith("cuDNN:"), s.reason
+        return
     plan = _check(g, rng, 1e-2)
     pack = random_inputs(g, rng)
     dev = plan.stage(pack)

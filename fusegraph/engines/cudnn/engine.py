@@ -52,6 +52,7 @@ class CudnnEngine:
         self._handles: dict[int, Any] = {}
         self._verdicts: dict[tuple[str, str], tuple[Support, int]] = {}
         self._ready: dict[tuple[str, str], Any] = {}  # built by supports(), taken by build()
+        self._loaded: dict[tuple[str, str], CudnnPlan] = {}  # loaded from the store by supports()
         self._lock = threading.Lock()
 
     # ---- the libraries, loaded on first need ------------------------------------------------------
@@ -144,6 +145,8 @@ class CudnnEngine:
         key = (graph.key(), str(handle.device))
         got = self._verdicts.get(key)
         if got is None:
+            got = self._stored_verdict(graph, handle, key)
+        if got is None:
             # cuDNN's check_support answers for the backend as a whole; only a built plan
             # proves one of its engines takes the graph. The built graph is kept for build().
             try:
@@ -154,9 +157,25 @@ class CudnnEngine:
                 self._ready[key] = g
                 got = (Support.yes(), int(g.get_execution_plan_count()))
             except Exception as exc:
-                got = (Support.no(f"cuDNN: {_message(exc)}"), 0)
-            self._verdicts[key] = got
+                hint = " (float32 graphs run only on plans without TF32 rounding; pin knob tf32=True to allow it)" if _wide_floats_only(graph) else ""
+                got = (Support.no(f"cuDNN: {_message(exc)}{hint}"), 0)
+        self._verdicts[key] = got
         return got
+
+    def _stored_verdict(self, graph: Graph, handle: Handle, key: tuple[str, str]) -> tuple[Support, int] | None:
+        """A plan stored by an earlier process answers without cuDNN's heuristics or
+        compilation: loaded here, handed to build()."""
+        config = EngineConfig(self.name)
+        data = store.load(self._store_key(graph, handle, config))
+        if data is None:
+            return None
+        try:
+            plan = self._load_plan(graph, handle, config, data)
+        except Exception as exc:
+            log.info("stored cuDNN plan for '%s' not used (%s)", graph.name, exc)
+            return None
+        self._loaded[key] = plan
+        return Support.yes(), max(1, plan.plan_count)
 
     def _planned(self, graph: Graph, handle: Handle, mode: str, *, tf32: bool) -> Any:
         """The cuDNN graph, validated, planned with ``mode`` and support-checked. Float32
@@ -200,19 +219,28 @@ class CudnnEngine:
         index = int(config.get("plan_index", 0))
         if mode not in HEUR_MODES:
             raise ValueError(f"cudnn knob 'heur_mode': {mode!r} not in {list(HEUR_MODES)}")
-        sup = self.supports(graph, handle)
-        if not sup:
-            raise UnsupportedError(f"cudnn cannot run graph '{graph.name}': {sup.reason}")
+        dev = self._device_support(handle)
+        why = dev.reason if not dev else lower.refusal(graph)
+        if why:
+            raise UnsupportedError(f"cudnn cannot run graph '{graph.name}': {why}")
+        key = (graph.key(), str(handle.device))
+        if config == EngineConfig(self.name):
+            loaded = self._loaded.pop(key, None)
+            if loaded is not None:
+                return loaded
         skey = self._store_key(graph, handle, config)
         data = store.load(skey)
-        if data is not None:
+        if data is not None:  # a known graph: no heuristics query, no kernel compilation
             try:
                 return self._load_plan(graph, handle, config, data)
             except Exception as exc:  # a stale or foreign plan: build afresh, replace it
                 log.info("stored cuDNN plan for '%s' not used (%s); rebuilding", graph.name, exc)
                 store.forget(skey)
-        cudnn, torch = self._load()
         tf32 = bool(config.get("tf32", False))
+        sup, count = self._verdict(graph, handle)
+        if not sup and not tf32:  # the verdict is for plans without TF32; a pinned tf32 is tried
+            raise UnsupportedError(f"cudnn cannot run graph '{graph.name}': {sup.reason}")
+        cudnn, torch = self._load()
         try:
             g = self._ready.pop((graph.key(), str(handle.device)), None) if (mode, index, tf32) == ("a", 0, False) else None
             if g is None:
@@ -227,6 +255,7 @@ class CudnnEngine:
                                diagnostic=str(exc)) from exc
         plan = CudnnPlan(graph, handle, config, cudnn=cudnn, torch=torch, cudnn_handle=self.cudnn_handle(handle.device.index),
                          cudnn_graph=g, binding=lower.binding(graph), plan_name=_plan_name(g))
+        plan.plan_count = count
         blob = plan.serialize()
         if blob is not None:
             store.save(skey, blob)
@@ -239,8 +268,10 @@ class CudnnEngine:
         with torch.cuda.device(handle.device.index):
             g = cudnn.pygraph(handle=h)
             g.deserialize(h, blob)
-        return CudnnPlan(graph, handle, config, cudnn=cudnn, torch=torch, cudnn_handle=h, cudnn_graph=g,
+        plan = CudnnPlan(graph, handle, config, cudnn=cudnn, torch=torch, cudnn_handle=h, cudnn_graph=g,
                          binding=lower.binding(graph), plan_name=str(head.get("plan_name", "")), loaded=True)
+        plan.plan_count = int(head.get("plan_count", 0))
+        return plan
 
     def load_plan(self, data: bytes, handle: Handle) -> ExecutionPlan:
         """A plan from ``CudnnPlan.serialize()`` bytes: the graph, config and cuDNN's plan."""

@@ -162,7 +162,7 @@ def _check_node(node: Node) -> None:
             raise _reason(node, "cuDNN's elu takes no alpha (only alpha = 1)")
         if attrs.mode == M.SOFTPLUS_FWD and attrs.param("softplus_beta") != 1.0:
             raise _reason(node, "cuDNN's softplus takes no beta (only beta = 1)")
-    if isinstance(attrs, ConvAttrs) and len(node.inputs["w"].shape) not in (4, 5):
+    if isinstance(attrs, ConvAttrs) and len(next(iter(node.outputs.values())).shape) not in (4, 5):
         raise _reason(node, "cuDNN convolutions here are 2-D or 3-D (filter rank 4 or 5)")
     if isinstance(attrs, SdpaAttrs):
         mask = node.inputs.get("mask")

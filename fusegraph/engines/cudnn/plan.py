@@ -67,6 +67,7 @@ class CudnnPlan(ExecutionPlan):
         self.binding = binding
         self.plan_name = plan_name
         self.loaded = loaded  # rebuilt from serialized bytes (no heuristics, no compilation)
+        self.plan_count = 0  # how many plans cuDNN ranked for the graph (the plan_index knob's range)
         self.device = torch.device("cuda", handle.device.index)
         ws = int(cudnn_graph.get_workspace_size())
         self._ws_size = ws
@@ -317,7 +318,8 @@ class CudnnPlan(ExecutionPlan):
             blob = bytes(self._g.serialize(as_bytes=True))
         except Exception:
             return None
-        head = json.dumps({"graph": self.graph.to_json(), "config": self.config.as_dict(), "plan_name": self.plan_name}).encode()
+        head = json.dumps({"graph": self.graph.to_json(), "config": self.config.as_dict(), "plan_name": self.plan_name,
+                           "plan_count": self.plan_count}).encode()
         return MAGIC + struct.pack("<Q", len(head)) + head + blob
 
     def describe(self) -> dict[str, Any]:
