@@ -436,6 +436,8 @@ class SessionPlan:
         self.partitioning = Partitioning([Group([n.name for n in nodes], False)], dict(self.reasons))
         self.units = [whole]
         self._whole_ort = whole
+        # ONNX Runtime holds its own copy of the weights: the specialized graph's go (but outputs)
+        self.og.constants = {k: v for k, v in self.og.constants.items() if k in self.og.outputs}
         self.notes = {whole.name: note}
         self.compile_s = {}
         self._plan_frees()
