@@ -313,3 +313,23 @@ def test_a_declared_unsupported_op_is_refused_with_its_reason(monkeypatch: pytes
     monkeypatch.setitem(UNSUPPORTED, "reference", {PointwiseMode.RELU_FWD: "not today"})
     with pytest.raises(fg.UnsupportedError, match=r"relu.*not today"):
         _relu_graph().build(engine="reference")
+
+
+def test_the_registry_imports_an_engine_module_only_when_that_engine_is_asked_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fusegraph.engines.registry import BUILTIN, Registry
+
+    (tmp_path / "fg_lazy_probe.py").write_text(
+        "class ProbeEngine:\n"
+        "    name = 'probe'\n    version = '1'\n"
+        "    def available(self): ...\n    def supports(self, graph, handle): ...\n"
+        "    def knobs(self, graph, handle): return []\n    def build(self, graph, handle, config=None): ...\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "fg_lazy_probe", raising=False)
+    reg = Registry(builtin={"probe": "fg_lazy_probe:ProbeEngine", "reference": BUILTIN["reference"]}, discover=False)
+    assert reg.get("reference").name == "reference"
+    assert "fg_lazy_probe" not in sys.modules
+    assert reg.names() == ["probe", "reference"]  # listing loads everything, in registry order
+    assert "fg_lazy_probe" in sys.modules
