@@ -123,11 +123,18 @@ class ExecutionPlan(abc.ABC):
 
 @runtime_checkable
 class Engine(Protocol):
+    """An engine. Its module, ``available()`` and ``version`` must not import the engine's
+    library (torch, cuDNN, iree.compiler...): the registry and the tuning database ask
+    every engine, and a build on one engine must not pay for another's (issue 10). Find
+    the library (``importlib.util.find_spec``, ``importlib.metadata``) and import it in
+    ``supports``/``build``/the plan."""
+
     name: str  # stable id, e.g. "iree", "reference", "torch"
-    version: str
+    version: str  # cheap: part of the tuning database's key
 
     def available(self) -> Support:
-        """Whether this engine can run at all here (library installed, device present...)."""
+        """Whether this engine can run at all here (library installed, device present...);
+        cheap, without importing the library."""
         ...
 
     def supports(self, graph: Graph, handle: Handle) -> Support:
