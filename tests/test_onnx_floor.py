@@ -269,3 +269,13 @@ def test_floor_budget() -> None:
     assert ProviderOptions.parse({}).floor_budget(pinned=True) == 0
     assert ProviderOptions.parse({"floor": "on"}).floor_budget(pinned=True) > 0
     assert ProviderOptions.parse({"floor": "3"}).floor_budget(pinned=False) == 3.0
+
+
+def test_units_beyond_the_budget_are_kept_unmeasured(rng: np.random.Generator, tmp_path: Path, fake_timer: Any) -> None:
+    model = _chain(rng)
+    timer = fake_timer([(0.5, 1.0), (0.5, 1.0)])  # the first unit, then the whole model
+    rep = _session(model, tmp_path, floor="0.0001").partition_report()
+    assert timer.calls == 2
+    first, _, second = rep.subgraphs
+    assert "(measured)" in first.floor and "not measured" in second.floor and "budget" in second.floor
+    assert second.kind == "fusegraph"

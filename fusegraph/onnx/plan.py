@@ -253,7 +253,10 @@ class SessionPlan:
                     left = len([g for g in todo if frozenset(g.nodes) not in built])
                     share = min(floor.UNIT_S, max(self.floor_budget * floor.UNITS_SHARE - spent, 0.0) / max(left, 1))
                     t0 = time.perf_counter()
-                    verdict = self._measure(unit, nodes, ins, outs, share)
+                    if share > 0:
+                        verdict = self._measure(unit, nodes, ins, outs, share)
+                    else:
+                        verdict = floor.Verdict(True, source="not measured", why="the floor's time budget was spent")
                     spent += time.perf_counter() - t0
                     cache.record(content, verdict)
                 if verdict is not None:
