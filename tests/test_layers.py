@@ -268,20 +268,34 @@ def test_a_tuned_iree_build_imports_neither_torch_nor_the_compiler(
 
 
 # ---- one op table: every engine implements each op or declares why not ----------------------------
+_POINTWISE_TABLE_NAMES = ("POINTWISE_TABLE", "POINTWISE_LOWER", "POINTWISE", "pointwise_table", "_pointwise_table")
+
+
 def _torch_tables() -> tuple[set[Any], set[Any]]:
-    """The torch engine's op and pointwise tables, wherever its package keeps them."""
+    """The torch engine's op table (``LOWER``, keyed by OpKind) and pointwise table (keyed by
+    PointwiseMode), in whichever module of the engine (or its package) holds them."""
     pytest.importorskip("torch", reason="the torch engine's pointwise table is built with torch")
-    for module_name in ("fusegraph.engines.torch", "fusegraph.engines.torch.lower", "fusegraph.engines.torch.lowering"):
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:
-            continue
-        ops = getattr(module, "LOWER", None)
-        table = getattr(module, "POINTWISE", None) or getattr(module, "_pointwise_table", None)
-        if ops is not None and table is not None:
-            modes = table() if callable(table) else table
-            return set(ops), set(modes)
-    raise AssertionError("the torch engine's LOWER / pointwise table moved: update _torch_tables in this test")
+    root = importlib.import_module("fusegraph.engines.torch")
+    modules = [root]
+    if hasattr(root, "__path__"):
+        import pkgutil
+
+        modules += [importlib.import_module(m.name) for m in pkgutil.walk_packages(root.__path__, root.__name__ + ".")]
+    ops: set[Any] | None = None
+    modes: set[Any] | None = None
+    for module in modules:
+        lower = getattr(module, "LOWER", None)
+        if ops is None and isinstance(lower, dict) and any(isinstance(k, OpKind) for k in lower):
+            ops = set(lower)
+        for attr in _POINTWISE_TABLE_NAMES:
+            table = getattr(module, attr, None)
+            table = table() if callable(table) else table
+            if modes is None and isinstance(table, dict) and any(isinstance(k, PointwiseMode) for k in table):
+                modes = set(table)
+    assert ops is not None and modes is not None, (
+        "the torch engine's LOWER / pointwise table moved: update _torch_tables in tests/test_layers.py"
+    )
+    return ops, modes
 
 
 def _implemented() -> dict[str, tuple[set[Any], set[Any]]]:
