@@ -292,7 +292,7 @@ class Fuzz:
         w = self.input([k, c, *rs], broadcast=False)
         self.ops.append("dgrad")
         dx = self.g.conv_dgrad(x.t, w.t, padding=pad, stride=stride, dilation=[1, 1]).set_dim([n, c, *spatial])
-        dx.set_data_type(DataType.FLOAT)  # unset, it is inferred only at validate()
+        dx.set_data_type(self.io)  # unset, it is inferred only at validate()
         self.add(Value(dx, x.bound * 1.5 * k * math.prod(rs)))
 
     def op_wgrad(self) -> None:
@@ -307,7 +307,7 @@ class Fuzz:
         dy = self.input([n, k, *out], broadcast=False)
         self.ops.append("wgrad")
         dw = self.g.conv_wgrad(x.t, dy.t, padding=pad, stride=stride, dilation=dil).set_dim([k, c, *rs])
-        dw.set_data_type(DataType.FLOAT)
+        dw.set_data_type(self.io)
         self.add(Value(dw, x.bound * 1.5 * n * math.prod(out)))
 
     def op_pool(self) -> None:
@@ -561,7 +561,16 @@ def run_and_compare(g: fg.Graph, engine: str, seed: int) -> tuple[str, str]:
 
 
 def _check(engine: str, data: st.DataObject, seed: int) -> None:
-    g, ops = draw_graph(data.draw, engine)
+    keep = os.environ.get("FUSEGRAPH_FUZZ_KEEP_GOING")
+    try:
+        g, ops = draw_graph(data.draw, engine)
+    except fg.ValidationError as exc:  # the generator or validate() is wrong: a finding too
+        if not keep:
+            raise
+        STATS.mismatches[f"{engine}:invalid"] += 1
+        with open(keep, "a") as fh:
+            fh.write(json.dumps({"engine": engine, "invalid_graph": str(exc)}) + "\n")
+        return
     try:
         status, detail = run_and_compare(g, engine, seed)
     except Exception as exc:  # an engine that crashes on a valid graph is a finding too
@@ -576,7 +585,6 @@ def _check(engine: str, data: st.DataObject, seed: int) -> None:
         return
     if status == "mismatch":
         STATS.mismatches[engine] += 1
-        keep = os.environ.get("FUSEGRAPH_FUZZ_KEEP_GOING")
         record = {"engine": engine, "seed": seed, "ops": ops, "detail": detail, "graph": json.loads(g.to_json())}
         if keep:
             with open(keep, "a") as fh:
