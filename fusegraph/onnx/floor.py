@@ -69,6 +69,8 @@ class Verdict:
         if self.fusegraph_ms is not None and self.ort_ms is not None:
             times = f"fusegraph {self.fusegraph_ms:.3f} ms vs ONNX Runtime {self.ort_ms:.3f} ms ({self.source})"
         who = "kept on fusegraph" if self.keep else "handed to ONNX Runtime"
+        if not times and self.source == "not measured":
+            times = "not measured"
         parts = [p for p in (times, self.why) if p]
         return f"floor: {who}" + (f" -- {'; '.join(parts)}" if parts else "")
 
