@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
@@ -70,6 +71,7 @@ class Registry:
         self._heuristics_loaded = False
         self._broken_heuristics: dict[str, str] = {}
         self._declared = False
+        self._lock = threading.RLock()  # loading is not thread-safe by itself (imports, dicts)
 
     def register(self, engine: Engine, origin: str = "runtime") -> None:
         """Adds (or replaces) an engine by its name; used by tests and embedding programs."""
@@ -96,34 +98,37 @@ class Registry:
 
     # ---- declaring (cheap: no engine module is imported) ------------------------------------
     def _declare(self) -> None:
-        if self._declared:
-            return
-        self._declared = True
-        for name, target in self._builtin.items():
-            self._pending[name] = (functools.partial(_resolve, target), "built-in")
-            self._order.append(name)
-        if not self._discover:
-            return
-        eps = plugin_entry_points()
-        for ep in eps.select(group=ENTRY_POINT_GROUP):
-            if ep.name in self._pending:
-                log.warning("engine plugin '%s' (%s) shadows an engine of that name", ep.name, ep.value)
-            else:
-                self._order.append(ep.name)
-            self._pending[ep.name] = (ep.load, f"plugin {ep.value}")
-        self._heuristic_eps = list(eps.select(group=HEURISTICS_GROUP))
+        with self._lock:
+            if self._declared:
+                return
+            self._declared = True
+            for name, target in self._builtin.items():
+                self._pending[name] = (functools.partial(_resolve, target), "built-in")
+                self._order.append(name)
+            if not self._discover:
+                return
+            eps = plugin_entry_points()
+            for ep in eps.select(group=ENTRY_POINT_GROUP):
+                if ep.name in self._pending:
+                    log.warning("engine plugin '%s' (%s) shadows an engine of that name", ep.name, ep.value)
+                else:
+                    self._order.append(ep.name)
+                self._pending[ep.name] = (ep.load, f"plugin {ep.value}")
+            self._heuristic_eps = list(eps.select(group=HEURISTICS_GROUP))
 
     # ---- loading ------------------------------------------------------------------------------
     def _load_one(self, name: str) -> None:
-        entry = self._pending.pop(name, None)
-        if entry is not None:
-            self._try(name, *entry)
+        with self._lock:
+            entry = self._pending.pop(name, None)
+            if entry is not None:
+                self._try(name, *entry)
 
     def _load(self) -> None:
         """Loads every declared engine (listing them all needs their objects)."""
-        self._declare()
-        for name in list(self._pending):
-            self._load_one(name)
+        with self._lock:
+            self._declare()
+            for name in list(self._pending):
+                self._load_one(name)
 
     def _put(self, engine: Engine, origin: str) -> None:
         if engine.name not in self._order:
@@ -148,12 +153,13 @@ class Registry:
             self._broken[name] = f"{origin}: failed to load: {type(exc).__name__}: {exc}"
 
     def _load_heuristics(self) -> None:
-        self._declare()
-        if self._heuristics_loaded:
-            return
-        self._heuristics_loaded = True
-        for ep in self._heuristic_eps:
-            self._try_heuristic(ep)
+        with self._lock:
+            self._declare()
+            if self._heuristics_loaded:
+                return
+            self._heuristics_loaded = True
+            for ep in self._heuristic_eps:
+                self._try_heuristic(ep)
 
     def _try_heuristic(self, ep: metadata.EntryPoint) -> None:
         try:
