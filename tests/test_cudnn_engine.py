@@ -481,3 +481,23 @@ def test_autotune_times_cudnn_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     res = g.autotune(handle=GPU, budget_s=30, persist=False, engines=["cudnn", "torch"], progress=False)
     ok = [m for m in res.measurements if m.status == "ok" and m.config.engine == "cudnn"]
     assert len(ok) >= 2, str(res)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["conv", "layernorm"])
+def test_pointer_launch_matches_public_execute(which: str, rng: np.random.Generator) -> None:
+    """The lean launch (the frontend's pointer-array entry; pass-by-value epsilon included)
+    and the frontend's public execute give the same bits."""
+    import torch
+
+    _needs_cudnn()
+    g = (conv_graph(DT.HALF, "NHWC") if which == "conv" else norm_graph("layernorm", DT.HALF)).validate()
+    lean = ENGINE.build(g, GPU)
+    public = ENGINE.build(g, GPU)
+    public.use_public_execute()  # type: ignore[attr-defined]
+    assert lean.raw_launch  # type: ignore[attr-defined]
+    dev = lean.stage(random_inputs(g, rng))  # type: ignore[attr-defined]
+    name = g.outputs()[0].name
+    a, b = lean.execute(dev)[name], public.execute(dev)[name]
+    torch.cuda.synchronize()
+    assert torch.equal(a, b)

@@ -92,7 +92,7 @@ class CudnnPlan(ExecutionPlan):
         self._index = handle.device.index
         self._in_spec = [(n, t.shape, tuple(t.strides), self._tdt[n]) for n, t in self._in.items()]
         self._out_spec = [(n, t.shape, tuple(t.strides), self._tdt[n]) for n, t in self._out.items()]
-        self._raw = _RawLaunch.make(cudnn_graph, cudnn_handle, binding, self._prep_bufs)
+        self._raw = _RawLaunch.make(cudnn_graph, cudnn_handle, binding, {**self._prep_bufs, **self._scalars})
         self.raw_launch = self._raw is not None  # the frontend's pointer-array entry (else its public execute)
 
     @property
@@ -194,19 +194,30 @@ class CudnnPlan(ExecutionPlan):
         """Torch CUDA tensors keyed by name, in the declared layouts, outputs not given:
         checked with one comparison each, launched through the pointer array. None sends
         anything else to the general path (which raises the precise error)."""
-        if len(pack) != len(self._in_spec):
+        n_in = len(self._in_spec)
+        if len(pack) != n_in and len(pack) != n_in + len(self._out_spec):
             return None
         torch = self._torch
         tensor = torch.Tensor
+        index = self._index
         inputs = {}
         for name, shape, strides, dt in self._in_spec:
             v: Any = pack.get(name)
-            if type(v) is not tensor or v.dtype is not dt or v.shape != shape or v.stride() != strides or not v.is_cuda or v.get_device() != self._index:
+            if type(v) is not tensor or v.dtype is not dt or v.shape != shape or v.stride() != strides or not v.is_cuda or v.get_device() != index:
                 return None
             inputs[name] = v
-        results = {name: torch.empty_strided(shape, strides, dtype=dt, device=self.device) for name, shape, strides, dt in self._out_spec}
-        self._run(inputs, results)
-        return results
+        if len(pack) == n_in:
+            results = {name: torch.empty_strided(shape, strides, dtype=dt, device=self.device) for name, shape, strides, dt in self._out_spec}
+            self._run(inputs, results)
+            return results
+        given = {}
+        for name, shape, strides, dt in self._out_spec:  # every output given: written in place
+            v = pack.get(name)
+            if type(v) is not tensor or v.dtype is not dt or v.shape != shape or v.stride() != strides or not v.is_cuda or v.get_device() != index:
+                return None
+            given[name] = v
+        self._run(inputs, given)
+        return {}
 
     def _execute_general(self, variant_pack: Mapping[Any, Any]) -> dict[str, Any]:
         if not isinstance(variant_pack, Mapping):
@@ -375,7 +386,9 @@ class _RawLaunch:
         self._index = index
 
     @classmethod
-    def make(cls, g: Any, handle: Any, binding: Binding, prep_bufs: Mapping[int, Any]) -> _RawLaunch | None:
+    def make(cls, g: Any, handle: Any, binding: Binding, own: Mapping[int, Any]) -> _RawLaunch | None:
+        """``own``: uid -> the plan's own buffers (device preps; host pass-by-value scalars,
+        whose host pointer cuDNN reads at launch), listed where the backend asks for them."""
         try:
             lowered = g.__dict__.get("_lowered_graph")
             if lowered is None or not hasattr(lowered, "_execute_with_raw_ptrs") or getattr(handle, "backend_handle", None) is None:
@@ -384,7 +397,7 @@ class _RawLaunch:
             order = [int(u) for u in lowered._get_variant_pack_uids_sorted()]
             slot = {u: i for i, u in enumerate(order)}
             slots = [(name, slot[uid]) for name, uid in binding.uids.items()]
-            fixed = [(slot[uid], int(buf.data_ptr())) for uid, buf in prep_bufs.items()]
+            fixed = [(slot[uid], int(buf.data_ptr())) for uid, buf in own.items() if uid in slot]
             if len(slots) + len(fixed) != len(order):
                 return None  # operands fusegraph does not know of: leave it to execute()
             plans = getattr(g, "_plans", None) or []
