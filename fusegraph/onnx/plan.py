@@ -156,6 +156,7 @@ class SessionPlan:
         self.model = model  # as given: the whole model on ONNX Runtime, where the floor decides so
         self.og = og = specialize(model, shapes)
         self.rewrites = apply_rewrites(og, opts.op_types_to_exclude) if enabled else {}
+        self._read_values: set[str] | None = None
         if enabled:
             verdicts = {n.name: self._verdict(n) for n in og.nodes}
         else:
@@ -218,7 +219,9 @@ class SessionPlan:
         return self.engine.why_not(imp.g)
 
     def _is_read(self, value: str) -> bool:
-        return value in self.og.outputs or any(value in n.all_inputs() for n in self.og.nodes)
+        if self._read_values is None:  # once: per node, it made claiming quadratic in the node count
+            self._read_values = {i for n in self.og.nodes for i in n.all_inputs()} | set(self.og.outputs)
+        return value in self._read_values
 
     # ---- units -----------------------------------------------------------------------------
     def _settle_claimed(self) -> dict[frozenset[str], FusegraphUnit]:
