@@ -42,6 +42,10 @@ _MAX_FOLD_ROUNDS = 256
 # (its big constant input is read elsewhere too), so constant folding never doubles weights.
 FOLD_MAX_ELEMENTS = 1 << 20
 
+# No fold produces more elements than this (a ConstantOfShape of 2**40 is left to run, where
+# the absurd-size check refuses it): folding must never be how a model exhausts memory.
+FOLD_LIMIT = 1 << 26
+
 # Never folded even when every input is constant: their output is not a function of it.
 _NONDETERMINISTIC = frozenset(
     {"RandomNormal", "RandomUniform", "RandomNormalLike", "RandomUniformLike", "Multinomial", "Bernoulli"}
@@ -158,7 +162,14 @@ class OnnxGraph:
 
 # ---- loading ---------------------------------------------------------------------------------
 def load_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx.ModelProto:
-    """A checked ModelProto at opset >= MIN_OPSET, or ModelError saying what is wrong."""
+    """A checked ModelProto at opset >= MIN_OPSET, or ModelError saying what is wrong.
+
+    Hostile models are refused before anything is read on their behalf: external data must
+    lie in regular files inside the model's directory (no absolute locations, no ``..``, no
+    symlink leading out; offset and length within the file), opsets must be ones ONNX
+    defines, and every initializer must hold as many values as its dims say.
+    """
+    base_dir: Path | None = None
     if isinstance(source, onnx.ModelProto):
         model = source
     elif isinstance(source, bytes | bytearray | memoryview):
@@ -171,15 +182,19 @@ def load_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx
         if not path.is_file():
             raise ModelError(f"no ONNX model file at '{path}'")
         try:
-            model = onnx.load(str(path))
+            model = onnx.load(str(path), load_external_data=False)
         except Exception as exc:
             raise ModelError(f"'{path}' is not an ONNX model (protobuf decode failed: {exc})") from None
+        base_dir = path.parent
     else:
         raise ModelError(
             f"expected a path, bytes or onnx.ModelProto, got {type(source).__name__}"
         )
     if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
         raise ModelError("the model has no graph (no nodes and no outputs)")
+    _check_opsets(model)
+    _load_external_data(model, base_dir)
+    _check_initializers(model)
     try:
         onnx.checker.check_model(model)
     except ValueError as exc:  # over 2 GB: the checker wants a path; check what we can
@@ -198,6 +213,155 @@ def load_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx
             ) from None
         log.info("upgraded the model from opset %d to %d", version, MIN_OPSET)
     return model
+
+
+# ---- hostile-model checks ----------------------------------------------------------------------
+# A tensor with more elements than this cannot exist on any machine fusegraph runs on
+# (2**36 f32 values are 256 GiB): declaring one is a malformed model, not a big one.
+MAX_ELEMENTS = 1 << 36
+
+
+def _check_opsets(model: onnx.ModelProto) -> None:
+    newest = onnx.defs.onnx_opset_version()
+    for o in model.opset_import:
+        if o.domain in DEFAULT_DOMAINS and not 1 <= o.version <= newest:
+            raise ModelError(
+                f"the model imports default-domain opset {o.version}; ONNX {onnx.__version__} "
+                f"defines opsets 1 to {newest}"
+            )
+
+
+def _all_tensors(graph: onnx.GraphProto) -> Iterable[onnx.TensorProto]:
+    """Every TensorProto of a graph: initializers, sparse values, node attributes, subgraphs."""
+    yield from graph.initializer
+    for sp in graph.sparse_initializer:
+        yield sp.values
+        yield sp.indices
+    for node in graph.node:
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            if a.HasField("sparse_tensor"):
+                yield a.sparse_tensor.values
+            for sub in _subgraphs(a):
+                yield from _all_tensors(sub)
+
+
+def _load_external_data(model: onnx.ModelProto, base_dir: Path | None) -> None:
+    """Reads external tensor data from inside ``base_dir`` only (see :func:`load_model`)."""
+    tensors = [t for t in _all_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
+    for f in model.functions:
+        for node in f.node:
+            for a in node.attribute:
+                if a.HasField("t") and a.t.data_location == onnx.TensorProto.EXTERNAL:
+                    tensors.append(a.t)
+    if not tensors:
+        return
+    if base_dir is None:
+        raise ModelError(
+            f"tensor '{tensors[0].name}' keeps its data in an external file, but the model was "
+            "given in memory: pass the model's path so that its external data can be found",
+            tensor=tensors[0].name,
+        )
+    real_base = os.path.realpath(base_dir)
+    for t in tensors:
+        info = {e.key: e.value for e in t.external_data}
+        location = info.get("location", "")
+
+        def bad(why: str, t: onnx.TensorProto = t, location: str = location) -> ModelError:
+            return ModelError(f"external data '{location}' of tensor '{t.name}' {why}", tensor=t.name)
+
+        if not location:
+            raise bad("names no location")
+        if os.path.isabs(location) or Path(location).drive or location.startswith(("/", "\\")):
+            raise bad("is an absolute path; external data must lie in the model's directory")
+        if ".." in Path(location.replace("\\", "/")).parts:
+            raise bad("contains '..'; external data must lie in the model's directory")
+        real = os.path.realpath(os.path.join(real_base, location))
+        if os.path.commonpath([real, real_base]) != real_base:
+            raise bad(f"resolves to '{real}', outside the model's directory {real_base} (a symlink?)")
+        if not os.path.isfile(real):
+            raise bad(f"is missing or not a regular file (looked for '{real}')")
+        try:
+            offset = int(info.get("offset", 0) or 0)
+            length = int(info["length"]) if info.get("length") else None
+        except ValueError:
+            raise bad(f"has a malformed offset/length ({info.get('offset')!r}, {info.get('length')!r})") from None
+        size = os.path.getsize(real)
+        if offset < 0 or (length is not None and length < 0):
+            raise bad(f"has a negative offset or length ({offset}, {length})")
+        end = size if length is None else offset + length
+        if end > size:
+            raise bad(f"asks for bytes {offset}..{end} of a {size}-byte file")
+        want = _element_count(t.dims)
+        itemsize = _itemsize(t.data_type)
+        if want is not None and itemsize and end - offset != want * itemsize:
+            raise bad(f"holds {end - offset} bytes; dims {list(t.dims)} need {want * itemsize}")
+        with open(real, "rb") as fh:
+            fh.seek(offset)
+            t.raw_data = fh.read(end - offset)
+        t.data_location = onnx.TensorProto.DEFAULT
+        del t.external_data[:]
+
+
+def _element_count(dims: Iterable[int]) -> int | None:
+    n = 1
+    for d in dims:
+        if d < 0:
+            return None
+        n *= int(d)
+    return n
+
+
+def _itemsize(data_type: int) -> int:
+    try:
+        return int(np.dtype(helper.tensor_dtype_to_np_dtype(data_type)).itemsize)
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+_FIELD_OF: dict[int, str] = {
+    onnx.TensorProto.FLOAT: "float_data", onnx.TensorProto.DOUBLE: "double_data",
+    onnx.TensorProto.INT64: "int64_data", onnx.TensorProto.UINT64: "uint64_data",
+    onnx.TensorProto.STRING: "string_data",
+}
+
+
+# Sub-byte types pack values into bytes: their counts are left to the checker.
+_UNCHECKED = frozenset(
+    getattr(onnx.TensorProto, n) for n in ("UNDEFINED", "INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+    if hasattr(onnx.TensorProto, n)
+)
+
+
+def _check_initializers(model: onnx.ModelProto) -> None:
+    """Each initializer holds as many values as its dims say, and no absurd count."""
+    for t in _all_tensors(model.graph):
+        if any(d < 0 for d in t.dims):
+            raise ModelError(f"tensor '{t.name}' has negative dims {list(t.dims)}", tensor=t.name)
+        n = _element_count(t.dims) or 0
+        if n > MAX_ELEMENTS:
+            raise ModelError(
+                f"tensor '{t.name}' declares dims {list(t.dims)} ({n} elements, more than "
+                f"{MAX_ELEMENTS}): a malformed model", tensor=t.name,
+            )
+        if t.data_location == onnx.TensorProto.EXTERNAL or t.data_type in _UNCHECKED:
+            continue
+        if t.HasField("raw_data"):
+            itemsize = _itemsize(t.data_type)
+            if not itemsize:
+                continue
+            have = len(t.raw_data) // itemsize
+        else:
+            have = len(getattr(t, _FIELD_OF.get(t.data_type, "int32_data")))
+            if t.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128):
+                have //= 2
+        if have != n:
+            raise ModelError(
+                f"tensor '{t.name}' declares dims {list(t.dims)} ({n} values) but holds {have}",
+                tensor=t.name,
+            )
 
 
 def _fix_legacy_prelu(model: onnx.ModelProto) -> None:
@@ -378,12 +542,57 @@ def specialize(model: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]]
     # Each round infers shapes, then folds what became constant, to a fixed point: a value's
     # shape can hang on the previous block's folded Reshape target, so a deep model needs a
     # round per block (torchvision Swin-T: 17 rounds, ~0.07 s each; 8 left 1,100 shape nodes).
+    _check_shape_constants(og)
     for _ in range(_MAX_FOLD_ROUNDS):
         _infer_types(og, model, input_types)
         if not _fold_constants(og):
             break
     _prune_dead(og)
+    _check_sizes(og)
     return og
+
+
+# Ops whose output size is read from a shape-like constant input (input index).
+_SHAPED_BY = {"ConstantOfShape": 0, "Expand": 1}
+
+
+def _shape_constant_sizes(og: OnnxGraph) -> Iterable[tuple[ONode, str, int]]:
+    for node in og.nodes:
+        i = _SHAPED_BY.get(node.op_type)
+        if i is None or not node.is_default_domain or len(node.inputs) <= i:
+            continue
+        arr = og.constants.get(node.inputs[i])
+        if arr is None or arr.dtype.kind not in "iu" or arr.ndim != 1:
+            continue
+        yield node, node.inputs[i], _element_count(abs(int(d)) for d in arr) or 0
+
+
+def _check_shape_constants(og: OnnxGraph) -> None:
+    """Refuses a ConstantOfShape/Expand to an absurd constant shape before ONNX shape
+    inference sees it: its data propagation materializes such values (std::bad_alloc at
+    best; with memory overcommit, the process is killed)."""
+    for node, name, n in _shape_constant_sizes(og):
+        if n > MAX_ELEMENTS:
+            raise ModelError(
+                f"{node.op_type} to the constant shape '{name}' {og.constants[name].tolist()} "
+                f"would make {n} elements (more than {MAX_ELEMENTS})",
+                node=node.name, tensor=node.outputs[0] if node.outputs else name,
+            )
+
+
+def _check_sizes(og: OnnxGraph) -> None:
+    """Refuses values whose inferred static size no machine could hold (see MAX_ELEMENTS)."""
+    producers = og.producers()
+    for name, info in og.types.items():
+        if info.shape is None:
+            continue
+        n = _element_count(info.shape) or 0
+        if n > MAX_ELEMENTS:
+            node = producers.get(name)
+            raise ModelError(
+                f"value '{name}' would have shape {list(info.shape)} ({n} elements, more than "
+                f"{MAX_ELEMENTS})", node=node.name if node is not None else None, tensor=name,
+            )
 
 
 def _sparse_to_dense(sp: onnx.SparseTensorProto) -> np.ndarray:
@@ -410,11 +619,14 @@ def _infer_types(og: OnnxGraph, model: onnx.ModelProto, input_types: Mapping[str
             vi.type.CopyFrom(t.proto)
             graph_inputs.append(vi)
     used = {i for n in og.nodes for i in n.all_inputs()} | set(og.outputs)
+    # shapes of big ConstantOfShape/Expand results stay unknown rather than materialized by
+    # data propagation (see _check_shape_constants)
+    hidden = {name for _, name, n in _shape_constant_sizes(og) if n > FOLD_LIMIT}
     inits = []
     for name, arr in og.constants.items():
         if name not in used:
             continue
-        if arr.size <= _SMALL_CONST or arr.dtype == object:
+        if (arr.size <= _SMALL_CONST or arr.dtype == object) and name not in hidden:
             inits.append(numpy_helper.from_array(arr, name))
         else:
             graph_inputs.append(
@@ -502,6 +714,10 @@ def _try_fold(og: OnnxGraph, node: ONode) -> list[np.ndarray] | None:
     if any(i not in og.constants for i in present):
         return None
     args = [og.constants[i] if i else None for i in node.inputs]
+    for o in node.outputs:  # never materialize a huge constant (shape inference knows its size)
+        shape = og.shape(o) if o else None
+        if shape is not None and (_element_count(shape) or 0) > FOLD_LIMIT:
+            return None
     try:
         out = _evaluate(og, node, args)
     except Exception as exc:  # leave it to run; ORT will report a real problem
@@ -523,6 +739,8 @@ def _evaluate(og: OnnxGraph, node: ONode, args: Sequence[np.ndarray | None]) -> 
         t = node.attr("value")
         fill = numpy_helper.to_array(t).reshape(-1) if t is not None else np.zeros(1, np.float32)
         shape = tuple(int(d) for d in (x if x is not None else []))
+        if (_element_count(shape) or 0) > FOLD_LIMIT:
+            return None  # left to run (specialize refuses absurd sizes)
         return [np.full(shape, fill[0], dtype=fill.dtype)]
     if op == "Identity" and x is not None:
         return [x]
