@@ -64,15 +64,16 @@ def warn_unavailable(path: Path, exc: BaseException | str) -> None:
     warnings.warn(msg, CacheUnavailableWarning, stacklevel=3)
 
 
-def ensure_dir(path: Path) -> bool:
-    """Creates ``path`` (and parents); False (after one warning) when that is impossible,
-    e.g. a read-only location or a file where the directory should be."""
+def ensure_dir(path: Path, cache: Path | None = None) -> bool:
+    """Creates ``path`` (and parents); False (after one warning per ``cache`` location, by
+    default ``path`` itself) when that is impossible, e.g. a read-only location or a file
+    where the directory should be."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         if not os.access(path, os.W_OK | os.X_OK):
             raise PermissionError("not writable")
     except OSError as exc:
-        warn_unavailable(path, exc)
+        warn_unavailable(cache or path, exc)
         return False
     return True
 

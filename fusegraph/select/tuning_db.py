@@ -168,7 +168,7 @@ class TuningDB:
         p = self.path
         try:
             st = p.stat()
-        except FileNotFoundError:
+        except OSError:  # missing, or a file where a directory should be
             return {}
         stamp = (str(p), st.st_mtime_ns, st.st_size)
         if self._cache is not None and self._cache[0] == stamp:

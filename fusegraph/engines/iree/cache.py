@@ -141,13 +141,13 @@ class ModuleCache:
         if hit is not None or not self.enabled:
             return hit if hit is not None else build()
         parent = self.entry_dir(key).parent
-        if not ensure_dir(parent):
+        if not ensure_dir(parent, self.root):
             return build()
         with contextlib.ExitStack() as stack:
             try:
                 stack.enter_context(file_lock(parent / f".{key}.lock"))
             except OSError as exc:
-                warn_unavailable(parent, exc)
+                warn_unavailable(self.root, exc)
                 return build()
             hit = self.get(key)
             return hit if hit is not None else build()
@@ -172,7 +172,7 @@ class ModuleCache:
         if not self.enabled:
             return uncached
         final = self.entry_dir(key)
-        if not ensure_dir(final.parent):
+        if not ensure_dir(final.parent, self.root):
             return uncached
         tmp: Path | None = None
         try:
@@ -189,7 +189,7 @@ class ModuleCache:
                 (tmp / "command.sh").chmod(0o755)
             installed = self._install(tmp, final, key)
         except OSError as exc:  # full disk, vanished directory...: keep running uncached
-            warn_unavailable(final.parent, exc)
+            warn_unavailable(self.root, exc)
             return uncached
         finally:
             if tmp is not None and tmp.exists():
