@@ -171,10 +171,10 @@ def lower_expand(imp: Importer, node: ONode) -> None:
 
 @lowers("GatherElements", "GatherND", "ScatterElements", "ScatterND", "Range", "NonZero")
 def lower_data_dependent(imp: Importer, node: ONode) -> None:
-    """Ops that index by values: constant ones were folded before partitioning, and what is
-    left depends on run-time data, which no graph op expresses."""
+    """Ops whose result is shaped or indexed by values: with constant inputs they were folded
+    before partitioning, so what is left depends on run-time data, which no graph op expresses."""
     raise Unmappable(
-        f"{node.op_type}: indexing by values computed at run time (no fusegraph graph op for it; "
+        f"{node.op_type}: depends on values computed at run time (no fusegraph graph op for it; "
         "with constant inputs it would have been folded)"
     )
 
