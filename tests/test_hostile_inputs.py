@@ -433,6 +433,21 @@ def _(tmp: Path, engine: str) -> None:
     _close(out["y"], a.astype(np.float64) + b, 1e-6)
 
 
+@_per_engine("pack_input_read_only_aligned", None, xfail={"iree": (
+    "IREE engine (runtime/iree_hal.py HalRuntime.upload): a read-only input array (here a "
+    "64-byte-aligned C-contiguous one with writeable=False) is aliased via "
+    "import_host_allocation, which raises a raw ValueError 'buffer source array is read-only'; "
+    "see tests/test_fuzz_regressions.py::test_fuzz_iree_read_only_aligned_input")})
+def _(tmp: Path, engine: str) -> None:
+    """A read-only input (np.frombuffer of bytes, a read-only memmap) is valid input."""
+    from test_fuzz_regressions import aligned_read_only
+
+    g = add_graph()
+    a = aligned_read_only(_rng().standard_normal((4, 6)).astype(np.float32))
+    b = aligned_read_only(_rng().standard_normal((4, 6)).astype(np.float32))
+    _close(g.execute({"a": a, "b": b}, engine=engine)["y"], a.astype(np.float64) + b, 1e-6)
+
+
 @_per_engine("pack_flat_python_list", VariantPackError, "'a'", "list")
 def _(tmp: Path, engine: str) -> None:
     g = add_graph()
