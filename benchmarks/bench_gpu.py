@@ -456,18 +456,21 @@ def cold_build(tmp: str) -> dict[str, Any]:
         import torch, fusegraph as fg
         from fusegraph import DataType as DT
         torch.zeros(1, device="cuda")
-        g = fg.Graph("cold", io_data_type=DT.HALF, intermediate_data_type=DT.FLOAT, compute_data_type=DT.FLOAT)
-        x = g.tensor("x", [32, 64, 56, 56], fg.strides_for([32, 64, 56, 56], "NHWC"))
-        w = g.tensor("w", [64, 64, 3, 3], fg.strides_for([64, 64, 3, 3], "KRSC"))
-        g.relu(g.bias(g.conv_fprop(x, w, padding=[1, 1]), g.tensor("b", [1, 64, 1, 1]))).set_output(True)
-        g.validate()
+        def conv(k):
+            g = fg.Graph(f"cold{k}", io_data_type=DT.HALF, intermediate_data_type=DT.FLOAT, compute_data_type=DT.FLOAT)
+            x = g.tensor("x", [32, 64, 56, 56], fg.strides_for([32, 64, 56, 56], "NHWC"))
+            w = g.tensor("w", [k, 64, 3, 3], fg.strides_for([k, 64, 3, 3], "KRSC"))
+            g.relu(g.bias(g.conv_fprop(x, w, padding=[1, 1]), g.tensor("b", [1, k, 1, 1]))).set_output(True)
+            return g.validate()
         from fusegraph.engines.registry import REGISTRY
         e = REGISTRY.get("cudnn"); e.available()
         th = time.perf_counter(); e.cudnn_handle(0); handle_ms = (time.perf_counter() - th) * 1e3
-        t0 = time.perf_counter(); q = g.build(fg.Handle("cuda:0")); t1 = time.perf_counter()
-        p = e.build(g, fg.Handle("cuda:0")); t2 = time.perf_counter()
-        print(json.dumps({"g_build_ms": (t1 - t0) * 1e3, "picked": str(q.config), "loaded": getattr(q, "loaded", None),
-                          "engine_build_again_ms": (t2 - t1) * 1e3, "cudnn_handle_ms": handle_ms}))
+        out = {"cudnn_handle_ms": handle_ms}
+        for k in (64, 128):  # the first graph pays cuDNN's first use in the process, the second not
+            g = conv(k)
+            t0 = time.perf_counter(); q = g.build(fg.Handle("cuda:0")); t1 = time.perf_counter()
+            out[f"k{k}"] = {"g_build_ms": (t1 - t0) * 1e3, "picked": str(q.config), "loaded": getattr(q, "loaded", None)}
+        print(json.dumps(out))
         """)
     import os
 
