@@ -279,3 +279,30 @@ def test_units_beyond_the_budget_are_kept_unmeasured(rng: np.random.Generator, t
     first, _, second = rep.subgraphs
     assert "(measured)" in first.floor and "not measured" in second.floor and "budget" in second.floor
     assert second.kind == "fusegraph"
+
+
+def test_engine_warnings_reach_the_report(
+    rng: np.random.Generator, tmp_path: Path, fake_timer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No silent fallback: what an engine warns of while a unit is built or first run (e.g.
+    the torch engine running eagerly because oneDNN Graph refused the graph) is in the report."""
+    import logging
+
+    from fusegraph.onnx import units
+
+    run = units.FusegraphUnit.run
+
+    def warning_run(self: Any, values: Any) -> Any:
+        logging.getLogger("fusegraph.engines.torch").warning("graph '%s': simulated eager fallback", self.name)
+        return run(self, values)
+
+    monkeypatch.setattr(units.FusegraphUnit, "run", warning_run)
+    model = _chain(rng)
+    sess = _session(model, tmp_path, floor="off")
+    _check(sess, model, rng)
+    rep = sess.partition_report()
+    assert "simulated eager fallback" in rep.subgraphs[0].note
+    assert rep.subgraphs[0].note.count("simulated") == 1  # first run only
+    fake_timer([(2.0, 1.0), (0.5, 1.0), (0.5, 1.0)])
+    rep = _session(model, tmp_path / "b").partition_report()
+    assert "the engine said" in rep.subgraphs[0].note and "simulated eager fallback" in rep.subgraphs[0].note

@@ -11,10 +11,11 @@ CompileError under ``strict``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -248,24 +249,27 @@ class SessionPlan:
                     self._release(group.nodes, verdict.describe())
                     released = True
                     continue
-                unit = self._try_build(f"fusegraph_{k}", nodes, ins, outs)
-                if unit is None:
-                    released = True
-                    continue
-                if cache is not None and verdict is None and not self.opts.lazy_compile:
-                    left = len([g for g in todo if frozenset(g.nodes) not in built])
-                    share = min(floor.UNIT_S, max(self.floor_budget * floor.UNITS_SHARE - spent, 0.0) / max(left, 1))
-                    t0 = time.perf_counter()
-                    if share > 0:
-                        verdict = self._measure(unit, nodes, ins, outs, share)
-                    else:
-                        verdict = floor.Verdict(True, source="not measured", why="the floor's time budget was spent")
-                    spent += time.perf_counter() - t0
-                    cache.record(content, verdict)
+                with engine_warnings() as said:
+                    unit = self._try_build(f"fusegraph_{k}", nodes, ins, outs)
+                    if unit is None:
+                        released = True
+                        continue
+                    if cache is not None and verdict is None and not self.opts.lazy_compile:
+                        left = len([g for g in todo if frozenset(g.nodes) not in built])
+                        share = min(floor.UNIT_S, max(self.floor_budget * floor.UNITS_SHARE - spent, 0.0) / max(left, 1))
+                        t0 = time.perf_counter()
+                        if share > 0:
+                            verdict = self._measure(unit, nodes, ins, outs, share)
+                        else:
+                            verdict = floor.Verdict(True, source="not measured", why="the floor's time budget was spent")
+                        spent += time.perf_counter() - t0
+                        cache.record(content, verdict)
+                unit.engine_notes.extend(said)
                 if verdict is not None:
                     self._floor[frozenset(group.nodes)] = verdict
                     if not verdict.keep:
-                        self._release(group.nodes, verdict.describe())
+                        ran = f" | the engine said: {' | '.join(said)}" if said else ""
+                        self._release(group.nodes, verdict.describe() + ran)
                         released = True
                         continue
                 built[frozenset(group.nodes)] = unit
@@ -640,7 +644,12 @@ class SessionPlan:
         live = LiveBytes()
         for k, unit in enumerate(self.units):
             try:
-                outs = unit.run({i: env[i] for i in unit.inputs})
+                if k in self._proven or not isinstance(unit, FusegraphUnit):
+                    outs = unit.run({i: env[i] for i in unit.inputs})
+                else:  # its first run: what the engine says (e.g. a path it refused) goes to the report
+                    with engine_warnings() as said:
+                        outs = unit.run({i: env[i] for i in unit.inputs})
+                    unit.engine_notes.extend(m for m in said if m not in unit.engine_notes)
             except Exception as exc:
                 outs = self._recover(k, unit, exc, env)
             else:
@@ -707,7 +716,7 @@ class SessionPlan:
                 v = self._floor.get(frozenset(n.name for n in u.nodes))
                 subs.append(
                     SubgraphEntry(u.name, "fusegraph", u.engine_name, sources, dict(ops), u.fusions,
-                                  compile_s=self.compile_s.get(u.name, 0.0),
+                                  note=" | ".join(u.engine_notes), compile_s=self.compile_s.get(u.name, 0.0),
                                   floor=v.describe() if v else self._floor_off(),
                                   fusegraph_ms=v.fusegraph_ms if v else None, ort_ms=v.ort_ms if v else None)
                 )
@@ -784,6 +793,30 @@ class SessionPlan:
                 copies += 1
                 nbytes += size(v)
         return Boundaries(values, copies, nbytes)
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(_one_line(record.getMessage(), 300))
+
+
+@contextlib.contextmanager
+def engine_warnings() -> Iterator[list[str]]:
+    """The engines' warnings meanwhile (e.g. the torch engine running a graph eagerly because
+    oneDNN Graph refused it), for the report: no path falls back silently."""
+    said = _Said()
+    loggers = [logging.getLogger(n) for n in ("fusegraph.engines", "fusegraph.iree")]
+    for lg in loggers:
+        lg.addHandler(said)
+    try:
+        yield said.messages
+    finally:
+        for lg in loggers:
+            lg.removeHandler(said)
 
 
 def _one_line(text: str, limit: int = 400) -> str:

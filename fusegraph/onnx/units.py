@@ -112,6 +112,7 @@ class FusegraphUnit:
         self._kept = False  # the plan keeps the bound weights: packs leave them out
         self._relayouts = False  # the plan lays host inputs out itself
         self._ran = False  # the plan has run once (lazy compiles, e.g. oneDNN Graph's, are done)
+        self.engine_notes: list[str] = []  # what the engine warned of while building / first running it
 
     @property
     def engine_name(self) -> str:
