@@ -94,34 +94,53 @@ def test_fuzz_torch_input_broadcast_on_every_axis(rng: np.random.Generator) -> N
     _agrees(g, "torch", rng)
 
 
+WINDOW_CASES = [
+    # (op, x dims, window/filter, stride, padding)
+    ("pool_max", [1, 2, 3, 4], [2, 3], [1, 2], [0, 0]),
+    ("pool_avg_exclude_pad", [1, 3, 1, 3], [2, 3], [2, 2], [1, 1]),
+    ("conv", [1, 3, 4, 4], [3, 3], [2, 2], [0, 0]),
+    ("conv", [1, 3, 4, 5], [3, 3], [2, 2], [0, 0]),
+]
+
+
+def _window_graph(op: str, xd: list[int], win: list[int], stride: list[int], pad: list[int]) -> fg.Graph:
+    g = fg.Graph(name="fuzz_unit_output", io_data_type=DataType.FLOAT)
+    x = g.tensor("x", xd)
+    if op == "conv":
+        w = g.tensor("w", [4, xd[1], *win])
+        y = g.conv_fprop(x, w, padding=pad, stride=stride)
+    else:
+        y = g.pooling(x, fg.PoolingMode(op.removeprefix("pool_")), window=win, stride=stride, padding=pad)
+    y.set_name("y").set_output(True)
+    return g
+
+
 @pytest.mark.xfail(
     strict=True,
     reason=(
-        "IREE engine (engines/iree/lower_pool.py): pooling with a rectangular window (window "
-        "[2, 3] with stride [1, 2], or with stride [2, 2] and padding 1) emits a "
-        "linalg.generic whose window operand (tensor<2x3>) disagrees with its indexing maps, and "
-        "iree-compile rejects it ('inferred input/output operand #1 has shape's dimension #1 to "
-        "be 4, but found 3'): CompileError for a valid graph. Square windows compile; [2, 3] "
-        "with stride [1, 1] compiles too. Found by the fuzzer (pool_max and pool_avg_exclude_pad in larger graphs)."
+        "IREE engine (engines/iree/lower_conv.py and lower_pool.py): a convolution or pooling "
+        "whose output has a spatial size of 1 while the (padded) input is longer than the window "
+        "needs -- stride > 1 leaving trailing input unused, e.g. conv 3x3 stride 2 over 4x4, "
+        "or max pool [2, 3] stride [1, 2] over 3x4 -- emits a linalg.generic whose operand shape "
+        "contradicts its indexing maps ('inferred input/output operand #1 has shape's dimension "
+        "#0 to be 4, but found 3'), so iree-compile rejects a valid graph (CompileError). "
+        "The same ops with an output size > 1 (even with leftover input: conv 3x3 s2 over 8x8) "
+        "or with no leftover (3x3 s2 over 3x3) compile and agree. Found by the fuzzer (pooling, "
+        "conv 2-D and 3-D, grouped or not)."
     ),
 )
-@pytest.mark.parametrize(
-    ("mode", "window", "stride", "padding"),
-    [("max", [2, 3], [1, 2], [0, 0]), ("avg_exclude_pad", [2, 3], [2, 2], [1, 1])],
-    ids=["max_2x3_s1x2", "avg_exclude_pad_2x3_s2_p1"],
-)
-def test_fuzz_iree_pooling_rectangular_window(
-    mode: str, window: list[int], stride: list[int], padding: list[int], rng: np.random.Generator
+@pytest.mark.parametrize(("op", "xd", "win", "stride", "pad"), WINDOW_CASES,
+                         ids=["pool_max", "pool_avg_exclude_pad", "conv_4x4", "conv_4x5"])
+def test_fuzz_iree_window_op_with_unit_output_and_leftover_input(
+    op: str, xd: list[int], win: list[int], stride: list[int], pad: list[int], rng: np.random.Generator
 ) -> None:
-    g = fg.Graph(name="fuzz_pool_rect", io_data_type=DataType.FLOAT)
-    x = g.tensor("x", [1, 2, 3, 4] if mode == "max" else [1, 3, 1, 3])
-    g.pooling(x, fg.PoolingMode(mode), window=window, stride=stride, padding=padding).set_name("y").set_output(True)
-    _agrees(g, "iree", rng)
+    _agrees(_window_graph(op, xd, win, stride, pad), "iree", rng)
 
 
 @pytest.mark.parametrize("engine", ["torch", "reference"])
-def test_fuzz_pooling_rectangular_window_other_engines(engine: str, rng: np.random.Generator) -> None:
-    g = fg.Graph(name="fuzz_pool_rect", io_data_type=DataType.FLOAT)
-    x = g.tensor("x", [1, 2, 3, 4])
-    g.pooling(x, fg.PoolingMode.MAX, window=[2, 3], stride=[1, 2]).set_name("y").set_output(True)
-    _agrees(g, engine, rng)
+@pytest.mark.parametrize(("op", "xd", "win", "stride", "pad"), WINDOW_CASES,
+                         ids=["pool_max", "pool_avg_exclude_pad", "conv_4x4", "conv_4x5"])
+def test_fuzz_window_op_with_unit_output_other_engines(
+    engine: str, op: str, xd: list[int], win: list[int], stride: list[int], pad: list[int], rng: np.random.Generator
+) -> None:
+    _agrees(_window_graph(op, xd, win, stride, pad), engine, rng)
