@@ -32,6 +32,7 @@ log = logging.getLogger("fusegraph.engines.cudnn")
 
 HEUR_MODES = ("a", "b", "fallback")
 MAX_PLAN_INDEX = 8  # plan indices offered to the autotuner (cuDNN ranks its best first)
+MAX_READY = 32  # cuDNN graphs built by supports() and kept for the build() that usually follows
 INSTALL_HINT = "pip install 'fusegraph[cuda]' (nvidia-cudnn-frontend) on a machine with an NVIDIA GPU and a CUDA build of PyTorch"
 
 
@@ -155,6 +156,8 @@ class CudnnEngine:
                 with torch.cuda.device(handle.device.index):
                     g.build_plans()
                 self._ready[key] = g
+                while len(self._ready) > MAX_READY:  # asked about but never built: drop the oldest
+                    self._ready.pop(next(iter(self._ready)))
                 got = (Support.yes(), int(g.get_execution_plan_count()))
             except Exception as exc:
                 hint = " (float32 graphs run only on plans without TF32 rounding; pin knob tf32=True to allow it)" if _wide_floats_only(graph) else ""
