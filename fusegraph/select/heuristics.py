@@ -258,7 +258,10 @@ class BuiltinHeuristic:
             for name, wanted in rule.order:
                 if name not in by_name:
                     continue
-                valid = _valid_knobs(knobs_of(name), wanted)
+                # an engine's knobs are asked only when the rule sets one: knobs() may load its
+                # library (a fresh process building a stored cuDNN plan spent 100 ms importing
+                # the torch and IREE engines' modules for nothing)
+                valid = _valid_knobs(knobs_of(name), wanted) if wanted else ()
                 # a knob the engine lacks here (torch.compile without Triton...): its defaults
                 cfg = _config(name, valid if valid is not None else ())
                 if cfg not in firsts:
