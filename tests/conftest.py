@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +18,15 @@ def _has_cuda() -> bool:
         return bool(torch.cuda.is_available())
     except ImportError:
         return os.path.exists("/dev/nvidia0")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The suite never reads or writes the user's real cache directory: one temporary cache
+    for the whole run (subprocesses inherit it), removed at the end. Fixtures that want a
+    cache of their own still point FUSEGRAPH_CACHE_DIR elsewhere."""
+    root = tempfile.mkdtemp(prefix="fusegraph-test-cache-")
+    os.environ["FUSEGRAPH_CACHE_DIR"] = root
+    config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
