@@ -465,9 +465,11 @@ def bench_one(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
                     for _ in range(per):
                         _time(eager_run, feed, t_eager)
             ms = statistics.median(t_fg) * 1e3
-            ort_ms = min(statistics.median(t_ort), statistics.median(t_calm)) * 1e3
+            default_ms, nospin_ms = statistics.median(t_ort) * 1e3, statistics.median(t_calm) * 1e3
+            ort_ms = min(default_ms, nospin_ms)
             eager_ms = statistics.median(t_eager) * 1e3
             row.update({"ms": ms, "ort_ms": ort_ms, "eager_ms": eager_ms, "vs_ort": ms / ort_ms,
+                        "ort_default_ms": default_ms, "ort_nospin_ms": nospin_ms, "vs_ort_default": ms / default_ms,
                         "vs_eager": ms / eager_ms, "others_cpu": others.share})
     finally:
         worker.close()
