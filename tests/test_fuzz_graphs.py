@@ -27,6 +27,7 @@ import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -635,6 +636,8 @@ def _check(engine: str, data: st.DataObject, seed: int) -> None:
         with open(keep, "a") as fh:
             fh.write(json.dumps({"engine": engine, "invalid_graph": str(exc)}) + "\n")
         return
+    if keep:  # the graph being run, left behind should an engine take the process down
+        Path(keep + ".current.json").write_text(json.dumps({"engine": engine, "seed": seed, "graph": json.loads(g.to_json())}))
     try:
         status, detail = run_and_compare(g, engine, seed)
     except Exception as exc:  # an engine that crashes on a valid graph is a finding too
