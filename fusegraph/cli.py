@@ -1,24 +1,45 @@
 """The `fusegraph` command line; each subcommand lives in ``fusegraph/commands/<name>.py``
-and exposes ``register(subparsers)`` setting ``fn`` on its parser."""
+and exposes ``register(subparsers)`` setting ``fn`` on its parser.
+
+A user mistake (a missing file, an unknown engine, a malformed option, a device that is not
+there) ends in one line on stderr and a non-zero exit; ``-v`` adds the traceback. A closed
+pipe (``fusegraph demo | head -1``) ends quietly.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
 import logging
+import os
 import sys
+import traceback
 
 # One line per subcommand module, in the order `fusegraph --help` lists them.
 COMMANDS = ["demo", "engines", "tune", "cache", "run"]
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from fusegraph import __version__
+
     p = argparse.ArgumentParser(prog="fusegraph", description="Fused deep-learning graphs, JIT-compiled.")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="more logging (-vv for debug)")
+    p.add_argument("--version", action="version", version=f"fusegraph {__version__}")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="more logging (-vv for debug); tracebacks on errors")
     sub = p.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         importlib.import_module(f"fusegraph.commands.{name}").register(sub)
     return p
+
+
+def _quiet_pipe() -> int:
+    """The reader went away (``| head``): stop writing, without a traceback at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,9 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     from fusegraph.errors import FusegraphError
 
     try:
-        return int(args.fn(args))
-    except FusegraphError as exc:
-        print(f"fusegraph: error: {exc}", file=sys.stderr)
+        status = int(args.fn(args))
+        sys.stdout.flush()
+        return status
+    except BrokenPipeError:
+        return _quiet_pipe()
+    except KeyboardInterrupt:
+        print("fusegraph: interrupted", file=sys.stderr)
+        return 130
+    except (FusegraphError, OSError, ValueError, KeyError) as exc:
+        if args.verbose:
+            traceback.print_exc()
+        kind = "" if isinstance(exc, FusegraphError) else f"{type(exc).__name__}: "
+        print(f"fusegraph {args.command}: error: {kind}{exc}", file=sys.stderr)
         return 2
 
 

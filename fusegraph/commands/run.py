@@ -8,7 +8,9 @@ its reason), the error against ONNX Runtime with ``--check``, and the median lat
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 from typing import Any
 
@@ -19,6 +21,8 @@ def register(sub: Any) -> None:
     p.add_argument("--input", action="append", default=[], metavar="NAME=FILE.npy",
                    help="an input from a .npy file (repeatable); others are random")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
+    p.add_argument("--allow-fallback", action="store_true",
+                   help="if --device is not usable here, run on the CPU (said once) instead of failing")
     p.add_argument("--engine", default=None, help="engine for claimed subgraphs (default: selection layer)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a FusegraphExecutionProvider option (repeatable), e.g. min_subgraph_size=3")
@@ -62,26 +66,73 @@ def _dtype_of(type_string: str) -> Any:
     raise SystemExit(f"fusegraph run: no random data for type {type_string}; pass the input with --input")
 
 
+def _device_problem(spec: str) -> str | None:
+    """Why no fusegraph engine can use the device (None when one can), probed on a tiny graph."""
+    import fusegraph as fg
+    from fusegraph.engines.registry import active_registry
+
+    h = fg.Handle(spec)
+    if not h.device.is_gpu:
+        return None
+    g = fg.Graph("device_probe", io_data_type=fg.DataType.FLOAT)
+    g.relu(g.tensor("x", [1, 8])).set_output(True)
+    g.validate()
+    reasons = []
+    for e in active_registry().available_engines():
+        sup = e.supports(g, h)
+        if sup:
+            return None
+        reasons.append(f"{e.name}: {sup.reason}")
+    return "; ".join(dict.fromkeys(reasons)) or "no engine is available"
+
+
 def _run(args: argparse.Namespace) -> int:
     import numpy as np
     import onnxruntime as ort
 
     import fusegraph.onnx as fgo
+    from fusegraph.engines.registry import active_registry
+    from fusegraph.runtime.handle import parse_device
 
-    opts: dict[str, Any] = {"device": args.device}
+    if not os.path.isfile(args.model):
+        raise SystemExit(f"fusegraph run: model {args.model!r}: no such file")
+    device = args.device
+    try:
+        parse_device(device)
+    except ValueError as exc:
+        raise SystemExit(f"fusegraph run: --device {device!r}: {exc}") from None
+    problem = _device_problem(device)
+    if problem is not None:
+        if not args.allow_fallback:
+            raise SystemExit(f"fusegraph run: --device {device}: not usable here ({problem}); "
+                             "pass --allow-fallback to run on the CPU instead")
+        print(f"fusegraph run: --device {device} not usable here; running on the CPU (--allow-fallback)",
+              file=sys.stderr)
+        device = "cpu"
+    opts: dict[str, Any] = {"device": device}
     if args.engine:
+        names = active_registry().names()
+        if args.engine not in names:
+            raise SystemExit(f"fusegraph run: --engine {args.engine!r}: unknown engine (known: {', '.join(names)})")
         opts["engine"] = args.engine
     for kv in args.option:
         key, sep, value = kv.partition("=")
         if not sep:
             raise SystemExit(f"fusegraph run: --option wants KEY=VALUE, got {kv!r}")
         opts[key.strip()] = value
+    try:
+        fgo.ProviderOptions.parse(opts)
+    except ValueError as exc:
+        raise SystemExit(f"fusegraph run: --option: {exc}") from None
     given = {}
     for kv in args.input:
         name, sep, path = kv.partition("=")
         if not sep:
             raise SystemExit(f"fusegraph run: --input wants NAME=FILE.npy, got {kv!r}")
-        given[name] = np.load(path)
+        try:
+            given[name] = np.load(path)
+        except (OSError, ValueError) as exc:
+            raise SystemExit(f"fusegraph run: --input {kv}: cannot read {path!r} as a .npy file ({exc})") from None
     t0 = time.perf_counter()
     sess = fgo.InferenceSession(args.model, providers=[(fgo.PROVIDER, opts), "CPUExecutionProvider"])
     setup = time.perf_counter() - t0
@@ -99,8 +150,8 @@ def _run(args: argparse.Namespace) -> int:
           f"(min {min(times):.3f}, max {max(times):.3f})")
     sess.measure_memory = True
     sess.run(None, feed)
-    print(f"peak memory of a run: {sess.last_peak}; intermediates held between subgraphs: "
-          f"{sess.peak_live_bytes / 2**20:.1f} MiB")
+    print(f"memory: process peak resident {_peak_rss_mib():.1f} MiB; extra during one warm run "
+          f"{sess.last_peak}; intermediates held between subgraphs: {sess.peak_live_bytes / 2**20:.1f} MiB")
     status = 0
     if args.check:
         ref = ort.InferenceSession(args.model, providers=["CPUExecutionProvider"])
@@ -119,3 +170,11 @@ def _run(args: argparse.Namespace) -> int:
                   + ("  <-- MISMATCH" if bad else ""))
             status |= int(bad)
     return status
+
+
+def _peak_rss_mib() -> float:
+    """The process's peak resident set (weights, compiled code and buffers included)."""
+    import resource
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib / 1024 if sys.platform != "darwin" else kib / 2**20

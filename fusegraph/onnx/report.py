@@ -76,10 +76,12 @@ class PartitionReport:
         kinds = collections.Counter(s.kind for s in self.subgraphs)
         parts = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
         tier = f", {self.tier_nodes} via torch-mlir tier" if self.tier_nodes else ""
+        engines = collections.Counter(s.engine for s in self.subgraphs if s.kind == "fusegraph")
+        ran = ", ".join(f"{k} x{v}" for k, v in sorted(engines.items()))
         return (
             f"{self.fusegraph_nodes}/{self.running_nodes} non-constant nodes on fusegraph "
             f"({100 * self.coverage:.1f}%){tier}; {self.folded_nodes} folded at setup; "
-            f"subgraphs: {parts or 'none'}"
+            f"subgraphs: {parts or 'none'}; engines that ran: {ran or 'none'}"
         )
 
     def __str__(self) -> str:
@@ -103,9 +105,15 @@ class PartitionReport:
             if s.note:
                 lines.append(f"      note: {s.note}")
         if self.unclaimed:
+            # One line per distinct reason (a missing device repeats one reason per node).
             lines.append("  not on fusegraph:")
+            groups: dict[tuple[str, str], list[UnclaimedEntry]] = {}
             for u in self.unclaimed:
-                lines.append(f"    {u.node} ({u.op_type}) -> {u.runs_on}: {u.reason}")
+                groups.setdefault((u.reason, u.runs_on), []).append(u)
+            for (reason, runs_on), us in groups.items():
+                ops = ", ".join(f"{k}x{v}" for k, v in sorted(collections.Counter(u.op_type for u in us).items()))
+                first = ", ".join(u.node for u in us[:3]) + (", ..." if len(us) > 3 else "")
+                lines.append(f"    {len(us)} node{'s' if len(us) != 1 else ''} ({ops}; {first}) -> {runs_on}: {reason}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
