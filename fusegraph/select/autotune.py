@@ -98,12 +98,15 @@ def format_entry(entry: TuningEntry) -> str:
     ]
     ok = [m for m in entry.measurements if m.status == "ok" and m.median_ms is not None]
     best = min((m.median_ms for m in ok if m.median_ms is not None), default=None)
+    fastest = min(ok, key=lambda m: m.median_ms or math.inf, default=None)
     for m in sorted(entry.measurements, key=lambda m: (m.status != "ok", m.median_ms or math.inf)):
-        mark = "*" if m.config == entry.chosen else " "
+        # The star marks the fastest measurement; the chosen config is named when it is another.
+        mark = "*" if m is fastest else " "
+        chosen = "  <- chosen" if m.config == entry.chosen and m is not fastest else ""
         if m.status == "ok" and m.median_ms is not None and best:
             lines.append(
                 f" {mark} {m.median_ms:10.4f} ms  x{m.median_ms / best:6.2f}  {m.config}"
-                f"  (n={m.runs}, build {m.build_s or 0:.2f}s, err {m.rel_error:.1e})"
+                f"  (n={m.runs}, build {m.build_s or 0:.2f}s, err {m.rel_error:.1e}){chosen}"
             )
         else:
             lines.append(f" {mark} {'-':>10s}            {m.config}  [{m.status}] {m.detail[:120]}")
