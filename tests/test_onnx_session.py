@@ -174,8 +174,9 @@ def test_provider_options_as_strings_and_aligned_list(rng: np.random.Generator) 
     assert o["strict"] == "1" and o["min_subgraph_size"] == "2" and o["op_types_to_exclude"] == "Flatten,Gemm"
     rep = sess.partition_report()
     assert {u.op_type for u in rep.unclaimed} >= {"Gemm", "Flatten"}
-    with pytest.raises(ValueError, match="unknown execution provider"):
-        fgo.InferenceSession(model.SerializeToString(), providers=["NoSuchExecutionProvider"])
+    with pytest.warns(UserWarning, match="NoSuchExecutionProvider"):  # as ONNX Runtime: warned, dropped
+        dropped = fgo.InferenceSession(model.SerializeToString(), providers=["NoSuchExecutionProvider"])
+    assert dropped.get_providers() == ["CPUExecutionProvider"]
     with pytest.raises(ValueError, match="provider_options"):
         fgo.InferenceSession(model.SerializeToString(), providers=[fgo.PROVIDER], provider_options=[{}, {}])
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,10 +21,12 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from fusegraph.errors import VariantPackError
+from fusegraph.onnx.iobinding import IOBinding, host_array
 from fusegraph.onnx.memory import PeakMemory, measure_peak
+from fusegraph.onnx.metadata import ModelMetadata
 from fusegraph.onnx.model import input_signature, load_model
 from fusegraph.onnx.options import PROVIDER, ProviderOptions
+from fusegraph.onnx.ort_errors import InvalidFeedError, MissingFeedError
 from fusegraph.onnx.plan import EngineChoice, SessionPlan
 from fusegraph.onnx.report import PartitionReport
 from fusegraph.runtime.handle import Handle, default_handle
@@ -104,9 +107,12 @@ def _parse_providers(
             ours = opts
         elif name in available:
             ort_list.append((name, opts) if opts else name)
-        else:
-            raise ValueError(
-                f"unknown execution provider {name!r}; available: {[PROVIDER, *sorted(available)]}"
+        else:  # as ONNX Runtime: warned about and dropped
+            names.pop()
+            warnings.warn(
+                f"Specified provider {name!r} is not in available provider names; dropped. "
+                f"Available providers: {', '.join([PROVIDER, *sorted(available)])}",
+                stacklevel=3,
             )
     if not any((p if isinstance(p, str) else p[0]) == "CPUExecutionProvider" for p in ort_list):
         ort_list.append("CPUExecutionProvider")  # ONNX Runtime always falls back to CPU
@@ -194,13 +200,15 @@ class InferenceSession:
     def get_session_options(self) -> ort.SessionOptions | None:
         return self._sess_options
 
-    def get_modelmeta(self) -> dict[str, Any]:
-        m = self._model
-        return {
-            "producer_name": m.producer_name, "graph_name": m.graph.name, "domain": m.domain,
-            "description": m.doc_string, "version": m.model_version,
-            "custom_metadata_map": {p.key: p.value for p in m.metadata_props},
-        }
+    def get_modelmeta(self) -> ModelMetadata:
+        return ModelMetadata.of(self._model)
+
+    def io_binding(self) -> IOBinding:
+        return IOBinding(self)
+
+    def run_with_iobinding(self, iobinding: IOBinding, run_options: ort.RunOptions | None = None) -> None:
+        """Runs with the bound inputs; results land in the bound outputs (``get_outputs``)."""
+        iobinding._run(run_options)
 
     def run(
         self,
@@ -213,7 +221,7 @@ class InferenceSession:
         wanted = list(output_names) if output_names else self._output_names
         for name in wanted:
             if name not in self._output_set:
-                raise VariantPackError(f"not an output of the model (outputs: {self._output_names})", tensor=name)
+                raise InvalidFeedError(f"Invalid output name: not an output of the model (outputs: {self._output_names})", tensor=name)
         plan = self._plan_for({k: tuple(np.shape(v)) for k, v in feed.items() if isinstance(v, np.ndarray)})
         if not self.measure_memory:
             return plan.run(feed, wanted)
@@ -255,32 +263,40 @@ class InferenceSession:
 
     def _check_feed(self, input_feed: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(input_feed, Mapping):
-            raise VariantPackError(f"input_feed must be a dict of name -> array, got {type(input_feed).__name__}")
+            raise InvalidFeedError(f"input_feed must be a dict of name -> array, got {type(input_feed).__name__}")
         feed: dict[str, Any] = {}
         for name, value in input_feed.items():
             if name not in self._input_dtypes:
-                raise VariantPackError(
+                raise InvalidFeedError(
                     f"not an input of the model (inputs: {[i.name for i in self._inputs]})", tensor=name
                 )
             want = self._input_dtypes[name]
             if want is None:
                 feed[name] = value
                 continue
-            arr = np.asarray(value)
+            if isinstance(value, list | tuple):  # ONNX Runtime converts Python sequences to the input's type
+                try:
+                    arr = np.asarray(value, dtype=want)
+                except (ValueError, TypeError) as exc:
+                    raise InvalidFeedError(f"cannot convert the list to {np.dtype(want)}: {exc}", tensor=name) from None
+            else:
+                arr = host_array(value, name)
             if arr.dtype != want:
-                raise VariantPackError(f"has dtype {arr.dtype}, the model expects {np.dtype(want)}", tensor=name)
+                raise InvalidFeedError(
+                    f"Unexpected input data type: dtype {arr.dtype}, the model expects {np.dtype(want)}", tensor=name
+                )
             declared = self._signature.get(name)
             if declared is not None and (
                 len(declared) != arr.ndim
                 or any(isinstance(d, int) and d != s for d, s in zip(declared, arr.shape, strict=False))
             ):
-                raise VariantPackError(
-                    f"has shape {list(arr.shape)}, the model declares {list(declared)}", tensor=name
+                raise InvalidFeedError(
+                    f"Got invalid dimensions: shape {list(arr.shape)}, the model declares {list(declared)}", tensor=name
                 )
             feed[name] = arr
         missing = [i.name for i in self._inputs if i.name not in feed]
         if missing:
-            raise VariantPackError(f"missing input(s) {missing}", tensor=missing[0])
+            raise MissingFeedError(f"Required inputs ({missing}) are missing from input feed", tensor=missing[0])
         return feed
 
     def _output_args(self) -> list[NodeArg]:
