@@ -62,19 +62,8 @@ def aligned_read_only(values: np.ndarray, alignment: int = 4096) -> np.ndarray:
     return arr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "IREE engine (runtime/iree_hal.py HalRuntime.upload, called by engines/iree/plan.py "
-        "_host_input): a READ-ONLY input array whose data pointer is IMPORT_ALIGNMENT-aligned is "
-        "aliased through allocator.import_host_allocation, which refuses read-only memory with a "
-        "raw ValueError 'buffer source array is read-only' (not a fusegraph error). Any read-only "
-        "input qualifies (np.frombuffer of bytes, a read-only memmap, a broadcast view); the "
-        "fuzzer met it as an input broadcast on every axis (strides [0, 0, 0]: a 1-element "
-        "read-only view), so it fails only when the element happens to be aligned. Fix: alias "
-        "only writeable arrays (or copy read-only ones)."
-    ),
-)
+# Was a strict xfail (raw ValueError "buffer source array is read-only"); fixed in
+# engines/iree/plan.py _host_input: read-only arrays are copied, never aliased (issue 16, G).
 def test_fuzz_iree_read_only_aligned_input(rng: np.random.Generator) -> None:
     g = fg.Graph(name="fuzz_read_only", io_data_type=DataType.FLOAT)
     x = g.tensor("x", [3, 4], [0, 0])  # the fuzzer's case: one element broadcast everywhere

@@ -246,11 +246,7 @@ def _(tmp: Path) -> None:
         _close(g.execute({"x": a}, engine=e)["y"], np.maximum(a, 0), 0.0)
 
 
-@case("graph_mutate_dims_after_build", None, xfail=(
-    "graph validation (A: graph/graph.py) keeps the strides it inferred for an input's old dims "
-    "after set_dim: x declared [3, 5] without strides, validated (strides [5, 1]), then "
-    "set_dim([4, 2]): execute rejects the packed [4, 2] array ('declares strides [5, 1]'); "
-    "strides the user never set should be re-inferred for the new dims"))
+@case("graph_mutate_dims_after_build", None)
 def _(tmp: Path) -> None:
     """Changing an input's dims after build: the next execute runs the changed graph."""
     for e in ENGINES:
@@ -434,11 +430,7 @@ def _(tmp: Path, engine: str) -> None:
     _close(out["y"], a.astype(np.float64) + b, 1e-6)
 
 
-@_per_engine("pack_input_read_only_aligned", None, xfail={"iree": (
-    "IREE engine (runtime/iree_hal.py HalRuntime.upload): a read-only input array (here a "
-    "64-byte-aligned C-contiguous one with writeable=False) is aliased via "
-    "import_host_allocation, which raises a raw ValueError 'buffer source array is read-only'; "
-    "see tests/test_fuzz_regressions.py::test_fuzz_iree_read_only_aligned_input")})
+@_per_engine("pack_input_read_only_aligned", None)  # fixed in iree/plan.py (issue 16, G)
 def _(tmp: Path, engine: str) -> None:
     """A read-only input (np.frombuffer of bytes, a read-only memmap) is valid input."""
     from test_fuzz_regressions import aligned_read_only
@@ -479,11 +471,7 @@ def _(tmp: Path, engine: str) -> None:
     g.execute({"a": np.float32(1.0), "b": np.ones((4, 6), np.float32)}, engine=engine)
 
 
-@_per_engine("pack_torch_tensor_on_meta_device", VariantPackError, "'a'", xfail={e: (
-    "variant packs (G: runtime/variant_pack.py) on the reference and IREE engines let torch's raw "
-    "TypeError (\"can't convert meta device type tensor to numpy\") through for a torch tensor on "
-    "another device; it should be a VariantPackError naming the tensor and its device "
-    "(the torch engine does this)") for e in ("reference", "iree")})
+@_per_engine("pack_torch_tensor_on_meta_device", VariantPackError, "'a'")  # fixed in variant_pack.py (G)
 def _(tmp: Path, engine: str) -> None:
     torch = pytest.importorskip("torch", reason="torch is optional; this case needs it")
     g = add_graph()

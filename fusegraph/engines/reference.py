@@ -17,7 +17,7 @@ from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.runtime.handle import Handle
-from fusegraph.runtime.variant_pack import resolve_pack
+from fusegraph.runtime.variant_pack import outputs_like, resolve_pack
 
 
 def write_outputs(graph: Graph, values: Mapping[str, np.ndarray], given: Mapping[str, Any]) -> dict[str, Any]:
@@ -42,7 +42,7 @@ class ReferencePlan(ExecutionPlan):
 
         pack = resolve_pack(self.graph, variant_pack)
         values = run_reference(self.graph, pack.inputs)
-        return write_outputs(self.graph, values, pack.outputs)
+        return outputs_like(write_outputs(self.graph, values, pack.outputs), variant_pack.values())
 
     def serialize(self) -> bytes:
         """The graph itself: that is all a reference plan is."""

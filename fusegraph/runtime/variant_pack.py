@@ -1,8 +1,13 @@
-"""Checks a variant pack (tensor -> array) against a validated graph.
+"""Checks a variant pack (tensor -> array) against a validated graph: the one input contract.
 
-Arrays must match exactly: shape == dims, dtype == data type, and element strides ==
-declared strides on every axis longer than one (a broadcast input needs stride 0, as
-``np.broadcast_to`` makes). Mismatches raise VariantPackError naming the tensor.
+Every engine accepts the same values for a tensor declared with given dims and strides:
+NumPy arrays (writable or read-only), torch tensors on the host, anything NumPy or DLPack can
+view. Shape and dtype must match exactly. An input whose strides differ from the declared
+ones (a broadcast view, a transposed or sliced view: any strides addressing the declared
+elements) is copied into the declared layout here, so no engine sees it; outputs the caller
+gives must match the declared strides (they are written in place) and be writable.
+Mismatches raise VariantPackError naming the tensor. ``outputs_like`` hands returned outputs
+back as the type of the inputs (torch tensors in, torch tensors out).
 """
 
 from __future__ import annotations
@@ -38,17 +43,40 @@ def _key_name(graph: Any, key: Any) -> TensorAttr:
     raise VariantPackError(f"variant pack keys must be TensorAttr or names, got {type(key).__name__}")
 
 
-def check_array(t: TensorAttr, value: Any, *, what: str, strides: bool = True) -> np.ndarray:
-    """``value`` as a NumPy array matching ``t``; ``strides=False`` accepts any memory order
-    (for an engine that lays host arrays out itself)."""
-    arr: np.ndarray
+def host_view(value: Any) -> np.ndarray | None:
+    """A NumPy view of ``value`` without a copy where possible (None: not array-like)."""
     if isinstance(value, np.ndarray):
-        arr = value
-    elif hasattr(value, "__array__") or hasattr(value, "__array_interface__"):
-        arr = np.asarray(value)
-    else:
+        return value
+    if _is_torch(value):
+        t = value.detach()
+        if t.device.type != "cpu":
+            return None
+        arr: np.ndarray = t.resolve_conj().resolve_neg().numpy()
+        return arr
+    if hasattr(value, "__array__") or hasattr(value, "__array_interface__"):
+        return np.asarray(value)
+    if hasattr(value, "__dlpack__"):
+        try:
+            return np.from_dlpack(value)
+        except (BufferError, RuntimeError, TypeError):
+            return None
+    return None
+
+
+def _is_torch(value: Any) -> bool:
+    return type(value).__module__.startswith("torch") and hasattr(value, "data_ptr")
+
+
+def check_array(t: TensorAttr, value: Any, *, what: str, strides: bool = True) -> np.ndarray:
+    """``value`` as a NumPy array matching ``t``; an input in another layout is copied into
+    the declared one; ``strides=False`` accepts any memory order (for an engine that lays host
+    arrays out itself)."""
+    arr = host_view(value)
+    if arr is None:
+        where = f" on {value.device}" if _is_torch(value) else ""
         raise VariantPackError(
-            f"{what} must be a numpy array or a fusegraph Buffer, got {type(value).__name__}", tensor=t.name
+            f"{what} must be a numpy array, a host tensor or a fusegraph Buffer, got {type(value).__name__}{where}",
+            tensor=t.name,
         )
     if tuple(arr.shape) != t.shape:
         raise VariantPackError(f"{what} has shape {list(arr.shape)}, expected dims {t.dim}", tensor=t.name)
@@ -57,14 +85,27 @@ def check_array(t: TensorAttr, value: Any, *, what: str, strides: bool = True) -
     have = layout.element_strides(arr.shape, arr.strides, arr.itemsize)
     if not strides:  # what the engine can view as is (torch takes no negative strides), else a copy
         return arr if have is not None and min(have, default=0) >= 0 else np.ascontiguousarray(arr)
-    if have is None or not layout.same_strides(t.shape, have, t.strides):
-        raise VariantPackError(
-            f"{what} has element strides {list(have) if have else arr.strides}, but the tensor "
-            f"declares strides {t.stride}; pass an array in that layout (e.g. np.ascontiguousarray "
-            "of the permuted data, viewed back with .transpose) or declare its strides",
-            tensor=t.name,
-        )
-    return arr
+    if have is not None and layout.same_strides(t.shape, have, t.strides):
+        return arr
+    if what == "input":  # any view of the declared elements: laid out as declared, here
+        dense = layout.empty_strided(t.shape, t.strides, arr.dtype)
+        dense[...] = arr
+        return dense
+    raise VariantPackError(
+        f"{what} has element strides {list(have) if have else arr.strides}, but the tensor "
+        f"declares strides {t.stride}; an output is written in place, so pass an array in that "
+        "layout (e.g. fusegraph.graph.layout.empty_strided) or declare its strides",
+        tensor=t.name,
+    )
+
+
+def outputs_like(outputs: dict[str, Any], inputs: Any) -> dict[str, Any]:
+    """Returned NumPy outputs as torch tensors when any input was one (the type that went in)."""
+    if not outputs or not any(_is_torch(v) for v in inputs):
+        return outputs
+    import torch
+
+    return {k: torch.from_numpy(np.ascontiguousarray(v)) if isinstance(v, np.ndarray) else v for k, v in outputs.items()}
 
 
 def resolve_pack(graph: Any, variant_pack: Mapping[Any, Any], *, check: Any = check_array) -> ResolvedPack:

@@ -22,7 +22,7 @@ from fusegraph.engines.base import EngineConfig, ExecutionPlan
 from fusegraph.errors import ExecutionError, VariantPackError
 from fusegraph.graph import layout
 from fusegraph.runtime.buffer import Buffer
-from fusegraph.runtime.variant_pack import check_array, resolve_pack
+from fusegraph.runtime.variant_pack import check_array, outputs_like, resolve_pack
 
 if TYPE_CHECKING:
     from fusegraph.engines.iree.cache import CacheEntry
@@ -171,6 +171,8 @@ class IreePlan(ExecutionPlan):
             raise VariantPackError(f"missing input(s) {missing}", tensor=missing[0])
         results = self._run(views)
         out = self._outputs(results, given, as_buffers)
+        if not as_buffers:
+            out = outputs_like(out, variant_pack.values())
         del keep  # the aliased host inputs may go now that IREE is done with them
         return out
 
@@ -211,7 +213,9 @@ class IreePlan(ExecutionPlan):
         arr = check_array(self.graph.tensor_by_name(slot.name), value, what="input")
         dense = layout.to_physical(arr, slot.dim, slot.stride)
         keep.append(dense)
-        return self.runtime.upload(dense, slot.data_type, allow_alias=alias)
+        # IREE cannot alias read-only memory (a frozen weight, a broadcast or memory-mapped
+        # array): those are copied into IREE's buffer instead.
+        return self.runtime.upload(dense, slot.data_type, allow_alias=alias and dense.flags.writeable)
 
     def _wrap(self, view: Any, slot: IoSlot) -> Buffer:
         b = Buffer.__new__(Buffer)

@@ -1,0 +1,114 @@
+"""One input contract on every engine (issue 16, item 1): the same graphs and the same packs
+-- NumPy writable, read-only, broadcast views, non-contiguous views, torch tensors -- through
+every available engine give the same results (against float64 NumPy on the logical data),
+and outputs come back as the type that went in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import fusegraph as fg
+from fusegraph.engines.registry import active_registry
+
+F32 = fg.DataType.FLOAT
+
+
+def _host_engines() -> list[str]:
+    """Every available engine that runs on the host (a GPU-only engine is tested on the GPU)."""
+    g = fg.Graph("probe", io_data_type=F32)
+    g.relu(g.tensor("x", [2, 3])).set_output(True)
+    g.validate()
+    return [e.name for e in active_registry().available_engines() if e.supports(g, fg.Handle("cpu"))]
+
+
+ENGINES = _host_engines()
+
+
+def _add_relu() -> tuple[fg.Graph, Callable[[dict[str, np.ndarray]], np.ndarray]]:
+    g = fg.Graph("contract_add_relu", io_data_type=F32)
+    a, b = g.tensor("a", [4, 6]), g.tensor("b", [4, 6])
+    g.relu(g.add(a, b)).set_name("y").set_output(True)
+    return g.validate(), lambda v: np.maximum(v["a"] + v["b"], 0.0)
+
+
+def _matmul() -> tuple[fg.Graph, Callable[[dict[str, np.ndarray]], np.ndarray]]:
+    g = fg.Graph("contract_matmul", io_data_type=F32, compute_data_type=F32)
+    a, b = g.tensor("a", [2, 4, 5]), g.tensor("b", [2, 5, 3])
+    g.matmul(a, b).set_name("y").set_output(True)
+    return g.validate(), lambda v: v["a"] @ v["b"]
+
+
+GRAPHS = {"add_relu": _add_relu, "matmul": _matmul}
+
+
+def _pack(kind: str, shapes: dict[str, tuple[int, ...]], rng: np.random.Generator) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, shape in shapes.items():
+        if kind == "broadcast":  # a stride-0 view: every row the same memory
+            row = rng.standard_normal(shape[-1]).astype(np.float32)
+            out[name] = np.broadcast_to(row, shape)
+            continue
+        if kind == "non_contiguous":  # every other element of a larger array, then transposed back
+            big = rng.standard_normal((*shape[:-2], shape[-1], 2 * shape[-2])).astype(np.float32)
+            out[name] = np.swapaxes(big[..., ::2], -1, -2)
+            continue
+        arr = rng.standard_normal(shape).astype(np.float32)
+        if kind == "read_only":
+            arr.flags.writeable = False
+        out[name] = arr
+    return out
+
+
+PACKS = ["writable", "read_only", "broadcast", "non_contiguous", "torch"]
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("graph", sorted(GRAPHS))
+def test_same_pack_same_result_on_every_engine(engine: str, graph: str, rng: np.random.Generator) -> None:
+    g, want_of = GRAPHS[graph]()
+    shapes = {t.name: t.shape for t in g.inputs()}
+    for kind in PACKS:
+        if kind == "torch":
+            torch = pytest.importorskip("torch", reason="torch is optional; the torch-tensor pack needs it")
+            host = _pack("writable", shapes, rng)
+            pack: dict[str, Any] = {k: torch.from_numpy(v) for k, v in host.items()}
+        else:
+            host = pack = _pack(kind, shapes, rng)
+        logical = {k: np.asarray(v, np.float64) for k, v in host.items()}
+        out = g.execute(pack, engine=engine)["y"]
+        if kind == "torch":
+            assert isinstance(out, torch.Tensor), f"{engine}/{kind}: got {type(out).__name__}"
+            got = out.numpy().astype(np.float64)
+        else:
+            assert isinstance(out, np.ndarray), f"{engine}/{kind}: got {type(out).__name__}"
+            got = out.astype(np.float64)
+        want = want_of(logical)
+        assert not np.isnan(got).any()
+        rel = float(np.linalg.norm(got - want)) / max(float(np.linalg.norm(want)), 1e-30)
+        assert rel <= 1e-5, f"{engine}/{graph}/{kind}: relative error {rel:.2e}"
+        for k, v in host.items():  # the caller's arrays are never written
+            np.testing.assert_array_equal(np.asarray(v, np.float64), logical[k])
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_same_refusal_on_every_engine(engine: str, rng: np.random.Generator) -> None:
+    g, _ = _add_relu()
+    good = _pack("writable", {"a": (4, 6), "b": (4, 6)}, rng)
+    for bad, match in (
+        ({"a": good["a"][:3]}, "shape"),
+        ({"a": good["a"].astype(np.float64)}, "dtype"),
+        ({"a": [[1.0] * 6] * 4}, "must be a numpy array"),
+    ):
+        with pytest.raises(fg.VariantPackError, match=match):
+            g.execute({**good, **bad}, engine=engine)
+    y = np.empty((6, 4), np.float32).T  # an output in another layout: written in place, so refused
+    with pytest.raises(fg.VariantPackError, match="strides"):
+        g.execute({**good, "y": y}, engine=engine)
+    ro = np.empty((4, 6), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(fg.VariantPackError, match="read-only"):
+        g.execute({**good, "y": ro}, engine=engine)
