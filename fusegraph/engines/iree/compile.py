@@ -29,6 +29,8 @@ from typing import Any
 log = logging.getLogger("fusegraph.iree")
 
 COMPILER_ENV = "FUSEGRAPH_IREE_COMPILER"  # "inprocess" (default) | "cli"
+# "MEM_MIB,SECONDS" (either may be empty): compile in a child process under these ceilings.
+LIMITS_ENV = "FUSEGRAPH_IREE_COMPILE_LIMITS"
 STATS_FILE = "stats.json"
 
 _SEVERITY = {0: "note", 1: "warning", 2: "error", 3: "remark"}
@@ -44,6 +46,42 @@ class IreeCompileFailure(Exception):
     def __init__(self, message: str, diagnostic: str) -> None:
         super().__init__(message)
         self.diagnostic = diagnostic
+
+
+class IreeCompileLimitExceeded(IreeCompileFailure):
+    """The compile passed its memory or time ceiling and was stopped (the process lives on)."""
+
+
+@dataclass(frozen=True)
+class CompileLimits:
+    """Ceilings for one compile, enforced on a child ``iree-compile`` (RLIMIT_AS, a timeout):
+    an in-process compile cannot be stopped, so a bounded compile is always a child."""
+
+    memory_bytes: int | None = None
+    seconds: float | None = None
+
+    def describe(self) -> str:
+        parts = []
+        if self.memory_bytes is not None:
+            parts.append(f"memory {self.memory_bytes / 2**20:.0f} MiB")
+        if self.seconds is not None:
+            parts.append(f"time {self.seconds:g} s")
+        return ", ".join(parts) or "none"
+
+
+def limits_from_env() -> CompileLimits | None:
+    raw = os.environ.get(LIMITS_ENV, "").strip()
+    if not raw:
+        return None
+    mem, _, sec = raw.partition(",")
+    try:
+        return CompileLimits(
+            memory_bytes=int(float(mem) * 2**20) if mem.strip() else None,
+            seconds=float(sec) if sec.strip() else None,
+        )
+    except ValueError:
+        log.warning("%s=%r is not 'MEM_MIB,SECONDS'; compiling without ceilings", LIMITS_ENV, raw)
+        return None
 
 
 @dataclass(frozen=True)
@@ -123,15 +161,19 @@ def compiler_backend() -> str:
     return value
 
 
-def compile_mlir(text: str, flags: Sequence[str], *, backend: str | None = None) -> CompileResult:
-    """Compiles torch-dialect MLIR text to a VM flatbuffer; raises IreeCompileFailure."""
-    backend = backend or compiler_backend()
+def compile_mlir(
+    text: str, flags: Sequence[str], *, backend: str | None = None, limits: CompileLimits | None = None
+) -> CompileResult:
+    """Compiles torch-dialect MLIR text to a VM flatbuffer; raises IreeCompileFailure
+    (IreeCompileLimitExceeded past a ceiling: ``limits`` or FUSEGRAPH_IREE_COMPILE_LIMITS)."""
+    limits = limits or limits_from_env()
+    backend = "cli" if limits is not None else (backend or compiler_backend())
     with tempfile.TemporaryDirectory(prefix="fusegraph-iree-") as tmp:
         stats_path = Path(tmp) / STATS_FILE
         all_flags = [*flags, *statistics_flags(stats_path)]
         t0 = time.perf_counter()
         if backend == "cli":
-            vmfb, diag = _compile_cli(text, all_flags, Path(tmp))
+            vmfb, diag = _compile_cli(text, all_flags, Path(tmp), limits)
         else:
             vmfb, diag = _compile_inprocess(text, all_flags)
         seconds = time.perf_counter() - t0
@@ -150,10 +192,38 @@ def _read_stats(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {"stats": data}
 
 
-def _compile_cli(text: str, flags: Sequence[str], tmp: Path) -> tuple[bytes, str]:
+def _compile_cli(text: str, flags: Sequence[str], tmp: Path, limits: CompileLimits | None = None) -> tuple[bytes, str]:
     src, out = tmp / "module.mlir", tmp / "module.vmfb"
     src.write_text(text)
-    proc = subprocess.run(command_line(flags, str(src), str(out)), capture_output=True, text=True, check=False)
+    mem = limits.memory_bytes if limits is not None else None
+
+    def ceiling() -> None:  # runs in the child before exec
+        import resource
+
+        if mem is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+
+    try:
+        proc = subprocess.run(
+            command_line(flags, str(src), str(out)), capture_output=True, text=True, check=False,
+            timeout=limits.seconds if limits is not None else None,
+            preexec_fn=ceiling if mem is not None else None,
+        )
+    except subprocess.TimeoutExpired:
+        assert limits is not None
+        raise IreeCompileLimitExceeded(
+            f"the compile passed its time ceiling ({limits.describe()}) and was stopped",
+            f"iree-compile killed after {limits.seconds:g} s",
+        ) from None
+    if mem is not None and proc.returncode != 0 and (
+        proc.returncode < 0 or re.search(r"alloc|out of memory|Cannot allocate|mmap|map segment|LLVM ERROR", proc.stderr)
+    ):
+        assert limits is not None
+        raise IreeCompileLimitExceeded(
+            f"the compile passed its memory ceiling ({limits.describe()}); iree-compile exited with "
+            f"status {proc.returncode}",
+            proc.stderr.strip()[-4000:],
+        )
     if proc.returncode != 0 or not out.exists():
         raise IreeCompileFailure(f"iree-compile exited with status {proc.returncode}", proc.stderr.strip())
     return out.read_bytes(), proc.stderr.strip()
