@@ -35,5 +35,5 @@ def test_there_are_snippets() -> None:
 def test_snippet_runs_as_written(where: str, code: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     ns: dict[str, object] = {"__name__": "__snippet__"}
-    exec(compile(code, where, "exec"), ns)  # noqa: S102 (the documentation's own code)
+    exec(compile(code, where, "exec"), ns)  # the documentation's own code
     assert os.getcwd() == str(tmp_path)
