@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"fusegraph {__version__}")
     p.add_argument("-v", "--verbose", action="count", default=0,
                    help="more logging (-vv for debug); tracebacks on errors")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress lines, errors only in the log")
     sub = p.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         importlib.import_module(f"fusegraph.commands.{name}").register(sub)
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    if args.quiet:  # also turns the progress lines off (fusegraph/runtime/progress.py)
+        logging.getLogger("fusegraph").setLevel(logging.ERROR)
     from fusegraph.errors import FusegraphError
 
     try:

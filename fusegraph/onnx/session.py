@@ -29,6 +29,7 @@ from fusegraph.onnx.options import PROVIDER, ProviderOptions
 from fusegraph.onnx.ort_errors import InvalidFeedError, MissingFeedError
 from fusegraph.onnx.plan import EngineChoice, SessionPlan
 from fusegraph.onnx.report import PartitionReport
+from fusegraph.runtime import progress
 from fusegraph.runtime.handle import Handle, default_handle
 
 log = logging.getLogger("fusegraph.onnx")
@@ -171,7 +172,8 @@ class InferenceSession:
             if v is not None and all(isinstance(d, int) for d in v)
         }
         if len(static) == len(self._signature):
-            self._plan_for(static)
+            with progress.working(f"fusegraph: building the session for {os.path.basename(self._model_name)}"):
+                self._plan_for(static)
         self._outputs = self._output_args()
 
     # ---- ONNX Runtime API -----------------------------------------------------------------------

@@ -26,6 +26,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from fusegraph.runtime import progress
+
 log = logging.getLogger("fusegraph.iree")
 
 COMPILER_ENV = "FUSEGRAPH_IREE_COMPILER"  # "inprocess" (default) | "cli"
@@ -172,10 +174,11 @@ def compile_mlir(
         stats_path = Path(tmp) / STATS_FILE
         all_flags = [*flags, *statistics_flags(stats_path)]
         t0 = time.perf_counter()
-        if backend == "cli":
-            vmfb, diag = _compile_cli(text, all_flags, Path(tmp), limits)
-        else:
-            vmfb, diag = _compile_inprocess(text, all_flags)
+        with progress.working("fusegraph: IREE compiling"):
+            if backend == "cli":
+                vmfb, diag = _compile_cli(text, all_flags, Path(tmp), limits)
+            else:
+                vmfb, diag = _compile_inprocess(text, all_flags)
         seconds = time.perf_counter() - t0
         stats = _read_stats(stats_path)
     log.debug("compiled %d bytes of MLIR in %.3f s (%s)", len(text), seconds, backend)
