@@ -128,19 +128,6 @@ print("ok", err)
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "IREE engine (engines/iree flags/compile): ANY bf16 matmul built with the engine's default "
-        "config (data_tiling=True, ukernels=default) makes LLVM abort inside the in-process "
-        "compiler -- 'LLVM ERROR: Do not know how to split the result of this operator!' then "
-        "'Fatal Python error: Aborted': the user's Python process dies (4x3x5, 7x2x7, 8x8x8, "
-        "16x16x16 all do). data_tiling=False or ukernels=none compile; f16 and bf16 conv/sdpa "
-        "compile. Needs a fix of the flags for bf16 contractions, and compiles that cannot take "
-        "the host process down (out of process, or a pre-check). Found by the fuzzer (it killed "
-        "the long run)."
-    ),
-)
 def test_fuzz_iree_bf16_matmul_does_not_abort_the_process(tmp_path: Path) -> None:
     import os
     import subprocess
@@ -150,6 +137,19 @@ def test_fuzz_iree_bf16_matmul_does_not_abort_the_process(tmp_path: Path) -> Non
     proc = subprocess.run([sys.executable, "-c", BF16_MATMUL], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, f"the process died (rc {proc.returncode}): {proc.stderr.strip()[-400:]}"
     assert proc.stdout.startswith("ok")
+
+
+def test_iree_bf16_matmul_pinned_to_data_tiling_is_refused_before_compiling() -> None:
+    """The combination that aborts LLVM is refused by name instead of reaching the compiler."""
+    g = fg.Graph(io_data_type=DataType.BFLOAT16, intermediate_data_type=DataType.FLOAT,
+                 compute_data_type=DataType.FLOAT)
+    g.matmul(g.tensor("a", [8, 8]), g.tensor("b", [8, 8])).set_name("c").set_output(True)
+    g.validate()
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.engines.iree import IreeEngine
+
+    with pytest.raises(fg.UnsupportedError, match="data_tiling"):
+        IreeEngine().build(g, fg.Handle("cpu"), EngineConfig("iree", (("data_tiling", True),)))
 
 
 WINDOW_CASES = [

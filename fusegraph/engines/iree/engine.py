@@ -172,6 +172,7 @@ class IreeEngine:
     def compile_entry(self, graph: Graph, target: Target, knobs: Mapping[str, Any]) -> CacheEntry:
         """The compiled module for graph/target/knobs: from the cache, else compiled and stored."""
         flagset, emit_options = self._split_knobs(target, knobs)
+        flagset = _avoid_llvm_abort(graph, target, flagset, explicit=knobs)
         flags = flagset.flags(target)
         key = self.cache_key(graph, target, flags, emit_options)
         # one compile per key across processes: others wait on the key's lock, then hit
@@ -360,3 +361,33 @@ def _hashable(v: Any) -> Any:
 
 def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:60] or "graph"
+
+
+def _has_bf16_matmul(graph: Graph) -> bool:
+    from fusegraph.dtypes import DataType
+    from fusegraph.graph.ops import OpKind
+
+    return any(
+        n.kind == OpKind.MATMUL and any(t.dtype == DataType.BFLOAT16 for t in n.inputs.values())
+        for n in graph.nodes
+    )
+
+
+def _avoid_llvm_abort(graph: Graph, target: Target, flagset: FlagSet, *, explicit: Mapping[str, Any]) -> FlagSet:
+    """IREE 3.13's CPU backend aborts the whole process (LLVM "Do not know how to split the
+    result of this operator!") on any bf16 matmul compiled with data tiling and the default
+    microkernels; the compiler runs in-process, so that would kill the user's program. By
+    default such graphs compile without data tiling; a config that pins the combination is
+    refused before the compiler sees it."""
+    if target.kind != "cpu" or not flagset.data_tiling or flagset.ukernels == "none":
+        return flagset
+    if not _has_bf16_matmul(graph):
+        return flagset
+    if "data_tiling" in explicit:
+        raise UnsupportedError(
+            f"graph '{graph.name}': a bf16 matmul with data_tiling=True and ukernels={flagset.ukernels!r} "
+            "aborts IREE 3.13's CPU compiler (LLVM: 'Do not know how to split the result of this "
+            "operator'); use data_tiling=False or ukernels='none'"
+        )
+    return dataclasses.replace(flagset, data_tiling=False)
+
