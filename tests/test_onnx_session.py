@@ -552,7 +552,10 @@ def test_autotune_option_plumbs_through(rng: np.random.Generator, tmp_path: Path
 def test_cuda_device_matches_onnxruntime(rng: np.random.Generator) -> None:
     model = conv_block(rng)
     x = rng.standard_normal((2, 8, 6, 6)).astype(np.float32)
-    sess = fgo.InferenceSession(model.SerializeToString(), providers=[(fgo.PROVIDER, {"device": "cuda:0"})])
+    # floor off: this checks the GPU path's numbers, not whether a tiny model beats ORT's CPU
+    sess = fgo.InferenceSession(
+        model.SerializeToString(), providers=[(fgo.PROVIDER, {"device": "cuda:0", "floor": "off"})]
+    )
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     _close(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], 1e-3)
     rep = sess.partition_report()
