@@ -201,10 +201,17 @@ class GraphBuilder:
             self._try_infer(node)
         return y
 
-    def _eps(self, epsilon: Epsilon) -> TensorAttr:
+    def _eps(self, epsilon: Epsilon, node: str | None = None) -> TensorAttr:
         if isinstance(epsilon, TensorAttr):
             return epsilon
-        return self.scalar(float(epsilon), DataType.FLOAT)
+        try:
+            value = float(epsilon)
+        except (TypeError, ValueError):
+            raise ValidationError(f"epsilon must be a number, got {epsilon!r}", node=node) from None
+        if not (math.isfinite(value) and value >= 0.0):
+            # NaN makes every y NaN, +inf makes it 0, a negative one takes sqrt of a negative
+            raise ValidationError(f"epsilon must be finite and >= 0, got {value}", node=node)
+        return self.scalar(value, DataType.FLOAT)
 
     def batchnorm_inference(
         self,
@@ -220,7 +227,7 @@ class GraphBuilder:
     ) -> TensorAttr:
         """y = (x - mean) / sqrt(var + eps) * scale + bias, per channel (axis 1)."""
         attrs = NormAttrs(NormFwdPhase.INFERENCE, self._compute_default(compute_data_type))
-        ins = {"x": input, "scale": scale, "bias": bias, "mean": mean, "var": var, "epsilon": self._eps(epsilon)}
+        ins = {"x": input, "scale": scale, "bias": bias, "mean": mean, "var": var, "epsilon": self._eps(epsilon, name)}
         return self._add_node(OpKind.BATCHNORM_INFERENCE, attrs, ins, name).outputs["y"]
 
     def batchnorm(
@@ -235,7 +242,7 @@ class GraphBuilder:
     ) -> tuple[TensorAttr, TensorAttr, TensorAttr]:
         """Training batchnorm over (N, spatial): returns (y, saved_mean, saved_inv_var)."""
         attrs = NormAttrs(NormFwdPhase.TRAINING, self._compute_default(compute_data_type))
-        ins = {"x": input, "scale": scale, "bias": bias, "epsilon": self._eps(epsilon)}
+        ins = {"x": input, "scale": scale, "bias": bias, "epsilon": self._eps(epsilon, name)}
         o = self._add_node(OpKind.BATCHNORM, attrs, ins, name).outputs
         return o["y"], o["mean"], o["inv_var"]
 
@@ -253,7 +260,7 @@ class GraphBuilder:
         """Normalizes over every dim but the first; (y, mean, inv_var), stats at TRAINING only."""
         phase = NormFwdPhase(phase)
         attrs = NormAttrs(phase, self._compute_default(compute_data_type))
-        ins = {"x": input, "scale": scale, "bias": bias, "epsilon": self._eps(epsilon)}
+        ins = {"x": input, "scale": scale, "bias": bias, "epsilon": self._eps(epsilon, name)}
         ports = ("y", "mean", "inv_var") if phase == NormFwdPhase.TRAINING else ("y",)
         o = self._add_node(OpKind.LAYERNORM, attrs, ins, name, outputs=ports).outputs
         return o["y"], o.get("mean"), o.get("inv_var")
@@ -272,7 +279,7 @@ class GraphBuilder:
         """y = x / rms(x) * scale (+ bias) over every dim but the first; (y, inv_rms)."""
         phase = NormFwdPhase(phase)
         attrs = NormAttrs(phase, self._compute_default(compute_data_type))
-        ins = {"x": input, "scale": scale, "bias": bias, "epsilon": self._eps(epsilon)}
+        ins = {"x": input, "scale": scale, "bias": bias, "epsilon": self._eps(epsilon, name)}
         ports = ("y", "inv_rms") if phase == NormFwdPhase.TRAINING else ("y",)
         o = self._add_node(OpKind.RMSNORM, attrs, ins, name, outputs=ports).outputs
         return o["y"], o.get("inv_rms")

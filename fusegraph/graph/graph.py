@@ -10,6 +10,7 @@ selection layer without importing it.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -98,8 +99,13 @@ class Graph(GraphBuilder, PointwiseBuilder, PlanMethods):
                 else DataType.FLOAT
             )
         dt = as_data_type(data_type)
-        py: Scalar = bool(value) if dt == DataType.BOOLEAN else int(value) if dt.is_integer else float(value)
-        t = TensorAttr(self, self._unique("scalar"), (1,), (1,), dt, value=py)
+        name = self._unique("scalar")
+        try:
+            py: Scalar = bool(value) if dt == DataType.BOOLEAN else int(value) if dt.is_integer else float(value)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise ValidationError(f"scalar {value!r} is not a {dt.name} value: {exc}", tensor=name) from None
+        t = TensorAttr(self, name, (1,), (1,), dt, value=py)
+        check_scalar_value(t)
         return self._add_tensor(t)
 
     def _add_tensor(self, t: TensorAttr) -> TensorAttr:
@@ -257,16 +263,25 @@ class Graph(GraphBuilder, PointwiseBuilder, PlanMethods):
             raise ValidationError(f"{len(strides)} strides for {len(dims)} dims", tensor=t.name)
         if any(s < 0 for s in strides):
             raise ValidationError(f"negative stride in {strides}", tensor=t.name)
-        if not is_input and any(s == 0 and d > 1 for s, d in zip(strides, dims, strict=True)):
+        _check_size(t, dims, strides)
+        if t.is_scalar:
+            check_scalar_value(t)
+        if is_input:
+            # cuDNN reads inputs through their strides: a broadcast (0) or overlapping view
+            # (a sliding window) reads memory more than once, which is valid for a read.
+            return
+        if any(s == 0 and d > 1 for s, d in zip(strides, dims, strict=True)):
             what = "output" if t.is_output else "intermediate tensor"
             raise ValidationError(
                 f"{what} has a broadcast (zero) stride {strides}; only graph inputs may", tensor=t.name
             )
         pair = layout.overlapping_axes(dims, strides)
         if pair is not None:
+            what = "output" if t.is_output else "intermediate tensor"
             raise ValidationError(
-                f"strides {strides} overlap: axes {pair[0]} and {pair[1]} interleave or address the "
-                "same memory (each axis must step over the whole extent of the axes inside it)",
+                f"{what} strides {strides} overlap: axes {pair[0]} and {pair[1]} interleave or address "
+                "the same memory (each axis must step over the whole extent of the axes inside it; only "
+                "graph inputs may read memory twice)",
                 tensor=t.name,
             )
 
@@ -372,3 +387,39 @@ class Graph(GraphBuilder, PointwiseBuilder, PlanMethods):
 
     def __repr__(self) -> str:
         return f"Graph({self.name!r}, {len(self.nodes)} nodes, {len(self.tensors)} tensors)"
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _check_size(t: TensorAttr, dims: Sequence[int], strides: Sequence[int]) -> None:
+    """Element count and byte span must fit in int64: every engine indexes with it, and a
+    tensor past that (dims of 2**40 x 2**40, a stride of 2**62) addresses no real memory."""
+    count = math.prod(dims)
+    if count > _INT64_MAX:
+        raise ValidationError(
+            f"dims {list(dims)} hold {count} elements, more than int64 can index (2**63 - 1)",
+            tensor=t.name,
+        )
+    span = layout.extent(dims, strides) * t.dtype.itemsize
+    if span > _INT64_MAX:
+        raise ValidationError(
+            f"dims {list(dims)} with strides {list(strides)} span {span} bytes, more than int64 can "
+            "address (2**63 - 1)",
+            tensor=t.name,
+        )
+
+
+def check_scalar_value(t: TensorAttr) -> None:
+    """A constant must be a value of its type: NaN poisons every result it touches (inf is
+    valid: masks use it), and an integer must fit its type (2**70 is no INT64)."""
+    v, dt = t.value, t.dtype
+    if dt.is_integer and not isinstance(v, bool):
+        info = np.iinfo(dt.numpy)
+        if not isinstance(v, int) or not info.min <= v <= info.max:
+            raise ValidationError(
+                f"scalar {v!r} does not fit {dt.name} ({dt.numpy}: {info.min} .. {info.max})",
+                tensor=t.name,
+            )
+    elif dt.is_float and isinstance(v, float) and math.isnan(v):
+        raise ValidationError("scalar constant is NaN; a NaN constant makes every result it touches NaN", tensor=t.name)

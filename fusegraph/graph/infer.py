@@ -149,10 +149,36 @@ def _conv_check(
     return groups, conv_output_spatial(node, x[2:], w[2:], attrs)
 
 
+INT_CONV_INPUTS = frozenset({DataType.INT8, DataType.UINT8})
+
+
+def _int_conv_type(node: Node, x: TensorAttr, w: TensorAttr) -> DataType:
+    """An 8-bit integer convolution (cuDNN's INT8x INT8 -> INT32): both operands 8-bit
+    integers, accumulated in INT32, whatever the graph's float compute type; its result is
+    INT32 unless the output's type is stated (a float output is the INT32 sum, converted)."""
+    assert isinstance(node.attrs, ConvAttrs)
+    for t in (x, w):
+        if t.dtype not in INT_CONV_INPUTS:
+            other = x if t is w else w
+            raise _fail(
+                node,
+                f"integer convolution needs INT8 or UINT8 operands, got {t.dtype.name} with "
+                f"{other.dtype.name} on '{other.name}'",
+                t,
+            )
+    cd = node.attrs.compute_data_type
+    if cd is not None and cd != DataType.INT32:
+        raise _fail(node, f"an 8-bit integer convolution accumulates in INT32; compute_data_type {cd.name} is not allowed")
+    return DataType.INT32
+
+
 def infer_conv_fprop(node: Node) -> Proposal:
     x, w = node.inputs["x"], node.inputs["w"]
     assert isinstance(node.attrs, ConvAttrs)
-    dt = _same_float_type(node, x, w)
+    if x.dtype in INT_CONV_INPUTS or w.dtype in INT_CONV_INPUTS:
+        dt = _int_conv_type(node, x, w)
+    else:
+        dt = _same_float_type(node, x, w)
     _, spatial = _conv_check(node, x.shape, w.shape, x, w, node.attrs)
     return {"y": ((x.shape[0], w.shape[0], *spatial), dt)}
 
@@ -229,11 +255,18 @@ def infer_pointwise(node: Node) -> Proposal:
     if dims is None:
         shapes = ", ".join(f"'{t.name}' {list(t.shape)}" for t in ins)
         raise _fail(node, f"shapes do not broadcast: {shapes}", ins[-1])
+    _check_params(node, attrs)
     operands = ins
     if attrs.mode.name == "BINARY_SELECT":
         cond = ins[2]
-        if cond.dtype != DataType.BOOLEAN:
-            raise _fail(node, f"BINARY_SELECT's condition must be BOOLEAN, got {cond.dtype.name}", cond)
+        # cuDNN's tests pass INT32 masks: an integer condition is true where nonzero
+        if cond.dtype != DataType.BOOLEAN and not cond.dtype.is_integer:
+            raise _fail(
+                node,
+                f"BINARY_SELECT's condition must be BOOLEAN or an integer type (nonzero = true), "
+                f"got {cond.dtype.name}",
+                cond,
+            )
         operands = ins[:2]
     # Scalars are "weak": they never widen a tensor's type, but their family must fit.
     strong = [t for t in operands if not t.is_scalar] or operands
@@ -260,6 +293,20 @@ def infer_pointwise(node: Node) -> Proposal:
     if spec.output == "bool":
         dt = DataType.BOOLEAN
     return {"y": (dims, dt)}
+
+
+# Parameters that may be infinite: a clip at +-inf is no clip (relu_upper_clip's default).
+_INFINITE_OK = frozenset({"relu_lower_clip", "relu_upper_clip"})
+
+
+def _check_params(node: Node, attrs: PointwiseAttrs) -> None:
+    for key, value in attrs.params:
+        if math.isnan(value):
+            raise _fail(node, f"{attrs.mode.name} parameter '{key}' is NaN; it would make every result NaN")
+        if math.isinf(value) and key not in _INFINITE_OK:
+            raise _fail(node, f"{attrs.mode.name} parameter '{key}' is {value}; it must be finite")
+        if key == "softplus_beta" and value == 0.0:
+            raise _fail(node, f"{attrs.mode.name} parameter 'softplus_beta' is 0; softplus divides by it")
 
 
 def infer_reduction(node: Node) -> Proposal:
@@ -299,6 +346,10 @@ def _epsilon(node: Node) -> None:
     eps = node.inputs["epsilon"]
     if math.prod(eps.shape) != 1 or not eps.dtype.is_float:
         raise _fail(node, f"epsilon must be one floating-point value, got {list(eps.shape)} {eps.dtype.name}", eps)
+    value = eps.value
+    if isinstance(value, int | float) and not (math.isfinite(value) and value >= 0.0):
+        # NaN makes every y NaN, +inf makes it 0, a negative one takes sqrt of a negative
+        raise _fail(node, f"epsilon must be finite and >= 0, got {value}", eps)
 
 
 def _stats_dtype(x: DataType) -> DataType:
@@ -411,8 +462,15 @@ def infer_sdpa(node: Node) -> Proposal:
     b, h, sq, d = q.shape
     if k.shape[0] != b or v.shape[0] != b:
         raise _fail(node, "batch sizes of q, k and v differ", k)
-    if k.shape[1] != v.shape[1] or h % k.shape[1]:
-        raise _fail(node, f"heads of k/v ({k.shape[1]}, {v.shape[1]}) must be equal and divide q's {h}", k)
+    # cuDNN's h_k and h_v are separate: each must divide h_q (grouped-query attention)
+    for t in (k, v):
+        if h % t.shape[1]:
+            raise _fail(
+                node, f"heads of {t.name!r} ({t.shape[1]}) must divide q's {h} (k has {k.shape[1]}, v {v.shape[1]})", t
+            )
+    scale = node.attrs.attn_scale
+    if scale is not None and not math.isfinite(scale):
+        raise _fail(node, f"attn_scale must be finite, got {scale}")
     if k.shape[3] != d:
         raise _fail(node, f"head dim of k ({k.shape[3]}) differs from q's ({d})", k)
     if v.shape[2] != k.shape[2]:

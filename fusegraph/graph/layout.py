@@ -117,11 +117,39 @@ def overlapping_axes(dim: Sequence[int], stride: Sequence[int]) -> tuple[int, in
     return None
 
 
+def extent(dim: Sequence[int], stride: Sequence[int]) -> int:
+    """Elements of memory a tensor's view spans: one past its largest offset (strides >= 0)."""
+    return 1 + sum(int(s) * (int(d) - 1) for d, s in zip(dim, stride, strict=True))
+
+
+def is_dense(dim: Sequence[int], stride: Sequence[int]) -> bool:
+    """Every element of the view's span is addressed exactly once (a packed permutation)."""
+    return is_packed(dim, stride)
+
+
 def empty_strided(dim: Sequence[int], stride: Sequence[int], dtype: Any) -> np.ndarray:
-    """An uninitialized array of logical ``dim`` laid out in memory as ``stride`` orders it."""
-    order = stride_order(dim, stride)
-    base = np.empty(tuple(dim[a] for a in order), dtype=dtype)
-    return base.transpose(tuple(order.index(a) for a in range(len(dim))))
+    """An uninitialized array of logical ``dim`` with the element strides ``stride``.
+
+    A packed layout is a transposed dense array; any other (gaps, as in a slice of a larger
+    buffer, or broadcast and overlapping axes, as in a sliding-window input) is a view of a
+    buffer of the layout's extent, so its strides are exactly the declared ones.
+    """
+    if is_packed(dim, stride):
+        order = stride_order(dim, stride)
+        base = np.empty(tuple(dim[a] for a in order), dtype=dtype)
+        return base.transpose(tuple(order.index(a) for a in range(len(dim))))
+    dt = np.dtype(dtype)
+    buf = np.empty(extent(dim, stride), dtype=dt)
+    return np.lib.stride_tricks.as_strided(
+        buf, tuple(int(d) for d in dim), tuple(int(s) * dt.itemsize for s in stride)
+    )
+
+
+def self_overlapping(dim: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether two elements of the view address the same memory (broadcast or overlap)."""
+    if any(s == 0 and d > 1 for d, s in zip(dim, stride, strict=True)):
+        return True
+    return overlapping_axes(dim, stride) is not None
 
 
 def element_strides(shape: Sequence[int], byte_strides: Sequence[int], itemsize: int) -> tuple[int, ...] | None:

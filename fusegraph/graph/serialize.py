@@ -251,6 +251,9 @@ def graph_from_json(text: str) -> Graph:
         d = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ValidationError(f"graph JSON does not parse: {exc}") from None
+    except RecursionError:
+        # json.loads recurses once per nesting level: a document nested ~1,000+ deep is no graph
+        raise ValidationError("graph JSON is nested too deeply to be a graph document") from None
     if not isinstance(d, dict):
         raise ValidationError("graph JSON must be an object")
     return graph_from_dict(d)

@@ -176,7 +176,7 @@ POINTWISE_FNS: dict[PointwiseMode, Pointwise] = {
     M.LOGICAL_AND: lambda a, b, c, p: np.logical_and(a, b),
     M.LOGICAL_OR: lambda a, b, c, p: np.logical_or(a, b),
     M.LOGICAL_NOT: lambda a, b, c, p: np.logical_not(a),
-    M.BINARY_SELECT: lambda a, b, c, p: np.where(c, a, b),
+    M.BINARY_SELECT: lambda a, b, c, p: np.where(c != 0, a, b),  # an integer condition: nonzero
     M.RELU_BWD: lambda dy, x, c, p: dy * (x > p.param("relu_lower_clip")),
     M.GELU_BWD: lambda dy, x, c, p: dy * _gelu_grad(x),
     M.TANH_BWD: lambda dy, x, c, p: dy * (1.0 - np.tanh(x) ** 2),
@@ -306,9 +306,10 @@ def sdpa(node: Node, ins: Arrays) -> Arrays:
     q, k, v = ins["q"], ins["k"], ins["v"]
     attrs = node.attrs
     assert isinstance(attrs, SdpaAttrs)
-    rep = q.shape[1] // k.shape[1]
-    k = np.repeat(k, rep, axis=1)
-    v = np.repeat(v, rep, axis=1)
+    # h_k and h_v each divide h_q: query head i reads key head i // (h_q / h_k) and value
+    # head i // (h_q / h_v) (cuDNN's separate h_k, h_v; grouped-query attention)
+    k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)
+    v = np.repeat(v, q.shape[1] // v.shape[1], axis=1)
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
     if "mask" in ins:

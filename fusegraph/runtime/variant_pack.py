@@ -4,8 +4,11 @@ Every engine accepts the same values for a tensor declared with given dims and s
 NumPy arrays (writable or read-only), torch tensors on the host, anything NumPy or DLPack can
 view. Shape and dtype must match exactly. An input whose strides differ from the declared
 ones (a broadcast view, a transposed or sliced view: any strides addressing the declared
-elements) is copied into the declared layout here, so no engine sees it; outputs the caller
-gives must match the declared strides (they are written in place) and be writable.
+elements) is copied into the declared layout here, so no engine sees it. An input may read
+memory more than once (a broadcast or sliding-window view, as cuDNN allows); it may not
+address memory outside the array it views. Outputs the caller gives must match the declared
+strides (they are written in place, through those strides: a slice of a larger buffer is
+fine), be writable, and share no memory with an input or another output.
 Mismatches raise VariantPackError naming the tensor. ``outputs_like`` hands returned outputs
 back as the type of the inputs (torch tensors in, torch tensors out).
 """
@@ -17,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+from numpy.lib.array_utils import byte_bounds
 
 from fusegraph.errors import VariantPackError
 from fusegraph.graph import layout
@@ -82,6 +86,7 @@ def check_array(t: TensorAttr, value: Any, *, what: str, strides: bool = True) -
         raise VariantPackError(f"{what} has shape {list(arr.shape)}, expected dims {t.dim}", tensor=t.name)
     if arr.dtype != t.dtype.numpy:
         raise VariantPackError(f"{what} has dtype {arr.dtype}, expected {t.dtype.name} ({t.dtype.numpy})", tensor=t.name)
+    _check_within_base(t, arr, what)
     have = layout.element_strides(arr.shape, arr.strides, arr.itemsize)
     if not strides:  # what the engine can view as is (torch takes no negative strides), else a copy
         return arr if have is not None and min(have, default=0) >= 0 else np.ascontiguousarray(arr)
@@ -90,6 +95,15 @@ def check_array(t: TensorAttr, value: Any, *, what: str, strides: bool = True) -
     if what == "input":  # any view of the declared elements: laid out as declared, here
         dense = layout.empty_strided(t.shape, t.strides, arr.dtype)
         dense[...] = arr
+        if layout.self_overlapping(t.shape, t.strides) and not _same_bytes(dense, arr):
+            raise VariantPackError(
+                f"the tensor declares strides {t.stride}, which read some memory more than once "
+                f"(a broadcast or overlapping view), but the {what} array (strides "
+                f"{list(have) if have else arr.strides}) holds different values where those reads "
+                "meet; pass the view itself (np.broadcast_to, np.lib.stride_tricks.as_strided, "
+                "torch's expand) or declare the array's strides",
+                tensor=t.name,
+            )
         return dense
     raise VariantPackError(
         f"{what} has element strides {list(have) if have else arr.strides}, but the tensor "
@@ -97,6 +111,76 @@ def check_array(t: TensorAttr, value: Any, *, what: str, strides: bool = True) -
         "layout (e.g. fusegraph.graph.layout.empty_strided) or declare its strides",
         tensor=t.name,
     )
+
+
+def _same_bytes(a: np.ndarray, b: np.ndarray) -> bool:
+    return np.ascontiguousarray(a).tobytes() == np.ascontiguousarray(b).tobytes()
+
+
+def _memory_owner(arr: np.ndarray) -> tuple[int, int] | None:
+    """Byte bounds of the memory that ``arr`` ultimately views, or None when unknown."""
+    root: Any = arr
+    for _ in range(64):
+        nxt = getattr(root, "base", None)
+        if nxt is None or isinstance(nxt, type):
+            break
+        root = nxt
+    if isinstance(root, np.ndarray):
+        return byte_bounds(root)  # type: ignore[no-any-return]
+    try:  # bytes, bytearray, mmap, memoryview: anything with the buffer protocol
+        return byte_bounds(np.frombuffer(root, np.uint8))  # type: ignore[no-any-return]
+    except (TypeError, ValueError, BufferError, AttributeError):
+        return None
+
+
+def _check_within_base(t: TensorAttr, arr: np.ndarray, what: str) -> None:
+    """A view built with as_strided can reach past the memory it views: reading it returns
+    foreign heap bytes (or crashes), writing it corrupts the heap."""
+    if arr.flags.owndata or arr.size == 0 or arr.base is None:
+        return
+    owner = _memory_owner(arr)
+    if owner is None:
+        return
+    lo, hi = byte_bounds(arr)
+    if lo < owner[0] or hi > owner[1]:
+        raise VariantPackError(
+            f"the {what} array's strides {list(arr.strides)} (bytes) over shape {list(arr.shape)} "
+            f"address bytes {lo - owner[0]}..{hi - owner[0]} of a buffer of {owner[1] - owner[0]} bytes: "
+            "the view reaches outside the memory it views",
+            tensor=t.name,
+        )
+
+
+def _shares(a: np.ndarray, b: np.ndarray) -> bool:
+    if not np.may_share_memory(a, b):  # bounds only: cheap, and enough for most packs
+        return False
+    try:  # exact: a slice of a packed QKV buffer may interleave with another slice of it
+        return bool(np.shares_memory(a, b, max_work=100_000))  # type: ignore[arg-type]  # numpy takes a positive limit; its stubs list only -1 and 0
+    except np.exceptions.TooHardError:
+        return True
+
+
+def check_no_alias(outputs: Mapping[str, Any], inputs: Mapping[str, Any]) -> None:
+    """Output arrays may share memory with no input and no other output: engines read
+    inputs and write outputs in any order (and IREE aliases host inputs), so an in-place
+    pack would be silently wrong on some engine. Values that are not host arrays (device
+    Buffers) are skipped."""
+    outs = [(n, v) for n, v in outputs.items() if isinstance(v, np.ndarray)]
+    if not outs:
+        return
+    ins = [(n, a) for n, v in inputs.items() if (a := host_view(v)) is not None]
+    for i, (name, arr) in enumerate(outs):
+        for other, src in ins:
+            if _shares(arr, src):
+                raise VariantPackError(
+                    f"output array shares memory with input '{other}'; pass a separate array (an "
+                    "output may be a strided view into a larger buffer, but not into memory the "
+                    "graph reads)",
+                    tensor=name,
+                )
+        for other, dst in outs[i + 1:]:
+            if _shares(arr, dst):
+                raise VariantPackError(f"output array shares memory with output '{other}'", tensor=name)
 
 
 def outputs_like(outputs: dict[str, Any], inputs: Any) -> dict[str, Any]:
@@ -115,10 +199,12 @@ def resolve_pack(graph: Any, variant_pack: Mapping[Any, Any], *, check: Any = ch
     inputs = {t.name: t for t in graph.inputs()}
     outputs = {t.name: t for t in graph.outputs()}
     res = ResolvedPack({}, {})
+    given_inputs: dict[str, Any] = {}
     for key, value in variant_pack.items():
         t = _key_name(graph, key)
         if t.name in inputs:
             res.inputs[t.name] = check(t, value, what="input")
+            given_inputs[t.name] = value
         elif t.name in outputs:
             arr = check(t, value, what="output")
             if isinstance(arr, np.ndarray) and not arr.flags.writeable:
@@ -133,4 +219,6 @@ def resolve_pack(graph: Any, variant_pack: Mapping[Any, Any], *, check: Any = ch
     missing = [n for n in inputs if n not in res.inputs]
     if missing:
         raise VariantPackError(f"missing input(s) {missing}", tensor=missing[0])
+    if res.outputs:
+        check_no_alias(res.outputs, given_inputs)
     return res

@@ -22,7 +22,7 @@ from fusegraph.engines.base import EngineConfig, ExecutionPlan
 from fusegraph.errors import ExecutionError, VariantPackError
 from fusegraph.graph import layout
 from fusegraph.runtime.buffer import Buffer
-from fusegraph.runtime.variant_pack import check_array, outputs_like, resolve_pack
+from fusegraph.runtime.variant_pack import check_array, check_no_alias, outputs_like, resolve_pack
 
 if TYPE_CHECKING:
     from fusegraph.engines.iree.cache import CacheEntry
@@ -44,11 +44,12 @@ class IoSlot:
     stride: tuple[int, ...]
     data_type: DataType
     physical_shape: tuple[int, ...]
+    packed: bool  # dense in memory (else: a view with gaps, broadcast or overlap)
 
     @staticmethod
     def of(index: int, t: TensorAttr) -> IoSlot:
         dim, stride = tuple(t.shape), tuple(t.strides)
-        return IoSlot(index, t.name, dim, stride, t.dtype, layout.physical_shape(dim, stride))
+        return IoSlot(index, t.name, dim, stride, t.dtype, layout.physical_shape(dim, stride), layout.is_packed(dim, stride))
 
 
 class IreePlan(ExecutionPlan):
@@ -141,6 +142,7 @@ class IreePlan(ExecutionPlan):
         views: list[Any] = [None] * self._n_in
         keep: list[np.ndarray] = []  # host arrays that views alias, alive until the call returns
         given: list[tuple[IoSlot, Any]] = []
+        host_in: dict[str, Any] = {}  # the caller's host inputs, for the aliasing check
         if as_buffers is None:
             as_buffers = any(type(v) is Buffer for v in variant_pack.values())
         # Host inputs may be aliased rather than copied only when results go back to host
@@ -158,6 +160,7 @@ class IreePlan(ExecutionPlan):
                     views[slot.index] = value._view
                 else:
                     views[slot.index] = self._host_input(slot, value, keep, alias)
+                    host_in[slot.name] = value
             else:
                 if type(value) is Buffer:
                     self._check_buffer(slot, value)
@@ -169,6 +172,8 @@ class IreePlan(ExecutionPlan):
         if any(v is None for v in views):
             missing = [s.name for s in self.inputs if views[s.index] is None]
             raise VariantPackError(f"missing input(s) {missing}", tensor=missing[0])
+        if given:
+            check_no_alias({s.name: v for s, v in given}, host_in)
         results = self._run(views)
         out = self._outputs(results, given, as_buffers)
         if not as_buffers:
@@ -248,8 +253,14 @@ class IreePlan(ExecutionPlan):
                 continue
             # A copy: arrays must not hold IREE memory (see runtime.track), and IREE may
             # hand back an input's memory or one buffer for two equal outputs.
-            host = self.runtime.download(view, slot.data_type.numpy, copy=True)
-            out[slot.name] = layout.from_physical(host, slot.dim, slot.stride)
+            if slot.packed:
+                host = self.runtime.download(view, slot.data_type.numpy, copy=True)
+                out[slot.name] = layout.from_physical(host, slot.dim, slot.stride)
+            else:  # a strided view into a larger buffer: returned with the declared strides
+                host = self.runtime.download(view, slot.data_type.numpy, copy=False)
+                arr = layout.empty_strided(slot.dim, slot.stride, slot.data_type.numpy)
+                arr[...] = layout.from_physical(host, slot.dim, slot.stride)
+                out[slot.name] = arr
         return out
 
     def _bad_key(self, variant_pack: Mapping[Any, Any]) -> None:
