@@ -473,7 +473,7 @@ def test_unsupported_cases_say_why() -> None:
 
 
 def test_without_torch_the_engine_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch_engine, "torch_installed", lambda: False)
+    monkeypatch.setattr("fusegraph.engines.torch.engine.torch_installed", lambda: False)
     e = torch_engine.TorchEngine()
     assert not e.available() and "not installed" in e.available().reason
     assert not e.supports(conv_graph(), CPU)

@@ -19,7 +19,7 @@ from fusegraph.select.autotune import random_inputs
 torch = pytest.importorskip("torch", reason="the torch engine needs PyTorch (pip install 'fusegraph[torch]')")
 
 from fusegraph.engines import torch as torch_engine  # noqa: E402
-from fusegraph.engines import torch_fusion  # noqa: E402
+from fusegraph.engines.torch import fusion as torch_fusion  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch_fusion.available(), reason="this torch build has no oneDNN (mkldnn) ops")
 

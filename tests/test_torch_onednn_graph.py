@@ -20,8 +20,8 @@ from fusegraph.select.autotune import random_inputs
 torch = pytest.importorskip("torch", reason="the torch engine needs PyTorch (pip install 'fusegraph[torch]')")
 
 from fusegraph.engines import torch as torch_engine  # noqa: E402
-from fusegraph.engines import torch_fusion  # noqa: E402
-from fusegraph.engines import torch_onednn_graph as ong  # noqa: E402
+from fusegraph.engines.torch import fusion as torch_fusion  # noqa: E402
+from fusegraph.engines.torch import onednn_graph as ong  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ong.available(), reason="this torch build has no oneDNN Graph bridge")
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from fusegraph.engines import torch_fusion
-from fusegraph.engines.torch_fusion import (
+from fusegraph.engines.torch import steps as torch_fusion
+from fusegraph.engines.torch.steps import (
     ChannelShuffle,
     FusedConv,
     FusedLinear,
@@ -54,6 +54,8 @@ log = logging.getLogger("fusegraph.engines.torch")
 
 Tensor = Any
 Step = Callable[[dict[str, Tensor]], None]
+
+ONEDNN_GRAPH_DEFAULT = True  # the knob's default; see docs/engines.md for the measurements behind it
 
 
 def available() -> bool:
@@ -282,7 +284,7 @@ def _run_probe(graph: Graph, bound: Sequence[str], knobs: Sequence[tuple[str, An
         spec = Path(tmp) / "probe.json"
         result = Path(tmp) / "result.json"
         spec.write_text(json.dumps({"graph": graph.to_json(), "bound": list(bound), "knobs": [list(k) for k in knobs]}))
-        cmd = [sys.executable, "-m", "fusegraph.engines.torch_onednn_graph", str(spec), str(result)]
+        cmd = [sys.executable, "-m", "fusegraph.engines.torch.onednn_graph", str(spec), str(result)]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
         except subprocess.TimeoutExpired:
@@ -299,7 +301,7 @@ def _run_probe(graph: Graph, bound: Sequence[str], knobs: Sequence[tuple[str, An
 def _probe_child(spec_path: str, result_path: str) -> None:
     """In the child: the plan built as the parent would, on random values; the verdict written."""
     from fusegraph.engines.base import EngineConfig
-    from fusegraph.engines.torch import TorchEngine
+    from fusegraph.engines.torch.engine import TorchEngine
     from fusegraph.reference.inputs import random_inputs
     from fusegraph.runtime.handle import Handle
 

@@ -1,0 +1,113 @@
+"""What every torch lowering shares: the plan's context (device, knobs, compute types) and
+the small helpers for operands, memory formats and padding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from fusegraph.dtypes import DataType
+from fusegraph.engines.base import EngineConfig
+from fusegraph.engines.torch import steps as torch_fusion
+from fusegraph.engines.torch.convert import _FP8, _LOW, Tensor, _torch, torch_dtype
+from fusegraph.graph.graph import Graph
+from fusegraph.graph.node import Node
+from fusegraph.graph.ops import CONVOLUTIONS, ConvAttrs, OpKind
+from fusegraph.runtime.handle import Handle
+
+# Ops whose narrow-float kernels accumulate in f32 on NVIDIA (cuDNN / cuBLAS / flash attention).
+_TENSOR_CORE_OPS = CONVOLUTIONS | {OpKind.MATMUL, OpKind.SDPA}
+
+
+def _compute_type(node: Node, graph: Graph, default: DataType) -> DataType:
+    cd = getattr(node.attrs, "compute_data_type", None) or graph.compute_data_type
+    if cd is not None:
+        return cd
+    if default in _LOW or default in _FP8:
+        return DataType.FLOAT
+    return default
+
+
+def _main_input_type(node: Node) -> DataType:
+    for t in node.inputs.values():
+        if not t.is_scalar:
+            return t.dtype
+    return next(iter(node.inputs.values())).dtype
+
+
+
+class _Ctx:
+    """What the lowerings need to know about the plan: device, knobs, types."""
+
+    def __init__(self, graph: Graph, handle: Handle, config: EngineConfig) -> None:
+        self.graph = graph
+        self.gpu = handle.device.is_gpu
+        self.memory_format: str = config.get("memory_format", "auto")
+        self.compiled = bool(config.get("compile", False))
+        self.functional = False  # lower without in-place writes (for tracing)
+        self.onednn = (
+            not self.gpu
+            and not config.get("compile", False)
+            and bool(config.get("onednn", True))
+            and torch_fusion.available()
+        )
+
+    def compute(self, node: Node) -> DataType:
+        return _compute_type(node, self.graph, _main_input_type(node))
+
+    def cast_in(self, node: Node, value: Tensor) -> Tensor:
+        """An operand in the node's compute type (float operands only)."""
+        cd = self.compute(node)
+        if value.dtype.is_floating_point and cd.is_float:
+            target = torch_dtype(cd)
+            if value.dtype != target:
+                return value.to(target)
+        return value
+
+    def narrow_native(self, node: Node) -> bool:
+        """f16/bf16 operands of a tensor-core op on a GPU: run the native kernel (f32 accumulate)."""
+        if not self.gpu or node.kind not in _TENSOR_CORE_OPS:
+            return False
+        types = {t.dtype for p, t in node.inputs.items() if p != "mask"}
+        return len(types) == 1 and types <= _LOW and self.compute(node) in (DataType.FLOAT, *types)
+
+
+Lowering = Callable[[_Ctx, Node, dict[str, Tensor]], dict[str, Tensor]]
+
+
+def _F() -> Any:
+    import torch.nn.functional as F
+
+    return F
+
+
+def _memory_format(ctx: _Ctx, x: Tensor) -> Tensor:
+    torch = _torch()
+    if ctx.memory_format == "auto" or x.dim() not in (4, 5):
+        return x
+    if ctx.memory_format == "contiguous":
+        return x.contiguous()
+    fmt = torch.channels_last if x.dim() == 4 else torch.channels_last_3d
+    return x.contiguous(memory_format=fmt)
+
+
+def _pad_list(pre: Sequence[int], post: Sequence[int]) -> list[int]:
+    """F.pad's order: last spatial axis first, (before, after) pairs."""
+    out: list[int] = []
+    for a, b in zip(reversed(pre), reversed(post), strict=True):
+        out += [a, b]
+    return out
+
+
+def _conv_padding(x: Tensor, attrs: ConvAttrs) -> tuple[Tensor, list[int]]:
+    """Symmetric padding goes to the conv call; asymmetric padding is applied with F.pad."""
+    if attrs.pre_padding == attrs.post_padding:
+        return x, list(attrs.pre_padding)
+    return _F().pad(x, _pad_list(attrs.pre_padding, attrs.post_padding)), [0] * len(attrs.pre_padding)
+
+
+def _operands(ctx: _Ctx, node: Node, ins: dict[str, Tensor], ports: Sequence[str]) -> list[Tensor]:
+    if ctx.narrow_native(node):
+        return [ins[p] for p in ports]
+    return [ctx.cast_in(node, ins[p]) for p in ports]
+

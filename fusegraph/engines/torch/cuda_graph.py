@@ -1,0 +1,93 @@
+"""CUDA graphs for the torch plan: the whole eager plan captured once and replayed (one
+launch instead of one per op), inputs copied into static buffers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from fusegraph.engines.torch.convert import (
+    Tensor,
+    _is_buffer,
+    buffer_to_torch,
+    from_numpy,
+    torch_dtype,
+)
+from fusegraph.graph.graph import Graph
+from fusegraph.graph.tensor import TensorAttr
+
+log = logging.getLogger("fusegraph.engines.torch")
+
+
+class CudaGraphs:
+    """TorchPlan's capture and replay (a mixin: the state is the plan's)."""
+
+    graph: Graph
+    device: Any
+    _torch: Any
+    _fn: Callable[[dict[str, Tensor]], dict[str, Tensor]]
+    _inputs: list[TensorAttr]
+    _bound: dict[str, tuple[Any, Tensor]]
+    _cuda_graph: bool
+    _graph: tuple[Any, dict[str, Tensor], dict[str, Tensor]] | None
+    _graph_bound: Any
+
+    def _to_device(self, t: TensorAttr, value: Any) -> Tensor:
+        raise NotImplementedError  # TorchPlan's
+
+    def _replay(self, pack: Any) -> dict[str, Tensor] | None:
+        """The plan as one replayed CUDA graph; None when this call must run eagerly (a bound
+        constant passed as another object) or capture failed (then never again)."""
+        if pack.overridden:  # a captured or traced plan holds the bound values: run eagerly
+            return None
+        stale = self._graph is None or self._graph_bound is not self._bound
+        if stale and not self._capture(pack):
+            return None
+        assert self._graph is not None
+        graph, static_in, static_out = self._graph
+        for t in self._inputs:
+            if t.name in self._bound:
+                continue
+            value = pack.inputs[t.name]
+            dst = static_in[t.name]
+            if isinstance(value, np.ndarray):
+                dst.copy_(from_numpy(value, t.dtype), non_blocking=False)
+            elif _is_buffer(value):
+                dst.copy_(buffer_to_torch(value, t))
+            else:
+                dst.copy_(value)
+        graph.replay()
+        return static_out
+
+    def _capture(self, pack: Any) -> bool:
+        torch = self._torch
+        static_in: dict[str, Tensor] = {}
+        for t in self._inputs:
+            b = self._bound.get(t.name)
+            if b is not None:
+                static_in[t.name] = b[1]
+                continue
+            buf = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=self.device)
+            buf.copy_(self._to_device(t, pack.inputs[t.name]))
+            static_in[t.name] = buf
+        try:
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                for _ in range(2):  # cuDNN picks its algorithms and workspaces outside the capture
+                    self._fn(static_in)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_out = self._fn(static_in)
+        except Exception as exc:  # an op that syncs with the host, or one CUDA graphs cannot hold
+            log.info("graph '%s': CUDA graph capture failed (%s); running eagerly", self.graph.name, str(exc).splitlines()[0])
+            self._cuda_graph = False
+            self._graph = None
+            return False
+        self._graph = (graph, static_in, static_out)
+        self._graph_bound = self._bound
+        return True

@@ -1,0 +1,267 @@
+"""The vendor-library engine: runs a graph on PyTorch (cuDNN / cuBLAS on NVIDIA, oneDNN /
+MKL on CPU), eagerly op by op or through ``torch.compile``.
+
+Why it exists: on NVIDIA, vendor libraries beat generated code by 6-9x on compute-bound
+ops (DESIGN.md), so a plan built from them is what makes the engine *selection* faster
+than any single compiler. torch is optional (``fusegraph[torch]``): without it this module
+still imports and the engine says it is unavailable, and why.
+
+This module holds what the selection layer asks of the engine -- availability, support,
+knobs -- and hands the graph to ``plan.TorchPlan``; the numerics are described in
+``fusegraph/engines/torch/__init__.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+from collections.abc import Sequence
+
+from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support
+from fusegraph.engines.torch import fusion as torch_fusion
+from fusegraph.engines.torch import onednn_graph as torch_onednn_graph
+from fusegraph.engines.torch.convert import _FP8, _torch, torch_build_info, torch_installed
+from fusegraph.engines.torch.onednn_graph import ONEDNN_GRAPH_DEFAULT
+from fusegraph.engines.torch.plan import TorchPlan
+from fusegraph.graph.graph import Graph
+from fusegraph.graph.node import Node
+from fusegraph.graph.ops import (
+    CONVOLUTIONS,
+    OpKind,
+    PoolingAttrs,
+    PoolingMode,
+    ReductionAttrs,
+    ReductionMode,
+)
+from fusegraph.graph.tensor import TensorAttr
+from fusegraph.runtime.handle import Handle
+
+
+class TorchEngine:
+    """Runs graphs on PyTorch; see the module docstring for its numerics."""
+
+    name = "torch"
+
+    def __init__(self) -> None:
+        self._compile_ok: Support | None = None
+
+    @property
+    def version(self) -> str:
+        if not torch_installed():
+            return "-"
+        info = torch_build_info()
+        return info["__version__"] or str(_torch().__version__)
+
+    def library_versions(self) -> dict[str, str]:
+        """What the plans' speed depends on besides torch itself (for the tuning DB)."""
+        if not torch_installed():
+            return {}
+        info = torch_build_info()
+        if info["__version__"] and not info["cuda"] and not info["hip"]:
+            return {"torch": info["__version__"]}  # a CPU build: no cuDNN, CUDA or HIP to ask
+        torch = _torch()
+        out = {"torch": str(torch.__version__)}
+        with contextlib.suppress(Exception):
+            if torch.backends.cudnn.is_available():
+                out["cudnn"] = str(torch.backends.cudnn.version())
+        if torch.version.cuda:
+            out["cuda"] = str(torch.version.cuda)
+        if torch.version.hip:
+            out["hip"] = str(torch.version.hip)
+        return out
+
+    def available(self) -> Support:
+        """Cheap on purpose (the registry asks every engine): torch is found, not imported;
+        a torch that fails to import is reported by supports() and build()."""
+        if not torch_installed():
+            return Support.no("PyTorch is not installed (pip install 'fusegraph[torch]')")
+        return Support.yes()
+
+    def _device_support(self, handle: Handle) -> Support:
+        torch = _torch()
+        kind = handle.device.kind
+        if kind == "cpu":
+            return Support.yes()
+        if kind == "cuda" and torch.version.hip:
+            return Support.no("this PyTorch is a ROCm build; it drives AMD GPUs (use a 'hip' handle)")
+        if kind == "hip" and not torch.version.hip:
+            return Support.no("this PyTorch is not a ROCm build; it cannot drive AMD GPUs")
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if not (torch.version.cuda or torch.version.hip) else "no GPU visible"
+            return Support.no(f"PyTorch {torch.__version__} sees no GPU ({build})")
+        if handle.device.index >= torch.cuda.device_count():
+            return Support.no(f"GPU {handle.device.index} does not exist ({torch.cuda.device_count()} visible)")
+        return Support.yes()
+
+    def supports(self, graph: Graph, handle: Handle) -> Support:
+        avail = self.available()
+        if not avail:
+            return avail
+        try:
+            _torch()
+        except Exception as exc:
+            return Support.no(f"PyTorch fails to import: {exc}")
+        dev = self._device_support(handle)
+        if not dev:
+            return dev
+        graph.ensure_valid()
+        for node in graph.nodes:
+            why = _node_unsupported(node, graph, handle)
+            if why:
+                return Support.no(f"node '{node.name}' ({node.kind.value}): {why}")
+        return Support.yes()
+
+    def compile_support(self, handle: Handle) -> Support:
+        """Whether torch.compile (Inductor) can work here: Triton on GPUs, a C++ compiler on CPU."""
+        if self._compile_ok is None:
+            import shutil
+
+            if not torch_installed():
+                self._compile_ok = Support.no("PyTorch is not installed")
+            elif handle.device.is_gpu and importlib.util.find_spec("triton") is None:
+                self._compile_ok = Support.no("Triton is not installed (Inductor needs it on GPUs)")
+            elif not handle.device.is_gpu and not (shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")):
+                self._compile_ok = Support.no("no C++ compiler on PATH (Inductor needs one on CPU)")
+            else:
+                self._compile_ok = Support.yes()
+        return self._compile_ok
+
+    def knobs(self, graph: Graph, handle: Handle) -> Sequence[Knob]:
+        kinds = {n.kind for n in graph.nodes}
+        out: list[Knob] = []
+        if self.compile_support(handle):
+            out.append(
+                Knob(
+                    "compile",
+                    False,
+                    (False, True),
+                    description="torch.compile the whole graph (Inductor fuses pointwise/reduction "
+                    "chains; first build costs seconds)",
+                )
+            )
+        if handle.device.is_gpu and kinds & CONVOLUTIONS:
+            out.append(
+                Knob(
+                    "cudnn_benchmark",
+                    True,
+                    (True, False),
+                    description="let cuDNN time its algorithms on first use of each shape",
+                )
+            )
+        if handle.device.is_gpu:
+            out.append(
+                Knob(
+                    "cuda_graph",
+                    True,
+                    (True, False),
+                    description="capture the whole eager plan once as a CUDA graph and replay it "
+                    "(one launch instead of one per op; inputs copied into static buffers; eager only)",
+                )
+            )
+        if not handle.device.is_gpu:
+            out.append(
+                Knob(
+                    "threads",
+                    0,
+                    (0, 1),
+                    description="intra-op CPU threads while the plan runs (0: torch's default, all "
+                    "cores); 1 avoids OpenMP barrier stalls on a busy or shared machine",
+                )
+            )
+        if not handle.device.is_gpu and torch_fusion.has_onednn_steps(graph) and torch_fusion.available():
+            out.append(
+                Knob(
+                    "onednn",
+                    True,
+                    (True, False),
+                    description="run each f32 2-D convolution (with its bias / activation / residual "
+                    "add) and each f32 2-D matmul (with bias / activation) as one oneDNN call, conv "
+                    "filters bound as constants pre-reordered (eager only)",
+                )
+            )
+        if not handle.device.is_gpu and torch_fusion.plan_fusions(graph) and torch_onednn_graph.available():
+            out.append(
+                Knob(
+                    "onednn_graph",
+                    ONEDNN_GRAPH_DEFAULT,
+                    (True, False),
+                    description="once weights are bound (bind_constants), trace the plan into TorchScript "
+                    "with them frozen in and let oneDNN Graph fuse and compile it (probed in a child process, "
+                    "checked against the eager plan on the first call; eager on any failure)",
+                )
+            )
+        has_4d_conv = any(n.kind in CONVOLUTIONS and len(_conv_image(n).shape) in (4, 5) for n in graph.nodes)
+        if has_4d_conv:
+            out.append(
+                Knob(
+                    "memory_format",
+                    "auto",
+                    ("auto", "channels_last", "contiguous"),
+                    description="convolution memory format: follow the tensors' strides (auto) or "
+                    "convert to channels-last / NCHW-contiguous before the call",
+                )
+            )
+        return out
+
+    def build(self, graph: Graph, handle: Handle, config: EngineConfig | None = None) -> ExecutionPlan:
+        graph.ensure_valid()
+        config = config or EngineConfig(self.name)
+        known = {k.name: k for k in self.knobs(graph, handle)}
+        for name, value in config.knobs:
+            if name not in known:
+                raise ValueError(f"torch engine: no knob '{name}' for this graph/handle (knobs: {sorted(known)})")
+            known[name].check(value)
+        sup = self.supports(graph, handle)
+        if not sup:
+            from fusegraph.errors import UnsupportedError
+
+            raise UnsupportedError(f"torch engine cannot run graph '{graph.name}': {sup.reason}")
+        return TorchPlan(graph, handle, config)
+
+    def load_plan(self, data: bytes, handle: Handle) -> ExecutionPlan:
+        """Rebuilds a plan from ``TorchPlan.serialize()`` (graph JSON + knobs)."""
+        d = json.loads(data.decode())
+        g = Graph.from_json(d["graph"]).validate()
+        cfg = EngineConfig(self.name, tuple((k, v) for k, v in d["knobs"]))
+        return self.build(g, handle, cfg)
+
+
+def _conv_image(node: Node) -> TensorAttr:
+    return node.outputs["dx"] if node.kind == OpKind.CONV_DGRAD else node.inputs.get("x") or node.inputs["dy"]
+
+
+def _node_unsupported(node: Node, graph: Graph, handle: Handle) -> str:
+    """Why torch cannot run this node ('' when it can)."""
+    kind = node.kind
+    types = [t.dtype for t in (*node.inputs.values(), *node.outputs.values())]
+    gpu = handle.device.is_gpu
+    if any(dt in _FP8 for dt in types) and kind in (OpKind.POOLING, OpKind.CONCATENATE):
+        return "torch has no fp8 kernels for this op (fp8 is only cast to wider types)"
+    if kind in CONVOLUTIONS:
+        x = _conv_image(node)
+        if not x.dtype.is_float:
+            return f"torch has no {x.dtype.name} convolution"
+        if not 3 <= len(x.shape) <= 5:
+            return f"torch convolves 1-3 spatial dims, got rank {len(x.shape)}"
+    if kind == OpKind.MATMUL and gpu and node.inputs["a"].dtype.is_integer:
+        return "cuBLAS has no integer matmul through torch"
+    if kind == OpKind.POOLING:
+        x = node.inputs["x"]
+        attrs = node.attrs
+        assert isinstance(attrs, PoolingAttrs)
+        if not x.dtype.is_float and attrs.mode != PoolingMode.MAX:
+            return f"torch has no {x.dtype.name} average pooling"
+        if not x.dtype.is_float and any(attrs.pre_padding) + any(attrs.post_padding):
+            return "padded max pooling of integers needs -inf padding, which integers lack"
+    if kind == OpKind.REDUCTION and gpu and node.inputs["x"].dtype.is_integer:
+        assert isinstance(node.attrs, ReductionAttrs)
+        if node.attrs.mode == ReductionMode.MUL:
+            return "integer product reduction is not implemented on CUDA in torch"
+    cd = getattr(node.attrs, "compute_data_type", None) or graph.compute_data_type
+    if cd is not None and cd in _FP8:
+        return f"compute type {cd.name}: torch computes nothing in fp8"
+    if cd is not None and cd.is_integer and kind not in (OpKind.POINTWISE, OpKind.REDUCTION, OpKind.MATMUL):
+        return f"compute type {cd.name} is not available for {kind.value} in torch"
+    return ""
+
