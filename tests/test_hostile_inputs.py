@@ -562,9 +562,7 @@ def _(tmp: Path) -> None:
                       [_vi("x", [2])], [_vi("y", [2])]))
 
 
-@case("onnx_unknown_domain_session", FusegraphError, "Frobnicate", xfail=(
-    "ONNX session (onnx/model.py): a model whose node is in an unknown domain opens, then run() "
-    "lets ONNX Runtime's raw Fail through; it should be a ModelError naming the node"))
+@case("onnx_unknown_domain_session", FusegraphError, "Frobnicate")
 def _(tmp: Path) -> None:
     m = _model([helper.make_node("Frobnicate", ["x"], ["y"], domain="com.evil")], [_vi("x", [2])], [_vi("y", [2])],
                extra_opsets=[helper.make_opsetid("com.evil", 1)])

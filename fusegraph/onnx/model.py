@@ -193,6 +193,7 @@ def load_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx
     if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
         raise ModelError("the model has no graph (no nodes and no outputs)")
     _check_opsets(model)
+    _check_domains(model)
     _load_external_data(model, base_dir)
     _check_initializers(model)
     try:
@@ -228,6 +229,25 @@ def _check_opsets(model: onnx.ModelProto) -> None:
             raise ModelError(
                 f"the model imports default-domain opset {o.version}; ONNX {onnx.__version__} "
                 f"defines opsets 1 to {newest}"
+            )
+
+
+# Operator domains ONNX Runtime's CPU build registers kernels or schemas for.
+KNOWN_DOMAINS = frozenset({
+    *DEFAULT_DOMAINS, "ai.onnx.ml", "ai.onnx.preview.training", "com.microsoft",
+    "com.microsoft.nchwc", "com.microsoft.experimental", "com.ms.internal.nhwc", "org.pytorch.aten",
+})
+
+
+def _check_domains(model: onnx.ModelProto) -> None:
+    """A node in a domain neither ONNX Runtime nor the model (its local functions) defines
+    cannot run anywhere: ONNX Runtime would open it and fail in run() with a raw error."""
+    local = {(f.domain, f.name) for f in model.functions}
+    for i, n in enumerate(model.graph.node):
+        if n.domain not in KNOWN_DOMAINS and (n.domain, n.op_type) not in local:
+            raise ModelError(
+                f"node '{n.name or f'{n.op_type}_{i}'}' ({n.domain}:{n.op_type}) is in domain "
+                f"'{n.domain}', which neither ONNX Runtime nor the model's local functions define"
             )
 
 
