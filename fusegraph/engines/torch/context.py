@@ -12,7 +12,7 @@ from fusegraph.engines.torch import steps as torch_fusion
 from fusegraph.engines.torch.convert import _FP8, _LOW, Tensor, _torch, torch_dtype
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
-from fusegraph.graph.ops import CONVOLUTIONS, ConvAttrs, OpKind
+from fusegraph.graph.ops import CONVOLUTIONS, ConvAttrs, OpKind, PointwiseAttrs, PointwiseMode
 from fusegraph.runtime.handle import Handle
 
 # Ops whose narrow-float kernels accumulate in f32 on NVIDIA (cuDNN / cuBLAS / flash attention).
@@ -35,6 +35,43 @@ def _main_input_type(node: Node) -> DataType:
     return next(iter(node.inputs.values())).dtype
 
 
+M = PointwiseMode
+# Pointwise modes whose torch lowering is one CUDA kernel that, on f16/bf16 operands,
+# computes in f32 and rounds once (PyTorch's opmath): run natively, the result has the
+# bits of casting to f32, computing and rounding back -- without materializing the f32
+# copies (three kernels and 3x the memory traffic for a relu). Modes lowered as several
+# kernels (tanh/sigmoid backward, clipped relu, swish with beta != 1) round in between, so
+# they stay in f32.
+_SINGLE_KERNEL = frozenset({
+    M.ADD, M.SUB, M.MUL, M.DIV, M.MAX, M.MIN, M.POW, M.ABS, M.NEG, M.EXP, M.LOG, M.SQRT,
+    M.RSQRT, M.RECIPROCAL, M.SIN, M.COS, M.ERF, M.FLOOR, M.CEIL, M.IDENTITY, M.TANH_FWD,
+    M.SIGMOID_FWD, M.GELU_FWD, M.GELU_APPROX_TANH_FWD, M.ELU_FWD, M.SOFTPLUS_FWD,
+    M.CMP_EQ, M.CMP_NEQ, M.CMP_GT, M.CMP_GE, M.CMP_LT, M.CMP_LE,
+})
+
+
+def _native_pointwise(node: Node, graph: Graph) -> bool:
+    """Whether a pointwise node on a GPU may run on its f16/bf16 operands as they are: one
+    low type for every float operand and the result, f32 compute, a single-kernel mode."""
+    attrs = node.attrs
+    if node.kind != OpKind.POINTWISE or not isinstance(attrs, PointwiseAttrs):
+        return False
+    mode = attrs.mode
+    if mode == M.RELU_FWD:
+        plain = attrs.param("relu_lower_clip") == 0.0 and attrs.param("relu_lower_clip_slope") == 0.0
+        if not (plain and attrs.param("relu_upper_clip") == float("inf")):
+            return False
+    elif mode == M.SWISH_FWD:
+        if attrs.param("swish_beta") != 1.0:
+            return False
+    elif mode not in _SINGLE_KERNEL:
+        return False
+    types = {t.dtype for t in node.inputs.values() if not t.is_scalar and t.dtype.is_float}
+    types |= {t.dtype for t in node.outputs.values() if t.dtype.is_float}  # comparisons: bool
+    if len(types) != 1 or not types <= _LOW:
+        return False
+    return _compute_type(node, graph, _main_input_type(node)) in (DataType.FLOAT, *types)
+
 
 class _Ctx:
     """What the lowerings need to know about the plan: device, knobs, types."""
@@ -51,12 +88,18 @@ class _Ctx:
             and bool(config.get("onednn", True))
             and torch_fusion.available()
         )
+        self.native = frozenset(
+            id(n) for n in graph.nodes if self.gpu and not self.compiled and _native_pointwise(n, graph)
+        )
 
     def compute(self, node: Node) -> DataType:
         return _compute_type(node, self.graph, _main_input_type(node))
 
     def cast_in(self, node: Node, value: Tensor) -> Tensor:
-        """An operand in the node's compute type (float operands only)."""
+        """An operand in the node's compute type (float operands only), unless the node runs
+        natively on its narrow operands (_native_pointwise)."""
+        if id(node) in self.native:
+            return value
         cd = self.compute(node)
         if value.dtype.is_floating_point and cd.is_float:
             target = torch_dtype(cd)

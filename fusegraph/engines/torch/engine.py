@@ -153,10 +153,11 @@ class TorchEngine:
             out.append(
                 Knob(
                     "cuda_graph",
-                    True,
-                    (True, False),
+                    "auto",
+                    ("auto", True, False),
                     description="capture the whole eager plan once as a CUDA graph and replay it "
-                    "(one launch instead of one per op; inputs copied into static buffers; eager only)",
+                    "(one launch instead of one per op; inputs copied into static buffers; eager only); "
+                    "auto: where the plan is launch-bound (cuda_graph.worth_capturing)",
                 )
             )
         if not handle.device.is_gpu:

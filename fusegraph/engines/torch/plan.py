@@ -18,7 +18,8 @@ from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan
 from fusegraph.engines.torch import fusion as torch_fusion
 from fusegraph.engines.torch import onednn_graph as torch_onednn_graph
-from fusegraph.engines.torch.context import _Ctx
+from fusegraph.engines.torch.compiled import as_declared, compile_graph, compiled_strides
+from fusegraph.engines.torch.context import _TENSOR_CORE_OPS, _Ctx
 from fusegraph.engines.torch.convert import (
     _VIEW_AS,
     Tensor,
@@ -32,10 +33,10 @@ from fusegraph.engines.torch.convert import (
     torch_dtype,
     torch_to_buffer,
 )
-from fusegraph.engines.torch.cuda_graph import CudaGraphs
+from fusegraph.engines.torch.cuda_graph import CudaGraphs, worth_capturing
 from fusegraph.engines.torch.function import _graph_function, _node_thunk
 from fusegraph.engines.torch.onednn_graph import ONEDNN_GRAPH_DEFAULT
-from fusegraph.errors import CompileError, ExecutionError, VariantPackError
+from fusegraph.errors import ExecutionError, VariantPackError
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.tensor import TensorAttr
@@ -62,7 +63,12 @@ class TorchPlan(CudaGraphs, ExecutionPlan):
         self._benchmark = bool(config.get("cudnn_benchmark", True))
         self._threads = int(config.get("threads", 0))
         self._has_flags = handle.device.is_gpu or bool(self._threads)  # else _flags() sets nothing
-        self._cuda_graph = handle.device.is_gpu and not self._compiled and bool(config.get("cuda_graph", True))
+        # On a GPU the numerics flags (TF32 and reduced-precision reductions off,
+        # cudnn.benchmark) change only convolutions, matmuls and attention: other graphs skip
+        # setting and restoring them (~10 us a call).
+        self._numerics = handle.device.is_gpu and any(n.kind in _TENSOR_CORE_OPS for n in graph.nodes)
+        self._capture_knob = config.get("cuda_graph", "auto")
+        self._cuda_graph = False  # decided by _decide_capture once the activations are known
         self._llga_on = (
             not handle.device.is_gpu
             and not self._compiled
@@ -83,13 +89,16 @@ class TorchPlan(CudaGraphs, ExecutionPlan):
         )
         self._bound: dict[str, tuple[Any, Tensor]] = {}  # bound input -> (its value, torch form)
         self._bound_src: dict[str, Any] = {}  # bound input -> its value as bound
-        fn = _graph_function(graph, self._ctx, self.device, self.fusions)
-        if self._compiled:
-            fn = torch.compile(fn, dynamic=False)
-        self._fn = fn
+        self._fn = _graph_function(graph, self._ctx, self.device, self.fusions)
+        self._positional: Any = None  # the compiled function: positional tensors in, a list out
+        self._strides: dict[str, tuple[int, ...]] = {}  # the strides it is specialized to
+        self._lean: list[tuple[Any, ...]] | None = None  # see _run_lean
+        self._lean_fixed: list[Any] = []
+        self._lean_slots: list[int] = []
         self._inputs = graph.inputs()
         self._outputs = graph.outputs()
         self._in_by_name = {t.name: t for t in self._inputs}
+        self._in_names = [t.name for t in self._inputs]
         self._acts = list(self._inputs)  # the inputs not bound (all, until bind_constants)
         self._act_names = [t.name for t in self._acts]
         self._bound_buffers, self._bound_host = False, True
@@ -97,6 +106,13 @@ class TorchPlan(CudaGraphs, ExecutionPlan):
         self._out_by_name = {t.name: t for t in self._outputs}
         if self._compiled:
             self._warm_compile()
+        self._decide_capture()
+        self._lean_spec()
+
+    def _decide_capture(self) -> None:
+        gpu = self.handle.device.is_gpu and not self._compiled
+        knob = self._capture_knob
+        self._cuda_graph = gpu and (worth_capturing(self.graph, self._acts) if knob == "auto" else bool(knob))
 
     # -- numerics flags, set only while the plan runs ---------------------------------------
     @contextlib.contextmanager
@@ -112,6 +128,10 @@ class TorchPlan(CudaGraphs, ExecutionPlan):
                 yield
             finally:
                 torch.set_num_threads(before)
+            return
+        if not self._numerics:
+            with torch.cuda.device(self.device):
+                yield
             return
         saved = (
             torch.backends.cudnn.benchmark,
@@ -138,18 +158,87 @@ class TorchPlan(CudaGraphs, ExecutionPlan):
             ) = saved
 
     def _warm_compile(self) -> None:
-        """Compiles now (build time), on tensors laid out as the graph declares them."""
+        """Compiles now (build time): the graph function traced on tensors laid out as it will
+        be called with, compiled by Inductor (compiled.py: no per-call guards)."""
         torch = self._torch
-        dummy = {}
+        self._strides = {t.name: compiled_strides(t) for t in self._inputs}
+        example = []
         for t in self._inputs:
-            x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=self.device)
+            x = torch.empty_strided(t.shape, self._strides[t.name], dtype=torch_dtype(t.dtype), device=self.device)
             x.copy_(torch.ones(t.shape, dtype=x.dtype) if t.dtype != DataType.BOOLEAN else torch.ones(t.shape, dtype=torch.bool))
-            dummy[t.name] = x
+            example.append(x)
+        with self._flags():
+            self._positional = compile_graph(
+                self.graph, self._fn, [t.name for t in self._inputs], self._out_names, example
+            )
+        positional, strides, inputs, out_names = self._positional, self._strides, self._inputs, self._out_names
+
+        def call(values: dict[str, Tensor]) -> dict[str, Tensor]:
+            xs = [as_declared(t, values[t.name], strides[t.name]) for t in inputs]
+            return dict(zip(out_names, positional(*xs), strict=True))
+
+        self._fn = call
+
+    # -- the lean call: torch tensors in, torch tensors out ---------------------------------
+    def _lean_spec(self) -> None:
+        """What _run_lean checks each activation against: its name, shape, dtype, device and,
+        for a compiled plan, the strides it was compiled for (an eager plan takes any)."""
+        torch = self._torch
+        if self._llga_on:  # CPU NumPy calls take _run_hot; tensors the general path
+            self._lean = None
+            return
+        self._lean = [
+            (t.name, torch.Size(t.shape), self._strides.get(t.name), torch_dtype(t.dtype))
+            for t in self._acts
+        ]
+        acts = {t.name: i for i, t in enumerate(self._inputs) if t.name not in self._bound}
+        self._lean_slots = [acts[t.name] for t in self._acts]
+        self._lean_fixed = [
+            None if t.name in acts else (
+                as_declared(t, self._bound[t.name][1], self._strides[t.name]) if self._positional is not None
+                else self._bound[t.name][1]
+            )
+            for t in self._inputs
+        ]
+
+    def _run_lean(self, variant_pack: Any) -> dict[str, Any] | None:
+        """The call of a user who holds torch tensors, kept to what it must do: a dict of
+        tensors on the plan's device laid out as the plan takes them, bound constants left
+        out, no outputs given, no gradients. None sends the call down the general path,
+        which also raises the precise errors."""
+        spec = self._lean
+        if spec is None or type(variant_pack) is not dict or len(variant_pack) != len(spec):
+            return None
+        torch = self._torch
+        tensor, device = torch.Tensor, self.device
+        xs = []
+        for name, shape, strides, dtype in spec:
+            v: Any = variant_pack.get(name)
+            if type(v) is not tensor or v.shape != shape or v.dtype != dtype or v.device != device or v.requires_grad:
+                return None
+            if strides is not None and v.stride() != strides:
+                return None
+            xs.append(v)
+        if device.type == "cuda" and torch.cuda.current_device() != device.index:
+            return None
+        if self._cuda_graph:
+            if self._graph is None or self._graph_bound is not self._bound:
+                return None  # captured by the general path's first call
+            graph, static_in, static_out = self._graph
+            for t, v in zip(self._acts, xs, strict=True):
+                static_in[t.name].copy_(v)
+            graph.replay()
+            return {n: static_out[n].clone() for n in self._out_names}
+        full = list(self._lean_fixed)
+        for slot, v in zip(self._lean_slots, xs, strict=True):
+            full[slot] = v
         try:
-            with self._torch.inference_mode(), self._flags():
-                self._fn(dummy)  # under the same global state as execute(), or dynamo recompiles
+            with self._flags() if self._numerics or self._threads else _NO_FLAGS:
+                if self._positional is not None:
+                    return dict(zip(self._out_names, self._positional(*full), strict=True))
+                return self._fn(dict(zip(self._in_names, full, strict=True)))
         except Exception as exc:
-            raise CompileError(f"torch.compile failed for graph '{self.graph.name}': {type(exc).__name__}", diagnostic=str(exc)) from exc
+            raise ExecutionError(f"torch plan for graph '{self.graph.name}' failed: {type(exc).__name__}: {exc}") from exc
 
     # -- variant packs ----------------------------------------------------------------------
     def _check(self, t: TensorAttr, value: Any, *, what: str) -> Any:
@@ -212,6 +301,8 @@ class TorchPlan(CudaGraphs, ExecutionPlan):
         self._bound_host = all(isinstance(src, np.ndarray) for src in self._bound_src.values())
         if not self._llga_on:
             self._prepack()
+        self._decide_capture()
+        self._lean_spec()
         return True
 
     def _prepack(self) -> None:
@@ -304,6 +395,10 @@ class TorchPlan(CudaGraphs, ExecutionPlan):
             hot = self._run_hot(variant_pack)
             if hot is not None:
                 return hot
+        if self._lean is not None:
+            lean = self._run_lean(variant_pack)
+            if lean is not None:
+                return lean
         torch = self._torch
         pack = self._resolve(variant_pack)
         if pack.overridden:
@@ -416,6 +511,7 @@ class TorchPlan(CudaGraphs, ExecutionPlan):
             self._llga_on = False
             self._llga = None
             self._prepack()  # the eager path's filters, skipped while the traced one was expected
+            self._lean_spec()
             return False
         return True
 
