@@ -173,6 +173,7 @@ class IreeEngine:
         """The compiled module for graph/target/knobs: from the cache, else compiled and stored."""
         flagset, emit_options = self._split_knobs(target, knobs)
         flagset = _avoid_llvm_abort(graph, target, flagset, explicit=knobs)
+        flagset = _avoid_i1_pack(graph, target, flagset, explicit=knobs)
         flags = flagset.flags(target)
         key = self.cache_key(graph, target, flags, emit_options)
         # one compile per key across processes: others wait on the key's lock, then hit
@@ -391,3 +392,29 @@ def _avoid_llvm_abort(graph: Graph, target: Target, flagset: FlagSet, *, explici
         )
     return dataclasses.replace(flagset, data_tiling=False)
 
+
+def _has_contraction_and_bool(graph: Graph) -> bool:
+    from fusegraph.dtypes import DataType
+    from fusegraph.graph.ops import OpKind
+
+    if not any(n.kind in (OpKind.MATMUL, OpKind.SDPA) for n in graph.nodes):
+        return False
+    return any(t.data_type == DataType.BOOLEAN and not t.is_scalar for t in graph.tensors)
+
+
+def _avoid_i1_pack(graph: Graph, target: Target, flagset: FlagSet, *, explicit: Mapping[str, Any]) -> FlagSet:
+    """IREE 3.13 fails to compile a data-tiled matmul whose fused consumer reads a boolean
+    tensor from memory ("'linalg.pack' op expected padding_value has 'i8' but got: 'i1'"):
+    a select or mask on a matmul result (decomposed causal attention with a boolean mask and
+    batch > 1, binary_select of a matmul with a BOOLEAN condition, a cast boolean multiplied
+    into one). Such graphs compile without data tiling by default; a config that pins
+    data_tiling=True for one is refused before the compiler runs."""
+    if not flagset.data_tiling or not _has_contraction_and_bool(graph):
+        return flagset
+    if "data_tiling" in explicit:
+        raise UnsupportedError(
+            f"graph '{graph.name}': a matmul or attention with a BOOLEAN tensor and data_tiling=True "
+            "fails to compile on IREE 3.13 ('linalg.pack' pads an i1 tensor stored as i8); use "
+            "data_tiling=False"
+        )
+    return dataclasses.replace(flagset, data_tiling=False)

@@ -2,8 +2,8 @@
 
 "fused" (default) emits ``torch.aten.scaled_dot_product_attention``, which IREE turns into
 its online-softmax attention op; "decomposed" writes matmul / mask / softmax / matmul.
-Grouped-query attention repeats k/v heads (IREE fuses the broadcast into the reads);
-causal masking combined with an explicit mask is folded into one mask.
+Grouped-query attention repeats k and v heads (each by its own factor: h_k and h_v may differ) (IREE fuses the broadcast into the reads);
+causal masking combined with an explicit mask is folded into one additive mask.
 """
 
 from __future__ import annotations
@@ -13,7 +13,14 @@ import math
 import numpy as np
 
 from fusegraph.dtypes import DataType
-from fusegraph.engines.iree.lower_base import Lowering, Val, identity
+from fusegraph.engines.iree.lower_base import (
+    Lowering,
+    Val,
+    builtin_elem,
+    float_literal,
+    identity,
+    vtensor,
+)
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import SdpaAttrs
 
@@ -30,15 +37,19 @@ def _repeat_heads(ctx: Lowering, v: Val, rep: int) -> Val:
     return ctx.reshape(e, (bsz, hk * rep, s, d))
 
 
-def _causal_keep(ctx: Lowering, sq: int, skv: int) -> Val:
-    """A constant [Sq, Skv] boolean: true on and below the diagonal (top-left aligned)."""
+def _causal_bias(ctx: Lowering, sq: int, skv: int, ct: DataType) -> Val:
+    """A constant additive [1, 1, Sq, Skv] mask in ``ct``: 0 on and below the diagonal
+    (top-left aligned), -inf above. Additive rather than a boolean keep: IREE 3.13 cannot
+    data-tile a matmul whose consumer reads an i1 tensor from memory (a constant is one)."""
     keep = np.tril(np.ones((sq, skv), dtype=bool))
-    flat = ", ".join("true" if k else "false" for k in keep.reshape(-1))
+    zero, neg = float_literal(0.0, ct), float_literal(-math.inf, ct)
+    flat = ", ".join(zero if k else neg for k in keep.reshape(-1))
     name = ctx.b.fresh("causal")
+    n = sq * skv
     ctx.b.line(
-        f"{name} = torch.vtensor.literal(dense<[{flat}]> : tensor<{sq * skv}xi1>) : !torch.vtensor<[{sq * skv}],i1>"
+        f"{name} = torch.vtensor.literal(dense<[{flat}]> : tensor<{n}x{builtin_elem(ct)}>) : {vtensor((n,), ct)}"
     )
-    return ctx.reshape(Val(name, (sq * skv,), DataType.BOOLEAN, (0,)), (1, 1, sq, skv))
+    return ctx.reshape(Val(name, (n,), ct, (0,)), (1, 1, sq, skv))
 
 
 def _mask(ctx: Lowering, node: Node, ct: DataType, sq: int, skv: int) -> Val | None:
@@ -52,15 +63,12 @@ def _mask(ctx: Lowering, node: Node, ct: DataType, sq: int, skv: int) -> Val | N
         if mt.dtype != DataType.BOOLEAN:
             mask = ctx.cast(mask, ct)
     if attrs.causal and mask is not None:
-        keep = _causal_keep(ctx, sq, skv)
-        shape = tuple(max(a, c) for a, c in zip(mask.shape, keep.shape, strict=True))
-        if mask.dtype == DataType.BOOLEAN:
-            mask = ctx.b.aten("logical_and", [mask, keep], shape, DataType.BOOLEAN, identity(4))
-        else:
-            neg = ctx.b.literal(-math.inf, ct)
-            zero = ctx.b.literal(0.0, ct)
-            add = ctx.b.aten("where.self", [keep, zero, neg], keep.shape, ct, identity(4))
-            mask = ctx.b.aten("add.Tensor", [mask, add, (ctx.b.const_int(1), "!torch.int")], shape, ct, identity(4))
+        bias = _causal_bias(ctx, sq, skv, ct)
+        if mask.dtype == DataType.BOOLEAN:  # keep -> additive, then one mask
+            zero, neg = ctx.b.literal(0.0, ct), ctx.b.literal(-math.inf, ct)
+            mask = ctx.b.aten("where.self", [mask, zero, neg], mask.shape, ct, identity(4))
+        shape = tuple(max(a, c) for a, c in zip(mask.shape, bias.shape, strict=True))
+        mask = ctx.b.aten("add.Tensor", [mask, bias, (ctx.b.const_int(1), "!torch.int")], shape, ct, identity(4))
     return mask
 
 
@@ -95,7 +103,7 @@ def _decomposed(ctx: Lowering, q: Val, k: Val, v: Val, mask: Val | None, causal:
     s = b.aten("matmul", [q, kt], (bsz, h, sq, skv), ct, identity(4))
     s = b.aten("mul.Tensor", [s, b.literal(scale, ct)], s.shape, ct, identity(4))
     if causal and mask is None:
-        mask = _causal_keep(ctx, sq, skv)
+        mask = _causal_bias(ctx, sq, skv, ct)
     if mask is not None:
         if mask.dtype == DataType.BOOLEAN:
             s = b.aten("where.self", [mask, s, b.literal(-math.inf, ct)], s.shape, ct, identity(4))
@@ -111,8 +119,9 @@ def lower_sdpa(ctx: Lowering, node: Node) -> None:
     qt, kt, vt, ot = node.inputs["q"], node.inputs["k"], node.inputs["v"], node.outputs["o"]
     ct = ctx.compute_type(node, qt.dtype)
     q, k, v = (ctx.cast(ctx.get(t, identity(4), full=True), ct) for t in (qt, kt, vt))
-    rep = qt.shape[1] // kt.shape[1]
-    k, v = _repeat_heads(ctx, k, rep), _repeat_heads(ctx, v, rep)
+    # h_k and h_v each divide h_q (cuDNN keeps them separate): each is repeated on its own
+    k = _repeat_heads(ctx, k, qt.shape[1] // kt.shape[1])
+    v = _repeat_heads(ctx, v, qt.shape[1] // vt.shape[1])
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(qt.shape[3])
     sq, skv = qt.shape[2], kt.shape[2]
     mask = _mask(ctx, node, ct, sq, skv)

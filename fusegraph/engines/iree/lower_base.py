@@ -89,6 +89,14 @@ def float_literal(value: float, dtype: DataType = DataType.DOUBLE) -> str:
     return "0x" + struct.pack(">d", value).hex().upper()
 
 
+def scalar_literal(value: float, dtype: DataType) -> str:
+    """An arith.constant literal of ``dtype``: integers (an int8 convolution's INT32
+    accumulator, its zero padding) are written as integers."""
+    if dtype.is_integer:
+        return str(int(value))
+    return float_literal(value, dtype)
+
+
 @dataclass(frozen=True)
 class Val:
     """An SSA value of torch type: its dims are the logical dims permuted by ``perm``.
@@ -398,7 +406,7 @@ class Lowering:
         b = self.b
         elem = builtin_elem(dtype)
         value = b.fresh("padval")
-        b.line(f"{value} = arith.constant {float_literal(fill, dtype)} : {elem}")
+        b.line(f"{value} = arith.constant {scalar_literal(fill, dtype)} : {elem}")
         res = b.fresh("pad")
         idx = ", ".join(f"{b.fresh('i')}: index" for _ in shape)
         b.line(f"{res} = tensor.pad {xb} low[{', '.join(map(str, low))}] high[{', '.join(map(str, high))}] {{")
@@ -414,7 +422,7 @@ class Lowering:
         ty = tensor_type(shape, dtype)
         elem = builtin_elem(dtype)
         b.line(f"{empty} = tensor.empty() : {ty}")
-        b.line(f"{value} = arith.constant {float_literal(fill, dtype)} : {elem}")
+        b.line(f"{value} = arith.constant {scalar_literal(fill, dtype)} : {elem}")
         b.line(f"{res} = linalg.fill ins({value} : {elem}) outs({empty} : {ty}) -> {ty}")
         return res
 

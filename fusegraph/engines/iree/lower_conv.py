@@ -77,13 +77,20 @@ def _named_kind(node: Node) -> str | None:
     return None
 
 
+def _fprop_type(ctx: Lowering, node: Node) -> DataType:
+    """An 8-bit integer convolution accumulates in INT32 (its operands are widened first,
+    which also gives UINT8 its zero extension); a float one in its compute type."""
+    xt = node.inputs["x"]
+    return DataType.INT32 if xt.dtype.is_integer else ctx.compute_type(node, xt.dtype)
+
+
 def _fprop_channels_last(ctx: Lowering, node: Node, kind: str) -> Val:
     attrs = node.attrs
     assert isinstance(attrs, ConvAttrs)
     xt, wt, yt = node.inputs["x"], node.inputs["w"], node.outputs["y"]
     rank = len(xt.shape)
     nsp = rank - 2
-    ct = ctx.compute_type(node, xt.dtype)
+    ct = _fprop_type(ctx, node)
     cl = channels_last(rank)
     x = _narrowed(ctx, ctx.get(xt, cl, full=True), ct)
     w_src = _narrowed(ctx, ctx.get(wt, full=True), ct)
@@ -189,7 +196,7 @@ def _fprop_torch(ctx: Lowering, node: Node) -> Val:
     attrs = node.attrs
     assert isinstance(attrs, ConvAttrs)
     xt, wt, yt = node.inputs["x"], node.inputs["w"], node.outputs["y"]
-    ct = ctx.compute_type(node, xt.dtype)
+    ct = _fprop_type(ctx, node)
     x = ctx.cast(ctx.get(xt, identity(len(xt.shape)), full=True), ct)
     w = ctx.cast(ctx.get(wt, identity(len(wt.shape)), full=True), ct)
     return torch_convolution(
