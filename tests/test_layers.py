@@ -134,10 +134,6 @@ def test_the_layer_check_sees_function_level_imports(tmp_path: Path) -> None:
     assert all(module != "fusegraph.select" for _, module in found)  # TYPE_CHECKING only
 
 
-@pytest.mark.xfail(
-    any(len((PKG / "onnx" / m).read_text(encoding="utf-8").splitlines()) > MAX_LINES for m in ("plan.py", "model.py")),
-    reason="onnx/plan.py and onnx/model.py are being split by idea (issue 10, helper A)",
-)
 def test_no_module_over_800_lines() -> None:
     long = {
         str(p.relative_to(ROOT)): n

@@ -6,16 +6,18 @@ engine layer (at creation, or at first run with ``lazy_compile``); the rest runs
 Runtime sub-sessions (or, where it wins, through the torch-mlir tier). A claimed
 subgraph that fails to build falls back to ONNX Runtime with a warning, or raises
 CompileError under ``strict``.
+
+Here: the plan's state, claiming, the floor's decisions, the units and running them. How a
+claimed group is lowered and built is in ``plan_build``, the partition report in
+``plan_report``, the engine choice and the engines' warnings in ``engine_choice``.
 """
 
 from __future__ import annotations
 
-import collections
-import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,24 +25,17 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from fusegraph.engines.registry import REGISTRY
 from fusegraph.errors import CompileError, ExecutionError, FusegraphError
-from fusegraph.graph.graph import Graph
-from fusegraph.graph.layout import packed_strides, same_strides
-from fusegraph.onnx import choices, floor, torch_mlir_tier
-from fusegraph.onnx.importer import (
-    SPATIAL_OPS,
-    Importer,
-    Unmappable,
-    filter_layout_for,
-    with_strides,
-)
+from fusegraph.onnx import floor, plan_build, plan_report, torch_mlir_tier
+from fusegraph.onnx.engine_choice import EngineChoice, engine_warnings
+from fusegraph.onnx.engine_choice import one_line as _one_line
+from fusegraph.onnx.importer import SPATIAL_OPS, Importer, Unmappable, with_strides
 from fusegraph.onnx.memory import LiveBytes
 from fusegraph.onnx.model import OnnxGraph, ONode, specialize
 from fusegraph.onnx.options import PROVIDER, ProviderOptions
 from fusegraph.onnx.partition import Group, Partitioning, PNode, partition
-from fusegraph.onnx.patterns import apply_rewrites, label_fusions
-from fusegraph.onnx.report import Boundaries, PartitionReport, SubgraphEntry, UnclaimedEntry
+from fusegraph.onnx.patterns import apply_rewrites
+from fusegraph.onnx.report import Boundaries, PartitionReport
 from fusegraph.onnx.units import FusegraphUnit, OrtUnit, Unit, _ort_value, to_host
 from fusegraph.runtime.handle import Handle
 
@@ -63,58 +58,6 @@ def make_dumper(dump_dir: str | None) -> Dump | None:
             path.write_text(data)
 
     return dump
-
-
-class EngineChoice:
-    """Which engines build claimed subgraphs, and whether they can run a given graph.
-
-    A named engine is used alone (``g.build(handle, engine=name)``). By default the
-    selection layer picks per graph (``g.build(handle, engine=None)``) among the available
-    engines, and a node is claimed when a compiling engine (not the float64 reference,
-    unless it is the only one) runs it.
-    """
-
-    def __init__(self, name: str | None, handle: Handle) -> None:
-        self.handle = handle
-        if name in (None, "auto"):
-            self.name: str | None = None
-            avail = [e for e in REGISTRY.engines() if _available(e)]
-            if handle.device.is_gpu:
-                avail = [e for e in avail if e.name != "reference"]
-            compiled = [e for e in avail if e.name != "reference"]
-            self.candidates = compiled or avail
-            if not self.candidates:
-                raise ValueError(f"{PROVIDER}: no fusegraph engine is available on {handle.device}")
-            return
-        try:
-            eng = REGISTRY.get(name)
-        except FusegraphError as exc:
-            raise ValueError(f"{PROVIDER} option engine={name!r}: {exc}") from None
-        state = eng.available()
-        if not state:
-            raise ValueError(f"{PROVIDER} option engine={name!r}: not available here ({state.reason})")
-        self.name = name
-        self.candidates = [eng]
-
-    def why_not(self, graph: Graph) -> str | None:
-        reasons = []
-        for eng in self.candidates:
-            try:
-                sup = eng.supports(graph, self.handle)
-            except Exception as exc:  # a plugin's bug must not break the session
-                reasons.append(f"engine '{eng.name}': supports() failed: {exc}")
-                continue
-            if sup:
-                return None
-            reasons.append(f"engine '{eng.name}': {sup.reason}")
-        return "; ".join(reasons) or "no engine available"
-
-
-def _available(e: Any) -> bool:
-    try:
-        return bool(e.available())
-    except Exception:
-        return False
 
 
 def _read_outside(og: OnnxGraph, members: Sequence[ONode]) -> tuple[list[str], list[str]]:
@@ -332,6 +275,10 @@ class SessionPlan:
             self.notes[unit_.name] = " | ".join(notes)
         return unit_
 
+    def _fusegraph_unit(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> FusegraphUnit:
+        """Lowers, packs and builds a claimed group (``plan_build.fusegraph_unit``)."""
+        return plan_build.fusegraph_unit(self, name, nodes, ins, outs)
+
     def _measure(
         self, unit: FusegraphUnit, nodes: list[ONode], ins: list[str], outs: list[str], budget_s: float
     ) -> floor.Verdict:
@@ -452,138 +399,6 @@ class SessionPlan:
         self.compile_s = {}
         self._plan_frees()
         self._proven = set()
-
-    def _lower_unit(
-        self,
-        name: str,
-        nodes: list[ONode],
-        ins: list[str],
-        outs: list[str],
-        engine: str | None,
-        filter_layout: str,
-        *,
-        pack: bool = True,
-    ) -> FusegraphUnit:
-        """The claimed group as one fusegraph Graph with its weights packed (not yet built)."""
-        imp = Importer(
-            self.og, name, channels_last=self._channels_last(nodes), filter_layout=filter_layout, pack=pack
-        )
-        for n in nodes:
-            imp.lower(n)
-        for i in ins:  # values read only implicitly stay outside; make sure every input is bound
-            if i in imp.values and i not in imp.inputs and imp.values[i].producer is None:
-                imp.inputs[i] = imp.values[i]
-        out_names = imp.finish(outs)
-        unit = FusegraphUnit(
-            name, nodes, imp.g, {i: imp.inputs[i] for i in ins if i in imp.inputs}, imp.weights,
-            out_names, self.handle, engine, self.opts.cache_dir,
-        )
-        unit.filter_layout = filter_layout
-        unit.fusions = label_fusions(imp.g, imp.weights)
-        return unit
-
-    def _fusegraph_unit(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> FusegraphUnit:
-        """Lowers, packs and builds a claimed group.
-
-        Filters are packed for the engine that runs them (``FILTER_LAYOUTS``). A pinned
-        engine gets its layout directly. Otherwise the group is first lowered without
-        packing (its canonical graph); then, in order: ``autotune`` tunes each compiling
-        engine on its own packing, keeps the fastest and records the choice (``choices``);
-        a recorded choice is rebuilt as it was; else the selection layer's first candidate
-        decides the packing, and the group is re-packed if the build picks another engine.
-        """
-        assert self.engine is not None
-        t0 = time.perf_counter()
-        has_filters = any(n.op_type in ("Conv", "ConvTranspose") for n in nodes)
-        pinned = self.engine.name
-        first = pinned or (self.engine.candidates[0].name if self.engine.candidates else None)
-        if self.opts.lazy_compile or pinned is not None or not has_filters:
-            unit = self._lower_unit(name, nodes, ins, outs, pinned, filter_layout_for(first))
-            if not self.opts.lazy_compile:
-                if self.opts.autotune > 0:
-                    unit.autotune(self.opts.autotune)
-                unit.build()
-        else:
-            unit = self._select_and_build(name, nodes, ins, outs, filter_layout_for(first))
-        if not self.opts.lazy_compile:
-            self.compile_s[name] = time.perf_counter() - t0
-        if self.dump is not None:
-            self.dump(f"{name}.json", unit.graph.to_json(indent=1))
-        return unit
-
-    def _select_and_build(
-        self, name: str, nodes: list[ONode], ins: list[str], outs: list[str], canonical: str
-    ) -> FusegraphUnit:
-        assert self.engine is not None
-        probe = self._lower_unit(name, nodes, ins, outs, None, canonical, pack=False)
-        key = probe.graph.key()
-        device = str(self.handle.device)
-        del probe
-        if self.opts.autotune > 0:
-            tuned = self._autotune_engines(name, nodes, ins, outs)
-            if tuned is not None:
-                unit, ms = tuned
-                choices.record(self.opts.cache_dir, key, device,
-                               choices.Choice(unit.plan.config, unit.filter_layout, ms))
-                return unit
-        choice = choices.lookup(self.opts.cache_dir, key, device)
-        if choice is not None:
-            try:
-                unit = self._lower_unit(name, nodes, ins, outs, None, choice.filter_layout)
-                unit.build(config=choice.config)
-                return unit
-            except Exception as exc:
-                log.info("recorded choice %s for %s no longer builds (%s)", choice.config, name, exc)
-        guess = self._predict(name, nodes, ins, outs, canonical)
-        unit = self._lower_unit(name, nodes, ins, outs, None, filter_layout_for(guess))
-        unit.build()
-        chosen = str(getattr(unit.plan, "engine", ""))
-        if filter_layout_for(chosen) != unit.filter_layout:
-            unit = self._repack(unit, name, nodes, ins, outs, chosen)
-        return unit
-
-    def _predict(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str], canonical: str) -> str | None:
-        """The engine the selection layer would build first (nothing is built)."""
-        try:
-            from fusegraph.select import api
-
-            probe = self._lower_unit(name, nodes, ins, outs, None, canonical, pack=False)
-            api.create_execution_plans(probe.graph, None, self.handle)
-            kept = api.check_support(probe.graph, self.handle)
-            return kept[0].config.engine if kept else None
-        except Exception as exc:  # only a guess: the build decides
-            log.debug("could not rank engines for %s: %s", name, exc)
-            return None
-
-    def _repack(
-        self, unit: FusegraphUnit, name: str, nodes: list[ONode], ins: list[str], outs: list[str], chosen: str
-    ) -> FusegraphUnit:
-        """The group lowered again with ``chosen``'s filter layout, built with the same config."""
-        config = unit.plan.config
-        try:
-            again = self._lower_unit(name, nodes, ins, outs, None, filter_layout_for(chosen))
-            again.build(config=config)
-        except Exception as exc:  # the first build stands; only its speed suffers
-            log.info("re-packing %s for engine %s failed (%s); keeping the first packing", name, chosen, exc)
-            return unit
-        return again
-
-    def _autotune_engines(
-        self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]
-    ) -> tuple[FusegraphUnit, float] | None:
-        """Each compiling engine tuned on its own filter packing; the fastest kept."""
-        assert self.engine is not None
-        cands = self.engine.candidates
-        budget = self.opts.autotune / len(cands)
-        best: tuple[FusegraphUnit, float] | None = None
-        for eng in cands:
-            u = self._lower_unit(name, nodes, ins, outs, eng.name, filter_layout_for(eng.name))
-            ms = u.autotune(budget)
-            log.info("autotune %s on %s: %s ms", name, eng.name, ms)
-            if ms is not None and (best is None or ms < best[1]):
-                best = (u, ms)
-            del u
-        return best
 
     def _sub_session_options(self) -> Any:
         """The caller's SessionOptions as given; without any, and with fusegraph units in the
@@ -707,122 +522,11 @@ class SessionPlan:
 
     # ---- report -----------------------------------------------------------------------------
     def report(self) -> PartitionReport:
-        subs = []
-        unclaimed = []
-        for u in self.units:
-            sources = tuple(s for n in u.nodes for s in n.sources)
-            ops = collections.Counter(_source_ops(self.og, u.nodes))
-            if isinstance(u, FusegraphUnit):
-                v = self._floor.get(frozenset(n.name for n in u.nodes))
-                subs.append(
-                    SubgraphEntry(u.name, "fusegraph", u.engine_name, sources, dict(ops), u.fusions,
-                                  note=" | ".join(u.engine_notes), compile_s=self.compile_s.get(u.name, 0.0),
-                                  floor=v.describe() if v else self._floor_off(),
-                                  fusegraph_ms=v.fusegraph_ms if v else None, ort_ms=v.ort_ms if v else None)
-                )
-                continue
-            engine = "onnxruntime" if u.kind == "onnxruntime" else "iree (torch-mlir onnx importer)"
-            subs.append(
-                SubgraphEntry(u.name, u.kind, engine, sources, dict(ops), note=self.notes.get(u.name, ""),
-                              compile_s=self.compile_s.get(u.name, 0.0))
-            )
-            for n in u.nodes:
-                for s, op in n.origin():
-                    reason = self.reasons.get(n.name, "not claimed")
-                    unclaimed.append(UnclaimedEntry(s, op, reason, u.kind))
-        return PartitionReport(
-            model=self.model_name,
-            total_nodes=len(self.og.all_node_names),
-            folded_nodes=len(self.og.folded),
-            subgraphs=tuple(subs),
-            unclaimed=tuple(unclaimed),
-            rewrites={k: v for k, v in self.rewrites.items() if v},
-            input_shapes=self.input_shapes,
-            setup_s=self.setup_s,
-            floor=f"whole model {self.floor_whole.describe()}" if self.floor_whole else "",
-            boundaries=self.boundaries(),
-        )
-
-    def _floor_off(self) -> str:
-        if self.floor_budget <= 0:
-            return "floor: off"
-        return "floor: not measured (lazy_compile)" if self.opts.lazy_compile else ""
+        return plan_report.report(self)
 
     def boundaries(self) -> Boundaries:
         """Static count of the values crossing units and the copies made there (see Boundaries)."""
-        producer: dict[str, Unit] = {o: u for u in self.units for o in u.outputs}
-        values = copies = nbytes = 0
-
-        def size(v: str) -> int:
-            info = self.og.types.get(v)
-            if info is None or info.shape is None or not info.elem:
-                return 0
-            itemsize = onnx.helper.tensor_dtype_to_np_dtype(info.elem).itemsize
-            return int(np.prod(info.shape, dtype=np.int64)) * itemsize
-
-        def strided(u: Unit, v: str, out: bool) -> bool:
-            """True where fusegraph holds ``v`` in another layout than contiguous (or on a device)."""
-            if not isinstance(u, FusegraphUnit):
-                return False
-            if u._buffers:
-                return True
-            try:
-                t = u.graph.tensor_by_name(u._out[v]) if out else u._in[v]
-            except (KeyError, Exception):
-                return False
-            return not same_strides(t.shape, t.strides, packed_strides(t.shape))
-
-        for u in self.units:
-            for v in u.inputs:
-                p = producer.get(v)
-                if p is None and v not in self.og.inputs:
-                    continue
-                values += 1
-                if p is None:  # a feed: contiguous
-                    moved = strided(u, v, out=False)
-                elif isinstance(p, FusegraphUnit) and isinstance(u, FusegraphUnit):
-                    moved = False  # passed as it is (the next unit declares the same strides)
-                else:
-                    moved = strided(p, v, out=True) or strided(u, v, out=False)
-                if moved:
-                    copies += 1
-                    nbytes += size(v)
-        for v in self.og.outputs:
-            p = producer.get(v)
-            if p is not None and strided(p, v, out=True):
-                copies += 1
-                nbytes += size(v)
-        return Boundaries(values, copies, nbytes)
+        return plan_report.boundaries(self)
 
 
-class _Said(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(_one_line(record.getMessage(), 300))
-
-
-@contextlib.contextmanager
-def engine_warnings() -> Iterator[list[str]]:
-    """The engines' warnings meanwhile (e.g. the torch engine running a graph eagerly because
-    oneDNN Graph refused it), for the report: no path falls back silently."""
-    said = _Said()
-    loggers = [logging.getLogger(n) for n in ("fusegraph.engines", "fusegraph.iree")]
-    for lg in loggers:
-        lg.addHandler(said)
-    try:
-        yield said.messages
-    finally:
-        for lg in loggers:
-            lg.removeHandler(said)
-
-
-def _one_line(text: str, limit: int = 400) -> str:
-    flat = " | ".join(line.strip() for line in text.strip().splitlines() if line.strip())
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-def _source_ops(og: OnnxGraph, nodes: Sequence[ONode]) -> list[str]:
-    return [op for n in nodes for _, op in n.origin()]
+__all__ = ["EngineChoice", "SessionPlan", "engine_warnings", "make_dumper"]

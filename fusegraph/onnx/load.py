@@ -1,0 +1,318 @@
+"""Loading an ONNX model: whatever the user handed to the session (a path, bytes, a
+ModelProto) becomes a checked ModelProto at opset >= 7, or :class:`ModelError` says what
+is wrong -- never a raw protobuf traceback. Hostile models (external data outside the
+model's directory, unknown opsets or domains, initializers contradicting their dims) are
+refused before anything is read on their behalf.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from fusegraph.errors import ValidationError
+from fusegraph.onnx.ir import DEFAULT_DOMAINS
+
+log = logging.getLogger("fusegraph.onnx")
+
+MIN_OPSET = 7  # older models are upgraded to this with onnx.version_converter
+MAX_OPSET = 22  # newest default-domain opset whose semantics the importer knows
+
+
+class ModelError(ValidationError):
+    """The ONNX model cannot be read or is malformed; says what and, when known, where."""
+
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def load_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx.ModelProto:
+    """A checked ModelProto at opset >= MIN_OPSET, or ModelError saying what is wrong.
+
+    Hostile models are refused before anything is read on their behalf: external data must
+    lie in regular files inside the model's directory (no absolute locations, no ``..``, no
+    symlink leading out; offset and length within the file), opsets must be ones ONNX
+    defines, and every initializer must hold as many values as its dims say.
+    """
+    base_dir: Path | None = None
+    if isinstance(source, onnx.ModelProto):
+        model = source
+    elif isinstance(source, bytes | bytearray | memoryview):
+        try:
+            model = onnx.load_from_string(bytes(source))
+        except Exception as exc:
+            raise ModelError(f"the bytes are not an ONNX model (protobuf decode failed: {exc})") from None
+    elif isinstance(source, str | os.PathLike):
+        path = Path(source)
+        if not path.is_file():
+            raise ModelError(f"no ONNX model file at '{path}'")
+        try:
+            model = onnx.load(str(path), load_external_data=False)
+        except Exception as exc:
+            raise ModelError(f"'{path}' is not an ONNX model (protobuf decode failed: {exc})") from None
+        base_dir = path.parent
+    else:
+        raise ModelError(
+            f"expected a path, bytes or onnx.ModelProto, got {type(source).__name__}"
+        )
+    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
+        raise ModelError("the model has no graph (no nodes and no outputs)")
+    _check_opsets(model)
+    _check_domains(model)
+    _load_external_data(model, base_dir)
+    _check_initializers(model)
+    try:
+        onnx.checker.check_model(model)
+    except ValueError as exc:  # over 2 GB: the checker wants a path; check what we can
+        log.debug("checker skipped: %s", exc)
+    except onnx.checker.ValidationError as exc:
+        raise ModelError(f"the ONNX checker rejects the model: {_first_line(exc)}") from None
+    version = default_opset(model)
+    if version < MIN_OPSET:
+        _fix_legacy_prelu(model)
+        try:
+            model = onnx.version_converter.convert_version(model, MIN_OPSET)
+        except Exception as exc:
+            raise ModelError(
+                f"opset {version} is older than {MIN_OPSET} and onnx.version_converter could "
+                f"not upgrade it: {_first_line(exc)}"
+            ) from None
+        log.info("upgraded the model from opset %d to %d", version, MIN_OPSET)
+    return model
+
+
+# ---- hostile-model checks ----------------------------------------------------------------------
+# A tensor with more elements than this cannot exist on any machine fusegraph runs on
+# (2**36 f32 values are 256 GiB): declaring one is a malformed model, not a big one.
+MAX_ELEMENTS = 1 << 36
+
+
+def _check_opsets(model: onnx.ModelProto) -> None:
+    newest = onnx.defs.onnx_opset_version()
+    for o in model.opset_import:
+        if o.domain in DEFAULT_DOMAINS and not 1 <= o.version <= newest:
+            raise ModelError(
+                f"the model imports default-domain opset {o.version}; ONNX {onnx.__version__} "
+                f"defines opsets 1 to {newest}"
+            )
+
+
+# Operator domains ONNX Runtime's CPU build registers kernels or schemas for.
+KNOWN_DOMAINS = frozenset({
+    *DEFAULT_DOMAINS, "ai.onnx.ml", "ai.onnx.preview.training", "com.microsoft",
+    "com.microsoft.nchwc", "com.microsoft.experimental", "com.ms.internal.nhwc", "org.pytorch.aten",
+})
+
+
+def _check_domains(model: onnx.ModelProto) -> None:
+    """A node in a domain neither ONNX Runtime nor the model (its local functions) defines
+    cannot run anywhere: ONNX Runtime would open it and fail in run() with a raw error."""
+    local = {(f.domain, f.name) for f in model.functions}
+    for i, n in enumerate(model.graph.node):
+        if n.domain not in KNOWN_DOMAINS and (n.domain, n.op_type) not in local:
+            raise ModelError(
+                f"node '{n.name or f'{n.op_type}_{i}'}' ({n.domain}:{n.op_type}) is in domain "
+                f"'{n.domain}', which neither ONNX Runtime nor the model's local functions define"
+            )
+
+
+def _all_tensors(graph: onnx.GraphProto) -> Iterable[onnx.TensorProto]:
+    """Every TensorProto of a graph: initializers, sparse values, node attributes, subgraphs."""
+    yield from graph.initializer
+    for sp in graph.sparse_initializer:
+        yield sp.values
+        yield sp.indices
+    for node in graph.node:
+        for a in node.attribute:
+            if a.HasField("t"):
+                yield a.t
+            yield from a.tensors
+            if a.HasField("sparse_tensor"):
+                yield a.sparse_tensor.values
+            for sub in _subgraphs(a):
+                yield from _all_tensors(sub)
+
+
+def _subgraphs(a: onnx.AttributeProto) -> list[onnx.GraphProto]:
+    if a.type == onnx.AttributeProto.GRAPH:
+        return [a.g]
+    if a.type == onnx.AttributeProto.GRAPHS:
+        return list(a.graphs)
+    return []
+
+
+def _load_external_data(model: onnx.ModelProto, base_dir: Path | None) -> None:
+    """Reads external tensor data from inside ``base_dir`` only (see :func:`load_model`)."""
+    tensors = [t for t in _all_tensors(model.graph) if t.data_location == onnx.TensorProto.EXTERNAL]
+    for f in model.functions:
+        for node in f.node:
+            for a in node.attribute:
+                if a.HasField("t") and a.t.data_location == onnx.TensorProto.EXTERNAL:
+                    tensors.append(a.t)
+    if not tensors:
+        return
+    if base_dir is None:
+        raise ModelError(
+            f"tensor '{tensors[0].name}' keeps its data in an external file, but the model was "
+            "given in memory: pass the model's path so that its external data can be found",
+            tensor=tensors[0].name,
+        )
+    real_base = os.path.realpath(base_dir)
+    for t in tensors:
+        info = {e.key: e.value for e in t.external_data}
+        location = info.get("location", "")
+
+        def bad(why: str, t: onnx.TensorProto = t, location: str = location) -> ModelError:
+            return ModelError(f"external data '{location}' of tensor '{t.name}' {why}", tensor=t.name)
+
+        if not location:
+            raise bad("names no location")
+        if os.path.isabs(location) or Path(location).drive or location.startswith(("/", "\\")):
+            raise bad("is an absolute path; external data must lie in the model's directory")
+        if ".." in Path(location.replace("\\", "/")).parts:
+            raise bad("contains '..'; external data must lie in the model's directory")
+        real = os.path.realpath(os.path.join(real_base, location))
+        if os.path.commonpath([real, real_base]) != real_base:
+            raise bad(f"resolves to '{real}', outside the model's directory {real_base} (a symlink?)")
+        if not os.path.isfile(real):
+            raise bad(f"is missing or not a regular file (looked for '{real}')")
+        try:
+            offset = int(info.get("offset", 0) or 0)
+            length = int(info["length"]) if info.get("length") else None
+        except ValueError:
+            raise bad(f"has a malformed offset/length ({info.get('offset')!r}, {info.get('length')!r})") from None
+        size = os.path.getsize(real)
+        if offset < 0 or (length is not None and length < 0):
+            raise bad(f"has a negative offset or length ({offset}, {length})")
+        end = size if length is None else offset + length
+        if end > size:
+            raise bad(f"asks for bytes {offset}..{end} of a {size}-byte file")
+        want = _element_count(t.dims)
+        itemsize = _itemsize(t.data_type)
+        if want is not None and itemsize and end - offset != want * itemsize:
+            raise bad(f"holds {end - offset} bytes; dims {list(t.dims)} need {want * itemsize}")
+        with open(real, "rb") as fh:
+            fh.seek(offset)
+            t.raw_data = fh.read(end - offset)
+        t.data_location = onnx.TensorProto.DEFAULT
+        del t.external_data[:]
+
+
+def _element_count(dims: Iterable[int]) -> int | None:
+    n = 1
+    for d in dims:
+        if d < 0:
+            return None
+        n *= int(d)
+    return n
+
+
+def _itemsize(data_type: int) -> int:
+    try:
+        return int(np.dtype(helper.tensor_dtype_to_np_dtype(data_type)).itemsize)
+    except (KeyError, TypeError, ValueError):
+        return 0
+
+
+_FIELD_OF: dict[int, str] = {
+    onnx.TensorProto.FLOAT: "float_data", onnx.TensorProto.DOUBLE: "double_data",
+    onnx.TensorProto.INT64: "int64_data", onnx.TensorProto.UINT64: "uint64_data",
+    onnx.TensorProto.STRING: "string_data",
+}
+
+
+# Sub-byte types pack values into bytes: their counts are left to the checker.
+_UNCHECKED = frozenset(
+    getattr(onnx.TensorProto, n) for n in ("UNDEFINED", "INT4", "UINT4", "FLOAT4E2M1", "INT2", "UINT2")
+    if hasattr(onnx.TensorProto, n)
+)
+
+
+def _check_initializers(model: onnx.ModelProto) -> None:
+    """Each initializer holds as many values as its dims say, and no absurd count."""
+    for t in _all_tensors(model.graph):
+        if any(d < 0 for d in t.dims):
+            raise ModelError(f"tensor '{t.name}' has negative dims {list(t.dims)}", tensor=t.name)
+        n = _element_count(t.dims) or 0
+        if n > MAX_ELEMENTS:
+            raise ModelError(
+                f"tensor '{t.name}' declares dims {list(t.dims)} ({n} elements, more than "
+                f"{MAX_ELEMENTS}): a malformed model", tensor=t.name,
+            )
+        if t.data_location == onnx.TensorProto.EXTERNAL or t.data_type in _UNCHECKED:
+            continue
+        if t.HasField("raw_data"):
+            itemsize = _itemsize(t.data_type)
+            if not itemsize:
+                continue
+            have = len(t.raw_data) // itemsize
+        else:
+            have = len(getattr(t, _FIELD_OF.get(t.data_type, "int32_data")))
+            if t.data_type in (onnx.TensorProto.COMPLEX64, onnx.TensorProto.COMPLEX128):
+                have //= 2
+        if have != n:
+            raise ModelError(
+                f"tensor '{t.name}' declares dims {list(t.dims)} ({n} values) but holds {have}",
+                tensor=t.name,
+            )
+
+
+def _fix_legacy_prelu(model: onnx.ModelProto) -> None:
+    """Before opset 7, PRelu's slope of shape [C] applied per channel (axis 1); the version
+    converter keeps [C], which numpy-broadcasts against the last axis instead. Reshapes such
+    slopes to [C, 1, ...] so that the upgraded model means what the old one did."""
+    ranks = {
+        i.name: len(i.type.tensor_type.shape.dim)
+        for i in list(model.graph.input) + list(model.graph.value_info)
+        if i.type.HasField("tensor_type") and i.type.tensor_type.HasField("shape")
+    }
+    inits = {t.name: t for t in model.graph.initializer}
+    for node in model.graph.node:
+        if node.op_type != "PRelu" or len(node.input) < 2 or node.input[1] not in inits:
+            continue
+        slope = inits[node.input[1]]
+        rank = ranks.get(node.input[0], 0)
+        if len(slope.dims) == 1 and slope.dims[0] > 1 and rank > 2:
+            arr = numpy_helper.to_array(slope).reshape((-1,) + (1,) * (rank - 2))
+            slope.CopyFrom(numpy_helper.from_array(arr, slope.name))
+            for i in model.graph.input:
+                if i.name == slope.name:
+                    i.CopyFrom(helper.make_tensor_value_info(slope.name, slope.data_type, list(arr.shape)))
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    for o in model.opset_import:
+        if o.domain in DEFAULT_DOMAINS:
+            return int(o.version)
+    return 1
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def input_signature(model: onnx.ModelProto) -> dict[str, tuple[int | str | None, ...] | None]:
+    """Declared dims of the caller-fed inputs (ints, symbolic names or None)."""
+    inits = {i.name for i in model.graph.initializer} | {
+        i.values.name for i in model.graph.sparse_initializer
+    }
+    out: dict[str, tuple[int | str | None, ...] | None] = {}
+    for i in model.graph.input:
+        if i.name in inits:
+            continue
+        tt = i.type.tensor_type
+        if not i.type.HasField("tensor_type") or not tt.HasField("shape"):
+            out[i.name] = None
+            continue
+        out[i.name] = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+        )
+    return out
+
+
