@@ -1,10 +1,16 @@
-"""Runs the IREE compiler: in-process through libIREECompiler (the embedding API's
-session/invocation), or the ``iree-compile`` CLI when ``FUSEGRAPH_IREE_COMPILER=cli``.
+"""Runs the IREE compiler: by default as a child ``iree-compile`` under a memory and time
+ceiling, or in-process through libIREECompiler (the embedding API's session/invocation).
 
-In-process compiles skip process start-up and re-reading the compiler's 100+ MB library,
-which is most of a small graph's compile time. The CLI stays one switch away because it
-is what a reproducer uses and what an IREE developer will ask for. Either way the result
-carries IREE's dispatch statistics, which are the evidence of what was fused.
+Why a child by default: the compiler is native code that can take the whole process with it.
+IREE 3.13 segfaults on an int8 matmul (torch-to-linalg), aborts on a bf16 matmul with data
+tiling (LLVM "Do not know how to split"), and an allocation storm in a compile cannot be
+stopped from Python; in a child each of these costs the child, the caller gets a typed
+CompileError with the reproducer kept, and selection goes on to the next engine. The price
+is starting ``iree-compile`` (loading its 100+ MB library) per compile: measured on the
+sequence of small graphs in benchmarks/bench_build_sequence.py, see docs/reliability.md.
+``FUSEGRAPH_IREE_COMPILER=inprocess`` (or ``FUSEGRAPH_IREE_COMPILE_LIMITS=off``) compiles
+in-process, unbounded, for whoever wants the start-up back. Either way the result carries
+IREE's dispatch statistics, which are the evidence of what was fused.
 """
 
 from __future__ import annotations
@@ -15,7 +21,9 @@ import json
 import logging
 import os
 import re
+import resource
 import shlex
+import signal
 import subprocess
 import tempfile
 import threading
@@ -30,9 +38,20 @@ from fusegraph.runtime import progress
 
 log = logging.getLogger("fusegraph.iree")
 
-COMPILER_ENV = "FUSEGRAPH_IREE_COMPILER"  # "inprocess" (default) | "cli"
-# "MEM_MIB,SECONDS" (either may be empty): compile in a child process under these ceilings.
+COMPILER_ENV = "FUSEGRAPH_IREE_COMPILER"  # "cli" (default: a bounded child) | "inprocess"
+# "MEM_MIB,SECONDS" (either may be empty: the default for it) or "off": the child's ceilings.
 LIMITS_ENV = "FUSEGRAPH_IREE_COMPILE_LIMITS"
+# Default ceilings: resident memory min(8 GiB, half the machine), 10 minutes. Small graphs
+# compile in 0.3-3 s at 150-250 MiB; the ceilings exist for the runaway, not to judge speed.
+DEFAULT_MEMORY_CAP = 8 << 30
+DEFAULT_SECONDS = 600.0
+_POLL_S = 0.05  # how often the child's resident memory is read
+# What a compile that ran out of its address space says (the RLIMIT_AS backstop).
+_OOM = re.compile(
+    r"out of memory|std::bad_alloc|Cannot allocate memory|failed to map segment|Allocation failed|"
+    r"mmap.*(failed|ENOMEM)",
+    re.IGNORECASE,
+)
 STATS_FILE = "stats.json"
 
 _SEVERITY = {0: "note", 1: "warning", 2: "error", 3: "remark"}
@@ -56,8 +75,10 @@ class IreeCompileLimitExceeded(IreeCompileFailure):
 
 @dataclass(frozen=True)
 class CompileLimits:
-    """Ceilings for one compile, enforced on a child ``iree-compile`` (RLIMIT_AS, a timeout):
-    an in-process compile cannot be stopped, so a bounded compile is always a child."""
+    """Ceilings for one compile, enforced on a child ``iree-compile``: its resident memory,
+    read every 50 ms (the child is killed past it; an address-space limit of twice the
+    ceiling plus 4 GiB catches an allocation too fast for the reading), and a timeout. An
+    in-process compile cannot be stopped, so a bounded compile is always a child."""
 
     memory_bytes: int | None = None
     seconds: float | None = None
@@ -71,19 +92,64 @@ class CompileLimits:
         return ", ".join(parts) or "none"
 
 
+def default_limits() -> CompileLimits:
+    """The ceilings of a compile nobody configured: min(8 GiB, half the physical memory)
+    resident, ``DEFAULT_SECONDS``."""
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        physical = 2 * DEFAULT_MEMORY_CAP
+    return CompileLimits(memory_bytes=min(DEFAULT_MEMORY_CAP, max(physical // 2, 1 << 30)), seconds=DEFAULT_SECONDS)
+
+
+_OFF = ("off", "none", "no", "0", "inprocess")
+
+
 def limits_from_env() -> CompileLimits | None:
+    """FUSEGRAPH_IREE_COMPILE_LIMITS as ceilings; None when it is unset or "off" (see
+    :func:`plan_compile` for what each means)."""
     raw = os.environ.get(LIMITS_ENV, "").strip()
-    if not raw:
+    if not raw or raw.lower() in _OFF:
         return None
     mem, _, sec = raw.partition(",")
+    base = default_limits()
     try:
-        return CompileLimits(
-            memory_bytes=int(float(mem) * 2**20) if mem.strip() else None,
-            seconds=float(sec) if sec.strip() else None,
+        limits = CompileLimits(
+            memory_bytes=int(float(mem) * 2**20) if mem.strip() else base.memory_bytes,
+            seconds=float(sec) if sec.strip() else base.seconds,
         )
     except ValueError:
-        log.warning("%s=%r is not 'MEM_MIB,SECONDS'; compiling without ceilings", LIMITS_ENV, raw)
-        return None
+        log.warning("%s=%r is not 'MEM_MIB,SECONDS' or 'off'; using the default ceilings (%s)",
+                    LIMITS_ENV, raw, base.describe())
+        return base
+    if (limits.memory_bytes is not None and limits.memory_bytes <= 0) or (
+        limits.seconds is not None and not limits.seconds > 0
+    ):
+        log.warning("%s=%r: ceilings must be positive; using the default ceilings (%s)", LIMITS_ENV, raw, base.describe())
+        return base
+    return limits
+
+
+def plan_compile(backend: str | None = None, limits: CompileLimits | None = None) -> tuple[str, CompileLimits | None]:
+    """(backend, ceilings) of a compile. In order: explicit ``limits`` (a bounded child); an
+    explicit ``backend`` ("inprocess": unbounded; "cli": a child under the configured or
+    default ceilings); FUSEGRAPH_IREE_COMPILE_LIMITS ("off": no ceilings, in-process unless
+    FUSEGRAPH_IREE_COMPILER=cli; "MEM_MIB,SECONDS": a child under those);
+    FUSEGRAPH_IREE_COMPILER=inprocess (unbounded); else a child under :func:`default_limits`."""
+    if limits is not None:
+        return "cli", limits
+    raw = os.environ.get(LIMITS_ENV, "").strip().lower()
+    off = raw in _OFF and raw != ""
+    if backend == "inprocess":
+        return "inprocess", None
+    if backend == "cli":
+        return "cli", None if off else (limits_from_env() or default_limits())
+    if off:
+        return compiler_backend(default="inprocess"), None
+    if raw:
+        return "cli", limits_from_env()
+    chosen = compiler_backend(default="cli")
+    return chosen, default_limits() if chosen == "cli" else None
 
 
 @dataclass(frozen=True)
@@ -155,11 +221,12 @@ def shell_command(flags: Sequence[str], source: str = "module.mlir", output: str
     return shlex.join(command_line(flags, source, output))
 
 
-def compiler_backend() -> str:
-    value = os.environ.get(COMPILER_ENV, "inprocess").strip().lower() or "inprocess"
+def compiler_backend(default: str = "cli") -> str:
+    """FUSEGRAPH_IREE_COMPILER ("cli" or "inprocess"), else ``default``."""
+    value = os.environ.get(COMPILER_ENV, "").strip().lower() or default
     if value not in ("inprocess", "cli"):
-        log.warning("%s=%r is not 'inprocess' or 'cli'; using in-process", COMPILER_ENV, value)
-        return "inprocess"
+        log.warning("%s=%r is not 'inprocess' or 'cli'; using %s", COMPILER_ENV, value, default)
+        return default
     return value
 
 
@@ -167,9 +234,8 @@ def compile_mlir(
     text: str, flags: Sequence[str], *, backend: str | None = None, limits: CompileLimits | None = None
 ) -> CompileResult:
     """Compiles torch-dialect MLIR text to a VM flatbuffer; raises IreeCompileFailure
-    (IreeCompileLimitExceeded past a ceiling: ``limits`` or FUSEGRAPH_IREE_COMPILE_LIMITS)."""
-    limits = limits or limits_from_env()
-    backend = "cli" if limits is not None else (backend or compiler_backend())
+    (IreeCompileLimitExceeded past a ceiling; which ceilings: :func:`plan_compile`)."""
+    backend, limits = plan_compile(backend, limits)
     with tempfile.TemporaryDirectory(prefix="fusegraph-iree-") as tmp:
         stats_path = Path(tmp) / STATS_FILE
         all_flags = [*flags, *statistics_flags(stats_path)]
@@ -195,41 +261,107 @@ def _read_stats(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {"stats": data}
 
 
+def _rss_bytes(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm") as fh:
+            return int(fh.read().split()[1]) * _PAGE
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _backstop(mem: int | None) -> tuple[int, int] | None:
+    """The child's RLIMIT_AS: twice the memory ceiling plus 4 GiB (address space runs well
+    ahead of resident memory), never above a limit this process already lives under."""
+    if mem is None:
+        return None
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    want = 2 * mem + (4 << 30)
+    for cap in (soft, hard):
+        if cap != resource.RLIM_INFINITY:
+            want = min(want, cap)
+    return want, hard
+
+
+def _signal_name(returncode: int) -> str:
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
 def _compile_cli(text: str, flags: Sequence[str], tmp: Path, limits: CompileLimits | None = None) -> tuple[bytes, str]:
     src, out = tmp / "module.mlir", tmp / "module.vmfb"
     src.write_text(text)
     mem = limits.memory_bytes if limits is not None else None
+    seconds = limits.seconds if limits is not None else None
+    backstop = _backstop(mem)
 
-    def ceiling() -> None:  # runs in the child before exec
-        import resource
+    def ceiling() -> None:  # runs in the child before exec: nothing here may raise
+        if backstop is not None:
+            resource.setrlimit(resource.RLIMIT_AS, backstop)
 
-        if mem is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+    proc = subprocess.Popen(
+        command_line(flags, str(src), str(out)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=ceiling if backstop is not None else None,
+    )
+    stopped: list[str] = []  # why we killed the child, if we did
+    peak = [0]
+    done = threading.Event()
 
+    def watch() -> None:  # the memory ceiling, on resident memory (what the machine runs out of)
+        while not done.wait(_POLL_S):
+            rss = _rss_bytes(proc.pid)
+            peak[0] = max(peak[0], rss)
+            if mem is not None and rss > mem:
+                stopped.append("memory")
+                proc.kill()
+                return
+
+    watcher = threading.Thread(target=watch, name="fusegraph-compile-watch", daemon=True)
+    watcher.start()
     try:
-        proc = subprocess.run(
-            command_line(flags, str(src), str(out)), capture_output=True, text=True, check=False,
-            timeout=limits.seconds if limits is not None else None,
-            preexec_fn=ceiling if mem is not None else None,
-        )
+        _stdout, stderr = proc.communicate(timeout=seconds)
     except subprocess.TimeoutExpired:
-        assert limits is not None
+        stopped.append("time")
+        proc.kill()
+        _stdout, stderr = proc.communicate()
+    except BaseException:  # KeyboardInterrupt: the child must not outlive the compile
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        done.set()
+        watcher.join()
+    stderr = (stderr or "").strip()
+    assert limits is not None or not stopped
+    if stopped and stopped[0] == "time":
         raise IreeCompileLimitExceeded(
-            f"the compile passed its time ceiling ({limits.describe()}) and was stopped",
-            f"iree-compile killed after {limits.seconds:g} s",
-        ) from None
-    if mem is not None and proc.returncode != 0 and (
-        proc.returncode < 0 or re.search(r"alloc|out of memory|Cannot allocate|mmap|map segment|LLVM ERROR", proc.stderr)
-    ):
-        assert limits is not None
-        raise IreeCompileLimitExceeded(
-            f"the compile passed its memory ceiling ({limits.describe()}); iree-compile exited with "
-            f"status {proc.returncode}",
-            proc.stderr.strip()[-4000:],
+            f"the compile passed its time ceiling ({limits.describe() if limits else ''}) and was stopped",
+            f"iree-compile killed after {seconds:g} s\n{stderr[-4000:]}",
         )
-    if proc.returncode != 0 or not out.exists():
-        raise IreeCompileFailure(f"iree-compile exited with status {proc.returncode}", proc.stderr.strip())
-    return out.read_bytes(), proc.stderr.strip()
+    if stopped:
+        raise IreeCompileLimitExceeded(
+            f"the compile passed its memory ceiling ({limits.describe() if limits else ''}): iree-compile "
+            f"reached {peak[0] / 2**20:.0f} MiB resident and was stopped",
+            stderr[-4000:],
+        )
+    rc = proc.returncode
+    if rc != 0 and mem is not None and _OOM.search(stderr):
+        raise IreeCompileLimitExceeded(
+            f"the compile passed its memory ceiling ({limits.describe() if limits else ''}): iree-compile ran "
+            f"out of address space (exit status {rc})",
+            stderr[-4000:],
+        )
+    if rc < 0:
+        raise IreeCompileFailure(
+            f"iree-compile crashed ({_signal_name(rc)}); the calling process is unharmed", stderr
+        )
+    if rc != 0 or not out.exists():
+        raise IreeCompileFailure(f"iree-compile exited with status {rc}", stderr)
+    return out.read_bytes(), stderr
 
 
 def _compile_inprocess(text: str, flags: Sequence[str]) -> tuple[bytes, str]:

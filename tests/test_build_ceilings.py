@@ -1,0 +1,114 @@
+"""Bounded builds by default (issue 16, item 3): an IREE compile runs as a child under a
+memory and time ceiling unless the user opts out, and what the child does is reported
+truthfully -- a crash is a crash (not "out of memory"), a memory ceiling names the peak, a
+time ceiling the time -- while the calling process lives on. Stand-in compilers (small
+Python scripts in place of iree-compile) make each case deterministic and fast; the real
+compiler's ceilings are tested in tests/test_contract_bounded_build.py."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from fusegraph.engines.iree import compile as ic
+
+MLIR = "module {}\n"
+
+
+def _fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, body: str) -> None:
+    """iree-compile replaced by a script running ``body`` (argv as iree-compile gets it)."""
+    script = tmp_path / "fake-iree-compile"
+    script.write_text(f"#!{sys.executable}\nimport os, sys, time, signal\n{body}\n")
+    script.chmod(0o755)
+    monkeypatch.setattr(ic, "iree_compile_path", lambda: script)
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ic.LIMITS_ENV, raising=False)
+    monkeypatch.delenv(ic.COMPILER_ENV, raising=False)
+
+
+def test_default_is_a_bounded_child() -> None:
+    backend, limits = ic.plan_compile()
+    assert backend == "cli" and limits == ic.default_limits()
+    assert limits.memory_bytes is not None and 1 << 30 <= limits.memory_bytes <= ic.DEFAULT_MEMORY_CAP
+    assert limits.seconds == ic.DEFAULT_SECONDS
+
+
+@pytest.mark.parametrize(
+    ("env", "want"),
+    [
+        ({ic.COMPILER_ENV: "inprocess"}, ("inprocess", None)),
+        ({ic.LIMITS_ENV: "off"}, ("inprocess", None)),
+        ({ic.LIMITS_ENV: "off", ic.COMPILER_ENV: "cli"}, ("cli", None)),
+        ({ic.LIMITS_ENV: "512,30"}, ("cli", ic.CompileLimits(512 << 20, 30.0))),
+        ({ic.LIMITS_ENV: "512,"}, ("cli", ic.CompileLimits(512 << 20, ic.DEFAULT_SECONDS))),
+        ({ic.LIMITS_ENV: ",30", ic.COMPILER_ENV: "inprocess"}, ("cli", "default-memory,30")),
+        ({ic.LIMITS_ENV: "lots"}, ("cli", "default")),
+        ({ic.LIMITS_ENV: "-5,0"}, ("cli", "default")),
+    ],
+)
+def test_what_the_environment_asks_for(env: dict[str, str], want: tuple[str, object], monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    backend, limits = ic.plan_compile()
+    d = ic.default_limits()
+    expected = {"default": d, "default-memory,30": ic.CompileLimits(d.memory_bytes, 30.0)}.get(str(want[1]), want[1])
+    assert (backend, limits) == (want[0], expected)
+
+
+def test_explicit_backend_wins_over_the_default() -> None:
+    assert ic.plan_compile("inprocess") == ("inprocess", None)
+    assert ic.plan_compile("cli") == ("cli", ic.default_limits())
+    tight = ic.CompileLimits(64 << 20, 5.0)
+    assert ic.plan_compile("inprocess", tight) == ("cli", tight)
+
+
+def test_a_crash_is_reported_as_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake(tmp_path, monkeypatch, "sys.stderr.write('Stack dump: ... memref.alloc ... mmap\\n'); os.kill(os.getpid(), signal.SIGSEGV)")
+    with pytest.raises(ic.IreeCompileFailure) as info:
+        ic.compile_mlir(MLIR, [])
+    assert not isinstance(info.value, ic.IreeCompileLimitExceeded), str(info.value)
+    assert "crashed (SIGSEGV)" in str(info.value) and "memref.alloc" in info.value.diagnostic
+
+
+def test_a_diagnostic_mentioning_alloc_is_not_a_memory_ceiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake(tmp_path, monkeypatch, "sys.stderr.write('error: failed to legalize memref.alloc; LLVM ERROR: bad\\n'); sys.exit(1)")
+    with pytest.raises(ic.IreeCompileFailure) as info:
+        ic.compile_mlir(MLIR, [])
+    assert not isinstance(info.value, ic.IreeCompileLimitExceeded)
+    assert "exited with status 1" in str(info.value)
+
+
+def test_memory_ceiling_stops_the_child_and_names_its_peak(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # touches 40 MiB a step, forever: the resident-memory watch must stop it
+    _fake(tmp_path, monkeypatch, "keep = []\nwhile True:\n    keep.append(bytearray(40 << 20))\n    time.sleep(0.02)")
+    with pytest.raises(ic.IreeCompileLimitExceeded) as info:
+        ic.compile_mlir(MLIR, [], limits=ic.CompileLimits(memory_bytes=200 << 20, seconds=60))
+    msg = str(info.value)
+    assert "memory ceiling (memory 200 MiB, time 60 s)" in msg and "MiB resident" in msg
+    peak = int(msg.split("reached ")[1].split(" MiB")[0])
+    assert 200 < peak < 1200, msg
+
+
+def test_time_ceiling_stops_the_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake(tmp_path, monkeypatch, "time.sleep(60)")
+    with pytest.raises(ic.IreeCompileLimitExceeded, match="time ceiling"):
+        ic.compile_mlir(MLIR, [], limits=ic.CompileLimits(seconds=0.5))
+
+
+def test_address_space_backstop_reads_as_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake(tmp_path, monkeypatch, "sys.stderr.write('LLVM ERROR: out of memory\\nAllocation failed\\n'); os.abort()")
+    with pytest.raises(ic.IreeCompileLimitExceeded, match="ran out of address space"):
+        ic.compile_mlir(MLIR, [], limits=ic.CompileLimits(memory_bytes=1 << 30))
+
+
+def test_a_bounded_compile_that_succeeds_returns_the_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake(tmp_path, monkeypatch, "out = sys.argv[sys.argv.index('-o') + 1]\nopen(out, 'wb').write(b'VMFB' * 300)")
+    r = ic.compile_mlir(MLIR, [])
+    assert r.backend == "cli" and r.vmfb == b"VMFB" * 300
+    assert os.environ.get(ic.LIMITS_ENV) is None
