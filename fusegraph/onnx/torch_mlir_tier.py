@@ -50,11 +50,9 @@ def _target(device: str) -> tuple[list[str], list[str], str]:
 
 
 def _cache_root(cache_dir: str | None) -> Path:
-    if cache_dir:
-        return Path(cache_dir) / "onnx-tier"
-    import platformdirs
+    from fusegraph.runtime.cache_dir import cache_root  # FUSEGRAPH_CACHE_DIR, else the user's
 
-    return Path(platformdirs.user_cache_dir("fusegraph")) / "onnx-tier"
+    return (Path(cache_dir) if cache_dir else cache_root()) / "onnx-tier"
 
 
 def _prepare(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -66,7 +64,6 @@ def _prepare(model: onnx.ModelProto) -> onnx.ModelProto:
 
 def compile_region(model: onnx.ModelProto, device: str, cache_dir: str | None) -> bytes:
     """A vmfb of the region's ONNX model; CompileError (with the MLIR kept) when IREE refuses."""
-    import iree.compiler as ic
     from iree.compiler import ir
     from iree.compiler.extras import onnx_importer
 
@@ -86,13 +83,18 @@ def compile_region(model: onnx.ModelProto, device: str, cache_dir: str | None) -
         asm = module.get_asm()
     except Exception as exc:
         raise CompileError(f"IREE's ONNX importer rejects the region: {exc}".splitlines()[0]) from exc
-    try:
-        vmfb = ic.compile_str(asm, target_backends=backends, input_type="onnx", extra_args=flags)
-    except Exception as exc:
+    from fusegraph.engines.iree.compile import IreeCompileFailure, compile_mlir
+
+    cl = ["--iree-input-type=onnx", *(f"--iree-hal-target-backends={b}" for b in backends),
+          "--mlir-print-op-on-diagnostic=false", *flags]
+    try:  # a bounded child iree-compile, as the IREE engine's compiles (engines/iree/compile.py)
+        vmfb = compile_mlir(asm, cl).vmfb
+    except IreeCompileFailure as exc:
         root.mkdir(parents=True, exist_ok=True)
         repro = root / f"{key}.failed.mlir"
         repro.write_text(asm)
-        raise CompileError("IREE failed to compile the region", diagnostic=str(exc), reproducer=repro) from exc
+        raise CompileError(f"IREE failed to compile the region: {exc}", diagnostic=exc.diagnostic,
+                           reproducer=repro) from exc
     root.mkdir(parents=True, exist_ok=True)
     cached.write_bytes(vmfb)
     return bytes(vmfb)
