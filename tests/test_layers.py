@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import itertools
 import json
 import os
 import subprocess
@@ -132,6 +133,90 @@ def test_the_layer_check_sees_function_level_imports(tmp_path: Path) -> None:
     found = [(line, module) for line, module, _ in _imports(src, "fusegraph.x")]
     assert (5, "fusegraph.engines") in found and (6, "fusegraph.onnx.plan") in found
     assert all(module != "fusegraph.select" for _, module in found)  # TYPE_CHECKING only
+
+
+def _node_of(module: str) -> str:
+    """The subpackage a module belongs to (``fusegraph.engines.torch`` for
+    ``fusegraph.engines.torch.plan``), or the module itself for a top module
+    (``fusegraph.dtypes``); ``fusegraph`` is the package's __init__ (the re-exports)."""
+    parts = module.split(".")
+    path = PKG.joinpath(*parts[1:])
+    if path.is_dir():  # a package: its own node
+        return module
+    return ".".join(parts[:-1]) if len(parts) > 2 else module
+
+
+def _target(module: str, names: list[str]) -> list[str]:
+    """What ``from module import names`` (or ``import module``) imports: a submodule or
+    subpackage named in ``names`` where there is one, else ``module`` itself."""
+    base = PKG.joinpath(*module.split(".")[1:])
+    subs = [f"{module}.{n}" for n in names if (base / f"{n}.py").is_file() or (base / n).is_dir()]
+    return subs if len(subs) == len(names) and names else [module]
+
+
+def subpackage_imports() -> dict[str, dict[str, str]]:
+    """node -> {node it imports: one place that does}, every import (module- and
+    function-level; not under TYPE_CHECKING) between fusegraph's subpackages and top modules."""
+    edges: dict[str, dict[str, str]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        src = _node_of(module)
+        edges.setdefault(src, {})
+        for line, imported, names in _imports(path, _package_of(path)):
+            if imported.split(".")[0] != "fusegraph" or (imported == "fusegraph" and names == ["__version__"]):
+                continue  # another library, or the version string set before anything is imported
+            for target in _target(imported, names):
+                dst = _node_of(target)
+                if dst != src:
+                    edges[src].setdefault(dst, f"{path.relative_to(ROOT)}:{line}")
+    return edges
+
+
+def find_cycle(edges: dict[str, dict[str, str]]) -> list[str]:
+    """One import cycle as its path of nodes (first node repeated at the end), or []."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(edges.get(node, {})):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        state[node] = 2
+        path.pop()
+        return []
+
+    for node in sorted(edges):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return []
+
+
+def test_no_import_cycle_between_subpackages() -> None:
+    edges = subpackage_imports()
+    assert {"fusegraph.graph", "fusegraph.engines", "fusegraph.engines.torch", "fusegraph.onnx.ops"} <= set(edges)
+    cycle = find_cycle(edges)
+    where = [f"{a} -> {b} ({edges[a][b]})" for a, b in itertools.pairwise(cycle)]
+    assert not cycle, "import cycle between subpackages:\n  " + "\n  ".join(where)
+
+
+def test_the_cycle_check_finds_a_cycle() -> None:
+    edges = {"a": {"b": "a.py:1"}, "b": {"c": "b.py:1"}, "c": {"a": "c.py:3"}, "d": {"a": "d.py:1"}}
+    assert find_cycle(edges) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b": ""}, "b": {}}) == []
+    assert _node_of("fusegraph.engines.torch.plan") == "fusegraph.engines.torch"
+    assert _node_of("fusegraph.engines.registry") == "fusegraph.engines"
+    assert _node_of("fusegraph.dtypes") == "fusegraph.dtypes"
+    assert _target("fusegraph.engines", ["registry"]) == ["fusegraph.engines.registry"]
+    assert _target("fusegraph.graph.ops", ["OpKind"]) == ["fusegraph.graph.ops"]
 
 
 def test_no_module_over_800_lines() -> None:
