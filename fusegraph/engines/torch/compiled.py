@@ -49,9 +49,11 @@ def compile_graph(
     in_names: Sequence[str],
     out_names: Sequence[str],
     example: Sequence[Tensor],
+    options: dict[str, Any] | None = None,
 ) -> Positional:
     """Traces ``fn`` on ``example`` (tensors laid out as the graph declares) and compiles it
-    with Inductor; raises CompileError naming the graph when either step fails."""
+    with Inductor (``options``: torch._inductor.config patches); raises CompileError naming
+    the graph when either step fails."""
     torch = _torch()
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -59,7 +61,7 @@ def compile_graph(
     try:
         with torch.inference_mode(False), torch.no_grad():
             gm = make_fx(run, tracing_mode="real")(*example)
-            compiled: Any = torch._inductor.compile(gm, list(example))
+            compiled: Any = torch._inductor.compile(gm, list(example), options=options)
     except Exception as exc:
         raise CompileError(
             f"torch engine: Inductor could not compile graph '{graph.name}': {type(exc).__name__}",
