@@ -42,7 +42,7 @@ HEURISTICS_GROUP = "fusegraph.heuristics"
 # engines` lists them and FALLBACK mode tries them; the heuristics decide real preference).
 BUILTIN: dict[str, str] = {
     "iree": "fusegraph.engines.iree:IreeEngine",
-    "torch": "fusegraph.engines.torch:TorchEngine",
+    "torch": "fusegraph.engines.torch.engine:TorchEngine",
     "cudnn": "fusegraph.engines.cudnn:CudnnEngine",
     "reference": "fusegraph.engines.reference:ReferenceEngine",
 }

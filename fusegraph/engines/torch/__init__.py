@@ -25,19 +25,47 @@ engine without loading its library, issue 10):
 
 from __future__ import annotations
 
-from fusegraph.engines.torch.convert import (
-    buffer_to_torch,
-    from_numpy,
-    to_numpy_into,
-    torch_build_info,
-    torch_dtype,
-    torch_installed,
-    torch_to_buffer,
-)
-from fusegraph.engines.torch.engine import TorchEngine
-from fusegraph.engines.torch.lower import LOWER
-from fusegraph.engines.torch.onednn_graph import ONEDNN_GRAPH_DEFAULT
-from fusegraph.engines.torch.plan import TorchPlan
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fusegraph.engines.torch.convert import (
+        buffer_to_torch,
+        from_numpy,
+        to_numpy_into,
+        torch_build_info,
+        torch_dtype,
+        torch_installed,
+        torch_to_buffer,
+    )
+    from fusegraph.engines.torch.engine import TorchEngine
+    from fusegraph.engines.torch.lower import LOWER
+    from fusegraph.engines.torch.onednn_graph import ONEDNN_GRAPH_DEFAULT
+    from fusegraph.engines.torch.plan import TorchPlan
+
+# Each public name and the module that defines it, imported on first access (PEP 562): the
+# registry lists the engine through ``engine`` alone, without the lowerings and the plan.
+_HOME = {
+    "LOWER": "lower",
+    "ONEDNN_GRAPH_DEFAULT": "onednn_graph",
+    "TorchEngine": "engine",
+    "TorchPlan": "plan",
+    "buffer_to_torch": "convert",
+    "from_numpy": "convert",
+    "to_numpy_into": "convert",
+    "torch_build_info": "convert",
+    "torch_dtype": "convert",
+    "torch_installed": "convert",
+    "torch_to_buffer": "convert",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+
 
 __all__ = [
     "LOWER",

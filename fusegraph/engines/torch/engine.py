@@ -19,11 +19,7 @@ import json
 from collections.abc import Sequence
 
 from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support
-from fusegraph.engines.torch import fusion as torch_fusion
-from fusegraph.engines.torch import onednn_graph as torch_onednn_graph
 from fusegraph.engines.torch.convert import _FP8, _torch, torch_build_info, torch_installed
-from fusegraph.engines.torch.onednn_graph import ONEDNN_GRAPH_DEFAULT
-from fusegraph.engines.torch.plan import TorchPlan
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import (
@@ -128,6 +124,12 @@ class TorchEngine:
         return self._compile_ok
 
     def knobs(self, graph: Graph, handle: Handle) -> Sequence[Knob]:
+        # The plan's modules load when a plan is asked about, not when the engine is listed
+        # (every build lists every engine for the tuning database's key: issue 10's cold build).
+        from fusegraph.engines.torch import fusion as torch_fusion
+        from fusegraph.engines.torch import onednn_graph as torch_onednn_graph
+        from fusegraph.engines.torch.onednn_graph import ONEDNN_GRAPH_DEFAULT
+
         kinds = {n.kind for n in graph.nodes}
         out: list[Knob] = []
         if self.compile_support(handle):
@@ -218,6 +220,8 @@ class TorchEngine:
             from fusegraph.errors import UnsupportedError
 
             raise UnsupportedError(f"torch engine cannot run graph '{graph.name}': {sup.reason}")
+        from fusegraph.engines.torch.plan import TorchPlan
+
         return TorchPlan(graph, handle, config)
 
     def load_plan(self, data: bytes, handle: Handle) -> ExecutionPlan:
