@@ -313,9 +313,7 @@ def _per_engine(name: str, error: type[BaseException] | None, *match: str, xfail
     return deco
 
 
-@_per_engine("pack_output_aliases_input", VariantPackError, "'y'", xfail={"torch": (
-    "the torch engine's pack fast path (engines/torch/plan.py) skips the aliasing check that "
-    "resolve_pack makes; fixed once the torch package lands")})
+@_per_engine("pack_output_aliases_input", VariantPackError, "'y'")
 def _(tmp: Path, engine: str) -> None:
     g = add_graph()
     a = _rng().standard_normal((4, 6)).astype(np.float32)

@@ -88,7 +88,10 @@ def check_array(t: TensorAttr, value: Any, *, what: str, strides: bool = True) -
         raise VariantPackError(f"{what} has dtype {arr.dtype}, expected {t.dtype.name} ({t.dtype.numpy})", tensor=t.name)
     _check_within_base(t, arr, what)
     have = layout.element_strides(arr.shape, arr.strides, arr.itemsize)
-    if not strides:  # what the engine can view as is (torch takes no negative strides), else a copy
+    if not strides and not layout.self_overlapping(t.shape, t.strides):
+        # what the engine can view as is (torch takes no negative strides), else a copy; a
+        # tensor declared broadcast or overlapping is laid out as declared (below), where
+        # a differently strided array is checked against the memory it claims to share
         return arr if have is not None and min(have, default=0) >= 0 else np.ascontiguousarray(arr)
     if have is not None and layout.same_strides(t.shape, have, t.strides):
         return arr
@@ -160,15 +163,25 @@ def _shares(a: np.ndarray, b: np.ndarray) -> bool:
         return True
 
 
+def _host_memory(value: Any) -> np.ndarray | None:
+    """A view of the host memory of a NumPy array or CPU torch tensor (never a copy: a
+    device Buffer or anything else converted would only cost a transfer)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if _is_torch(value) and value.device.type == "cpu":
+        return host_view(value)
+    return None
+
+
 def check_no_alias(outputs: Mapping[str, Any], inputs: Mapping[str, Any]) -> None:
     """Output arrays may share memory with no input and no other output: engines read
     inputs and write outputs in any order (and IREE aliases host inputs), so an in-place
     pack would be silently wrong on some engine. Values that are not host arrays (device
     Buffers) are skipped."""
-    outs = [(n, v) for n, v in outputs.items() if isinstance(v, np.ndarray)]
+    outs = [(n, a) for n, v in outputs.items() if (a := _host_memory(v)) is not None]
     if not outs:
         return
-    ins = [(n, a) for n, v in inputs.items() if (a := host_view(v)) is not None]
+    ins = [(n, a) for n, v in inputs.items() if (a := _host_memory(v)) is not None]
     for i, (name, arr) in enumerate(outs):
         for other, src in ins:
             if _shares(arr, src):

@@ -228,6 +228,11 @@ class Builder:
         return Val(self._consts[key], (), dtype, ())
 
 
+def _stands_in(have: Sequence[int], dims: Sequence[int]) -> bool:
+    """Whether ``have`` is ``dims`` with some axes at a broadcast stand-in size of 1."""
+    return len(have) == len(dims) and all(h in (1, d) for h, d in zip(have, dims, strict=True))
+
+
 # ---- the lowering context ----------------------------------------------------------------
 @dataclass
 class Lowering:
@@ -274,8 +279,13 @@ class Lowering:
 
     def set(self, t: TensorAttr, val: Val) -> None:
         """Binds a node result, cast to the tensor's declared data type (a virtual tensor
-        computed in a wider float type stays wide when round_intermediates is off)."""
-        if val.logical_shape != tuple(t.shape):
+        computed in a wider float type stays wide when round_intermediates is off).
+
+        A result computed from broadcast inputs may keep size-1 stand-ins for its broadcast
+        axes, as graph inputs do: readers expand them where they need to (``full=True``).
+        Expanding eagerly made IREE 3.13's data tiling crash on a matmul reading the
+        expansion (e.g. sigmoid of an expanded input, then matmul)."""
+        if val.logical_shape != tuple(t.shape) and not _stands_in(val.logical_shape, t.shape):
             val = self.broadcast(val, t.shape, val.perm)
         keep_wide = (
             not self.options.round_intermediates

@@ -1,9 +1,31 @@
-"""Matmul: batch-broadcasting ``torch.aten.matmul`` in the compute type."""
+"""Matmul: batch-broadcasting ``torch.aten.matmul`` in the compute type.
+
+A broadcast (stride-0) graph input stays at its stand-in size 1 on its batch, M (of A) and
+N (of B) axes: torch's matmul broadcasts batch axes itself, and a product over a broadcast
+M or N axis is the product of one row (column), broadcast afterwards -- less work, and IREE
+3.13's data tiling crashes (SIGSEGV in MaterializeEncoding) on a matmul whose operand is
+an expanded broadcast. Only a broadcast K axis is expanded.
+"""
 
 from __future__ import annotations
 
-from fusegraph.engines.iree.lower_base import Lowering, identity
+from fusegraph.engines.iree.lower_base import Lowering, Val, identity
+from fusegraph.graph.infer import broadcast_dims
 from fusegraph.graph.node import Node
+from fusegraph.graph.tensor import TensorAttr
+
+
+def _operand(ctx: Lowering, t: TensorAttr, k_axis: int) -> Val:
+    """``t`` in logical order, broadcast only along its contraction axis."""
+    rank = len(t.shape)
+    v = ctx.get(t, identity(rank))
+    if v.rank != rank:  # a scalar constant: full size
+        return ctx.get(t, identity(rank), full=True)
+    if v.shape[k_axis] != t.shape[k_axis]:
+        dims = list(v.shape)
+        dims[k_axis] = t.shape[k_axis]
+        v = ctx.broadcast(v, dims, identity(rank))
+    return v
 
 
 def lower_matmul(ctx: Lowering, node: Node) -> None:
@@ -11,7 +33,10 @@ def lower_matmul(ctx: Lowering, node: Node) -> None:
     ct = ctx.compute_type(node, at.dtype, bt.dtype)
     # Operands in logical order: a transposed operand (column-major B...) becomes a
     # transpose that IREE folds into the contraction's indexing maps.
-    a = ctx.cast(ctx.get(at, identity(len(at.shape)), full=True), ct)
-    b = ctx.cast(ctx.get(bt, identity(len(bt.shape)), full=True), ct)
-    c = ctx.b.aten("matmul", [a, b], ct_.shape, ct, identity(len(ct_.shape)))
-    ctx.set(ct_, c)
+    a = ctx.cast(_operand(ctx, at, len(at.shape) - 1), ct)
+    b = ctx.cast(_operand(ctx, bt, len(bt.shape) - 2), ct)
+    batch = broadcast_dims([a.shape[:-2], b.shape[:-2]]) if (a.rank > 2 or b.rank > 2) else ()
+    assert batch is not None
+    shape = (*batch, a.shape[-2], b.shape[-1])
+    c = ctx.b.aten("matmul", [a, b], shape, ct, identity(len(shape)))
+    ctx.set(ct_, c)  # broadcast to the output's dims where an operand was

@@ -149,6 +149,10 @@ def _lower_sdpa(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, Tens
         keep = torch.ones((sq, skv), dtype=torch.bool, device=q.device).tril()
         mask = mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, -math.inf)
         causal = False
+    hq, hk, hv = q.shape[1], k.shape[1], v.shape[1]
+    if hk != hv:  # cuDNN's separate h_k and h_v: torch's GQA wants them equal, so repeat both
+        k = k.repeat_interleave(hq // hk, dim=1) if hk != hq else k
+        v = v.repeat_interleave(hq // hv, dim=1) if hv != hq else v
     gqa = q.shape[1] != k.shape[1]
     o = _F().scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=causal, scale=attrs.attn_scale, enable_gqa=gqa

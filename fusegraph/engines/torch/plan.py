@@ -41,7 +41,7 @@ from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.runtime.handle import Handle
-from fusegraph.runtime.variant_pack import ResolvedPack, check_array, resolve_pack
+from fusegraph.runtime.variant_pack import ResolvedPack, check_array, check_no_alias, resolve_pack
 
 log = logging.getLogger("fusegraph.engines.torch")
 
@@ -365,6 +365,8 @@ class TorchPlan(CudaGraphs, ExecutionPlan):
             inputs = {**self._bound_src, **inputs}  # bound inputs the caller left out
             if len(inputs) != len(ins):
                 return self._resolve_slowly(variant_pack)
+        if outputs:
+            check_no_alias(outputs, inputs)  # as resolve_pack does: no output over an input
         return ResolvedPack(inputs, outputs, overridden)
 
     def _resolve_slowly(self, variant_pack: Any) -> ResolvedPack:
