@@ -358,6 +358,37 @@ def sdpa_bad_mask() -> None:
     g.validate()
 
 
+def sdpa_scale_nan() -> None:
+    g = graph()
+    q, k, v = g.tensor("q", [1, 2, 5, 8]), g.tensor("k", [1, 2, 5, 8]), g.tensor("v", [1, 2, 5, 8])
+    g.sdpa(q, k, v, attn_scale=float("nan"), name="attn").set_output(True)
+    g.validate()
+
+
+def scalar_beyond_int8() -> None:
+    g = graph()
+    g.scalar(300, DataType.INT8)
+
+
+def pointwise_param_infinite() -> None:
+    g = graph()
+    g.elu(g.tensor("x", [2, 2]), alpha=float("inf"), name="elu").set_output(True)
+    g.validate()
+
+
+def softplus_beta_zero() -> None:
+    g = graph()
+    g.softplus(g.tensor("x", [2, 2]), beta=0.0, name="sp").set_output(True)
+    g.validate()
+
+
+def int_conv_float_compute() -> None:
+    g = fg.Graph(name="bad", io_data_type=DataType.INT8)
+    x, w = g.tensor("img", [1, 4, 5, 5]), g.tensor("filt", [4, 4, 3, 3])
+    g.conv_fprop(x, w, padding=[0, 0], stride=[1, 1], dilation=[1, 1], compute_data_type=F32, name="conv").set_output(True)
+    g.validate()
+
+
 def softmax_bad_axis() -> None:
     g = graph()
     g.softmax(g.tensor("x", [2, 3]), axis=2, name="sm").set_output(True)
@@ -524,6 +555,11 @@ CASES = [
     Case("pooling_padding_too_large", pooling_padding_too_large, ("pool", "padding"), node="pool"),
     Case("sdpa_head_mismatch", sdpa_head_mismatch, ("attn", "'k'"), node="attn", tensor="k"),
     Case("sdpa_bad_mask", sdpa_bad_mask, ("attn", "mask"), node="attn", tensor="mask"),
+    Case("sdpa_scale_nan", sdpa_scale_nan, ("attn", "attn_scale"), node="attn"),
+    Case("scalar_beyond_int8", scalar_beyond_int8, ("300", "INT8"), tensor="scalar_0"),
+    Case("pointwise_param_infinite", pointwise_param_infinite, ("elu", "elu_alpha", "finite"), node="elu"),
+    Case("softplus_beta_zero", softplus_beta_zero, ("sp", "softplus_beta"), node="sp"),
+    Case("int_conv_float_compute", int_conv_float_compute, ("conv", "INT32", "FLOAT"), node="conv"),
     Case("softmax_bad_axis", softmax_bad_axis, ("sm", "axis 2"), node="sm"),
     Case("transpose_bad_permutation", transpose_bad_permutation, ("tr", "[0, 0, 1]"), node="tr", tensor="x"),
     Case("reshape_count_mismatch", reshape_count_mismatch, ("rs", "[4, 2]"), node="rs", tensor="rs::y"),
