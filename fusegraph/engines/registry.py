@@ -19,11 +19,13 @@ import contextlib
 import functools
 import importlib
 import inspect
+import json
 import logging
 import os
 import re
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from importlib import metadata
 from pathlib import Path
@@ -244,20 +246,48 @@ def _missing_members(obj: Any) -> list[str]:
 
 
 _SECTIONS = (f"[{ENTRY_POINT_GROUP}]", f"[{HEURISTICS_GROUP}]")
+SCAN_SCHEMA = 1
 
 
 def plugin_entry_points() -> metadata.EntryPoints:
     """The entry points of distributions that declare fusegraph plugins.
 
     ``importlib.metadata.entry_points()`` parses the metadata of every installed
-    distribution (10-30 ms here, most of a cached build); this reads each one's
-    entry_points.txt as text and parses only those naming a fusegraph group, with the same
-    rule for duplicates (the first distribution of a name on sys.path wins)."""
-    seen: set[str] = set()
+    distribution (10-30 ms here, most of a cached build); :func:`_scan` reads each one's
+    entry_points.txt as text instead (~2 ms of CPU for ~150 distributions), with the same
+    rule for duplicates (the first distribution of a name on sys.path wins). Its outcome,
+    which distributions declare plugins, is kept in the cache directory
+    (``registry/plugin_scan.json``) and reused while nothing it depends on has changed:
+    sys.path, the modification time of each of its directories (an installer adds or
+    removes a distribution's metadata directory there), and every entry_points.txt that an
+    egg-info holds (``setup.py develop`` rewrites those in place) or that named a group."""
+    path = _scan_path()
+    plugins = _cached_scan(path) if path is not None else None
+    if plugins is None:
+        plugins, watched = _scan()
+        if path is not None:
+            _store_scan(path, plugins, watched)
     found: list[metadata.EntryPoint] = []
-    for entry in sys.path:
+    for d in plugins:
+        found.extend(metadata.PathDistribution(Path(d)).entry_points)
+    return metadata.EntryPoints(ep for ep in found if ep.group in (ENTRY_POINT_GROUP, HEURISTICS_GROUP))
+
+
+def _search_path() -> list[str]:
+    return [os.path.abspath(entry or ".") for entry in sys.path]
+
+
+def _scan() -> tuple[list[str], dict[str, list[int] | None]]:
+    """The metadata directories of distributions that declare fusegraph plugins, in
+    sys.path order, and the signatures (taken before reading) of the paths whose change
+    would change that answer."""
+    seen: set[str] = set()
+    plugins: list[str] = []
+    watched: dict[str, list[int] | None] = {}
+    for entry in _search_path():
+        watched[entry] = _signature(entry)
         try:
-            listing = os.scandir(entry or ".")
+            listing = os.scandir(entry)
         except OSError:  # not a directory (a zip, a missing path): no plugin is looked for there
             continue
         with listing:
@@ -267,14 +297,64 @@ def plugin_entry_points() -> metadata.EntryPoints:
             if name in seen:
                 continue
             seen.add(name)
+            eps = os.path.join(d.path, "entry_points.txt")
+            sig = _signature(eps)
+            if d.name.endswith(".egg-info"):
+                watched[eps] = sig
             try:
-                with open(os.path.join(d.path, "entry_points.txt"), encoding="utf-8") as f:
+                with open(eps, encoding="utf-8") as f:
                     text = f.read()
             except OSError:
                 continue
             if any(section in text for section in _SECTIONS):
-                found.extend(metadata.PathDistribution(Path(d.path)).entry_points)
-    return metadata.EntryPoints(ep for ep in found if ep.group in (ENTRY_POINT_GROUP, HEURISTICS_GROUP))
+                plugins.append(d.path)
+                watched[eps] = sig
+    return plugins, watched
+
+
+def _signature(path: str) -> list[int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return [st.st_mtime_ns, st.st_size]
+
+
+def _scan_path() -> Path | None:
+    from fusegraph.runtime.cache_dir import cache_enabled, cache_root
+
+    return cache_root() / "registry" / "plugin_scan.json" if cache_enabled() else None
+
+
+def _cached_scan(path: Path) -> list[str] | None:
+    """The stored scan's plugin directories, or None when it is missing or out of date."""
+    from fusegraph.runtime.cache_dir import read_table
+
+    doc = read_table(path)
+    watched = doc.get("watched")
+    plugins = doc.get("plugins")
+    if doc.get("schema") != SCAN_SCHEMA or doc.get("path") != _search_path():
+        return None
+    if not isinstance(watched, dict) or not isinstance(plugins, list):
+        return None
+    if any(_signature(p) != sig for p, sig in watched.items()):
+        return None
+    return [str(d) for d in plugins]
+
+
+def _store_scan(path: Path, plugins: list[str], watched: dict[str, list[int] | None]) -> None:
+    from fusegraph.runtime.cache_dir import atomic_write_bytes
+
+    # A path changed in the last seconds may change again within its file system's
+    # timestamp granularity without its signature changing: such a scan is not kept.
+    recent = time.time_ns() - 2_000_000_000
+    if any(sig is not None and sig[0] > recent for sig in watched.values()):
+        return
+    doc = {"schema": SCAN_SCHEMA, "path": _search_path(), "watched": watched, "plugins": plugins}
+    try:
+        atomic_write_bytes(path, json.dumps(doc, indent=1).encode())
+    except OSError as exc:  # an unwritable cache costs the next process a scan, nothing more
+        log.debug("could not store the plugin scan at %s: %s", path, exc)
 
 
 def _instantiate(obj: Any) -> Any:

@@ -120,12 +120,25 @@ def ranked_configs(
 
 
 def _tuned_config(graph: Graph, handle: Handle, registry: Registry) -> EngineConfig | None:
+    from fusegraph.runtime.cache_dir import cache_root
+
+    # tuning_db.default_path(), looked at before importing tuning_db and device_id (their
+    # dataclasses and lookups cost a fresh process ~3 ms): no database, nothing tuned
+    try:
+        if not (cache_root() / "tuning" / "tuning.json").exists():
+            return None
+    except OSError:
+        return None
     from fusegraph.select.device_id import device_id
     from fusegraph.select.tuning_db import default_db, engine_versions
 
     try:
-        db, key, device = default_db(), graph.key(), device_id(handle)
-        if not any(e.graph_key == key and e.device == device for e in db.entries()):
+        db, key = default_db(), graph.key()
+        entries = db.entries()
+        if not any(e.graph_key == key for e in entries):
+            return None  # nothing tuned for this graph: no device or engine need be asked
+        device = device_id(handle)
+        if not any(e.graph_key == key and e.device == device for e in entries):
             return None  # nothing tuned for this graph here: no engine need be asked its versions
         entry = db.lookup(key, device, engine_versions(registry.available_engines()))
     except OSError as exc:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import functools
 import os
 import platform
-import subprocess
 
 from fusegraph.runtime.handle import Handle
 
@@ -43,6 +42,8 @@ def gpu_name(kind: str, index: int) -> str:
     except Exception:
         pass
     if kind == "cuda":
+        import subprocess  # only here: importing it costs a cached CPU build ~2 ms
+
         try:
             out = subprocess.run(
                 ["nvidia-smi", f"--id={index}", "--query-gpu=name", "--format=csv,noheader"],

@@ -133,6 +133,18 @@ class ModuleCache:
         _MEMORY.put(entry)
         return entry
 
+    def has(self, key: str) -> bool:
+        """Whether an entry for ``key`` is in memory or on disk (not read nor verified: a
+        stat, for questions that only need to know that the module was once compiled)."""
+        if not self.enabled:
+            return False
+        if _MEMORY.get(key) is not None:
+            return True
+        try:
+            return (self.entry_dir(key) / MANIFEST).is_file()
+        except OSError:
+            return False
+
     def compile_once(self, key: str, build: Callable[[], CacheEntry]) -> CacheEntry:
         """The entry for ``key``, calling ``build`` (which compiles and stores it) only
         when no process has it: a per-key file lock makes concurrent askers wait for the

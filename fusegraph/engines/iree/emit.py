@@ -13,32 +13,21 @@ import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from fusegraph.engines.base import Knob
-from fusegraph.engines.iree.lower_attention import lower_sdpa
-from fusegraph.engines.iree.lower_base import Lowering, Val, vtensor
-from fusegraph.engines.iree.lower_conv import lower_conv_dgrad, lower_conv_fprop, lower_conv_wgrad
-from fusegraph.engines.iree.lower_data import (
-    lower_concatenate,
-    lower_reshape,
-    lower_slice,
-    lower_transpose,
-)
-from fusegraph.engines.iree.lower_matmul import lower_matmul
-from fusegraph.engines.iree.lower_norm import (
-    lower_batchnorm,
-    lower_batchnorm_inference,
-    lower_layernorm,
-    lower_rmsnorm,
-)
-from fusegraph.engines.iree.lower_pointwise import lower_pointwise
-from fusegraph.engines.iree.lower_pool import lower_pooling
-from fusegraph.engines.iree.lower_reduce import lower_reduction, lower_softmax
 from fusegraph.errors import FusegraphError, UnsupportedError
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import OpKind
+
+if TYPE_CHECKING:
+    from fusegraph.engines.iree.lower_base import Lowering
+
+# The lowering modules are imported by the first emission (``lower_table()``), not here: a
+# build whose module is in the disk cache reads EMITTER_VERSION and EmitOptions from this
+# module and never emits, so it need not load every lowering (issue 10's cold build).
 
 
 def _source_digest() -> str:
@@ -115,32 +104,72 @@ class EmittedModule:
     output_shapes: tuple[tuple[int, ...], ...]
 
 
-NodeLowering = Callable[[Lowering, Node], None]
+NodeLowering = Callable[["Lowering", Node], None]
 
-LOWER: dict[OpKind, NodeLowering] = {
-    OpKind.CONV_FPROP: lower_conv_fprop,
-    OpKind.CONV_DGRAD: lower_conv_dgrad,
-    OpKind.CONV_WGRAD: lower_conv_wgrad,
-    OpKind.MATMUL: lower_matmul,
-    OpKind.POINTWISE: lower_pointwise,
-    OpKind.REDUCTION: lower_reduction,
-    OpKind.BATCHNORM_INFERENCE: lower_batchnorm_inference,
-    OpKind.BATCHNORM: lower_batchnorm,
-    OpKind.LAYERNORM: lower_layernorm,
-    OpKind.RMSNORM: lower_rmsnorm,
-    OpKind.POOLING: lower_pooling,
-    OpKind.SDPA: lower_sdpa,
-    OpKind.SOFTMAX: lower_softmax,
-    OpKind.RESHAPE: lower_reshape,
-    OpKind.TRANSPOSE: lower_transpose,
-    OpKind.CONCATENATE: lower_concatenate,
-    OpKind.SLICE: lower_slice,
-}
+_LOWER: dict[OpKind, NodeLowering] = {}
+
+
+def lower_table() -> dict[OpKind, NodeLowering]:
+    """OpKind -> its lowering (``LOWER``), the lowering modules imported on the first call."""
+    if not _LOWER:
+        from fusegraph.engines.iree.lower_attention import lower_sdpa
+        from fusegraph.engines.iree.lower_conv import (
+            lower_conv_dgrad,
+            lower_conv_fprop,
+            lower_conv_wgrad,
+        )
+        from fusegraph.engines.iree.lower_data import (
+            lower_concatenate,
+            lower_reshape,
+            lower_slice,
+            lower_transpose,
+        )
+        from fusegraph.engines.iree.lower_matmul import lower_matmul
+        from fusegraph.engines.iree.lower_norm import (
+            lower_batchnorm,
+            lower_batchnorm_inference,
+            lower_layernorm,
+            lower_rmsnorm,
+        )
+        from fusegraph.engines.iree.lower_pointwise import lower_pointwise
+        from fusegraph.engines.iree.lower_pool import lower_pooling
+        from fusegraph.engines.iree.lower_reduce import lower_reduction, lower_softmax
+
+        _LOWER.update({
+            OpKind.CONV_FPROP: lower_conv_fprop,
+            OpKind.CONV_DGRAD: lower_conv_dgrad,
+            OpKind.CONV_WGRAD: lower_conv_wgrad,
+            OpKind.MATMUL: lower_matmul,
+            OpKind.POINTWISE: lower_pointwise,
+            OpKind.REDUCTION: lower_reduction,
+            OpKind.BATCHNORM_INFERENCE: lower_batchnorm_inference,
+            OpKind.BATCHNORM: lower_batchnorm,
+            OpKind.LAYERNORM: lower_layernorm,
+            OpKind.RMSNORM: lower_rmsnorm,
+            OpKind.POOLING: lower_pooling,
+            OpKind.SDPA: lower_sdpa,
+            OpKind.SOFTMAX: lower_softmax,
+            OpKind.RESHAPE: lower_reshape,
+            OpKind.TRANSPOSE: lower_transpose,
+            OpKind.CONCATENATE: lower_concatenate,
+            OpKind.SLICE: lower_slice,
+        })
+    return _LOWER
+
+
+def __getattr__(name: str) -> Any:
+    """``emit.LOWER``: the lowering table, loaded on first use (PEP 562)."""
+    if name == "LOWER":
+        return lower_table()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def emit_mlir(graph: Graph, func_name: str = "main", options: EmitOptions | None = None) -> EmittedModule:
     """The torch-dialect module of a graph; raises UnsupportedError naming the node."""
+    from fusegraph.engines.iree.lower_base import Lowering, Val, vtensor
+
     graph.ensure_valid()
+    table = lower_table()
     ctx = Lowering(graph, options or EmitOptions())
     ins = graph.inputs()
     args: list[str] = []
@@ -153,7 +182,7 @@ def emit_mlir(graph: Graph, func_name: str = "main", options: EmitOptions | None
         in_shapes.append(shape)
     for node in graph.topological_order():
         ctx.node = node
-        lower = LOWER.get(node.kind)
+        lower = table.get(node.kind)
         if lower is None:
             raise UnsupportedError(f"the IREE emitter has no lowering for {node.kind.value}", node=node.name)
         try:

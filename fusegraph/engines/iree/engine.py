@@ -2,24 +2,28 @@
 
 build() = key -> in-memory module? -> disk cache? -> emit + compile + store -> bind.
 The key covers everything the compiled code depends on (graph, target and host CPU,
-flags, IREE, emitter), so a warm build never emits or compiles.
+flags, IREE, emitter), so a warm build never emits or compiles -- nor imports what does:
+the lowerings (``emit.lower_table()``) and the compiler driver (``compile.py``) are loaded
+by the first compile, and supports() answers from the cache when the graph's module for the
+default knobs is there (issue 10: a cached build in a fresh process).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import logging
 import re
 from collections.abc import Callable, Mapping, Sequence
 from functools import cache
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from fusegraph import __version__
 from fusegraph.engines.base import EngineConfig, Knob, Support
-from fusegraph.engines.iree import compile as iree_compile
 from fusegraph.engines.iree.cache import CacheEntry, ModuleCache, failures_dir
 from fusegraph.engines.iree.flags import FlagSet, flag_knobs, flagset_from_knobs
 from fusegraph.engines.iree.targets import TARGETS, Target, target_for_device
@@ -41,31 +45,56 @@ Emitter = Callable[..., Any]  # emit_mlir(graph, func_name=..., options=...) -> 
 @cache
 def iree_version() -> str:
     """The IREE runtime's version and revision (read without importing the compiler)."""
-    try:
-        from iree.runtime import version as v
+    from fusegraph.runtime.iree_hal import runtime_version_module
 
+    try:
+        v = runtime_version_module()
         rev = getattr(v, "REVISIONS", {}).get("IREE", "")
         return f"{v.VERSION}@{rev[:12]}" if rev else str(v.VERSION)
     except Exception:
         return "unavailable"
 
 
+def _compiler_locations() -> list[str]:
+    """Where the iree.compiler package lives (found, not imported: the import takes 160 ms)."""
+    try:
+        spec = importlib.util.find_spec("iree.compiler")
+    except (ImportError, ValueError):
+        return []
+    return list(spec.submodule_search_locations or []) if spec else []
+
+
 @cache
 def compiler_version() -> str:
     """The IREE compiler package's version, from its version.py (no import: 160 ms)."""
-    import importlib.util
-
     try:
-        spec = importlib.util.find_spec("iree.compiler")
-        locs = list(spec.submodule_search_locations or []) if spec else []
-        for loc in locs:
+        for loc in _compiler_locations():
             text = (Path(loc) / "version.py").read_text()
             m = re.search(r"VERSION\s*=\s*['\"]([^'\"]+)", text)
             if m:
                 return m.group(1)
-    except (OSError, ImportError, ValueError):
+    except OSError:
         pass
     return "unknown"
+
+
+def _compiler() -> ModuleType:
+    """engines/iree/compile.py, imported by the first compile (a cached build needs none of
+    it: subprocess, signal, resource... cost a fresh process ~5 ms)."""
+    from fusegraph.engines.iree import compile as iree_compile
+
+    return iree_compile
+
+
+def _has_compiler() -> bool:
+    """Whether ``iree-compile`` can be found; where the package ships the binary at its usual
+    place this is a stat, else compile.py's own search (which may import iree.compiler)."""
+    if any((Path(loc) / "_mlir_libs" / "iree-compile").exists() for loc in _compiler_locations()):
+        return True
+    try:
+        return _compiler().iree_compile_path() is not None
+    except Exception:
+        return False
 
 
 def _emit_module() -> Any:
@@ -108,11 +137,15 @@ class IreeEngine:
 
     # ---- protocol ------------------------------------------------------------------------------
     def available(self) -> Support:
+        """Cheap (the registry asks every engine): the runtime and compiler packages are
+        found, not imported; a runtime that fails to import is reported by supports()."""
         try:
-            import iree.runtime  # noqa: F401
-        except ImportError as exc:
+            found = importlib.util.find_spec("iree.runtime") is not None
+        except (ImportError, ValueError) as exc:
             return Support.no(f"iree-base-runtime is not installed ({exc})")
-        if iree_compile.iree_compile_path() is None or compiler_version() == "unknown":
+        if not found:
+            return Support.no("iree-base-runtime is not installed (no module named 'iree.runtime')")
+        if compiler_version() == "unknown" or not _has_compiler():
             return Support.no("iree-base-compiler is not installed")
         return Support.yes()
 
@@ -123,15 +156,20 @@ class IreeEngine:
         kind = handle.device.kind
         if kind not in TARGETS:
             return Support.no(f"no IREE target for device kind '{kind}'")
-        from fusegraph.engines.iree.runtime import available_drivers, runtime_for
+        from fusegraph.engines.iree.runtime import available_drivers, bindings, runtime_for
 
-        driver = TARGETS[kind].driver
-        if driver not in available_drivers():
-            return Support.no(f"the installed IREE runtime has no '{driver}' driver")
+        target = TARGETS[kind]
         try:
+            bindings()
+            if target.driver not in available_drivers():
+                return Support.no(f"the installed IREE runtime has no '{target.driver}' driver")
             runtime_for(handle)
         except UnsupportedError as exc:
             return Support.no(exc.detail)
+        except ImportError as exc:
+            return Support.no(f"iree-base-runtime is not installed ({exc})")
+        if self._emitter is None and self._in_cache(graph, target):
+            return Support.yes()  # the emitter lowered this graph already (its version is in the key)
         if self._emitter is None:
             try:
                 emit = _emit_module()
@@ -148,6 +186,19 @@ class IreeEngine:
                 if reason:
                     return Support.no(str(reason))
         return Support.yes()
+
+    def _in_cache(self, graph: Graph, target: Target) -> bool:
+        """Whether the module of ``graph`` for the default knobs is in the cache: then the
+        emitter at this version lowered it with the default EmitOptions, which is what
+        ``unsupported_reason`` would try again (and a fresh process need not load the
+        lowerings to hear "yes")."""
+        if not self.cache.enabled:
+            return False
+        try:
+            key = self._key(graph, target, {})
+        except (FusegraphError, ValueError):
+            return False
+        return self.cache.has(key)
 
     def knobs(self, graph: Graph, handle: Handle) -> Sequence[Knob]:
         return [*flag_knobs(target_for_device(handle.device)), *self._emit_knobs()]
@@ -171,15 +222,22 @@ class IreeEngine:
     # ---- compile + cache --------------------------------------------------------------------------
     def compile_entry(self, graph: Graph, target: Target, knobs: Mapping[str, Any]) -> CacheEntry:
         """The compiled module for graph/target/knobs: from the cache, else compiled and stored."""
-        flagset, emit_options = self._split_knobs(target, knobs)
-        flagset = _avoid_llvm_abort(graph, target, flagset, explicit=knobs)
-        flagset = _avoid_i1_pack(graph, target, flagset, explicit=knobs)
-        flags = flagset.flags(target)
-        key = self.cache_key(graph, target, flags, emit_options)
+        key, flagset, flags, emit_options = self._resolve(graph, target, knobs)
         # one compile per key across processes: others wait on the key's lock, then hit
         return self.cache.compile_once(
             key, lambda: self._compile(graph, target, flagset, flags, emit_options, key)
         )
+
+    def _resolve(self, graph: Graph, target: Target, knobs: Mapping[str, Any]) -> tuple[str, FlagSet, tuple[str, ...], Any]:
+        """The cache key of graph/target/knobs, with the flag set, flags and emit options it covers."""
+        flagset, emit_options = self._split_knobs(target, knobs)
+        flagset = _avoid_llvm_abort(graph, target, flagset, explicit=knobs)
+        flagset = _avoid_i1_pack(graph, target, flagset, explicit=knobs)
+        flags = flagset.flags(target)
+        return self.cache_key(graph, target, flags, emit_options), flagset, flags, emit_options
+
+    def _key(self, graph: Graph, target: Target, knobs: Mapping[str, Any]) -> str:
+        return self._resolve(graph, target, knobs)[0]
 
     def cache_key(self, graph: Graph, target: Target, flags: Sequence[str], emit_options: Any) -> str:
         fields = {
@@ -198,6 +256,7 @@ class IreeEngine:
         self, graph: Graph, target: Target, flagset: FlagSet, flags: Sequence[str], emit_options: Any, key: str
     ) -> CacheEntry:
         emitted = self._emit(graph, emit_options)
+        iree_compile = _compiler()
         try:
             result = iree_compile.compile_mlir(emitted.text, flags)
         except iree_compile.IreeCompileFailure as exc:

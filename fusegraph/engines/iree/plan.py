@@ -66,8 +66,9 @@ class IreePlan(ExecutionPlan):
         entry: CacheEntry,
     ) -> None:
         super().__init__(graph, handle, config)
-        import iree.runtime as rt
+        from fusegraph.engines.iree.runtime import bindings, track
 
+        rt = bindings()
         self.runtime = runtime
         self.loaded = loaded
         self.entry = entry
@@ -85,8 +86,6 @@ class IreePlan(ExecutionPlan):
         self._function = loaded.function
         self._VariantList = rt.VmVariantList
         self._BufferView = rt.HalBufferView
-        from fusegraph.engines.iree.runtime import track
-
         self._track = track
         track(self)
 
