@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from fusegraph import __version__
-from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support
+from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support, distribution_version
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.runtime.handle import Handle
@@ -68,10 +68,8 @@ class ReferenceEngine:
         return ReferencePlan(graph, handle, config or EngineConfig(self.name))
 
     def library_versions(self) -> dict[str, str]:
-        from importlib import metadata
-
         # the distribution's version is scipy.__version__, without importing SciPy (0.1 s)
-        return {"numpy": np.__version__, "scipy": metadata.version("scipy")}
+        return {"numpy": np.__version__, "scipy": distribution_version("scipy")}
 
     def load_plan(self, data: bytes, handle: Handle) -> ExecutionPlan:
         d = json.loads(data.decode())

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fusegraph import __version__
-from fusegraph.engines.base import Engine, EngineConfig
+from fusegraph.engines.base import Engine, EngineConfig, distribution_version
 from fusegraph.runtime.cache_dir import atomic_write_bytes, cache_root, file_lock, warn_unavailable
 
 log = logging.getLogger("fusegraph.select")
@@ -57,7 +57,7 @@ def engine_versions(engines: Sequence[Engine]) -> dict[str, str]:
                     out[f"lib:{k}"] = str(v)
         for dist in _DISTRIBUTIONS.get(e.name, ()):
             with contextlib.suppress(metadata.PackageNotFoundError):
-                out[f"lib:{dist}"] = metadata.version(dist)
+                out[f"lib:{dist}"] = distribution_version(dist)
     return out
 
 

@@ -4,7 +4,8 @@ epilogue as one kernel (DESIGN.md: conv+bias+ReLU 0.043 ms fused vs 0.066 ms as 
 PyTorch calls on the H200).
 
 Nothing here imports cudnn or torch at module import: ``available``/``supports``/``build``
-do, the first time they are asked. ``supports`` answers from cuDNN itself (the operation
+do, the first time they are asked; the lowering, store and plan modules are imported on
+first use too (listing the engines for a build on another engine need not load them). ``supports`` answers from cuDNN itself (the operation
 graph built and its support checked), cached per graph key and device.
 """
 
@@ -17,16 +18,17 @@ import logging
 import threading
 from collections.abc import Sequence
 from importlib import metadata
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fusegraph import __version__
 from fusegraph.dtypes import DataType
-from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support
-from fusegraph.engines.cudnn import lower, store
-from fusegraph.engines.cudnn.plan import CudnnPlan, split_blob
+from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support, distribution_version
 from fusegraph.errors import CompileError, UnsupportedError
 from fusegraph.graph.graph import Graph
 from fusegraph.runtime.handle import Handle
+
+if TYPE_CHECKING:
+    from fusegraph.engines.cudnn.plan import CudnnPlan
 
 log = logging.getLogger("fusegraph.engines.cudnn")
 
@@ -60,7 +62,7 @@ class CudnnEngine:
     @property
     def version(self) -> str:
         try:
-            return f"{__version__}+fe{metadata.version('nvidia-cudnn-frontend')}"
+            return f"{__version__}+fe{distribution_version('nvidia-cudnn-frontend')}"
         except metadata.PackageNotFoundError:
             return __version__
 
@@ -140,6 +142,8 @@ class CudnnEngine:
         dev = self._device_support(handle)
         if not dev:
             return dev, 0
+        from fusegraph.engines.cudnn import lower
+
         why = lower.refusal(graph)
         if why is not None:
             return Support.no(why), 0
@@ -168,6 +172,8 @@ class CudnnEngine:
     def _stored_verdict(self, graph: Graph, handle: Handle, key: tuple[str, str]) -> tuple[Support, int] | None:
         """A plan stored by an earlier process answers without cuDNN's heuristics or
         compilation: loaded here, handed to build()."""
+        from fusegraph.engines.cudnn import store
+
         config = EngineConfig(self.name)
         data = store.load(self._store_key(graph, handle, config))
         if data is None:
@@ -183,6 +189,8 @@ class CudnnEngine:
     def _planned(self, graph: Graph, handle: Handle, mode: str, *, tf32: bool) -> Any:
         """The cuDNN graph, validated, planned with ``mode`` and support-checked. Float32
         graphs keep to plans without tensor-core down-conversion (TF32) unless ``tf32``."""
+        from fusegraph.engines.cudnn import lower
+
         cudnn, torch = self._load()
         b = lower.binding(graph)
         with torch.cuda.device(handle.device.index):
@@ -212,11 +220,16 @@ class CudnnEngine:
 
     # ---- building ---------------------------------------------------------------------------------
     def _store_key(self, graph: Graph, handle: Handle, config: EngineConfig) -> str:
+        from fusegraph.engines.cudnn import store
+
         _, torch = self._load()
         gpu = torch.cuda.get_device_name(handle.device.index)
         return store.plan_key(graph.key(), str(config), f"{handle.device}[{gpu}]", {**self.library_versions(), "fusegraph": __version__})
 
     def build(self, graph: Graph, handle: Handle, config: EngineConfig | None = None) -> ExecutionPlan:
+        from fusegraph.engines.cudnn import lower, store
+        from fusegraph.engines.cudnn.plan import CudnnPlan
+
         config = config or EngineConfig(self.name)
         mode = str(config.get("heur_mode", "a"))
         index = int(config.get("plan_index", 0))
@@ -265,6 +278,9 @@ class CudnnEngine:
         return plan
 
     def _load_plan(self, graph: Graph, handle: Handle, config: EngineConfig, data: bytes) -> CudnnPlan:
+        from fusegraph.engines.cudnn import lower
+        from fusegraph.engines.cudnn.plan import CudnnPlan, split_blob
+
         head, blob = split_blob(data)
         cudnn, torch = self._load()
         h = self.cudnn_handle(handle.device.index)
@@ -278,6 +294,8 @@ class CudnnEngine:
 
     def load_plan(self, data: bytes, handle: Handle) -> ExecutionPlan:
         """A plan from ``CudnnPlan.serialize()`` bytes: the graph, config and cuDNN's plan."""
+        from fusegraph.engines.cudnn.plan import split_blob
+
         head, _ = split_blob(data)
         graph = Graph.from_json(head["graph"]).validate()
         c = head.get("config") or {}
