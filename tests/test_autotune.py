@@ -18,8 +18,9 @@ from fusegraph.cli import main as cli_main
 from fusegraph.engines.base import EngineConfig, Knob
 from fusegraph.engines.registry import using
 from fusegraph.errors import UnsupportedError
+from fusegraph.reference.inputs import random_inputs
 from fusegraph.select import tuning_db
-from fusegraph.select.autotune import compare, random_inputs, tolerance
+from fusegraph.select.autotune import compare, tolerance
 from fusegraph.select.device_id import device_id
 from fusegraph.select.tuning_db import Measurement, TuningDB, TuningEntry, engine_versions
 
@@ -316,3 +317,44 @@ def test_ties_go_to_the_heuristic_order(margin: float, winner: str) -> None:
     with using(registry_with(iree, torch)):
         res = chain_graph().autotune(handle=CPU, budget_s=10, repeats=6, tie_margin=margin, progress=False, persist=False)
     assert res.best.engine == winner
+
+
+# ---- progress (issue 16 item 5) -----------------------------------------------------------------
+def _tune_quietly(progress: bool | None) -> None:
+    iree, torch, _ = _engines()
+    with using(registry_with(iree, torch)):
+        chain_graph().autotune(handle=CPU, budget_s=10, repeats=3, progress=progress, persist=False)
+
+
+def test_autotune_draws_nothing_when_stderr_is_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    _tune_quietly(None)  # pytest's captured stderr is not a TTY
+    assert "tuning" not in capsys.readouterr().err
+
+
+def test_autotune_draws_its_bars_on_a_terminal_and_not_with_quiet(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from fusegraph.runtime import progress
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)  # the bars wait ~1 s before they appear; not here
+    _tune_quietly(None)
+    err = capsys.readouterr().err
+    assert "tuning chain" in err and "build+check" in err and "timing" in err, err
+    logger = logging.getLogger("fusegraph")
+    old = logger.level
+    logger.setLevel(logging.ERROR)  # what `fusegraph -q` does
+    try:
+        _tune_quietly(None)
+    finally:
+        logger.setLevel(old)
+    assert "tuning" not in capsys.readouterr().err
+
+
+def test_autotune_progress_true_and_false_are_obeyed(capsys: pytest.CaptureFixture[str]) -> None:
+    _tune_quietly(True)
+    assert "build+check" in capsys.readouterr().err
+    _tune_quietly(False)
+    assert "tuning" not in capsys.readouterr().err

@@ -37,6 +37,7 @@ from fusegraph.errors import FusegraphError, UnsupportedError
 from fusegraph.graph.graph import Graph
 from fusegraph.reference.executor import run_reference
 from fusegraph.reference.inputs import random_inputs
+from fusegraph.runtime import progress as signs_of_life
 from fusegraph.runtime.handle import Handle, as_handle
 from fusegraph.runtime.variant_pack import resolve_pack
 from fusegraph.select import api
@@ -148,6 +149,13 @@ def compare(graph: Graph, outputs: Mapping[str, Any], reference: Mapping[str, np
 
 
 # ---- timing ----------------------------------------------------------------------------------
+def _bar_options(progress: bool | None) -> dict[str, Any]:
+    """tqdm options: ``progress=None`` draws only where fusegraph's progress lines are on (a
+    terminal, not ``--quiet``; runtime/progress.py) and after about a second, as they do;
+    True always, at once; False never."""
+    if progress is None:
+        return {"disable": not signs_of_life.enabled(), "delay": signs_of_life.DELAY_S}
+    return {"disable": not progress}
 def _stage(plan: ExecutionPlan, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
     """Inputs already on the plan's device, so that timing excludes host transfers: the
     plan's own ``stage`` when it has one, else fusegraph Buffers on GPU handles."""
@@ -245,7 +253,7 @@ def autotune(
     ready: dict[EngineConfig, tuple[ExecutionPlan, Mapping[str, Any]]] = {}
     staged_by_kind: dict[type, Mapping[str, Any]] = {}
     build_budget = 0.6 * budget_s
-    bar = tqdm(cands, desc=f"tuning {graph.name}: build+check", unit="cfg", disable=progress is False, leave=False)
+    bar = tqdm(cands, desc=f"tuning {graph.name}: build+check", unit="cfg", leave=False, **_bar_options(progress))
     for cand in bar:
         cfg = cand.config
         bar.set_postfix_str(str(cfg)[:40])
@@ -368,7 +376,7 @@ def _time_interleaved(
         except (FusegraphError, ValueError, RuntimeError) as exc:
             log.warning("%s failed while warming up: %s", cfg, exc)
             del live[cfg], samples[cfg]
-    bar = tqdm(total=repeats, desc=f"tuning {name}: timing", unit="run", disable=progress is False, leave=False)
+    bar = tqdm(total=repeats, desc=f"tuning {name}: timing", unit="run", leave=False, **_bar_options(progress))
     rounds = 0
     while live:
         for cfg, (plan, staged) in list(live.items()):

@@ -339,7 +339,8 @@ def _compile_cli(text: str, flags: Sequence[str], tmp: Path, limits: CompileLimi
     assert limits is not None or not stopped
     if stopped and stopped[0] == "time":
         raise IreeCompileLimitExceeded(
-            f"the compile passed its time ceiling ({limits.describe() if limits else ''}) and was stopped",
+            f"the compile passed its time ceiling ({limits.describe() if limits else ''}) and was stopped "
+            f"(at {peak[0] / 2**20:.0f} MiB resident)",
             f"iree-compile killed after {seconds:g} s\n{stderr[-4000:]}",
         )
     if stopped:
