@@ -441,3 +441,56 @@ def test_the_registry_imports_an_engine_module_only_when_that_engine_is_asked_fo
     assert "fg_lazy_probe" not in sys.modules
     assert reg.names() == ["probe", "reference"]  # listing loads everything, in registry order
     assert "fg_lazy_probe" in sys.modules
+
+
+def test_the_plugin_scan_is_reused_until_what_it_read_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh process does not re-read every distribution's entry_points.txt (issue 10's
+    cold build): the scan's answer is kept in the cache directory and reused while sys.path,
+    its directories and the plugin files it read are unchanged."""
+    from fusegraph.engines import registry
+
+    site = tmp_path / "site"
+    site.mkdir()
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("FUSEGRAPH_CACHE", raising=False)
+    monkeypatch.syspath_prepend(str(site))
+    scans: list[int] = []
+    real_scan = registry._scan
+
+    def counted() -> Any:
+        scans.append(1)
+        return real_scan()
+
+    monkeypatch.setattr(registry, "_scan", counted)
+
+    def dist(name: str, body: str) -> Path:
+        d = site / f"{name}-1.0.dist-info"
+        d.mkdir()
+        (d / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (d / "entry_points.txt").write_text(body)
+        return d
+
+    settled: list[int] = []
+
+    def settle(*paths: Path) -> None:  # older than the scan's 2 s timestamp-granularity guard
+        settled.append(1)  # each time another time, as real changes would have
+        past = os.stat(site).st_mtime_ns - (100 - len(settled)) * 10**9
+        for p in (*paths, site):
+            os.utime(p, ns=(past, past))
+
+    def names() -> list[str]:
+        return sorted(ep.name for ep in registry.plugin_entry_points())
+
+    alpha = dist("fg_alpha", "[fusegraph.engines]\nalpha = fg_alpha_mod:Engine\n")
+    settle(alpha / "entry_points.txt")
+    assert names() == ["alpha"] and len(scans) == 1
+    assert names() == ["alpha"] and len(scans) == 1  # reused
+    beta = dist("fg_beta", "[fusegraph.heuristics]\nbeta = fg_beta_mod:Rules\n")  # the directory changes
+    assert names() == ["alpha", "beta"] and len(scans) == 2
+    settle(beta / "entry_points.txt")
+    assert names() == ["alpha", "beta"] and len(scans) == 3  # a recent change is not stored, then it is
+    assert names() == ["alpha", "beta"] and len(scans) == 3
+    (alpha / "entry_points.txt").write_text("[console_scripts]\nalpha = fg_alpha_mod:main\n")  # in place
+    assert names() == ["beta"] and len(scans) == 4
+    monkeypatch.setenv("FUSEGRAPH_CACHE", "0")
+    assert names() == ["beta"] and len(scans) == 5  # caches off: always scanned

@@ -246,7 +246,8 @@ def _missing_members(obj: Any) -> list[str]:
 
 
 _SECTIONS = (f"[{ENTRY_POINT_GROUP}]", f"[{HEURISTICS_GROUP}]")
-SCAN_SCHEMA = 1
+SCAN_SCHEMA = 2
+SCAN_ENTRIES = 16  # search paths remembered (each script's directory starts its own)
 
 
 def plugin_entry_points() -> metadata.EntryPoints:
@@ -257,7 +258,8 @@ def plugin_entry_points() -> metadata.EntryPoints:
     entry_points.txt as text instead (~2 ms of CPU for ~150 distributions), with the same
     rule for duplicates (the first distribution of a name on sys.path wins). Its outcome,
     which distributions declare plugins, is kept in the cache directory
-    (``registry/plugin_scan.json``) and reused while nothing it depends on has changed:
+    (``registry/plugin_scan.json``, per search path) and reused while nothing it depends on
+    has changed:
     sys.path, the modification time of each of its directories (an installer adds or
     removes a distribution's metadata directory there), and every entry_points.txt that an
     egg-info holds (``setup.py develop`` rewrites those in place) or that named a group."""
@@ -326,15 +328,23 @@ def _scan_path() -> Path | None:
     return cache_root() / "registry" / "plugin_scan.json" if cache_enabled() else None
 
 
+def _scan_key(search_path: list[str]) -> str:
+    return "\n".join(search_path)
+
+
 def _cached_scan(path: Path) -> list[str] | None:
     """The stored scan's plugin directories, or None when it is missing or out of date."""
     from fusegraph.runtime.cache_dir import read_table
 
     doc = read_table(path)
-    watched = doc.get("watched")
-    plugins = doc.get("plugins")
-    if doc.get("schema") != SCAN_SCHEMA or doc.get("path") != _search_path():
+    scans = doc.get("scans")
+    if doc.get("schema") != SCAN_SCHEMA or not isinstance(scans, dict):
         return None
+    scan = scans.get(_scan_key(_search_path()))
+    if not isinstance(scan, dict):
+        return None
+    watched = scan.get("watched")
+    plugins = scan.get("plugins")
     if not isinstance(watched, dict) or not isinstance(plugins, list):
         return None
     if any(_signature(p) != sig for p, sig in watched.items()):
@@ -343,16 +353,24 @@ def _cached_scan(path: Path) -> list[str] | None:
 
 
 def _store_scan(path: Path, plugins: list[str], watched: dict[str, list[int] | None]) -> None:
-    from fusegraph.runtime.cache_dir import atomic_write_bytes
+    from fusegraph.runtime.cache_dir import atomic_write_bytes, read_table
 
     # A path changed in the last seconds may change again within its file system's
     # timestamp granularity without its signature changing: such a scan is not kept.
     recent = time.time_ns() - 2_000_000_000
     if any(sig is not None and sig[0] > recent for sig in watched.values()):
         return
-    doc = {"schema": SCAN_SCHEMA, "path": _search_path(), "watched": watched, "plugins": plugins}
+    doc = read_table(path)
+    scans = doc.get("scans") if doc.get("schema") == SCAN_SCHEMA else None
+    scans = dict(scans) if isinstance(scans, dict) else {}
+    key = _scan_key(_search_path())
+    scans.pop(key, None)
+    scans[key] = {"watched": watched, "plugins": plugins}  # last: the most recent
+    while len(scans) > SCAN_ENTRIES:
+        scans.pop(next(iter(scans)))
+    doc = {"schema": SCAN_SCHEMA, "scans": scans}
     try:
-        atomic_write_bytes(path, json.dumps(doc, indent=1).encode())
+        atomic_write_bytes(path, json.dumps(doc, separators=(",", ":")).encode())
     except OSError as exc:  # an unwritable cache costs the next process a scan, nothing more
         log.debug("could not store the plugin scan at %s: %s", path, exc)
 
