@@ -55,13 +55,15 @@ def iree_version() -> str:
         return "unavailable"
 
 
-def _compiler_locations() -> list[str]:
-    """Where the iree.compiler package lives (found, not imported: the import takes 160 ms)."""
+@cache
+def _compiler_locations() -> tuple[str, ...]:
+    """Where the iree.compiler package lives (found, not imported: the import takes 160 ms).
+    Kept for the process, as compiler_version() is: selection asks available() often."""
     try:
         spec = importlib.util.find_spec("iree.compiler")
     except (ImportError, ValueError):
-        return []
-    return list(spec.submodule_search_locations or []) if spec else []
+        return ()
+    return tuple(spec.submodule_search_locations or ()) if spec else ()
 
 
 @cache
@@ -86,6 +88,7 @@ def _compiler() -> ModuleType:
     return iree_compile
 
 
+@cache
 def _has_compiler() -> bool:
     """Whether ``iree-compile`` can be found; where the package ships the binary at its usual
     place this is a stat, else compile.py's own search (which may import iree.compiler)."""
@@ -95,6 +98,16 @@ def _has_compiler() -> bool:
         return _compiler().iree_compile_path() is not None
     except Exception:
         return False
+
+
+@cache
+def _runtime_missing() -> str:
+    """Why iree.runtime cannot be found ("" when it can), without importing it."""
+    try:
+        found = importlib.util.find_spec("iree.runtime") is not None
+    except (ImportError, ValueError) as exc:
+        return str(exc)
+    return "" if found else "no module named 'iree.runtime'"
 
 
 def _emit_module() -> Any:
@@ -139,12 +152,9 @@ class IreeEngine:
     def available(self) -> Support:
         """Cheap (the registry asks every engine): the runtime and compiler packages are
         found, not imported; a runtime that fails to import is reported by supports()."""
-        try:
-            found = importlib.util.find_spec("iree.runtime") is not None
-        except (ImportError, ValueError) as exc:
-            return Support.no(f"iree-base-runtime is not installed ({exc})")
-        if not found:
-            return Support.no("iree-base-runtime is not installed (no module named 'iree.runtime')")
+        why = _runtime_missing()
+        if why:
+            return Support.no(f"iree-base-runtime is not installed ({why})")
         if compiler_version() == "unknown" or not _has_compiler():
             return Support.no("iree-base-compiler is not installed")
         return Support.yes()
