@@ -13,6 +13,10 @@ fusegraph, builds the same graph and runs it once. Printed per case (median over
   (cpu)     the process CPU time of that build (ms; less sensitive to a busy machine)
   execute   the first ``g.execute`` (ms)
   torch / compiler   whether torch or iree.compiler was imported by the end (must be "no")
+  driver     whether the IREE engine's compile driver or lowerings (engines/iree/compile.py,
+             lower_*.py) were imported by the build (a cached build needs neither: "no")
+The load average is printed before and after: on a busy machine wall time is a multiple of
+the CPU time, so compare runs taken under similar load.
 Cases: ``engine="iree"`` pinned; the default build where the heuristics rank IREE first (a
 CPU pointwise chain); the default build where the tuning database's entry picks IREE.
 """
@@ -55,6 +59,7 @@ CHILD = textwrap.dedent(
     t2, c2 = time.perf_counter(), time.process_time()
     plan = g.build(engine="iree") if mode == "pinned" else g.build()
     t3, c3 = time.perf_counter(), time.process_time()
+    driver = any(m in sys.modules for m in ("fusegraph.engines.iree.compile", "fusegraph.engines.iree.lower_base"))
     rng = np.random.default_rng(0)
     out = g.execute({"x": rng.standard_normal((64, 256), dtype=np.float32),
                      "b": rng.standard_normal((1, 256), dtype=np.float32)})
@@ -67,6 +72,7 @@ CHILD = textwrap.dedent(
         "execute_ms": (t4 - t3) * 1e3,
         "torch": "torch" in sys.modules,
         "compiler": "iree.compiler" in sys.modules,
+        "driver": driver,
         "outputs": len(out),
     }))
     """
@@ -86,8 +92,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=7)
     args = ap.parse_args()
-    print(f"python {sys.version.split()[0]}, {os.cpu_count()} cpus; median of {args.runs} fresh processes")
-    print(f"{'case':<28}{'engine':>8}{'import':>10}{'build':>10}{'(cpu)':>8}{'execute':>10}{'torch':>7}{'compiler':>10}")
+    print(
+        f"python {sys.version.split()[0]}, {os.cpu_count()} cpus; median of {args.runs} fresh processes; "
+        f"load average {_load()}"
+    )
+    print(
+        f"{'case':<28}{'engine':>8}{'import':>10}{'build':>10}{'(cpu)':>8}{'execute':>10}"
+        f"{'torch':>7}{'compiler':>10}{'driver':>8}"
+    )
     for case, setup, mode in (
         ("engine='iree' (pinned)", "populate", "pinned"),
         ("default: heuristics->iree", "populate", "default"),
@@ -109,11 +121,20 @@ def main() -> None:
         med = {k: statistics.median(float(r[k]) for r in rows) for k in ("import_ms", "build_ms", "build_cpu_ms", "execute_ms")}  # type: ignore[arg-type]
         torch = "yes" if any(r["torch"] for r in rows) else "no"
         comp = "yes" if any(r["compiler"] for r in rows) else "no"
+        driver = "yes" if any(r["driver"] for r in rows) else "no"
         engines = ",".join(sorted({str(r["engine"]) for r in rows}))
         print(
             f"{case:<28}{engines:>8}{med['import_ms']:>9.1f} {med['build_ms']:>9.1f} {med['build_cpu_ms']:>7.1f} "
-            f"{med['execute_ms']:>9.1f} {torch:>6} {comp:>9}"
+            f"{med['execute_ms']:>9.1f} {torch:>6} {comp:>9} {driver:>7}"
         )
+    print(f"load average at the end {_load()}")
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "?"
 
 
 if __name__ == "__main__":

@@ -353,7 +353,7 @@ def _cached_scan(path: Path) -> list[str] | None:
 
 
 def _store_scan(path: Path, plugins: list[str], watched: dict[str, list[int] | None]) -> None:
-    from fusegraph.runtime.cache_dir import atomic_write_bytes, read_table
+    from fusegraph.runtime.cache_dir import read_table
 
     # A path changed in the last seconds may change again within its file system's
     # timestamp granularity without its signature changing: such a scan is not kept.
@@ -369,10 +369,17 @@ def _store_scan(path: Path, plugins: list[str], watched: dict[str, list[int] | N
     while len(scans) > SCAN_ENTRIES:
         scans.pop(next(iter(scans)))
     doc = {"schema": SCAN_SCHEMA, "scans": scans}
+    # Renamed into place but not fsynced (an fsync costs ~10 ms): a table lost or torn by a
+    # crash reads as empty, and the next process scans again.
+    tmp = path.with_name(f".{path.name}-{os.getpid()}-{threading.get_ident()}.tmp")
     try:
-        atomic_write_bytes(path, json.dumps(doc, separators=(",", ":")).encode())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_bytes(json.dumps(doc, separators=(",", ":")).encode())
+        os.replace(tmp, path)
     except OSError as exc:  # an unwritable cache costs the next process a scan, nothing more
         log.debug("could not store the plugin scan at %s: %s", path, exc)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 def _instantiate(obj: Any) -> Any:
