@@ -72,10 +72,12 @@ PAUSE_S = 0.05  # between blocks: lets a spinning ORT pool go quiet
 WARM_S = 0.3  # each block's warm-up lasts at least this long (see _warm)
 
 
-def _ort_session(src: str | bytes, *, spin: bool) -> ort.InferenceSession:
+def _ort_session(src: str | bytes, *, spin: bool, threads: int = 0) -> ort.InferenceSession:
     so = ort.SessionOptions()
     if not spin:
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if threads:
+        so.intra_op_num_threads = threads
     return ort.InferenceSession(src, sess_options=so, providers=["CPUExecutionProvider"])
 
 
@@ -102,6 +104,10 @@ def _ort_worker(conn: Any) -> None:
             sessions["no-spin"] = _ort_session(src, spin=False)
             sessions["no-spin"].run(None, feed)
             conn.send((want, setup_s, mem.bytes))
+        elif op == "one-thread":  # a single-threaded session too, made on request
+            sessions["one-thread"] = _ort_session(src, spin=False, threads=1)
+            sessions["one-thread"].run(None, feed)
+            conn.send(None)
         elif op == "time":
             _, which, warmup, n = msg
             run = sessions[which].run
@@ -135,6 +141,11 @@ class OrtWorker:
     def load(self, src: str, feed: dict[str, Any]) -> tuple[list[np.ndarray], float, int]:
         self._conn.send(("load", src, feed))
         return self._conn.recv()  # type: ignore[no-any-return]
+
+    def add_one_thread(self) -> None:
+        """Adds an ``intra_op_num_threads=1`` session of the loaded model (``time("one-thread", ...)``)."""
+        self._conn.send(("one-thread",))
+        self._conn.recv()
 
     def time(self, which: str, warmup: int, n: int) -> list[float]:
         self._conn.send(("time", which, warmup, n))

@@ -26,6 +26,9 @@ def pytest_configure(config: pytest.Config) -> None:
     cache of their own still point FUSEGRAPH_CACHE_DIR elsewhere."""
     root = tempfile.mkdtemp(prefix="fusegraph-test-cache-")
     os.environ["FUSEGRAPH_CACHE_DIR"] = root
+    # The torch engine's compiled CPU path costs seconds to tens of seconds per graph on a
+    # cold cache; tests of numerics run the eager plan, tests/test_cpu_paths.py the compiled one.
+    os.environ.setdefault("FUSEGRAPH_TORCH_CPU_COMPILE", "off")
     config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
 
 

@@ -22,11 +22,15 @@ torch = pytest.importorskip("torch", reason="the torch engine needs PyTorch (pip
 from fusegraph.engines import torch as torch_engine  # noqa: E402
 from fusegraph.engines.torch import fusion as torch_fusion  # noqa: E402
 from fusegraph.engines.torch import onednn_graph as ong  # noqa: E402
+from fusegraph.engines.torch.frozen import can_compile  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ong.available(), reason="this torch build has no oneDNN Graph bridge")
 
 CPU = fg.Handle("cpu")
 ENGINE = torch_engine.TorchEngine()
+# The bridge is opt-in since issue 14 (frozen.py's compiled path is the default): asked for
+# here, alone (no compiled candidate after it), so a refusal leaves the plan eager.
+BRIDGE = EngineConfig("torch", (("onednn_graph", True),) + ((("cpu_compile", "off"),) if not can_compile() else ()))
 TOL = 1e-4  # oneDNN Graph's fused f32 kernels against float64, after a few layers
 
 
@@ -60,7 +64,7 @@ WEIGHTS = ("w1", "b1", "w2", "b2", "wf", "bf")
 
 
 def _bound_plan(g: fg.Graph, rng: np.random.Generator, config: EngineConfig | None = None) -> tuple[torch_engine.TorchPlan, dict[str, np.ndarray]]:
-    plan = ENGINE.build(g, CPU, config)
+    plan = ENGINE.build(g, CPU, config or BRIDGE)
     assert isinstance(plan, torch_engine.TorchPlan)
     pack = random_inputs(g, rng)
     plan.bind_constants({k: pack[k] for k in WEIGHTS if k in pack})
@@ -166,7 +170,7 @@ def test_bound_weights_may_be_left_out_of_the_pack(rng: np.random.Generator) -> 
     """bind_constants says the plan keeps them: a pack of the activations alone runs with
     the bound weights, on the fused path."""
     g = _net()
-    plan = ENGINE.build(g, CPU)
+    plan = ENGINE.build(g, CPU, BRIDGE)
     pack = random_inputs(g, rng)
     assert plan.bind_constants({k: pack[k] for k in WEIGHTS}) is True
     for _ in range(2):
@@ -188,7 +192,7 @@ def test_fused_results_are_fresh_arrays_the_caller_owns(rng: np.random.Generator
     g.identity(y).set_output(True).set_name("y2")
     g.identity(x).set_output(True).set_name("x2")
     g.validate()
-    plan = ENGINE.build(g, CPU)
+    plan = ENGINE.build(g, CPU, BRIDGE)
     pack = random_inputs(g, rng)
     plan.bind_constants({"w": pack["w"], "b": pack["b"]})
     want = g.execute(pack, engine="reference")
@@ -227,7 +231,7 @@ def test_traced_channel_shuffle_keeps_channels_last(rng: np.random.Generator) ->
     g.relu(g.bias(g.conv_fprop(s, w2), b2)).set_output(True).set_name("y")
     g.validate()
     assert "channel_shuffle(g=3)" in [st.describe() for st in torch_fusion.plan_traced_steps(g).values()]
-    plan = ENGINE.build(g, CPU)
+    plan = ENGINE.build(g, CPU, BRIDGE)
     pack = random_inputs(g, rng)
     plan.bind_constants({k: pack[k] for k in ("w1", "b1", "w2", "b2")})
     assert _err(plan.execute(pack)["y"], g.execute(pack, engine="reference")["y"]) < TOL
@@ -292,7 +296,7 @@ def test_a_shared_value_scaled_and_concatenated_stays_correct(rng: np.random.Gen
     out.set_output(True).set_name("y")
     g.validate()
     assert "scale+shift+relu" in [st.describe() for st in torch_fusion.plan_traced_steps(g).values()]
-    plan = ENGINE.build(g, CPU)
+    plan = ENGINE.build(g, CPU, BRIDGE)
     pack = random_inputs(g, rng)
     plan.bind_constants({k: pack[k] for k in ("w0", "scale", "shift", "w1")})
     for _ in range(2):

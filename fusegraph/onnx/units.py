@@ -157,6 +157,19 @@ class FusegraphUnit:
         self._kept = bool(bind(self.weights)) if bind is not None else False
         self._relayouts = bool(getattr(self.plan, "relayouts_host_inputs", False))
 
+    def _note_cpu_path(self) -> None:
+        """What runs a torch plan on the CPU, for the report, once its first call settled it
+        (engines/torch/frozen.py: which candidate runs, and why the others did not)."""
+        describe = getattr(self.plan, "describe", None)
+        if describe is None or getattr(self.plan, "engine", None) != "torch":
+            return
+        d = describe()
+        tried = d.get("cpu_path_attempts") or []
+        if d.get("cpu_path") and tried:
+            note = f"CPU path: {d['cpu_path']} ({'; '.join(tried)})"
+            if note not in self.engine_notes:
+                self.engine_notes.append(note)
+
     def _autotune(self, budget_s: float) -> Any:
         rng = np.random.default_rng(0)
         pack: dict[str, Any] = dict(self.weights)
@@ -185,6 +198,7 @@ class FusegraphUnit:
             with engine_cache(self.cache_dir):
                 res = self.plan.execute(pack)
             self._ran = True
+            self._note_cpu_path()
         return {o: res[tname] for o, tname in self._out.items()}
 
 

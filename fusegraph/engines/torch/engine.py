@@ -191,7 +191,21 @@ class TorchEngine:
                     (True, False),
                     description="once weights are bound (bind_constants), trace the plan into TorchScript "
                     "with them frozen in and let oneDNN Graph fuse and compile it (probed in a child process, "
-                    "checked against the eager plan on the first call; eager on any failure)",
+                    "checked against the eager plan on the first call; opt-in: torch.jit.trace is deprecated; "
+                    "tried before cpu_compile's candidates, which follow on any failure)",
+                )
+            )
+        if not handle.device.is_gpu and self.compile_support(handle):
+            from fusegraph.engines.torch import frozen
+
+            out.append(
+                Knob(
+                    "cpu_compile",
+                    frozen.knob_default(),
+                    frozen.CHOICES,
+                    description="once weights are bound, compile the plan with them frozen in: auto tries "
+                    "AOTInductor (package cached in the cache directory) then Inductor, each checked against "
+                    "the eager plan; off runs eagerly (default: FUSEGRAPH_TORCH_CPU_COMPILE, else auto)",
                 )
             )
         has_4d_conv = any(n.kind in CONVOLUTIONS and len(_conv_image(n).shape) in (4, 5) for n in graph.nodes)

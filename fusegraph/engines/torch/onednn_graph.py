@@ -55,7 +55,10 @@ log = logging.getLogger("fusegraph.engines.torch")
 Tensor = Any
 Step = Callable[[dict[str, Tensor]], None]
 
-ONEDNN_GRAPH_DEFAULT = True  # the knob's default; see docs/engines.md for the measurements behind it
+# The knob's default: off since issue 14 -- the bridge rests on torch.jit.trace (deprecated in
+# PyTorch 2.13) and refuses most graphs nobody tuned for; the default CPU path is frozen.py's
+# (AOTInductor / Inductor), this one opt-in (tried first where the knob is True).
+ONEDNN_GRAPH_DEFAULT = False
 
 
 def available() -> bool:

@@ -16,6 +16,7 @@ import numpy as np
 
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan
+from fusegraph.engines.torch import frozen
 from fusegraph.engines.torch import fusion as torch_fusion
 from fusegraph.engines.torch import onednn_graph as torch_onednn_graph
 from fusegraph.engines.torch.compiled import as_declared, compile_graph, compiled_strides
@@ -48,7 +49,7 @@ log = logging.getLogger("fusegraph.engines.torch")
 _NO_FLAGS = contextlib.nullcontext()
 
 
-class TorchPlan(CudaGraphs, ExecutionPlan):
+class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
     """A graph as one PyTorch function (eager, or compiled once per plan)."""
 
     relayouts_host_inputs = True  # torch's threaded copy (NCHW -> NHWC: ~5x NumPy's)
@@ -69,14 +70,18 @@ class TorchPlan(CudaGraphs, ExecutionPlan):
         self._numerics = handle.device.is_gpu and any(n.kind in _TENSOR_CORE_OPS for n in graph.nodes)
         self._capture_knob = config.get("cuda_graph", "auto")
         self._cuda_graph = False  # decided by _decide_capture once the activations are known
-        self._llga_on = (
-            not handle.device.is_gpu
-            and not self._compiled
-            and bool(config.get("onednn_graph", ONEDNN_GRAPH_DEFAULT))
+        # On the CPU, once weights are bound: the candidates tried on the first call (frozen.py:
+        # AOTInductor, Inductor; the oneDNN Graph bridge first only where its knob asks).
+        self._cpu_chain: tuple[str, ...] = () if handle.device.is_gpu or self._compiled else frozen.plan_chain(
+            graph, config,
+            bool(config.get("onednn_graph", ONEDNN_GRAPH_DEFAULT))
             and torch_onednn_graph.available()
-            and bool(torch_fusion.plan_fusions(graph))
+            and bool(torch_fusion.plan_fusions(graph)),
         )
-        self._llga: Any = None  # the frozen, fused function, once built
+        self._cpu_path = "eager"  # what runs the plan once the chain is settled
+        self._cpu_attempts: list[frozen.Attempt] = []
+        self._llga_on = bool(self._cpu_chain)
+        self._llga: Any = None  # the frozen, fused function (compiled or oneDNN Graph's), once built
         self._llga_bound: Any = None  # the bindings it was traced with
         self._llga_fresh: frozenset[str] = frozenset()  # its outputs allocated anew on every call
         self._hot_in: list[tuple[Any, ...]] | None = None  # see _run_hot
@@ -513,9 +518,9 @@ class TorchPlan(CudaGraphs, ExecutionPlan):
         return dict(zip(self._out_names, self._llga(*values), strict=True))
 
     def _build_llga(self, pack: Any, acts: list[TensorAttr], values: list[Tensor]) -> bool:
-        why = self.onednn_graph_verdict(pack, acts=acts, values=values)
+        why = self._settle_cpu_path(pack, acts, values)
         if why:
-            log.warning("graph '%s': oneDNN Graph disabled, running eagerly (%s)", self.graph.name, why)
+            log.warning("graph '%s': every CPU path refused, running eagerly (%s)", self.graph.name, why)
             self._llga_on = False
             self._llga = None
             self._prepack()  # the eager path's filters, skipped while the traced one was expected
@@ -584,7 +589,9 @@ class TorchPlan(CudaGraphs, ExecutionPlan):
         if self.handle.device.is_gpu:
             d["cuda_graph"] = self._graph is not None
         else:
-            d["onednn_graph"] = self._llga is not None
+            d["onednn_graph"] = self._llga is not None and self._cpu_path == "onednn_graph"
+            d["cpu_path"] = self._cpu_path
+            d["cpu_path_attempts"] = [a.describe() for a in self._cpu_attempts]
         if self.fusions:
             d["fused_steps"] = [fc.describe() for fc in self.fusions.values()]
             d["prepacked_filters"] = len(self._bound)
