@@ -234,8 +234,9 @@ def compile_aoti(module: Any, example: Sequence[Tensor], key: str) -> Callable[.
 class AdaptiveThreads:
     """Calls ``fn`` with all cores or one, whichever the recent calls say is faster.
 
-    Every call is timed; after ``gap`` calls on the current setting, PROBE calls run on the
-    other, and the medians decide (the other must be MARGIN faster to switch). A confirmed
+    Every call is timed; after ``gap`` calls on the current setting (PROBE calls at first),
+    PROBE calls run on the other, and the medians decide (the other must be MARGIN faster
+    to switch). A confirmed
     choice doubles the gap (up to MAX_GAP calls: probing then costs well under 1% even when
     the other setting is twice as slow); a switch resets it. Numerics do not depend on the
     choice beyond summation order.
@@ -251,7 +252,7 @@ class AdaptiveThreads:
         self.many = max(1, many)
         self.threads = self.many
         self.gap = self.MIN_GAP
-        self.left = self.MIN_GAP
+        self.left = self.PROBE  # an early look at the other setting: the floor times a unit within its first calls
         self.recent: deque[float] = deque(maxlen=8)
         self.probes: list[float] = []
         self.switches = 0
