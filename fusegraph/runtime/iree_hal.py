@@ -76,10 +76,14 @@ def runtime_version_module() -> Any:
 
 
 def element_type(dt: DataType) -> Any:
-    rt = bindings()
+    return _element_types()[dt]
 
-    e = rt.HalElementType
-    table = {
+
+@functools.cache
+def _element_types() -> dict[DataType, Any]:
+    """DataType -> HalElementType, made once (every host input of every call asks)."""
+    e = bindings().HalElementType
+    return {
         DataType.HALF: e.FLOAT_16,
         DataType.BFLOAT16: e.BFLOAT_16,
         DataType.FLOAT: e.FLOAT_32,
@@ -93,7 +97,6 @@ def element_type(dt: DataType) -> Any:
         DataType.FP8_E4M3: e.FLOAT_8_E4M3_FN,
         DataType.FP8_E5M2: e.FLOAT_8_E5M2,
     }
-    return table[dt]
 
 
 @dataclass
