@@ -85,7 +85,7 @@ def test_library_errors_are_one_line_and_verbose_shows_the_traceback(
 
 
 def _gpu_usable() -> bool:
-    from fusegraph.commands.run import _device_problem
+    from fusegraph.commands._checks import device_problem as _device_problem
 
     return _device_problem("cuda:0") is None
 

@@ -95,6 +95,8 @@ def parse_size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500M, 2G, 100000)") from None
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"a size limit must be a finite number >= 0, not {text!r}")
+    if value * _UNITS[unit] >= 2**63:
+        raise argparse.ArgumentTypeError(f"a size limit of {text!r} is beyond any disk (at most 8E bytes)")
     return int(value * _UNITS[unit])
 
 
@@ -104,8 +106,7 @@ def _limit(args: argparse.Namespace) -> int:
         try:
             cache.set_limit(None if args.size.strip().lower() == "default" else parse_size(args.size))
         except (argparse.ArgumentTypeError, ValueError) as exc:
-            print(f"fusegraph cache limit: {exc}")
-            return 2
+            raise SystemExit(f"fusegraph cache limit: {exc}") from None
     info = cache.info()
     print(f"size limit {info['max_bytes'] / 1e6:.2f} MB; {info['entries']} entries use {info['bytes'] / 1e6:.2f} MB")
     return 0

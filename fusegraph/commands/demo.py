@@ -14,6 +14,13 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from fusegraph.commands._checks import check_device, check_engine, device_problem
     from fusegraph.demo import main
+
+    check_engine("demo", args.engine)
+    check_device("demo", args.device)
+    problem = device_problem(args.device)
+    if problem is not None:
+        raise SystemExit(f"fusegraph demo: --device {args.device}: not usable here ({problem})")
 
     return main(engine=args.engine, device=args.device)

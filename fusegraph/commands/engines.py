@@ -13,7 +13,11 @@ def register(sub: Any) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from fusegraph.commands._checks import check_device
     from fusegraph.engines.registry import active_registry
+
+    if args.device:
+        check_device("engines", args.device)
 
     rows = active_registry().info()
     width = max(len(r.name) for r in rows)

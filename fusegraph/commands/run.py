@@ -14,6 +14,14 @@ import sys
 import time
 from typing import Any
 
+from fusegraph.commands._checks import (
+    check_device,
+    check_engine,
+    device_problem,
+    nonnegative_int,
+    positive_int,
+)
+
 
 def register(sub: Any) -> None:
     p = sub.add_parser("run", help="run an ONNX model through the fusegraph execution provider")
@@ -27,9 +35,9 @@ def register(sub: Any) -> None:
     p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE",
                    help="a FusegraphExecutionProvider option (repeatable), e.g. min_subgraph_size=3")
     p.add_argument("--check", action="store_true", help="compare every output with ONNX Runtime's")
-    p.add_argument("--repeat", type=int, default=10, help="timed runs after one warm-up (default 10)")
+    p.add_argument("--repeat", type=positive_int, default=10, help="timed runs after one warm-up (default 10)")
     p.add_argument("--report", action="store_true", help="print the whole partition report")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random inputs")
     p.set_defaults(fn=_run)
 
 
@@ -66,60 +74,44 @@ def _dtype_of(type_string: str) -> Any:
     raise SystemExit(f"fusegraph run: no random data for type {type_string}; pass the input with --input")
 
 
-def _device_problem(spec: str) -> str | None:
-    """Why no fusegraph engine can use the device (None when one can), probed on a tiny graph."""
-    import fusegraph as fg
-    from fusegraph.engines.registry import active_registry
-
-    h = fg.Handle(spec)
-    if not h.device.is_gpu:
-        return None
-    g = fg.Graph("device_probe", io_data_type=fg.DataType.FLOAT)
-    g.relu(g.tensor("x", [1, 8])).set_output(True)
-    g.validate()
-    reasons = []
-    for e in active_registry().available_engines():
-        sup = e.supports(g, h)
-        if sup:
-            return None
-        reasons.append(f"{e.name}: {sup.reason}")
-    return "; ".join(dict.fromkeys(reasons)) or "no engine is available"
-
-
 def _run(args: argparse.Namespace) -> int:
     import numpy as np
     import onnxruntime as ort
 
     import fusegraph.onnx as fgo
-    from fusegraph.engines.registry import active_registry
-    from fusegraph.runtime.handle import parse_device
 
+    if os.path.isdir(args.model):
+        raise SystemExit(f"fusegraph run: model {args.model!r}: a directory, not a .onnx file")
     if not os.path.isfile(args.model):
         raise SystemExit(f"fusegraph run: model {args.model!r}: no such file")
-    device = args.device
-    try:
-        parse_device(device)
-    except ValueError as exc:
-        raise SystemExit(f"fusegraph run: --device {device!r}: {exc}") from None
-    problem = _device_problem(device)
+    device, device_flag = args.device, "--device"
+    for kv in args.option:  # `--option device=cuda:0` asks for a device as much as --device does
+        key, sep, value = kv.partition("=")
+        if sep and key.strip() == "device":
+            if device_flag == "--device" and args.device != "cpu" and value.strip() != args.device:
+                raise SystemExit(f"fusegraph run: --device {args.device} and --option {kv} disagree")
+            device, device_flag = value.strip(), "--option device"
+    check_device("run", device, option=device_flag)
+    problem = device_problem(device)
     if problem is not None:
         if not args.allow_fallback:
-            raise SystemExit(f"fusegraph run: --device {device}: not usable here ({problem}); "
+            raise SystemExit(f"fusegraph run: {device_flag} {device}: not usable here ({problem}); "
                              "pass --allow-fallback to run on the CPU instead")
-        print(f"fusegraph run: --device {device} not usable here; running on the CPU (--allow-fallback)",
+        print(f"fusegraph run: {device_flag} {device} not usable here; running on the CPU (--allow-fallback)",
               file=sys.stderr)
         device = "cpu"
-    opts: dict[str, Any] = {"device": device}
+    check_engine("run", args.engine)
+    opts: dict[str, Any] = {}
     if args.engine:
-        names = active_registry().names()
-        if args.engine not in names:
-            raise SystemExit(f"fusegraph run: --engine {args.engine!r}: unknown engine (known: {', '.join(names)})")
         opts["engine"] = args.engine
     for kv in args.option:
         key, sep, value = kv.partition("=")
         if not sep:
             raise SystemExit(f"fusegraph run: --option wants KEY=VALUE, got {kv!r}")
+        if key.strip() == "engine":
+            check_engine("run", value.strip(), option="--option engine")
         opts[key.strip()] = value
+    opts["device"] = device
     try:
         fgo.ProviderOptions.parse(opts)
     except ValueError as exc:

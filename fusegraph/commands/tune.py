@@ -29,8 +29,10 @@ def _show(args: argparse.Namespace) -> int:
     current = engine_versions(active_registry().available_engines())
     entries = [e for e in db.entries() if args.graph_key is None or e.graph_key.startswith(args.graph_key)]
     if not entries:
-        print(f"no tuning entries{' for ' + args.graph_key if args.graph_key else ''} in {db.path}")
-        return 0 if args.graph_key is None else 1
+        if args.graph_key is not None:  # a key the user named is not there: an error, on stderr
+            raise SystemExit(f"fusegraph tune show: --graph-key {args.graph_key!r}: no tuning entry in {db.path}")
+        print(f"no tuning entries in {db.path}")
+        return 0
     for e in sorted(entries, key=lambda e: (e.graph_name, e.device)):
         when = datetime.datetime.fromtimestamp(e.created).strftime("%Y-%m-%d %H:%M")
         stale = [k for k in set(e.versions) | set(current) if e.versions.get(k) != current.get(k)]
