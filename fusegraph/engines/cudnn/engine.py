@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fusegraph import __version__
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support, distribution_version
+from fusegraph.engines.torch.convert import torch_build_info, torch_installed
 from fusegraph.errors import CompileError, UnsupportedError
 from fusegraph.graph.graph import Graph
 from fusegraph.runtime.handle import Handle
@@ -52,6 +53,7 @@ class CudnnEngine:
     def __init__(self) -> None:
         self._libs: tuple[Any, Any] | None = None
         self._lib_error: str | None = None
+        self._runtime: Support | None = None
         self._handles: dict[int, Any] = {}
         self._verdicts: dict[tuple[str, str], tuple[Support, int]] = {}
         self._ready: dict[tuple[str, str], Any] = {}  # built by supports(), taken by build()
@@ -87,18 +89,38 @@ class CudnnEngine:
         raise ImportError(self._lib_error)
 
     def available(self) -> Support:
+        """What can be known without importing a library (the Engine protocol: importing torch
+        costs 1-2 s, and a build on another engine must not pay it): the frontend installed
+        and a CUDA build of PyTorch, read from torch/version.py. Whether a GPU is visible and
+        the cuDNN library loads is asked with the first CUDA handle (_runtime_support)."""
+        if importlib.util.find_spec("cudnn") is None:
+            return Support.no(f"cuDNN's Python frontend is not installed ({INSTALL_HINT})")
+        if not torch_installed():
+            return Support.no(f"PyTorch is not installed; the cuDNN engine takes its CUDA runtime and cuDNN library ({INSTALL_HINT})")
+        info = torch_build_info()
+        if not info["cuda"]:
+            return Support.no(f"cuDNN needs an NVIDIA GPU: a CPU-only build of PyTorch ({info['__version__']})")
+        return Support.yes()
+
+    def _runtime_support(self) -> Support:
+        """The libraries loaded and a GPU visible (asked once per process, under a CUDA handle)."""
+        if self._runtime is not None:
+            return self._runtime
         try:
             cudnn, torch = self._load()
         except ImportError as exc:
-            return Support.no(str(exc))
+            self._runtime = Support.no(str(exc))
+            return self._runtime
         if not torch.cuda.is_available():
-            what = "a CPU-only build of PyTorch" if not torch.version.cuda else "no CUDA GPU visible"
-            return Support.no(f"cuDNN needs an NVIDIA GPU: {what} ({torch.__version__})")
+            self._runtime = Support.no(f"cuDNN needs an NVIDIA GPU: no CUDA GPU visible ({torch.__version__})")
+            return self._runtime
         try:
             cudnn.backend_version()
         except Exception as exc:
-            return Support.no(f"the cuDNN library could not be loaded: {exc}")
-        return Support.yes()
+            self._runtime = Support.no(f"the cuDNN library could not be loaded: {exc}")
+            return self._runtime
+        self._runtime = Support.yes()
+        return self._runtime
 
     def library_versions(self) -> dict[str, str]:
         try:
@@ -129,6 +151,9 @@ class CudnnEngine:
         avail = self.available()
         if not avail:
             return avail
+        ready = self._runtime_support()
+        if not ready:
+            return ready
         _, torch = self._load()
         n = torch.cuda.device_count()
         if handle.device.index >= n:
