@@ -391,7 +391,7 @@ def test_cache_limit_cli_shows_and_sets(tmp_path: Path, monkeypatch: pytest.Monk
     assert main(["cache", "limit"]) == 0
     assert "size limit 0.31 MB" in capsys.readouterr().out
     assert main(["cache", "limit", "lots"]) == 2
-    assert "not a size" in capsys.readouterr().out
+    assert "not a size" in capsys.readouterr().err
     assert main(["cache", "limit", "nan"]) == 2
     assert main(["cache", "info"]) == 0
     assert "size limit" in capsys.readouterr().out

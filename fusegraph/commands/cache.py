@@ -1,31 +1,131 @@
-"""`fusegraph cache info|list|clear|limit`: the IREE engine's compiled-module cache on disk."""
+"""`fusegraph cache info|list|clear|limit`: everything fusegraph keeps in its cache directory
+(``FUSEGRAPH_CACHE_DIR``, else the user cache directory): the IREE engine's compiled
+modules and every other table and store, each with its size.
+
+``clear`` removes only what fusegraph itself writes there (the parts in ``PARTS``), never
+anything else found in the directory, and keeps the size-limit setting (``limits.json``).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import sys
 import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 
+@dataclass(frozen=True)
+class Part:
+    """One thing fusegraph writes under the cache directory (a file or a directory)."""
+
+    name: str  # what --only takes
+    path: str  # relative to the cache directory; the owner's constant (tests/test_cli_cache.py checks)
+    what: str
+
+
+PARTS: tuple[Part, ...] = (
+    Part("iree", "iree", "IREE engine: compiled modules (LRU, size-limited)"),
+    Part("failures", "failures", "IREE engine: kept compile-failure reproducers"),
+    Part("tuning", "tuning", "autotune: the tuning database"),
+    Part("onnx-choices", "onnx-choices.json", "ONNX provider: autotuned choices per subgraph"),
+    Part("onnx-floor", "onnx-floor.json", "ONNX provider: floor verdicts (fusegraph vs ONNX Runtime)"),
+    Part("onnx-tier", "onnx-tier", "ONNX provider: torch-mlir tier modules"),
+    Part("onednn-graph", "onednn-graph-verdicts.json", "torch engine: oneDNN Graph probe verdicts"),
+    Part("torch-aoti", "torch-aoti", "torch engine: AOTInductor packages"),
+    Part("cudnn", "cudnn", "cuDNN engine: serialized execution plans"),
+    Part("registry", "registry", "engine plugin scan"),
+    Part("bench-models", "bench-models", "benchmarks/bench_models.py: exported ONNX models"),
+)
+SETTINGS = ("limits.json",)  # kept by clear: the user's size limit
+
+
 def register(sub: Any) -> None:
-    p = sub.add_parser("cache", help="inspect or clear the compiled-module cache")
+    p = sub.add_parser("cache", help="inspect or clear fusegraph's cache directory")
     csub = p.add_subparsers(dest="cache_command", required=True)
-    info = csub.add_parser("info", help="where the cache is, how many entries and bytes")
+    info = csub.add_parser("info", help="where the cache is, and the size of each part")
     info.add_argument("--json", action="store_true", help="print JSON")
     info.set_defaults(fn=_info)
-    lst = csub.add_parser("list", help="one line per entry: key, graph, target, dispatches, size, age")
-    lst.add_argument("--verify", action="store_true", help="also check every entry's checksums")
-    lst.add_argument("--json", action="store_true", help="print the manifests as JSON")
+    lst = csub.add_parser(
+        "list", help="every part of the cache with its size, then one line per compiled IREE module"
+    )
+    lst.add_argument("--verify", action="store_true", help="also check every IREE entry's checksums")
+    lst.add_argument("--json", action="store_true", help="print the parts and the IREE manifests as JSON")
     lst.set_defaults(fn=_list)
-    clr = csub.add_parser("clear", help="remove every entry (and kept compile-failure reproducers)")
+    names = [q.name for q in PARTS]
+    clr = csub.add_parser("clear", help="remove everything fusegraph cached (the size limit stays)")
     clr.add_argument("--keep-failures", action="store_true", help="keep <cache>/failures/")
+    clr.add_argument("--only", action="append", choices=names, metavar="PART",
+                     help=f"clear only this part (repeatable): {', '.join(names)}")
     clr.set_defaults(fn=_clear)
     lim = csub.add_parser(
-        "limit", help="show or set the size limit (least recently used entries are evicted)"
+        "limit", help="show or set the IREE modules' size limit (least recently used entries are evicted)"
     )
     lim.add_argument("size", nargs="?", help="e.g. 500M, 2G, 100000 (bytes) or 'default'")
     lim.set_defaults(fn=_limit)
+
+
+def _root() -> Path:
+    from fusegraph.runtime.cache_dir import cache_root
+
+    return cache_root()
+
+
+def _lock_of(path: Path) -> Path:
+    return path.with_name(f".{path.name}.lock")
+
+
+def _usage(path: Path) -> tuple[int, int]:
+    """(files, bytes) under ``path`` (a file or a directory; 0, 0 when absent)."""
+    if path.is_file():
+        return 1, path.stat().st_size
+    files = size = 0
+    if path.is_dir():
+        for p in path.rglob("*"):
+            try:
+                if p.is_file() and not p.name.endswith(".lock"):
+                    files += 1
+                    size += p.stat().st_size
+            except OSError:  # removed meanwhile
+                continue
+    return files, size
+
+
+def part_usage(root: Path | None = None) -> list[dict[str, Any]]:
+    """One row per part: name, path, what, files, bytes; then anything else found there."""
+    root = root or _root()
+    rows = []
+    for q in PARTS:
+        files, size = _usage(root / q.path)
+        rows.append({"name": q.name, "path": str(root / q.path), "what": q.what, "files": files, "bytes": size})
+    known = {q.path for q in PARTS} | set(SETTINGS)
+    known |= {_lock_of(Path(n)).name for n in known}
+    if root.is_dir():
+        for p in sorted(root.iterdir()):
+            if p.name not in known:
+                files, size = _usage(p)
+                rows.append({"name": "(other)", "path": str(p), "what": "not fusegraph's: never cleared",
+                             "files": files, "bytes": size})
+    return rows
+
+
+def _print_parts(rows: list[dict[str, Any]]) -> None:
+    print(f"{'part':14s} {'files':>6s} {'size':>10s}  what")
+    for r in rows:
+        print(f"{r['name']:14s} {r['files']:6d} {_human(r['bytes']):>10s}  {r['what']}"
+              + (f" ({r['path']})" if r["name"] == "(other)" else ""))
+    total = sum(r["bytes"] for r in rows if r["name"] != "(other)")
+    print(f"{'total':14s} {sum(r['files'] for r in rows if r['name'] != '(other)'):6d} {_human(total):>10s}")
+
+
+def _human(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def _cache() -> Any:
@@ -36,25 +136,32 @@ def _cache() -> Any:
 
 def _info(args: argparse.Namespace) -> int:
     info = _cache().info()
+    parts = part_usage()
     if args.json:
-        print(json.dumps(info, indent=1))
+        print(json.dumps({**info, "parts": parts}, indent=1))
         return 0
     state = "enabled" if info["enabled"] else "disabled (FUSEGRAPH_CACHE=0)"
     print(f"cache directory : {info['root']} ({state})")
     print(f"entries         : {info['entries']} ({info['bytes'] / 1e6:.2f} MB)")
     print(f"size limit      : {info['max_bytes'] / 1e6:.2f} MB (least recently used evicted)")
     print(f"kept failures   : {info['failures']} (under {info['root']}/failures)")
+    print(f"everything      : {_human(sum(r['bytes'] for r in parts if r['name'] != '(other)'))} in "
+          f"{sum(r['files'] for r in parts if r['name'] != '(other)')} files (`fusegraph cache list`)")
     return 0
 
 
 def _list(args: argparse.Namespace) -> int:
     cache = _cache()
     entries = cache.list_entries()
+    parts = part_usage()
     if args.json:
-        print(json.dumps(entries, indent=1, default=str))
+        print(json.dumps({"root": str(cache.root), "parts": parts, "iree_entries": entries}, indent=1, default=str))
         return 0
+    print(f"cache directory {cache.root}")
+    _print_parts(parts)
+    print()
     if not entries:
-        print(f"no entries in {cache.entries_root}")
+        print(f"no entries (compiled IREE modules) in {cache.entries_root}")
         return 0
     now = time.time()
     print(f"{'key':14s} {'graph':24s} {'target':12s} {'disp':>4s} {'KB':>8s} {'age':>8s}  status")
@@ -77,8 +184,30 @@ def _list(args: argparse.Namespace) -> int:
 
 def _clear(args: argparse.Namespace) -> int:
     cache = _cache()
-    n = cache.clear(failures=not args.keep_failures)
-    print(f"removed {n} entr{'y' if n == 1 else 'ies'} from {cache.entries_root}")
+    root = cache.root
+    wanted = [q for q in PARTS if (args.only is None or q.name in args.only)
+              and not (args.keep_failures and q.name == "failures")]
+    before = {q.name: _usage(root / q.path) for q in wanted}
+    n_entries = 0
+    if any(q.name == "iree" for q in wanted):
+        n_entries = cache.clear(failures=False)  # also forgets this process's in-memory modules
+    removed = []
+    for q in wanted:
+        path = root / q.path
+        files, size = before[q.name]
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.exists():
+            path.unlink(missing_ok=True)
+        _lock_of(path).unlink(missing_ok=True)
+        if files or q.name == "iree":
+            removed.append((q, files, size))
+    for q, files, size in removed:
+        extra = f" ({n_entries} entr{'y' if n_entries == 1 else 'ies'})" if q.name == "iree" else ""
+        print(f"removed {q.name:14s} {files:6d} files {_human(size):>10s}{extra}")
+    iree = (f"removed {n_entries} entr{'y' if n_entries == 1 else 'ies'} from {cache.entries_root}; "
+            if any(q.name == "iree" for q in wanted) else "")
+    print(f"{iree}{_human(sum(r[2] for r in removed))} in all from {root}")
     return 0
 
 
@@ -106,7 +235,8 @@ def _limit(args: argparse.Namespace) -> int:
         try:
             cache.set_limit(None if args.size.strip().lower() == "default" else parse_size(args.size))
         except (argparse.ArgumentTypeError, ValueError) as exc:
-            raise SystemExit(f"fusegraph cache limit: {exc}") from None
+            print(f"fusegraph cache limit: {exc}", file=sys.stderr)
+            return 2
     info = cache.info()
     print(f"size limit {info['max_bytes'] / 1e6:.2f} MB; {info['entries']} entries use {info['bytes'] / 1e6:.2f} MB")
     return 0
