@@ -401,7 +401,29 @@ class Log:
         os.fsync(self._fh.fileno())
 
 
-def run_one(d: Drawn, log: Log, watch: Watch, current: dict[str, Any], check: bool, input_seed: int) -> dict[str, Any]:
+def parse_config(text: str) -> Any:
+    """``iree:ukernels=none,opt_level=O3`` -> EngineConfig (values: bool, int, float, else str)."""
+    from fusegraph.engines.base import EngineConfig
+
+    engine, _, rest = text.partition(":")
+    knobs = []
+    for kv in filter(None, rest.split(",")):
+        k, _, v = kv.partition("=")
+        value: Any = {"true": True, "false": False}.get(v.lower(), v)
+        if isinstance(value, str):
+            for cast in (int, float):
+                try:
+                    value = cast(v)
+                    break
+                except ValueError:
+                    pass
+        knobs.append((k.strip(), value))
+    return EngineConfig(engine.strip(), tuple(sorted(knobs)))
+
+
+def run_one(
+    d: Drawn, log: Log, watch: Watch, current: dict[str, Any], check: bool, input_seed: int, config: Any = None
+) -> dict[str, Any]:
     from fusegraph.reference.executor import run_reference
     from fusegraph.reference.inputs import random_inputs
     from fusegraph.select.autotune import compare, tolerance
@@ -415,7 +437,16 @@ def run_one(d: Drawn, log: Log, watch: Watch, current: dict[str, Any], check: bo
     watch.reset()
     t0 = time.perf_counter()
     try:
-        plan = d.graph.build()
+        plan = None
+        if config is not None:
+            try:
+                plan = d.graph.build(config=config)
+            except Exception as exc:  # refused or failed: recorded, then the default selection
+                rec["config_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+                rec["config_s"] = round(time.perf_counter() - t0, 3)
+                d.graph.plans.clear()
+        if plan is None:
+            plan = d.graph.build()
         rec["engine"] = plan.engine
         rec["config"] = str(plan.config)
         rec["build_s"] = round(time.perf_counter() - t0, 3)
@@ -480,6 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--only", default=None, help="comma-separated graph indices to (re)run")
     ap.add_argument("--start", type=int, default=0, help="first graph index")
+    ap.add_argument("--family", default=None, choices=FAMILIES, help="only graphs of this family")
+    ap.add_argument("--config", default=None, metavar="ENGINE:KEY=VALUE,...",
+                    help="build with this engine config first (e.g. iree:ukernels=none), the default "
+                         "selection where it is refused or fails")
     ap.add_argument("--exclude", default=None, metavar="REGEX",
                     help="skip graphs whose description matches (e.g. a known crash, to go on hunting)")
     ap.add_argument("--log", default=None, help="JSON-lines log (default: a temp file)")
@@ -499,6 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{i}] {d.desc}" + (f"  INVALID: {d.error}" if d.error else ""))
         return 0
     faulthandler.enable()  # a crash in native code leaves the Python stack: which build, which library
+    config = parse_config(args.config) if args.config else None
     cache = tempfile.mkdtemp(prefix="fusegraph-seq-")
     os.environ["FUSEGRAPH_CACHE_DIR"] = cache
     log_path = Path(args.log or tempfile.mktemp(prefix="fusegraph-seq-", suffix=".jsonl"))
@@ -517,14 +553,15 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for i in indices:
         d = draw(args.seed, i)
-        if args.exclude and re.search(args.exclude, d.desc):
+        if (args.exclude and re.search(args.exclude, d.desc)) or (args.family and d.family != args.family):
             log.write({"event": "excluded", "index": i, "desc": d.desc})
             continue
         if d.graph is None:
             invalid.append(d)
             log.write({"event": "invalid", "index": i, "desc": d.desc, "error": d.error})
             continue
-        rec = run_one(d, log, watch, current, check=not args.no_check, input_seed=args.input_seed)
+        rec = run_one(d, log, watch, current, check=not args.no_check, input_seed=args.input_seed,
+                      config=config)
         records.append(rec)
         if args.verbose or rec["status"] != "ok":
             print(f"[{i:3d}] {rec.get('engine', '-'):9s} build {rec.get('build_s', 0):6.2f} s  "

@@ -359,3 +359,48 @@ def test_autotune_progress_true_and_false_are_obeyed(capsys: pytest.CaptureFixtu
     assert "build+check" in capsys.readouterr().err
     _tune_quietly(False)
     assert "tuning" not in capsys.readouterr().err
+
+
+# ---- knobs the graph cannot use are not timed (issue 16 item 5) ----------------------------------
+def _real_iree() -> object:
+    from fusegraph.engines.registry import active_registry
+
+    for e in active_registry().available_engines():
+        if e.name == "iree":
+            return e
+    pytest.skip("the IREE engine is not available here")
+
+
+def _knob_names(g: fg.Graph) -> set[str]:
+    from fusegraph.select.heuristics import BUILTIN
+
+    cfgs = BUILTIN.rank(g, CPU, HeurMode.B, [_real_iree()])  # type: ignore[list-item]
+    return {k for c in cfgs for k, _ in c.knobs}
+
+
+def test_autotune_skips_knobs_a_pointwise_graph_cannot_use() -> None:
+    names = _knob_names(chain_graph())
+    assert names <= {"opt_level", "aggressive_fusion"}, names
+    assert names  # what can change its module is still tuned
+
+
+def test_autotune_keeps_the_knobs_a_graph_uses() -> None:
+    conv = _knob_names(conv_graph())
+    # (mode B enumerates at most 32 configs per engine: data_tiling or ukernels, whichever fits)
+    assert {"conv_layout", "filter_fence"} <= conv and conv & {"data_tiling", "ukernels"}, conv
+    assert "attention" not in conv and "norm_variance" not in conv, conv
+    g = fg.Graph("attn", io_data_type=fg.DataType.HALF, intermediate_data_type=fg.DataType.HALF,
+                 compute_data_type=fg.DataType.FLOAT)
+    q = g.tensor("q", [1, 2, 16, 16])
+    g.sdpa(q, g.tensor("k", [1, 2, 16, 16]), g.tensor("v", [1, 2, 16, 16])).set_name("o").set_output(True)
+    g.validate()
+    attn = _knob_names(g)
+    assert "attention" in attn and attn & {"data_tiling", "ukernels"}, attn
+    assert "conv_layout" not in attn and "norm_variance" not in attn, attn
+    ln = fg.Graph("ln", io_data_type=fg.DataType.FLOAT)
+    x = ln.tensor("x", [4, 8, 8])
+    y, _, _ = ln.layernorm(x, ln.tensor("s", [1, 8, 8]), ln.tensor("b", [1, 8, 8]), epsilon=1e-5)
+    y.set_name("y").set_output(True)
+    ln.validate()
+    names = _knob_names(ln)
+    assert "norm_variance" in names and "data_tiling" not in names and "round_intermediates" not in names, names

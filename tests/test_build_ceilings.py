@@ -11,6 +11,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from fusegraph.engines.iree import compile as ic
@@ -112,3 +113,40 @@ def test_a_bounded_compile_that_succeeds_returns_the_module(tmp_path: Path, monk
     r = ic.compile_mlir(MLIR, [])
     assert r.backend == "cli" and r.vmfb == b"VMFB" * 300
     assert os.environ.get(ic.LIMITS_ENV) is None
+
+
+# ---- the runaway of issue 16: a data-tiled bf16 matmul whose result is sliced -------------------
+def _runaway_graph() -> object:
+    import fusegraph as fg
+
+    dt = fg.DataType
+    g = fg.Graph("i8_bf16_matmul_slice", io_data_type=dt.BFLOAT16, intermediate_data_type=dt.BFLOAT16,
+                 compute_data_type=dt.FLOAT)
+    a = g.identity(g.tensor("a", [16, 32, 128], data_type=dt.INT8))
+    a.set_data_type(dt.BFLOAT16)
+    c = g.matmul(a, g.tensor("b", [16, 128, 64]))
+    c.set_dim([16, 32, 64])
+    g.slice(c, [0], [32], axes=[2]).set_name("c").set_output(True)
+    return g.validate()
+
+
+def test_the_runaway_graph_compiles_without_data_tiling_whatever_the_ukernels(
+    monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator
+) -> None:
+    """With data tiling this graph compiled for 117-273 s (default ukernels) or grew past 6 GiB
+    (ukernels='none'); without, ~1 s. The engine turns data tiling off for it unless pinned."""
+    import fusegraph as fg
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.engines.iree import IreeEngine
+
+    monkeypatch.setenv(ic.LIMITS_ENV, "3072,120")  # should the fix regress: a typed refusal, not a hang
+    g = _runaway_graph()
+    plan = IreeEngine().build(g, fg.Handle("cpu"), EngineConfig("iree", (("ukernels", "none"),)))
+    assert plan.config.get("data_tiling") is False
+    a = rng.integers(-5, 6, (16, 32, 128)).astype(np.int8)
+    b = rng.standard_normal((16, 128, 64)).astype(fg.DataType.BFLOAT16.numpy)
+    out = np.asarray(plan.execute({"a": a, "b": b})["c"], np.float64)
+    ref = (a.astype(np.float64) @ b.astype(np.float64))[..., :32]
+    assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-2
+    with pytest.raises(fg.UnsupportedError, match="data_tiling"):
+        IreeEngine().build(g, fg.Handle("cpu"), EngineConfig("iree", (("data_tiling", True), ("ukernels", "none"))))

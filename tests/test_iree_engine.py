@@ -112,10 +112,12 @@ def test_supports_cpu_and_says_why_not_for_a_missing_gpu() -> None:
 
 def test_knobs_are_flag_knobs_plus_emit_options() -> None:
     e = IreeEngine()
-    g = chain_graph(2)
+    g = cbr_graph()  # a padded conv: every knob but attention/norm_variance/round_intermediates applies
     knobs = {k.name: k for k in e.knobs(g, fg.Handle("cpu"))}
     for name in ("opt_level", "data_tiling", "ukernels", "aggressive_fusion", "fuse_padding", "extra_flags", "conv_layout"):
         assert name in knobs, name
+    # a pointwise chain: only the knobs that can change its module (autotune times each setting)
+    assert {k.name for k in e.knobs(chain_graph(2), fg.Handle("cpu"))} == {"opt_level", "aggressive_fusion", "extra_flags"}
     cpu = DEFAULTS["cpu"]
     assert knobs["opt_level"].default == cpu.opt_level and "O3" in knobs["opt_level"].choices
     assert knobs["data_tiling"].default is cpu.data_tiling

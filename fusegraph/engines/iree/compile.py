@@ -160,6 +160,7 @@ class CompileResult:
     backend: str  # "inprocess" | "cli"
     diagnostics: str = ""
     summary: dict[str, Any] = field(default_factory=dict)
+    peak_rss_bytes: int | None = None  # the child's, as last read (None in-process)
 
 
 def statistics_flags(path: str | Path) -> tuple[str, ...]:
@@ -242,14 +243,15 @@ def compile_mlir(
         t0 = time.perf_counter()
         with progress.working("fusegraph: IREE compiling"):
             if backend == "cli":
-                vmfb, diag = _compile_cli(text, all_flags, Path(tmp), limits)
+                vmfb, diag, peak = _compile_cli(text, all_flags, Path(tmp), limits)
             else:
                 vmfb, diag = _compile_inprocess(text, all_flags)
+                peak = None
         seconds = time.perf_counter() - t0
         stats = _read_stats(stats_path)
     log.debug("compiled %d bytes of MLIR in %.3f s (%s)", len(text), seconds, backend)
     summary: dict[str, Any] = {**summarize_statistics(stats), "dispatches": dispatch_names(vmfb)}
-    return CompileResult(vmfb, stats, seconds, backend, diag, summary)
+    return CompileResult(vmfb, stats, seconds, backend, diag, summary, peak)
 
 
 def _read_stats(path: Path) -> dict[str, Any]:
@@ -292,7 +294,9 @@ def _signal_name(returncode: int) -> str:
         return f"signal {-returncode}"
 
 
-def _compile_cli(text: str, flags: Sequence[str], tmp: Path, limits: CompileLimits | None = None) -> tuple[bytes, str]:
+def _compile_cli(
+    text: str, flags: Sequence[str], tmp: Path, limits: CompileLimits | None = None
+) -> tuple[bytes, str, int]:
     src, out = tmp / "module.mlir", tmp / "module.vmfb"
     src.write_text(text)
     mem = limits.memory_bytes if limits is not None else None
@@ -362,7 +366,7 @@ def _compile_cli(text: str, flags: Sequence[str], tmp: Path, limits: CompileLimi
         )
     if rc != 0 or not out.exists():
         raise IreeCompileFailure(f"iree-compile exited with status {rc}", stderr)
-    return out.read_bytes(), stderr
+    return out.read_bytes(), stderr, peak[0]
 
 
 def _compile_inprocess(text: str, flags: Sequence[str]) -> tuple[bytes, str]:

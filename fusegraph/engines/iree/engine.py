@@ -211,7 +211,10 @@ class IreeEngine:
         return self.cache.has(key)
 
     def knobs(self, graph: Graph, handle: Handle) -> Sequence[Knob]:
-        return [*flag_knobs(target_for_device(handle.device)), *self._emit_knobs()]
+        """The knobs that can change this graph's module: autotuning times every setting of
+        them, so a conv knob on a pointwise graph would only time the same module again."""
+        everything = [*flag_knobs(target_for_device(handle.device)), *self._emit_knobs()]
+        return [k for k in everything if _knob_applies(k.name, graph)]
 
     def build(self, graph: Graph, handle: Handle, config: EngineConfig | None = None) -> Any:
         from fusegraph.engines.iree.plan import IreePlan
@@ -433,6 +436,32 @@ def _safe(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", name)[:60] or "graph"
 
 
+def _knob_applies(name: str, graph: Graph) -> bool:
+    """Whether knob ``name`` can change the module compiled for ``graph`` (unknown knobs: yes)."""
+    from fusegraph.dtypes import DataType
+    from fusegraph.graph.ops import CONVOLUTIONS, OpKind
+
+    kinds = {n.kind for n in graph.nodes}
+    if name in ("data_tiling", "ukernels"):  # packing and microkernels of contractions
+        return bool(kinds & (CONVOLUTIONS | {OpKind.MATMUL, OpKind.SDPA}))
+    if name == "fuse_padding":
+        return any(
+            n.kind in CONVOLUTIONS
+            and any((*getattr(n.attrs, "pre_padding", ()), *getattr(n.attrs, "post_padding", ())))
+            for n in graph.nodes
+        )
+    if name in ("conv_layout", "filter_fence"):
+        return OpKind.CONV_FPROP in kinds
+    if name == "attention":
+        return OpKind.SDPA in kinds
+    if name == "norm_variance":  # two-pass vs one-pass statistics: computed by these only
+        return bool(kinds & {OpKind.LAYERNORM, OpKind.BATCHNORM})
+    if name == "round_intermediates":  # rounding virtual tensors to a narrower float type
+        narrow = (DataType.HALF, DataType.BFLOAT16, DataType.FP8_E4M3, DataType.FP8_E5M2)
+        return any(t.is_virtual and not t.is_output and t.dtype in narrow for t in graph.tensors if not t.is_scalar)
+    return True
+
+
 def _has_bf16_matmul(graph: Graph) -> bool:
     from fusegraph.dtypes import DataType
     from fusegraph.graph.ops import OpKind
@@ -444,20 +473,21 @@ def _has_bf16_matmul(graph: Graph) -> bool:
 
 
 def _avoid_llvm_abort(graph: Graph, target: Target, flagset: FlagSet, *, explicit: Mapping[str, Any]) -> FlagSet:
-    """IREE 3.13's CPU backend aborts the whole process (LLVM "Do not know how to split the
-    result of this operator!") on any bf16 matmul compiled with data tiling and the default
-    microkernels; the compiler runs in-process, so that would kill the user's program. By
-    default such graphs compile without data tiling; a config that pins the combination is
-    refused before the compiler sees it."""
-    if target.kind != "cpu" or not flagset.data_tiling or flagset.ukernels == "none":
-        return flagset
-    if not _has_bf16_matmul(graph):
+    """IREE 3.13's CPU backend cannot be trusted with a data-tiled bf16 matmul: with the
+    default microkernels LLVM aborts the process on some ("Do not know how to split the
+    result of this operator!") and compiles others for minutes (an int8->bf16 matmul whose
+    result is sliced: 117-273 s, 583 MiB, on 2 cores); with ukernels='none' the same graph's
+    compile grows without bound (past 6 GiB resident in 2 minutes: the runaway of issue 16,
+    benchmarks/bench_build_sequence.py). Without data tiling each compiles in 0.5-2 s. So such
+    graphs compile without data tiling by default, and a config that pins data_tiling=True
+    for one is refused before the compiler sees it, whatever its microkernels."""
+    if target.kind != "cpu" or not flagset.data_tiling or not _has_bf16_matmul(graph):
         return flagset
     if "data_tiling" in explicit:
         raise UnsupportedError(
-            f"graph '{graph.name}': a bf16 matmul with data_tiling=True and ukernels={flagset.ukernels!r} "
+            f"graph '{graph.name}': a bf16 matmul with data_tiling=True (ukernels={flagset.ukernels!r}) "
             "aborts IREE 3.13's CPU compiler (LLVM: 'Do not know how to split the result of this "
-            "operator'); use data_tiling=False or ukernels='none'"
+            "operator') or compiles for minutes to gigabytes (ukernels='none'); use data_tiling=False"
         )
     return dataclasses.replace(flagset, data_tiling=False)
 
