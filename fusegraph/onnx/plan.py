@@ -211,7 +211,8 @@ class SessionPlan:
                 if verdict is not None:
                     self._floor[frozenset(group.nodes)] = verdict
                     if not verdict.keep:
-                        ran = f" | the engine said: {' | '.join(said)}" if said else ""
+                        notes = unit.engine_notes  # its warnings, and which CPU path ran (units.py)
+                        ran = f" | the engine said: {' | '.join(notes)}" if notes else ""
                         self._release(group.nodes, verdict.describe() + ran)
                         released = True
                         continue
