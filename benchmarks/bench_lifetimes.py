@@ -4,8 +4,10 @@ execute from several threads, and does the interpreter exit cleanly with live ob
     python benchmarks/bench_lifetimes.py                      # 10,000 cycles per CPU engine
     python benchmarks/bench_lifetimes.py --cycles 2000 --engines iree
 
-1. Cycles: each builds a fresh Graph (conv + bias + relu and a layernorm, NHWC, f32), builds
-   its plan on the engine, executes it on fresh random inputs (checked against the float64
+1. Cycles: each builds a fresh Graph (conv + bias + relu and a layernorm, NHWC, f32) -- the
+   same graph every cycle, so after the first an IREE build is a module-cache hit; with
+   ``--distinct`` a graph of its own each cycle, so every build compiles and loads a module --
+   builds its plan on the engine, executes it on fresh random inputs (checked against the float64
    reference every 500 cycles), and drops everything. Host RSS (/proc/self/statm) and open
    file descriptors (/proc/self/fd) are sampled; "flat" means the fds did not grow and RSS
    grew by less than 2% (+16 MiB slack) between the first 10% of cycles and the end.
@@ -44,11 +46,14 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
-def make_graph(seed: int) -> Any:
+def make_graph(seed: int, distinct: bool = False) -> Any:
+    """The cycle's graph: the same one every time (a build after the first is a cache hit,
+    which is what an application rebuilding its graphs does), or with ``distinct`` a new
+    output-channel count per cycle, so that every build compiles (IREE) and loads a new module."""
     import fusegraph as fg
 
     g = fg.Graph(name="lifetime", io_data_type=fg.DataType.FLOAT)
-    n, c, h, w, k = 2, 8, 8, 8, 16
+    n, c, h, w, k = 2, 8, 8, 8, (16 + seed % 100_000 if distinct else 16)
     x = g.tensor("x", [n, c, h, w], fg.strides_for([n, c, h, w], "NHWC"))
     wt = g.tensor("w", [k, c, 3, 3], fg.strides_for([k, c, 3, 3], "KRSC"))
     b = g.tensor("b", [1, k, 1, 1])
@@ -60,7 +65,7 @@ def make_graph(seed: int) -> Any:
     return g.validate()
 
 
-def cycles(engine: str, count: int) -> dict[str, Any]:
+def cycles(engine: str, count: int, distinct: bool = False) -> dict[str, Any]:
     from tqdm import tqdm
 
     from fusegraph.reference.inputs import random_inputs
@@ -70,7 +75,7 @@ def cycles(engine: str, count: int) -> dict[str, Any]:
     worst = 0.0
     t0 = time.perf_counter()
     for i in tqdm(range(count), desc=f"{engine} cycles", mininterval=5, file=sys.stderr):
-        g = make_graph(i)
+        g = make_graph(i, distinct)
         plan = g.build(engine=engine)
         ins = random_inputs(g, rng)
         out = plan.execute(ins)
@@ -172,6 +177,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cycles", type=int, default=10_000)
     ap.add_argument("--engines", nargs="*", default=None, help="default: every available CPU engine")
+    ap.add_argument("--distinct", action="store_true",
+                    help="a new graph (new cache key) every cycle: every IREE build compiles and loads a module")
     args = ap.parse_args()
     os.environ.setdefault("FUSEGRAPH_CACHE_DIR", tempfile.mkdtemp(prefix="fusegraph-lifetimes-"))
     from fusegraph.engines.registry import REGISTRY
@@ -182,7 +189,7 @@ def main() -> int:
     print(f"{'engine':10s} {'cycles':>7s} {'s':>7s} {'RSS start':>10s} {'@10%':>8s} {'end':>8s} {'max':>8s} "
           f"{'fd start':>9s} {'@10%':>5s} {'end':>5s} {'flat':>5s} {'max err':>8s}")
     for e in engines:
-        r = cycles(e, args.cycles)
+        r = cycles(e, args.cycles, args.distinct)
         print(f"{e:10s} {r['cycles']:7d} {r['seconds']:7.1f} {r['rss_start']:9.1f}M {r['rss_after_10pct']:7.1f}M "
               f"{r['rss_end']:7.1f}M {r['rss_max']:7.1f}M {r['fd_start']:9d} {r['fd_after_10pct']:5d} {r['fd_end']:5d} "
               f"{'yes' if r['flat'] else 'NO':>5s} {r['max_rel_err']:8.1e}", flush=True)
