@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from fusegraph.engines.iree import compile as ic
+from fusegraph.runtime.bounded import DEFAULT_MEMORY_CAP
 
 MLIR = "module {}\n"
 
@@ -36,7 +37,7 @@ def _no_env(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_default_is_a_bounded_child() -> None:
     backend, limits = ic.plan_compile()
     assert backend == "cli" and limits == ic.default_limits()
-    assert limits.memory_bytes is not None and 1 << 30 <= limits.memory_bytes <= ic.DEFAULT_MEMORY_CAP
+    assert limits.memory_bytes is not None and 1 << 30 <= limits.memory_bytes <= DEFAULT_MEMORY_CAP
     assert limits.seconds == ic.DEFAULT_SECONDS
 
 
@@ -150,3 +151,33 @@ def test_the_runaway_graph_compiles_without_data_tiling_whatever_the_ukernels(
     assert np.linalg.norm(out - ref) / np.linalg.norm(ref) < 2e-2
     with pytest.raises(fg.UnsupportedError, match="data_tiling"):
         IreeEngine().build(g, fg.Handle("cpu"), EngineConfig("iree", (("data_tiling", True), ("ukernels", "none"))))
+
+
+# ---- probes are bounded too -------------------------------------------------------------------
+def test_a_run_past_its_memory_ceiling_is_stopped_with_its_peak() -> None:
+    from fusegraph.runtime.bounded import run_bounded
+
+    grow = "import time\nkeep = []\nwhile True:\n    keep.append(bytearray(40 << 20)); time.sleep(0.02)"
+    r = run_bounded([sys.executable, "-c", grow], memory_bytes=150 << 20, seconds=60)
+    assert r.stopped == "memory" and r.peak_rss_bytes > 150 << 20 and r.returncode != 0
+    r = run_bounded([sys.executable, "-c", "import time; time.sleep(30)"], seconds=0.3)
+    assert r.stopped == "time"
+    r = run_bounded([sys.executable, "-c", "print('fine')"], memory_bytes=1 << 30, seconds=60)
+    assert (r.stopped, r.returncode, r.stdout.strip()) == (None, 0, "fine")
+
+
+def test_the_onednn_graph_probe_runs_under_a_memory_ceiling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("torch")
+    import fusegraph as fg
+    from fusegraph.engines.torch import onednn_graph as ong
+    from fusegraph.runtime import bounded
+
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(bounded, "default_memory_ceiling", lambda: 40 << 20)  # a Python with torch is larger
+    g = fg.Graph("probe_me", io_data_type=fg.DataType.FLOAT)
+    x = g.tensor("x", [1, 4, 8, 8], fg.strides_for([1, 4, 8, 8], "NHWC"))
+    w = g.tensor("w", [4, 4, 3, 3], fg.strides_for([4, 4, 3, 3], "KRSC"))
+    g.relu(g.conv_fprop(x, w, padding=[1, 1])).set_name("y").set_output(True)
+    g.validate()
+    why = ong.probe(g, ["w"], ())
+    assert "memory ceiling (40 MiB resident)" in why, why

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 import fusegraph as fg
 from fusegraph import DataType as DT
 from fusegraph.engines.base import EngineConfig
+from fusegraph.runtime import bounded
 from fusegraph.select.autotune import random_inputs
 
 torch = pytest.importorskip("torch", reason="the torch engine needs PyTorch (pip install 'fusegraph[torch]')")
@@ -115,19 +115,19 @@ def test_a_crashing_probe_leaves_the_plan_eager(rng: np.random.Generator, monkey
                                                 caplog: pytest.LogCaptureFixture, _own_cache: Path) -> None:
     """A child killed by a signal (what a segfault in the bridge looks like) is a definitive,
     cached 'no'; the plan runs eagerly, correctly, and says why in the log."""
-    def crashed(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
-        return subprocess.CompletedProcess(cmd, -11, "", "")
+    def crashed(cmd: list[str], **kw: object) -> bounded.BoundedRun:
+        return bounded.BoundedRun(-11, "", "", 0, None)
 
-    monkeypatch.setattr(subprocess, "run", crashed)
+    monkeypatch.setattr(bounded, "run_bounded", crashed)  # the probe's child runs under ceilings
     _assert_runs_eagerly(rng, caplog, "signal 11")
     assert "signal 11" in next(iter(json.loads((_own_cache / ong.VERDICTS).read_text()).values()))
 
 
 def test_a_child_that_cannot_start_is_not_cached(monkeypatch: pytest.MonkeyPatch, _own_cache: Path) -> None:
-    def broken(cmd: list[str], **kw: object) -> subprocess.CompletedProcess[str]:
-        return subprocess.CompletedProcess(cmd, 1, "", "ImportError: no module named torch")
+    def broken(cmd: list[str], **kw: object) -> bounded.BoundedRun:
+        return bounded.BoundedRun(1, "", "ImportError: no module named torch", 0, None)
 
-    monkeypatch.setattr(subprocess, "run", broken)
+    monkeypatch.setattr(bounded, "run_bounded", broken)
     why = ong.probe(_net(), list(WEIGHTS), ())
     assert "exit code 1" in why and "ImportError" in why
     assert not (_own_cache / ong.VERDICTS).exists()

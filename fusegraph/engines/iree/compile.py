@@ -21,10 +21,8 @@ import json
 import logging
 import os
 import re
-import resource
 import shlex
 import signal
-import subprocess
 import tempfile
 import threading
 import time
@@ -35,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from fusegraph.runtime import progress
+from fusegraph.runtime.bounded import default_memory_ceiling, run_bounded
 
 log = logging.getLogger("fusegraph.iree")
 
@@ -43,9 +42,7 @@ COMPILER_ENV = "FUSEGRAPH_IREE_COMPILER"  # "cli" (default: a bounded child) | "
 LIMITS_ENV = "FUSEGRAPH_IREE_COMPILE_LIMITS"
 # Default ceilings: resident memory min(8 GiB, half the machine), 10 minutes. Small graphs
 # compile in 0.3-3 s at 150-250 MiB; the ceilings exist for the runaway, not to judge speed.
-DEFAULT_MEMORY_CAP = 8 << 30
 DEFAULT_SECONDS = 600.0
-_POLL_S = 0.05  # how often the child's resident memory is read
 # What a compile that ran out of its address space says (the RLIMIT_AS backstop).
 _OOM = re.compile(
     r"out of memory|std::bad_alloc|Cannot allocate memory|failed to map segment|Allocation failed|"
@@ -75,10 +72,9 @@ class IreeCompileLimitExceeded(IreeCompileFailure):
 
 @dataclass(frozen=True)
 class CompileLimits:
-    """Ceilings for one compile, enforced on a child ``iree-compile``: its resident memory,
-    read every 50 ms (the child is killed past it; an address-space limit of twice the
-    ceiling plus 4 GiB catches an allocation too fast for the reading), and a timeout. An
-    in-process compile cannot be stopped, so a bounded compile is always a child."""
+    """Ceilings for one compile, enforced on a child ``iree-compile`` by
+    runtime/bounded.py (resident memory read every 50 ms, an address-space backstop, a
+    timeout). An in-process compile cannot be stopped, so a bounded compile is always a child."""
 
     memory_bytes: int | None = None
     seconds: float | None = None
@@ -95,11 +91,7 @@ class CompileLimits:
 def default_limits() -> CompileLimits:
     """The ceilings of a compile nobody configured: min(8 GiB, half the physical memory)
     resident, ``DEFAULT_SECONDS``."""
-    try:
-        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        physical = 2 * DEFAULT_MEMORY_CAP
-    return CompileLimits(memory_bytes=min(DEFAULT_MEMORY_CAP, max(physical // 2, 1 << 30)), seconds=DEFAULT_SECONDS)
+    return CompileLimits(memory_bytes=default_memory_ceiling(), seconds=DEFAULT_SECONDS)
 
 
 _OFF = ("off", "none", "no", "0", "inprocess")
@@ -263,30 +255,6 @@ def _read_stats(path: Path) -> dict[str, Any]:
     return data if isinstance(data, dict) else {"stats": data}
 
 
-def _rss_bytes(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/statm") as fh:
-            return int(fh.read().split()[1]) * _PAGE
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def _backstop(mem: int | None) -> tuple[int, int] | None:
-    """The child's RLIMIT_AS: twice the memory ceiling plus 4 GiB (address space runs well
-    ahead of resident memory), never above a limit this process already lives under."""
-    if mem is None:
-        return None
-    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
-    want = 2 * mem + (4 << 30)
-    for cap in (soft, hard):
-        if cap != resource.RLIM_INFINITY:
-            want = min(want, cap)
-    return want, hard
-
-
 def _signal_name(returncode: int) -> str:
     try:
         return signal.Signals(-returncode).name
@@ -301,72 +269,31 @@ def _compile_cli(
     src.write_text(text)
     mem = limits.memory_bytes if limits is not None else None
     seconds = limits.seconds if limits is not None else None
-    backstop = _backstop(mem)
-
-    def ceiling() -> None:  # runs in the child before exec: nothing here may raise
-        if backstop is not None:
-            resource.setrlimit(resource.RLIMIT_AS, backstop)
-
-    proc = subprocess.Popen(
-        command_line(flags, str(src), str(out)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        preexec_fn=ceiling if backstop is not None else None,
-    )
-    stopped: list[str] = []  # why we killed the child, if we did
-    peak = [0]
-    done = threading.Event()
-
-    def watch() -> None:  # the memory ceiling, on resident memory (what the machine runs out of)
-        while not done.wait(_POLL_S):
-            rss = _rss_bytes(proc.pid)
-            peak[0] = max(peak[0], rss)
-            if mem is not None and rss > mem:
-                stopped.append("memory")
-                proc.kill()
-                return
-
-    watcher = threading.Thread(target=watch, name="fusegraph-compile-watch", daemon=True)
-    watcher.start()
-    try:
-        _stdout, stderr = proc.communicate(timeout=seconds)
-    except subprocess.TimeoutExpired:
-        stopped.append("time")
-        proc.kill()
-        _stdout, stderr = proc.communicate()
-    except BaseException:  # KeyboardInterrupt: the child must not outlive the compile
-        proc.kill()
-        proc.wait()
-        raise
-    finally:
-        done.set()
-        watcher.join()
-    stderr = (stderr or "").strip()
-    assert limits is not None or not stopped
-    if stopped and stopped[0] == "time":
+    run = run_bounded(command_line(flags, str(src), str(out)), memory_bytes=mem, seconds=seconds)
+    stderr, peak, rc = run.stderr.strip(), run.peak_rss_bytes, run.returncode
+    ceilings = limits.describe() if limits is not None else ""
+    if run.stopped == "time":
         raise IreeCompileLimitExceeded(
-            f"the compile passed its time ceiling ({limits.describe() if limits else ''}) and was stopped "
-            f"(at {peak[0] / 2**20:.0f} MiB resident)",
+            f"the compile passed its time ceiling ({ceilings}) and was stopped (at {peak / 2**20:.0f} MiB resident)",
             f"iree-compile killed after {seconds:g} s\n{stderr[-4000:]}",
         )
-    if stopped:
+    if run.stopped == "memory":
         raise IreeCompileLimitExceeded(
-            f"the compile passed its memory ceiling ({limits.describe() if limits else ''}): iree-compile "
-            f"reached {peak[0] / 2**20:.0f} MiB resident and was stopped",
+            f"the compile passed its memory ceiling ({ceilings}): iree-compile reached {peak / 2**20:.0f} MiB "
+            "resident and was stopped",
             stderr[-4000:],
         )
-    rc = proc.returncode
     if rc != 0 and mem is not None and _OOM.search(stderr):
         raise IreeCompileLimitExceeded(
-            f"the compile passed its memory ceiling ({limits.describe() if limits else ''}): iree-compile ran "
-            f"out of address space (exit status {rc})",
+            f"the compile passed its memory ceiling ({ceilings}): iree-compile ran out of address space "
+            f"(exit status {rc})",
             stderr[-4000:],
         )
     if rc < 0:
-        raise IreeCompileFailure(
-            f"iree-compile crashed ({_signal_name(rc)}); the calling process is unharmed", stderr
-        )
+        raise IreeCompileFailure(f"iree-compile crashed ({_signal_name(rc)}); the calling process is unharmed", stderr)
     if rc != 0 or not out.exists():
         raise IreeCompileFailure(f"iree-compile exited with status {rc}", stderr)
-    return out.read_bytes(), stderr, peak[0]
+    return out.read_bytes(), stderr, peak
 
 
 def _compile_inprocess(text: str, flags: Sequence[str]) -> tuple[bytes, str]:

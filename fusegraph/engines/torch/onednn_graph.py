@@ -280,18 +280,23 @@ def probe(graph: Graph, bound: Sequence[str], knobs: Sequence[tuple[str, Any]]) 
 def _run_probe(graph: Graph, bound: Sequence[str], knobs: Sequence[tuple[str, Any]]) -> tuple[str, bool]:
     """The child's verdict and whether it is definitive (worth caching): a verdict the child
     wrote, or its death by a signal; not a child that failed to start."""
-    import subprocess
     import sys
+
+    from fusegraph.runtime.bounded import default_memory_ceiling, run_bounded
 
     with tempfile.TemporaryDirectory(prefix="fusegraph-probe-") as tmp:
         spec = Path(tmp) / "probe.json"
         result = Path(tmp) / "result.json"
         spec.write_text(json.dumps({"graph": graph.to_json(), "bound": list(bound), "knobs": [list(k) for k in knobs]}))
         cmd = [sys.executable, "-m", "fusegraph.engines.torch.onednn_graph", str(spec), str(result)]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
-        except subprocess.TimeoutExpired:
+        # bounded like a compile (runtime/bounded.py): a probe that runs away costs the probe
+        ceiling = default_memory_ceiling()
+        proc = run_bounded(cmd, memory_bytes=ceiling, seconds=PROBE_TIMEOUT_S)
+        if proc.stopped == "time":
             return f"the probe process did not finish in {PROBE_TIMEOUT_S:.0f} s", True
+        if proc.stopped == "memory":
+            return (f"the probe process passed its memory ceiling ({ceiling / 2**20:.0f} MiB resident) "
+                    "and was stopped"), True
         try:
             return str(json.loads(result.read_text())["verdict"]), True
         except (OSError, ValueError, KeyError):
