@@ -315,3 +315,30 @@ def test_adaptive_threads_settle_on_the_faster_setting(faster: str, monkeypatch:
     want = 1 if faster == "one" else many
     assert adaptive.threads == want
     assert sum(n != want for n in seen[-200:]) <= 2 * adaptive.PROBE  # once settled, the other is rarely probed
+
+
+@pytest.mark.parametrize("faster", ["one", "all"])
+def test_adaptive_threads_start_on_the_setting_timed_faster(faster: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """warm() times each setting once (after an untimed first call) and starts on the faster;
+    a probe twice as slow as the current setting ends its probing at once."""
+    many = 2
+    clock = _Clock()
+    current = [many]
+    seen: list[int] = []
+    monkeypatch.setattr(frozen, "time", clock)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: current.__setitem__(0, n))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: current[0])
+
+    def fn(*xs: Any) -> list[Any]:
+        seen.append(current[0])
+        clock.now += 1.0 if (current[0] == 1) == (faster == "one") else 50.0
+        return []
+
+    adaptive = frozen.AdaptiveThreads(fn, many)
+    adaptive.warm()
+    want = 1 if faster == "one" else many
+    assert adaptive.threads == want and current[0] == many
+    seen.clear()
+    for _ in range(300):
+        adaptive()
+    assert sum(n != want for n in seen) == 1  # one probe, 49 units slower: the next waits ~4900 calls

@@ -206,6 +206,13 @@ class SessionPlan:
                         else:
                             verdict = floor.Verdict(True, source="not measured", why="the floor's time budget was spent")
                         spent += time.perf_counter() - t0
+                        second = None if verdict.keep else floor.runner_up(self, unit, nodes, ins, outs, share)
+                        if second is not None:  # the other engine, built and timed the same way
+                            spent += second[2]
+                            if second[1].keep:
+                                unit, verdict = second[0], second[1]
+                            else:
+                                verdict = floor.with_note(verdict, floor.runner_up_note(second[0], second[1]))
                         cache.record(content, verdict)
                 unit.engine_notes.extend(said)
                 if verdict is not None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import platform
 import statistics
@@ -232,30 +233,49 @@ def compile_aoti(module: Any, example: Sequence[Tensor], key: str) -> Callable[.
 
 # ---- threads ----------------------------------------------------------------------------------
 class AdaptiveThreads:
-    """Calls ``fn`` with all cores or one, whichever the recent calls say is faster.
+    """Calls ``fn`` with all cores or one, whichever the calls say is faster.
 
-    Every call is timed; after ``gap`` calls on the current setting (PROBE calls at first),
-    PROBE calls run on the other, and the medians decide (the other must be MARGIN faster
-    to switch). A confirmed
-    choice doubles the gap (up to MAX_GAP calls: probing then costs well under 1% even when
-    the other setting is twice as slow); a switch resets it. Numerics do not depend on the
-    choice beyond summation order.
+    ``warm`` times one call on each setting at build time (after an untimed first call on
+    each: a first call on a thread count creates oneDNN's primitives for it) and starts on
+    the faster. Every call is timed; after ``gap`` calls on the current setting, up to PROBE
+    calls run on the other, and the medians decide (the other must be MARGIN faster to
+    switch; a probe more than twice as slow ends the probing at once). A confirmed choice
+    at least doubles the gap, and stretches it so that the extra time probes cost stays
+    under OVERHEAD of the time spent: on a loaded 2-core machine a 2-thread call of a
+    transformer unit took 500 ms against 11 ms on one thread (every parallel region waits
+    for a descheduled thread), so probes must be rare there. A switch resets the gap.
+    Numerics do not depend on the choice beyond summation order.
     """
 
     PROBE = 2
-    MIN_GAP = 8
-    MAX_GAP = 512
+    MIN_GAP = 16
+    MAX_GAP = 1 << 16
     MARGIN = 0.95
+    OVERHEAD = 0.01
 
     def __init__(self, fn: Callable[..., Sequence[Tensor]], many: int) -> None:
         self.fn = fn
         self.many = max(1, many)
         self.threads = self.many
         self.gap = self.MIN_GAP
-        self.left = self.PROBE  # an early look at the other setting: the floor times a unit within its first calls
+        self.left = self.MIN_GAP
         self.recent: deque[float] = deque(maxlen=8)
         self.probes: list[float] = []
         self.switches = 0
+
+    def warm(self, *xs: Tensor) -> None:
+        """One untimed and one timed call on each setting; the faster is the first choice."""
+        if self.many == 1:
+            return
+        took: dict[int, float] = {}
+        for n in (self.many, 1):
+            self._call(n, xs)
+            t0 = time.perf_counter()
+            self._call(n, xs)
+            took[n] = time.perf_counter() - t0
+        self.threads = min(took, key=lambda n: took[n])
+        self.recent.clear()
+        self.recent.append(took[self.threads])
 
     def __call__(self, *xs: Tensor) -> Sequence[Tensor]:
         if self.many == 1:
@@ -270,23 +290,26 @@ class AdaptiveThreads:
             self.recent.append(took)
             return out
         self.probes.append(took)
-        if len(self.probes) >= self.PROBE:
-            if self.recent and statistics.median(self.probes) < self.MARGIN * statistics.median(self.recent):
+        mine = statistics.median(self.recent) if self.recent else math.inf
+        if took > 2 * mine:
+            self._stay(mine)
+        elif len(self.probes) >= self.PROBE:
+            if statistics.median(self.probes) < self.MARGIN * mine:
                 self.threads, self.gap, self.switches = n, self.MIN_GAP, self.switches + 1
                 self.recent.clear()
                 self.recent.extend(self.probes)
+                self.probes = []
+                self.left = self.gap
             else:
-                self.gap = min(2 * self.gap, self.MAX_GAP)
-            self.probes = []
-            self.left = self.gap
+                self._stay(mine)
         return out
 
-    def warm(self, *xs: Tensor) -> None:
-        """One untimed call on each setting: a first call on a thread count pays for creating
-        the oneDNN primitives for it, which must not decide the first comparison."""
-        if self.many > 1:
-            self._call(1, xs)
-            self._call(self.many, xs)
+    def _stay(self, mine: float) -> None:
+        extra = max(sum(self.probes) - len(self.probes) * mine, 0.0)
+        bound = math.ceil(extra / (self.OVERHEAD * mine)) if math.isfinite(mine) and mine > 0 else 0
+        self.gap = min(max(2 * self.gap, bound), self.MAX_GAP)
+        self.probes = []
+        self.left = self.gap
 
     def _call(self, n: int, xs: Sequence[Tensor]) -> Sequence[Tensor]:
         torch = _torch()
