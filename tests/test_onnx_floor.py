@@ -4,6 +4,7 @@ test depends on the machine's speed; numerics are checked against ONNX Runtime."
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -306,3 +307,47 @@ def test_engine_warnings_reach_the_report(
     fake_timer([(2.0, 1.0), (0.5, 1.0), (0.5, 1.0)])
     rep = _session(model, tmp_path / "b").partition_report()
     assert "the engine said" in rep.subgraphs[0].note and "simulated eager fallback" in rep.subgraphs[0].note
+
+
+def test_a_losing_unit_is_tried_on_the_other_engine(rng: np.random.Generator, tmp_path: Path, fake_timer: Any) -> None:
+    """With the selection layer choosing, a unit that loses is built on the other compiling
+    engine and timed the same way (floor.runner_up); its win is kept, recorded as the
+    group's choice, and a later session builds that engine directly, measuring nothing."""
+    from fusegraph.engines.registry import REGISTRY
+    from fusegraph.onnx import choices
+
+    compiling = [e.name for e in REGISTRY.engines() if e.name != "reference" and e.available()]
+    if len(compiling) < 2:
+        pytest.skip(f"needs two compiling engines, found {compiling}")
+    model = _chain(rng)
+    timer = fake_timer([(2.0, 1.0), (0.5, 1.0), (0.5, 1.0)])  # first engine loses, the other wins; whole plan wins
+    sess = _session(model, tmp_path, engine="auto", op_types_to_exclude="")
+    assert timer.calls == 3
+    rep = sess.partition_report()
+    (unit,) = [s for s in rep.subgraphs if s.kind == "fusegraph"]
+    assert "kept on fusegraph" in unit.floor and unit.fusegraph_ms == 0.5
+    assert (tmp_path / choices.FILE).is_file()
+    _check(sess, model, rng)
+    first = next(iter(sess._plans.values())).units[0].plan.engine
+    recorded = json.loads((tmp_path / choices.FILE).read_text())
+    assert [v["engine"] for v in recorded.values()] == [first]
+    again = _session(model, tmp_path, engine="auto", op_types_to_exclude="")
+    assert timer.calls == 3  # cached verdicts: nothing timed
+    assert next(iter(again._plans.values())).units[0].plan.engine == first
+    _check(again, model, rng)
+
+
+def test_both_engines_losing_says_so(rng: np.random.Generator, tmp_path: Path, fake_timer: Any) -> None:
+    from fusegraph.engines.registry import REGISTRY
+
+    compiling = [e.name for e in REGISTRY.engines() if e.name != "reference" and e.available()]
+    if len(compiling) < 2:
+        pytest.skip(f"needs two compiling engines, found {compiling}")
+    model = _chain(rng)
+    fake_timer([(2.0, 1.0), (3.0, 1.0)])
+    sess = _session(model, tmp_path, engine="auto", op_types_to_exclude="")
+    rep = sess.partition_report()
+    assert [s.kind for s in rep.subgraphs] == ["onnxruntime"]
+    assert "handed to ONNX Runtime" in rep.subgraphs[0].note and "on engine" in rep.subgraphs[0].note
+    assert "3.000 ms" in rep.subgraphs[0].note
+    _check(sess, model, rng)
