@@ -37,6 +37,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import signal
 import sys
 import tempfile
@@ -523,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-seed", type=int, default=1, help="seed of the random input values")
     ap.add_argument("--no-check", action="store_true", help="skip the comparison with the reference")
     ap.add_argument("--list", action="store_true", help="print the drawn graphs and exit")
+    ap.add_argument("--keep-cache", action="store_true", help="keep the fresh cache directory (reproducers...)")
     ap.add_argument("-v", "--verbose", action="store_true", help="a line per graph")
     args = ap.parse_args(argv)
 
@@ -580,6 +582,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(invalid)} drawn graphs did not validate (not built):")
         for d in invalid[:10]:
             print(f"  [{d.index}] {d.desc}: {d.error[:200]}")
+    if args.keep_cache:
+        print(f"cache kept: {cache}")
+    else:
+        shutil.rmtree(cache, ignore_errors=True)
     return 0
 
 

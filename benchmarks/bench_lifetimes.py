@@ -96,7 +96,7 @@ def cycles(engine: str, count: int, distinct: bool = False) -> dict[str, Any]:
         "engine": engine, "cycles": count, "seconds": elapsed, "rss_start": samples[0][1],
         "rss_after_10pct": base_rss, "rss_end": end_rss, "rss_max": max(s[1] for s in samples),
         "fd_start": samples[0][2], "fd_after_10pct": base_fd, "fd_end": end_fd, "flat": flat,
-        "max_rel_err": worst,
+        "max_rel_err": worst, "samples": samples,
     }
 
 
@@ -193,6 +193,8 @@ def main() -> int:
         print(f"{e:10s} {r['cycles']:7d} {r['seconds']:7.1f} {r['rss_start']:9.1f}M {r['rss_after_10pct']:7.1f}M "
               f"{r['rss_end']:7.1f}M {r['rss_max']:7.1f}M {r['fd_start']:9d} {r['fd_after_10pct']:5d} {r['fd_end']:5d} "
               f"{'yes' if r['flat'] else 'NO':>5s} {r['max_rel_err']:8.1e}", flush=True)
+        print("           RSS along the way (cycle: MiB): "
+              + ", ".join(f"{i}: {m:.1f}" for i, m, _ in [*r["samples"][::5], r["samples"][-1]]), flush=True)
     print("\n== one plan, 8 threads x 200 executes ==")
     for e in engines:
         r = threads(e)

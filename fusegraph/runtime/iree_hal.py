@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +32,7 @@ from fusegraph.errors import ExecutionError, UnsupportedError
 from fusegraph.runtime.handle import Device, Handle
 
 log = logging.getLogger("fusegraph.iree")
+MAX_LOADED_MODULES = 256  # per runtime (device); like the IREE engine's in-memory module cache
 
 STATE_KEY = "iree"
 # Handle device kind -> the IREE HAL driver that runs it (engines/iree/targets.py's table
@@ -146,7 +148,11 @@ class IreeRuntime:
         self.instance = rt.VmInstance()
         self.hal_module = rt.create_hal_module(self.instance, hal)
         self.host_visible = device.kind == "cpu"
-        self._modules: dict[str, LoadedModule] = {}
+        # Loaded modules by key, least recently used first. Bounded: each costs ~0.13 MiB
+        # resident, and a process building graph after distinct graph (a fuzzer, varying
+        # shapes) grew without end (benchmarks/bench_lifetimes.py --distinct: +68 MiB over
+        # 540 graphs). Evicting only drops the runtime's reference: live plans keep theirs.
+        self._modules: OrderedDict[str, LoadedModule] = OrderedDict()
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -158,6 +164,7 @@ class IreeRuntime:
         with self._lock:
             hit = self._modules.get(key)
             if hit is not None:
+                self._modules.move_to_end(key)
                 return hit
             rt = self._rt
             try:
@@ -170,10 +177,16 @@ class IreeRuntime:
                 raise ExecutionError(f"compiled module {key[:12]} has no function '{func_name}'")
             loaded = LoadedModule(key, module, context, function, num_results)
             self._modules[key] = loaded
+            while len(self._modules) > MAX_LOADED_MODULES:
+                self._modules.popitem(last=False)
             return loaded
 
     def loaded(self, key: str) -> LoadedModule | None:
-        return self._modules.get(key)
+        with self._lock:
+            hit = self._modules.get(key)
+            if hit is not None:
+                self._modules.move_to_end(key)
+            return hit
 
     def forget(self, key: str | None = None) -> None:
         """Drops loaded modules (all when key is None); live plans keep theirs."""
