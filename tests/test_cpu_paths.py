@@ -342,3 +342,31 @@ def test_adaptive_threads_start_on_the_setting_timed_faster(faster: str, monkeyp
     for _ in range(300):
         adaptive()
     assert sum(n != want for n in seen) == 1  # one probe, 49 units slower: the next waits ~4900 calls
+
+
+def test_adaptive_threads_look_again_when_several_threads_turn_slow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settled on all cores with probes far apart, a neighbour takes a core: the first call
+    several times slower probes one thread at once, and the plan switches."""
+    many = 2
+    clock = _Clock()
+    current = [many]
+    loaded = [False]
+    monkeypatch.setattr(frozen, "time", clock)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: current.__setitem__(0, n))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: current[0])
+
+    def fn(*xs: Any) -> list[Any]:
+        if current[0] == 1:
+            clock.now += 2.0
+        else:
+            clock.now += 50.0 if loaded[0] else 1.0
+        return []
+
+    adaptive = frozen.AdaptiveThreads(fn, many)
+    for _ in range(100):
+        adaptive()
+    assert adaptive.threads == many and adaptive.gap >= 64
+    loaded[0] = True
+    for _ in range(4):
+        adaptive()
+    assert adaptive.threads == 1

@@ -245,11 +245,26 @@ def test_time_pair_alternates_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     assert [b[0] for b in blocks] == ["f", "o", "o", "f", "f", "o"]
 
 
-def test_time_pair_decides_clear_cut_cases_after_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_time_pair_decides_clear_cut_cases_after_two_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
     monkeypatch.setattr(floor.time, "perf_counter", clock)
     fg_ms, ort_ms = floor.time_pair(clock.side("f", 2.0), clock.side("o", 0.1), 10.0)
-    assert clock.order == ["f", "o"] and (fg_ms, ort_ms) == pytest.approx((2000.0, 100.0))
+    assert clock.order == ["f", "o", "f", "o"] and (fg_ms, ort_ms) == pytest.approx((2000.0, 100.0))
+
+
+def test_time_pair_does_not_let_one_stalled_call_decide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first call stalled by a neighbour (600 ms of an 11 ms plan) is not clear-cut: the
+    second call each disagrees, so the blocks decide."""
+    clock = FakeClock()
+    monkeypatch.setattr(floor.time, "perf_counter", clock)
+    costs = iter([0.6] + [0.011] * 1000)
+
+    def stalled() -> None:
+        clock.order.append("f")
+        clock.now += next(costs)
+
+    fg_ms, ort_ms = floor.time_pair(stalled, clock.side("o", 0.014), 0.0)
+    assert fg_ms == pytest.approx(11.0) and ort_ms == pytest.approx(14.0)
 
 
 @pytest.mark.parametrize(

@@ -239,7 +239,8 @@ class AdaptiveThreads:
     each: a first call on a thread count creates oneDNN's primitives for it) and starts on
     the faster. Every call is timed; after ``gap`` calls on the current setting, up to PROBE
     calls run on the other, and the medians decide (the other must be MARGIN faster to
-    switch; a probe more than twice as slow ends the probing at once). A confirmed choice
+    switch; a probe more than twice as slow ends the probing at once; a call on several
+    threads JUMP times slower than the recent ones probes at once). A confirmed choice
     at least doubles the gap, and stretches it so that the extra time probes cost stays
     under OVERHEAD of the time spent: on a loaded 2-core machine a 2-thread call of a
     transformer unit took 500 ms against 11 ms on one thread (every parallel region waits
@@ -252,6 +253,7 @@ class AdaptiveThreads:
     MAX_GAP = 1 << 16
     MARGIN = 0.95
     OVERHEAD = 0.01
+    JUMP = 3.0
 
     def __init__(self, fn: Callable[..., Sequence[Tensor]], many: int) -> None:
         self.fn = fn
@@ -287,6 +289,9 @@ class AdaptiveThreads:
         took = time.perf_counter() - t0
         if not probing:
             self.left -= 1
+            if n > 1 and len(self.recent) >= 4 and took > self.JUMP * statistics.median(self.recent):
+                self.left = 0  # on several threads and suddenly slow (a neighbour took a core): look now
+                self.recent.clear()  # the probe is compared with now, not with before
             self.recent.append(took)
             return out
         self.probes.append(took)
