@@ -381,6 +381,14 @@ def _rel(got: Any, want: Any) -> float:
     return float(np.linalg.norm(g[ok] - w[ok]) / max(float(np.linalg.norm(w[ok])), 1e-30))
 
 
+def _cpu_paths(report: Any) -> list[str]:
+    """Which CPU path the torch engine's units took (kept or handed back), from the report's notes."""
+    import re
+
+    texts = [s.note or "" for s in report.subgraphs] + [u.reason or "" for u in report.unclaimed]
+    return sorted({m for t in texts for m in re.findall(r"CPU path: (\w+)", t)})
+
+
 def bench_one(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
     import onnxruntime as ort
     import torch
@@ -433,6 +441,7 @@ def bench_one(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
                 "fusegraph_units": sum(s.kind == "fusegraph" for s in report.subgraphs),
                 "engines": sorted({s.engine.split("[")[0] for s in report.subgraphs if s.kind == "fusegraph"}),
                 "boundary_copies": report.boundaries.copies,
+                "cpu_paths": _cpu_paths(report),
                 "floor": report.floor,
                 "setup_cold_s": cold_s, "setup_warm_s": warm_s, "ort_setup_s": ort_setup_s,
                 "mib": mem.bytes / 2**20, "ort_mib": ort_bytes / 2**20, "cold_mib": cold_mem.bytes / 2**20,
