@@ -113,5 +113,6 @@ def test_only_the_cache_dir_module_asks_for_the_user_cache_directory() -> None:
     """Everything finds its place through runtime/cache_dir.cache_root (FUSEGRAPH_CACHE_DIR
     first, which the test suite points at a temporary directory): a module asking platformdirs
     itself wrote into the user's real cache even under pytest (the torch-mlir tier did)."""
-    users = [p.relative_to(SRC) for p in SRC.rglob("*.py") if "user_cache_dir" in p.read_text()]
+    imports = re.compile(r"^\s*(import platformdirs|from platformdirs import)", re.MULTILINE)
+    users = [p.relative_to(SRC) for p in SRC.rglob("*.py") if imports.search(p.read_text())]
     assert users == [Path("runtime/cache_dir.py")], users
