@@ -22,7 +22,7 @@ import pytest
 import fusegraph as fg
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig
-from fusegraph.errors import UnsupportedError, ValidationError, VariantPackError
+from fusegraph.errors import CompileError, UnsupportedError, ValidationError, VariantPackError
 from fusegraph.reference.executor import run_reference
 from fusegraph.runtime.variant_pack import resolve_pack
 from fusegraph.select.autotune import compare, tolerance
@@ -491,3 +491,29 @@ def test_int_conv_rejects_a_float_compute_type_and_wide_ints() -> None:
     g2.conv_fprop(x2, w2, padding=[0, 0], stride=[1, 1], dilation=[1, 1], name="c").set_output(True)
     with pytest.raises(ValidationError, match="INT8 or UINT8"):
         g2.validate()
+
+
+# ---- integer matmul accumulates wide ----------------------------------------------------------
+@pytest.mark.parametrize("engine", ["reference", "torch", "iree"])
+@pytest.mark.parametrize("io", [DataType.INT8, DataType.UINT8])
+def test_int8_matmul_accumulates_in_32_bits(engine: str, io: DataType) -> None:
+    """int8 x int8 summed over K=64 leaves int8's range at once: every engine that claims
+    the graph accumulates in (at least) 32 bits, as cuDNN's INT32 compute does; none may
+    wrap silently (found by benchmarks/bench_build_sequence.py: the torch engine computed
+    in int8)."""
+    g = fg.Graph("int8_mm")
+    a = g.tensor("a", [4, 64], data_type=io)
+    b = g.tensor("b", [64, 8], data_type=io)
+    g.matmul(a, b).set_data_type(DataType.INT32).set_output(True).set_name("c")
+    g.validate()
+    rng = np.random.default_rng(3)
+    lo, hi = (-128, 128) if io == DataType.INT8 else (0, 256)
+    pack = {"a": rng.integers(lo, hi, (4, 64)).astype(io.numpy), "b": rng.integers(lo, hi, (64, 8)).astype(io.numpy)}
+    want = pack["a"].astype(np.int64) @ pack["b"].astype(np.int64)
+    assert np.abs(want).max() > 2**15  # would wrap in 8 or 16 bits
+    try:
+        got = g.execute(dict(pack), engine=engine)["c"]
+    except (UnsupportedError, CompileError) as exc:  # refused by name, never wrong
+        assert engine == "iree", exc
+        return
+    np.testing.assert_array_equal(np.asarray(got), want.astype(np.int32))

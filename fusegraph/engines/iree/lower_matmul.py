@@ -9,6 +9,7 @@ an expanded broadcast. Only a broadcast K axis is expanded.
 
 from __future__ import annotations
 
+from fusegraph.dtypes import DataType
 from fusegraph.engines.iree.lower_base import Lowering, Val, identity
 from fusegraph.graph.infer import broadcast_dims
 from fusegraph.graph.node import Node
@@ -31,6 +32,11 @@ def _operand(ctx: Lowering, t: TensorAttr, k_axis: int) -> Val:
 def lower_matmul(ctx: Lowering, node: Node) -> None:
     at, bt, ct_ = node.inputs["a"], node.inputs["b"], node.outputs["c"]
     ct = ctx.compute_type(node, at.dtype, bt.dtype)
+    if not ct.is_float and ct not in (DataType.INT32, DataType.INT64):
+        # Integer products summed in the operands' own 8/16 bits wrap at once (int8 x int8
+        # over K=32 already does): accumulate in at least 32 bits, as cuDNN's int8 matmul
+        # (INT32 compute) and the exact reference do.
+        ct = DataType.INT32
     # Operands in logical order: a transposed operand (column-major B...) becomes a
     # transpose that IREE folds into the contraction's indexing maps.
     a = ctx.cast(_operand(ctx, at, len(at.shape) - 1), ct)

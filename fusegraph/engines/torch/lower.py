@@ -83,7 +83,15 @@ def _lower_conv_wgrad(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str
 
 def _lower_matmul(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, Tensor]:
     a, b = _operands(ctx, node, ins, ("a", "b"))
-    return {"c": _torch().matmul(a, b)}
+    torch = _torch()
+    if not a.dtype.is_floating_point and not b.dtype.is_floating_point:
+        # Integer products summed in the operands' own 8/16 bits wrap at once: accumulate
+        # wide, as cuDNN's int8 matmul (INT32 compute) and the exact reference do -- in f64
+        # for 8/16-bit operands (exact while K < 2**23), else in int64.
+        if a.element_size() <= 2 and b.element_size() <= 2:
+            return {"c": torch.matmul(a.double(), b.double()).to(torch.int64)}
+        return {"c": torch.matmul(a.long(), b.long())}
+    return {"c": torch.matmul(a, b)}
 
 
 def _lower_reduction(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, Tensor]:
