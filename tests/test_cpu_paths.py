@@ -40,14 +40,14 @@ needs_compiler = pytest.mark.skipif(bool(frozen.can_compile()), reason=frozen.ca
 @pytest.fixture(autouse=True)
 def _own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Each test its own cache directory (packages really compiled or loaded), and the
-    compiled path at its default (the suite's conftest turns it off for other tests)."""
+    compiled path opted into (its default is off; the suite's conftest says so too)."""
     monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv(frozen.ENV, raising=False)
+    monkeypatch.setenv(frozen.ENV, "auto")
     return tmp_path / "cache"
 
 
 def _net() -> fg.Graph:
-    """conv + bias + ReLU, a residual block, max pooling, a flatten, GEMM + bias + ReLU."""
+    """conv + bias + ReLU, a residual block, max pooling, a flatten, GEMM + bias."""
     g = fg.Graph("net", io_data_type=DT.FLOAT, intermediate_data_type=DT.FLOAT)
     x = g.tensor("x", [1, 4, 12, 12], fg.strides_for([1, 4, 12, 12], "NHWC"))
     w1 = g.tensor("w1", [8, 4, 3, 3], fg.strides_for([8, 4, 3, 3], "KRSC"))
@@ -60,7 +60,8 @@ def _net() -> fg.Graph:
     flat = g.reshape(p, [1, 8 * 6 * 6])
     wf = g.tensor("wf", [8 * 6 * 6, 10], (1, 8 * 6 * 6))
     bf = g.tensor("bf", [10])
-    g.relu(g.add(g.matmul(flat, wf), bf)).set_output(True).set_name("y")
+    # No ReLU on the 10 outputs: all ten clamped to zero (it happened) leaves nothing to compare.
+    g.add(g.matmul(flat, wf), bf).set_output(True).set_name("y")
     return g.validate()
 
 
@@ -108,18 +109,20 @@ def test_chain_order_and_knob_default(monkeypatch: pytest.MonkeyPatch) -> None:
     assert frozen.chain("inductor", False) == ("inductor",)
     assert frozen.chain("off", False) == ()
     assert frozen.chain("off", True) == ("onednn_graph",)
-    assert frozen.knob_default() == "auto"
+    assert frozen.knob_default() == "auto"  # the fixture opts in
     monkeypatch.setenv(frozen.ENV, "OFF")
     assert frozen.knob_default() == "off"
+    monkeypatch.delenv(frozen.ENV)
+    assert frozen.knob_default() == "off"  # the default: no compile at session creation
     monkeypatch.setenv(frozen.ENV, "bogus")
-    assert frozen.knob_default() == "auto"  # an unknown value is the default, not an error at every build
+    assert frozen.knob_default() == "off"  # an unknown value is the default, not an error at every build
 
 
 def test_knobs_and_what_is_worth_compiling() -> None:
     g = _net()
     knobs = {k.name: k for k in ENGINE.knobs(g, CPU)}
     if not frozen.can_compile():
-        assert knobs["cpu_compile"].default == "auto" and set(knobs["cpu_compile"].choices) == set(frozen.CHOICES)
+        assert knobs["cpu_compile"].default in frozen.CHOICES and set(knobs["cpu_compile"].choices) == set(frozen.CHOICES)
     if "onednn_graph" in knobs:
         assert knobs["onednn_graph"].default is False  # opt-in since issue 14
     assert frozen.worth_compiling(g)
@@ -186,12 +189,12 @@ def test_off_and_small_graphs_run_eagerly_without_trying(rng: np.random.Generato
     monkeypatch.setattr(frozen, "can_compile", lambda: "")
     monkeypatch.setattr(frozen, "compile_aoti", _refuses("must not be tried"))
     monkeypatch.setattr(frozen, "compile_inductor", _refuses("must not be tried"))
-    monkeypatch.setenv(frozen.ENV, "off")  # the knob's default
+    monkeypatch.setenv(frozen.ENV, "off")
     g = _net()
     plan, pack = _plan(g, rng)
     _check_runs(plan, g, pack, rng, calls=1)
     assert plan.describe()["cpu_path"] == "eager" and plan.describe()["cpu_path_attempts"] == []
-    monkeypatch.delenv(frozen.ENV)
+    monkeypatch.setenv(frozen.ENV, "auto")
     tiny = fg.Graph("tiny", io_data_type=DT.FLOAT)
     a, b = tiny.tensor("a", [4, 4]), tiny.tensor("b", [4, 4])
     tiny.relu(tiny.add(a, b)).set_output(True).set_name("y")
