@@ -7,9 +7,10 @@ unclaimed rest running on ONNX Runtime as usual. The paths:
 
 * ``onednn_graph``: the torch engine's CPU path before issue 14 -- the TorchScript oneDNN
   Graph bridge, or op-by-op eager where the bridge refuses the graph;
-* ``eager``: the torch engine's op-by-op plan;
-* ``default``: the torch engine's default CPU path now (``engines/torch/frozen.py``: the
-  AOTInductor package, compiled or loaded from the cache, else Inductor; threads adaptive);
+* ``eager``: the torch engine's op-by-op plan (its default CPU path since cpu_compile is off by default);
+* ``chain``: the torch engine's compiled CPU chain, ``cpu_compile=auto`` (opt-in;
+  ``engines/torch/frozen.py``: the AOTInductor package, compiled or loaded from the cache,
+  else Inductor; threads adaptive);
 * ``inductor``: the plan's graph function traced once with ``make_fx`` (weights as constants
   of the FX graph) and compiled by Inductor (``torch._inductor.compile``, no Dynamo guards per
   call) with ``freezing`` on: conv/linear weights prepacked for oneDNN;
@@ -55,8 +56,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-PATHS = ("onednn_graph", "eager", "default", "inductor", "inductor_cpp", "inductor_t1", "aoti", "aoti_t1", "iree")
-DEFAULT_PATHS = "onednn_graph,default,inductor_t1,aoti_t1,iree"
+PATHS = ("onednn_graph", "eager", "chain", "inductor", "inductor_cpp", "inductor_t1", "aoti", "aoti_t1", "iree")
+DEFAULT_PATHS = "onednn_graph,eager,chain,inductor_t1,aoti_t1,iree"
 DEFAULT_MODELS = (
     "resnet18,mobilenet_v2,efficientnet_b0,timm_convnext_atto,hf_bert,hf_gpt2,timm_vit_tiny,nn_lstm_tagger"
 )
@@ -267,14 +268,14 @@ def bench_one(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 info: dict[str, Any] = {}
                 row["paths"][p] = info
                 try:
-                    if p in ("onednn_graph", "eager", "default"):
+                    if p in ("onednn_graph", "eager", "chain"):
                         knobs = {"onednn_graph": {"onednn_graph": True, "cpu_compile": "off"},
                                  "eager": {"onednn_graph": False, "cpu_compile": "off"},
-                                 "default": {"onednn_graph": False, "cpu_compile": "auto"}}[p]
+                                 "chain": {"onednn_graph": False, "cpu_compile": "auto"}}[p]
                         t0 = time.perf_counter()
                         plans = _knob_plans(units, knobs, feed, sess)
                         info["compile_s"] = time.perf_counter() - t0
-                        if p == "default":
+                        if p == "chain":
                             t0 = time.perf_counter()
                             _knob_plans(units, knobs, feed, sess)  # again: packages from the cache
                             info["warm_s"] = time.perf_counter() - t0
