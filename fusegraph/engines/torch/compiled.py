@@ -54,20 +54,27 @@ def compile_graph(
     """Traces ``fn`` on ``example`` (tensors laid out as the graph declares) and compiles it
     with Inductor (``options``: torch._inductor.config patches); raises CompileError naming
     the graph when either step fails."""
-    torch = _torch()
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    run = positional(fn, in_names, out_names)
     try:
-        with torch.inference_mode(False), torch.no_grad():
-            gm = make_fx(run, tracing_mode="real")(*example)
-            compiled: Any = torch._inductor.compile(gm, list(example), options=options)
+        compiled = inductor_compile(positional(fn, in_names, out_names), example, options)
     except Exception as exc:
         raise CompileError(
             f"torch engine: Inductor could not compile graph '{graph.name}': {type(exc).__name__}",
             diagnostic=str(exc),
         ) from exc
-    return compiled  # type: ignore[no-any-return]
+    return compiled
+
+
+def inductor_compile(
+    run: Callable[..., list[Tensor]], example: Sequence[Tensor], options: dict[str, Any] | None = None
+) -> Positional:
+    """``run`` (positional tensors -> a list) traced once on ``example`` with make_fx and
+    compiled by ``torch._inductor.compile``; raises whatever either step raises."""
+    torch = _torch()
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with torch.inference_mode(False), torch.no_grad():
+        gm = make_fx(run, tracing_mode="real")(*example)
+        return torch._inductor.compile(gm, list(example), options=options)  # type: ignore[no-any-return]
 
 
 def compiled_strides(t: TensorAttr) -> tuple[int, ...]:

@@ -48,6 +48,7 @@ from typing import Any
 import numpy as np
 
 from fusegraph.engines.base import EngineConfig
+from fusegraph.engines.torch.compiled import inductor_compile
 from fusegraph.engines.torch.context import _Ctx
 from fusegraph.engines.torch.convert import Tensor, _torch
 from fusegraph.engines.torch.function import _graph_function
@@ -148,16 +149,11 @@ def _plain(x: Tensor) -> Tensor:
 # ---- the candidates ---------------------------------------------------------------------------
 def compile_inductor(module: Any, example: Sequence[Tensor]) -> Callable[..., Sequence[Tensor]]:
     """make_fx (weights become constants of the FX graph) + Inductor with freezing."""
-    torch = _torch()
-    import torch._inductor.config as inductor_config
-    from torch.fx.experimental.proxy_tensor import make_fx
 
     def run(*xs: Tensor) -> list[Tensor]:
         return list(module(*xs))
 
-    with inductor_config.patch(freezing=True):
-        gm = make_fx(run, tracing_mode="real")(*example)
-        return torch._inductor.compile(gm, list(example))  # type: ignore[no-any-return]
+    return inductor_compile(run, example, {"freezing": True})
 
 
 def package_key(graph: Graph, weights: Mapping[str, Tensor], acts: Sequence[TensorAttr], memory_format: str = "auto") -> str:
