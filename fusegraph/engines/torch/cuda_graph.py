@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -67,19 +67,25 @@ class CudaGraphs:
         stale = self._graph is None or self._graph_bound is not self._bound
         if stale and not self._capture(pack):
             return None
-        assert self._graph is not None
-        graph, static_in, static_out = self._graph
+        values = []
         for t in self._inputs:
             if t.name in self._bound:
                 continue
             value = pack.inputs[t.name]
-            dst = static_in[t.name]
             if isinstance(value, np.ndarray):
-                dst.copy_(from_numpy(value, t.dtype), non_blocking=False)
+                value = from_numpy(value, t.dtype)
             elif _is_buffer(value):
-                dst.copy_(buffer_to_torch(value, t))
-            else:
-                dst.copy_(value)
+                value = buffer_to_torch(value, t)
+            values.append((t.name, value))
+        return self._launch(values)
+
+    def _launch(self, values: Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
+        """Copies each activation (by name) into its captured buffer and replays the graph;
+        the captured outputs are overwritten by the next replay."""
+        assert self._graph is not None
+        graph, static_in, static_out = self._graph
+        for name, value in values:
+            static_in[name].copy_(value)
         graph.replay()
         return static_out
 

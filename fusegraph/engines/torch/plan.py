@@ -234,11 +234,8 @@ class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
         if self._cuda_graph:
             if self._graph is None or self._graph_bound is not self._bound:
                 return None  # captured by the general path's first call
-            graph, static_in, static_out = self._graph
             with torch.inference_mode():  # the captured buffers are inference tensors
-                for t, v in zip(self._acts, xs, strict=True):
-                    static_in[t.name].copy_(v)
-                graph.replay()
+                static_out = self._launch(zip(self._act_names, xs, strict=True))
                 return {n: static_out[n].clone() for n in self._out_names}
         full = list(self._lean_fixed)
         for slot, v in zip(self._lean_slots, xs, strict=True):
