@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from fusegraph.dtypes import DataType, promote
 from fusegraph.errors import UnsupportedError
 from fusegraph.graph.node import Node
+from fusegraph.graph.ops import OpKind
 from fusegraph.graph.tensor import TensorAttr
 
 if TYPE_CHECKING:
@@ -243,6 +244,7 @@ class Lowering:
     b: Builder = field(default_factory=Builder)
     values: dict[int, dict[Perm, Val]] = field(default_factory=dict)
     node: Node | None = None  # the node being lowered (for error messages)
+    _producers: dict[str, Node] = field(default_factory=dict)  # node name -> node, filled lazily
 
     # ---- reading and writing tensors --------------------------------------------------
     def bind(self, t: TensorAttr, val: Val) -> None:
@@ -435,6 +437,41 @@ class Lowering:
         b.line(f"{value} = arith.constant {scalar_literal(fill, dtype)} : {elem}")
         b.line(f"{res} = linalg.fill ins({value} : {elem}) outs({empty} : {ty}) -> {ty}")
         return res
+
+    def fence(self, val: Val) -> Val:
+        """``val`` behind IREE's dispatch-region marker (``compute_barrier.start``): what
+        produced it cannot be fused with what reads it. Free at run time (the marker is
+        dropped once dispatches are formed); the price is the fusion it stops. Used where
+        IREE 3.13 miscompiles a fusion (see each caller)."""
+        if val.rank == 0:
+            return val
+        vb = self.to_builtin(val)
+        fenced = self.b.fresh("t")
+        ty = tensor_type(val.shape, val.dtype)
+        self.b.line(f"{fenced} = iree_tensor_ext.compute_barrier.start {vb} : {ty} -> {ty}")
+        return self.from_builtin(fenced, val.shape, val.dtype, val.perm)
+
+    def producer(self, t: TensorAttr) -> Node | None:
+        """The node writing ``t`` (None for a graph input or a constant)."""
+        if t.producer is None:
+            return None
+        if not self._producers:
+            self._producers.update({n.name: n for n in self.graph.nodes})
+        return self._producers.get(t.producer)
+
+    def computed_from(self, t: TensorAttr, kinds: frozenset[OpKind]) -> bool:
+        """Whether any node of ``kinds`` is among the nodes that ``t`` is computed from."""
+        seen: set[str] = set()
+        todo = [t]
+        while todo:
+            node = self.producer(todo.pop())
+            if node is None or node.name in seen:
+                continue
+            if node.kind in kinds:
+                return True
+            seen.add(node.name)
+            todo.extend(node.inputs.values())
+        return False
 
     def fail(self, why: str) -> UnsupportedError:
         return UnsupportedError(why, node=self.node.name if self.node else None)

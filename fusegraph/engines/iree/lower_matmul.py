@@ -9,11 +9,17 @@ an expanded broadcast. Only a broadcast K axis is expanded.
 
 from __future__ import annotations
 
+import math
+
 from fusegraph.dtypes import DataType
 from fusegraph.engines.iree.lower_base import Lowering, Val, identity
 from fusegraph.graph.infer import broadcast_dims
 from fusegraph.graph.node import Node
+from fusegraph.graph.ops import OpKind
 from fusegraph.graph.tensor import TensorAttr
+
+# Nodes that IREE data-tiles (or may turn into a matmul): their results carry encodings.
+CONTRACTIONS = frozenset({OpKind.MATMUL, OpKind.CONV_FPROP, OpKind.CONV_DGRAD, OpKind.CONV_WGRAD, OpKind.SDPA})
 
 
 def _operand(ctx: Lowering, t: TensorAttr, k_axis: int) -> Val:
@@ -40,6 +46,17 @@ def lower_matmul(ctx: Lowering, node: Node) -> None:
     # Operands in logical order: a transposed operand (column-major B...) becomes a
     # transpose that IREE folds into the contraction's indexing maps.
     a = ctx.cast(_operand(ctx, at, len(at.shape) - 1), ct)
+    if math.prod(a.shape[:-2]) > 1 and ctx.computed_from(at, CONTRACTIONS):
+        # IREE 3.13's data tiling miscompiles (silently wrong rows) a batched matmul whose
+        # A operand is another contraction's result reshaped to split its M axis: IREE
+        # itself computes a matmul with a broadcast B batch ([B, M, K] @ [1, K, N]) as one
+        # [B*M, K] @ [K, N], and fuses unpack -> expand to [B, M, N] -> the next matmul's
+        # pack into one dispatch, which writes the packed A tiles at the wrong offsets
+        # (M = 3 over batch 2-3: rows shifted by one batch). A reshape op between the two,
+        # or pointwise ops after the reshape, do the same. Fencing A keeps the pack out of
+        # the producer's dispatch (tests/test_fuzz_regressions.py
+        # test_fuzz_iree_matmul_of_a_reshaped_matmul_result).
+        a = ctx.fence(a)
     b = ctx.cast(_operand(ctx, bt, len(bt.shape) - 2), ct)
     batch = broadcast_dims([a.shape[:-2], b.shape[:-2]]) if (a.rank > 2 or b.rank > 2) else ()
     assert batch is not None
