@@ -246,6 +246,7 @@ class IreeEngine:
         flagset, emit_options = self._split_knobs(target, knobs)
         flagset = _avoid_llvm_abort(graph, target, flagset, explicit=knobs)
         flagset = _avoid_i1_pack(graph, target, flagset, explicit=knobs)
+        flagset = _keep_f64_boundary(graph, flagset)
         flags = flagset.flags(target)
         return self.cache_key(graph, target, flags, emit_options), flagset, flags, emit_options
 
@@ -517,3 +518,22 @@ def _avoid_i1_pack(graph: Graph, target: Target, flagset: FlagSet, *, explicit: 
             "data_tiling=False"
         )
     return dataclasses.replace(flagset, data_tiling=False)
+
+
+KEEP_F64 = "--iree-input-demote-f64-to-f32=false"
+
+
+def _keep_f64_boundary(graph: Graph, flagset: FlagSet) -> FlagSet:
+    """IREE 3.13 demotes every f64 value to f32 by default (--iree-input-demote-f64-to-f32),
+    the function's arguments and results included: an f64 result is then exported as an f64
+    buffer view over f32-sized storage (at run time: "buffer view byte length 24 exceeds
+    backing buffer byte length 12"), and an f64 argument's bytes are read as f32 storage. The
+    emitter already computes f64 graphs in f32 unless f64 is declared (lower_base.compute_type)
+    and casts at the boundary, so a graph with an f64 tensor compiles with the demotion off."""
+    from fusegraph.dtypes import DataType
+
+    if KEEP_F64 in flagset.extra_flags:
+        return flagset
+    if not any(t.data_type == DataType.DOUBLE and not t.is_scalar for t in graph.tensors):
+        return flagset
+    return dataclasses.replace(flagset, extra_flags=(*flagset.extra_flags, KEEP_F64))

@@ -245,6 +245,7 @@ class Lowering:
     values: dict[int, dict[Perm, Val]] = field(default_factory=dict)
     node: Node | None = None  # the node being lowered (for error messages)
     _producers: dict[str, Node] = field(default_factory=dict)  # node name -> node, filled lazily
+    _read: set[int] | None = None  # ids of the tensors some node reads, filled lazily
 
     # ---- reading and writing tensors --------------------------------------------------
     def bind(self, t: TensorAttr, val: Val) -> None:
@@ -297,7 +298,17 @@ class Lowering:
             and val.dtype.is_float
             and val.dtype.itemsize > t.dtype.itemsize
         )
-        self.bind(t, val if keep_wide else self.cast(val, t.dtype))
+        val = val if keep_wide else self.cast(val, t.dtype)
+        if t.is_output and self.is_read(t):
+            # A graph output that another node reads: IREE 3.13 fuses its producer into the
+            # reader's dispatch and stores the output from there; where the reader is a
+            # reduction-like root (softmax, a wgrad convolution...) the CPU code generation
+            # leaves that store outside the distributed loops and fails ("'vector.store' op
+            # write affecting operations on global resources are restricted to workgroup
+            # distributed contexts"). The output is written anyway, so fencing it costs one
+            # read: the producer's dispatch writes it, the readers read it.
+            val = self.fence(val)
+        self.bind(t, val)
 
     # ---- layout ---------------------------------------------------------------------
     def permute(self, val: Val, perm: Perm) -> Val:
@@ -372,8 +383,8 @@ class Lowering:
         )
 
     def compute_type(self, node: Node, *dtypes: DataType) -> DataType:
-        """Math type of a floating-point op: the node's, else the graph's, else f32 (for
-        half, bf16, fp8 and f64 inputs alike)."""
+        """Math type of a floating-point op: the node's, else the graph's, else f32 for
+        half, bf16 and fp8 inputs (f64 inputs compute in f64)."""
         declared = getattr(node.attrs, "compute_data_type", None) or self.graph.compute_data_type
         base = dtypes[0]
         for d in dtypes[1:]:
@@ -382,9 +393,10 @@ class Lowering:
             return base
         if declared is not None and declared.is_float:
             return declared
-        # f64 too: IREE's CPU code generation has no f64 transcendental functions (sin,
-        # exp... fail to link), so f64 graphs compute in f32 unless f64 is declared.
-        return DataType.FLOAT if base in NARROW_FLOATS or base == DataType.DOUBLE else base
+        # f64 computes in f64 (the graph's precision; its tolerance is 1e-9). The few modes
+        # IREE's CPU code generation has no f64 code for (sin, cos, tanh, erf: libm symbols it
+        # cannot link) fall back to f32 unless f64 is declared (lower_pointwise.NO_F64).
+        return DataType.FLOAT if base in NARROW_FLOATS else base
 
     # ---- builtin-tensor bridge (for ops written directly in linalg) --------------------
     def to_builtin(self, val: Val) -> str:
@@ -458,6 +470,12 @@ class Lowering:
         if not self._producers:
             self._producers.update({n.name: n for n in self.graph.nodes})
         return self._producers.get(t.producer)
+
+    def is_read(self, t: TensorAttr) -> bool:
+        """Whether any node reads ``t``."""
+        if self._read is None:
+            self._read = {id(x) for n in self.graph.nodes for x in n.inputs.values()}
+        return id(t) in self._read
 
     def computed_from(self, t: TensorAttr, kinds: frozenset[OpKind]) -> bool:
         """Whether any node of ``kinds`` is among the nodes that ``t`` is computed from."""

@@ -184,7 +184,7 @@ POINTWISE_LOWER: dict[PointwiseMode, PointwiseLowering] = {
 }
 
 # IREE 3.13's CPU backend links no f64 sin/cos/tanh and cannot lower f64 erf, so these
-# cannot compute in a declared f64 compute type (f64 tensors compute in f32 by default).
+# cannot compute in a declared f64 compute type (undeclared, f64 tensors compute them in f32).
 NO_F64 = frozenset(
     {M.SIN, M.COS, M.ERF, M.TANH_FWD, M.GELU_FWD, M.GELU_APPROX_TANH_FWD, M.GELU_BWD, M.TANH_BWD}
 )
@@ -235,10 +235,13 @@ def lower_pointwise(ctx: Lowering, node: Node) -> None:
     perm = choose_perm(ctx, ins, out)
     ct = pointwise_compute_type(ctx, node)
     if ct == DataType.DOUBLE and attrs.mode in NO_F64:
-        raise ctx.fail(
-            f"{attrs.mode.name} cannot compute in f64 on IREE (no f64 sin/cos/tanh/erf in its "
-            "code generation); declare compute_data_type=FLOAT for this node"
-        )
+        if (attrs.compute_data_type or ctx.graph.compute_data_type) != DataType.DOUBLE:
+            ct = DataType.FLOAT  # f64 only by default: f32 is the best IREE has for these
+        else:
+            raise ctx.fail(
+                f"{attrs.mode.name} cannot compute in f64 on IREE (no f64 sin/cos/tanh/erf in its "
+                "code generation); declare compute_data_type=FLOAT for this node"
+            )
     args: list[Val] = []
     for i, t in enumerate(ins):
         is_cond = attrs.mode == M.BINARY_SELECT and i == 2
