@@ -29,6 +29,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # The torch engine's compiled CPU path costs seconds to tens of seconds per graph on a
     # cold cache; tests of numerics run the eager plan, tests/test_cpu_paths.py the compiled one.
     os.environ.setdefault("FUSEGRAPH_TORCH_CPU_COMPILE", "off")
+    os.environ.setdefault("FUSEGRAPH_FLOOR_MODE", "inline")  # background children per session: tests opt in
     config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
 
 

@@ -34,6 +34,7 @@ import onnx
 
 from fusegraph import __version__
 from fusegraph.onnx.model import OnnxGraph, ONode
+from fusegraph.onnx.options import ProviderOptions
 from fusegraph.runtime.cache_dir import cache_enabled, cache_root, read_table, update_table
 
 log = logging.getLogger("fusegraph.onnx")
@@ -263,6 +264,16 @@ def _torch_version() -> str:
         return f"torch {md.version('torch')}"
     except md.PackageNotFoundError:
         return "no torch"
+
+
+def cache_for(opts: ProviderOptions, device: str) -> VerdictCache:
+    """The verdict table under the settings that decide a verdict: one key for a session,
+    its plan and its background evaluation."""
+    settings = {
+        "engine": opts.engine or "auto", "channels_last": opts.channels_last,
+        "autotune": opts.autotune > 0, "keep_below": KEEP_BELOW,
+    }
+    return VerdictCache(opts.cache_dir, settings_key(device, settings))
 
 
 # ---- the verdict table ------------------------------------------------------------------------

@@ -6,8 +6,9 @@ Like ONNX Runtime's provider options, values may arrive as strings ("1", "cuda:0
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fusegraph.runtime.handle import parse_device
@@ -15,6 +16,8 @@ from fusegraph.runtime.handle import parse_device
 PROVIDER = "FusegraphExecutionProvider"
 TIERS = ("off", "on", "auto")
 LAYOUTS = ("auto", "on", "off")
+FLOOR_MODES = ("background", "inline")
+FLOOR_MODE_ENV = "FUSEGRAPH_FLOOR_MODE"  # the default of floor_mode (the test suite sets inline)
 
 
 @dataclass(frozen=True)
@@ -31,6 +34,9 @@ class ProviderOptions:
     channels_last: str = "auto"  # activations NHWC inside partitions with convolutions / pooling
     autotune: float = 0.0  # seconds per claimed subgraph to time engine configs at creation (0: off)
     floor: str = "auto"  # claimed subgraphs timed against ONNX Runtime: auto / on / off / a budget in seconds
+    # where the floor measures a model it has no verdict for: "background" (the session runs
+    # ONNX Runtime meanwhile; background.py) or "inline" (at session creation)
+    floor_mode: str = field(default_factory=lambda: _floor_mode(os.environ.get(FLOOR_MODE_ENV, "background")))
 
     def floor_budget(self, *, pinned: bool) -> float:
         """Seconds the floor may spend timing (0: off). ``auto`` is on unless an engine is
@@ -81,6 +87,8 @@ class ProviderOptions:
             values["autotune"] = _budget(raw["autotune"])
         if "floor" in raw:
             values["floor"] = _floor(raw["floor"])
+        if "floor_mode" in raw:
+            values["floor_mode"] = _floor_mode(raw["floor_mode"])
         if "channels_last" in raw:
             values["channels_last"] = _choice(raw["channels_last"], "channels_last", LAYOUTS)
         return cls(**values)
@@ -119,6 +127,13 @@ def _floor(v: Any) -> str:
     if not f > 0 or f == float("inf"):
         raise ValueError(f"{PROVIDER} option floor={v!r}: expected auto, on, off or a budget in seconds")
     return f"{f:g}"
+
+
+def _floor_mode(v: Any) -> str:
+    s = str(v).strip().lower()
+    if s not in FLOOR_MODES:
+        raise ValueError(f"{PROVIDER} option floor_mode={v!r}: expected one of {list(FLOOR_MODES)}")
+    return s
 
 
 def _budget(v: Any) -> float:

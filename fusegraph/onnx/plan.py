@@ -89,8 +89,15 @@ class SessionPlan:
         sess_options: Any,
         ort_providers: list[Any],
         model_name: str,
+        model_path: str | None = None,
+        direct: tuple[Any, floor.Verdict] | None = None,
     ) -> None:
+        """``model_path``: the file ``model`` was read from, where ONNX Runtime may read it
+        again; ``direct``: an ONNX Runtime session already running the whole model and the
+        verdict that put it there (the plan then only explains it: nothing is built)."""
         t0 = time.perf_counter()
+        self.model_path = model_path
+        self._direct = direct
         self.opts = opts
         self.handle = handle
         self.engine = engine
@@ -120,6 +127,8 @@ class SessionPlan:
         self._proven: set[int] = set()
         self.units: list[Unit] = []
         known = self._cached_whole() if self.floor_budget > 0 and not opts.lazy_compile else None
+        if known is None and direct is not None:  # unit verdicts gone from the cache: the model's stands
+            known = direct[1]
         if known is not None:  # a cached verdict: the whole model on ONNX Runtime, nothing built
             self._go_whole_ort(known, None)
         else:
@@ -239,11 +248,12 @@ class SessionPlan:
     def _verdict_cache(self) -> floor.VerdictCache:
         from fusegraph.select.device_id import device_id
 
-        settings = {
-            "engine": self.opts.engine or "auto", "channels_last": self.opts.channels_last,
-            "autotune": self.opts.autotune > 0, "keep_below": floor.KEEP_BELOW,
-        }
-        return floor.VerdictCache(self.opts.cache_dir, floor.settings_key(device_id(self.handle), settings))
+        return floor.cache_for(self.opts, device_id(self.handle))
+
+    @property
+    def whole_on_ort(self) -> bool:
+        """The whole model runs as one ONNX Runtime session (nothing on fusegraph)."""
+        return self._whole_ort is not None
 
     def _try_build(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> FusegraphUnit | None:
         """The built unit, or None after a failure (released with the reason, or raised under strict)."""
@@ -371,7 +381,8 @@ class SessionPlan:
         if verdict is None:
             try:
                 feed = floor.sample_inputs(self.og, ins)
-                whole = OrtUnit.whole("onnxruntime_0", self.og, self.model, self.sess_options, self.ort_providers)
+                whole = OrtUnit.whole("onnxruntime_0", self.og, self.model, self.sess_options, self.ort_providers,
+                                      path=self.model_path)
                 whole.run(feed)
                 wanted = list(self.og.outputs)
                 budget = min(floor.WHOLE_S, self.floor_budget * (1 - floor.UNITS_SHARE))
@@ -392,7 +403,8 @@ class SessionPlan:
         self.floor_whole = verdict
         nodes = list(self.og.nodes)
         if whole is None:
-            whole = OrtUnit.whole("onnxruntime_0", self.og, self.model, self.sess_options, self.ort_providers)
+            whole = OrtUnit.whole("onnxruntime_0", self.og, self.model, self.sess_options, self.ort_providers,
+                                  session=self._direct[0] if self._direct else None, path=self.model_path)
         note = f"whole model {verdict.describe()}"
         self.reasons = dict(self.partitioning.reasons)
         for n in (n for g in self.partitioning.claimed for n in g.nodes):

@@ -21,7 +21,10 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
+from fusegraph.onnx import background, floor
+from fusegraph.onnx.direct import DirectOrt
 from fusegraph.onnx.iobinding import IOBinding, host_array
+from fusegraph.onnx.load import MIN_OPSET, default_opset
 from fusegraph.onnx.memory import PeakMemory, measure_peak
 from fusegraph.onnx.metadata import ModelMetadata
 from fusegraph.onnx.model import input_signature, load_model
@@ -31,6 +34,7 @@ from fusegraph.onnx.plan import EngineChoice, SessionPlan
 from fusegraph.onnx.report import PartitionReport
 from fusegraph.runtime import progress
 from fusegraph.runtime.handle import Handle, default_handle
+from fusegraph.select.device_id import device_id
 
 log = logging.getLogger("fusegraph.onnx")
 
@@ -66,6 +70,29 @@ def _type_string(t: onnx.TypeProto) -> str:
 
 
 _ORT_NAMES = {"float": "float", "double": "double", "float16": "float16", "bool": "bool"}
+
+
+def _np_dtype(type_string: str) -> np.dtype[Any] | None:
+    """The NumPy dtype of an ONNX Runtime type string ("tensor(float)"); None: not a tensor."""
+    if not _NP_OF_TYPE:
+        for code in onnx.TensorProto.DataType.values():
+            name = onnx.TensorProto.DataType.Name(code).lower()
+            try:
+                _NP_OF_TYPE[f"tensor({_ORT_NAMES.get(name, name)})"] = np.dtype(helper.tensor_dtype_to_np_dtype(code))
+            except (KeyError, TypeError, ValueError):
+                continue
+    return _NP_OF_TYPE.get(type_string)
+
+
+_NP_OF_TYPE: dict[str, np.dtype[Any]] = {}  # filled at first use
+
+
+def session_handle(opts: ProviderOptions) -> Handle:
+    return default_handle() if opts.device == "cpu" else Handle(opts.device)
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _shape_of(t: onnx.TypeProto) -> list[Dim] | None:
@@ -139,11 +166,20 @@ class InferenceSession:
         self._model_name = (
             os.fspath(path_or_bytes) if isinstance(path_or_bytes, str | os.PathLike) else "<in-memory model>"
         )
-        self._model = load_model(path_or_bytes)
-        self._handle: Handle = (
-            default_handle() if self._opts.device == "cpu" else Handle(self._opts.device)
-        )
+        self._source_arg = path_or_bytes
+        self._model_value: onnx.ModelProto | None = None
+        self._handle: Handle = session_handle(self._opts)
         self._engine = EngineChoice(self._opts.engine, self._handle) if self._enabled else None
+        self._plans: dict[tuple[Any, ...], SessionPlan] = {}
+        self._last: SessionPlan | None = None
+        self.last_peak: PeakMemory | None = None
+        # Off by default: resetting the kernel's peak-RSS mark walks the page tables, which
+        # costs more than a small model's whole run.
+        self.measure_memory = False
+        self._direct: DirectOrt | None = None
+        source = self._background_source(path_or_bytes)
+        if source is not None and self._open_direct(source):
+            return
         self._signature = input_signature(self._model)
         inits = {i.name for i in self._model.graph.initializer}
         self._inputs = [
@@ -160,12 +196,6 @@ class InferenceSession:
         }
         self._output_names = [o.name for o in self._model.graph.output]
         self._output_set = frozenset(self._output_names)
-        self._plans: dict[tuple[Any, ...], SessionPlan] = {}
-        self._last: SessionPlan | None = None
-        self.last_peak: PeakMemory | None = None
-        # Off by default: resetting the kernel's peak-RSS mark walks the page tables, which
-        # costs more than a small model's whole run.
-        self.measure_memory = False
         static = {
             k: tuple(int(d) for d in v)  # type: ignore[arg-type]
             for k, v in self._signature.items()
@@ -202,6 +232,14 @@ class InferenceSession:
     def get_session_options(self) -> ort.SessionOptions | None:
         return self._sess_options
 
+    @property
+    def _model(self) -> onnx.ModelProto:
+        """The checked model, parsed at first need (a session that runs the whole model on
+        ONNX Runtime by a recorded verdict never parses it)."""
+        if self._model_value is None:
+            self._model_value = load_model(self._source_arg)
+        return self._model_value
+
     def get_modelmeta(self) -> ModelMetadata:
         return ModelMetadata.of(self._model)
 
@@ -224,6 +262,15 @@ class InferenceSession:
         for name in wanted:
             if name not in self._output_set:
                 raise InvalidFeedError(f"Invalid output name: not an output of the model (outputs: {self._output_names})", tensor=name)
+        if self._direct is not None:
+            self._direct.poll(self)
+        if self._direct is not None:
+            if not self.measure_memory:
+                return self._direct.run(wanted, feed, run_options)
+            with measure_peak() as peak:
+                result = self._direct.run(wanted, feed, run_options)
+            self.last_peak = peak
+            return result
         plan = self._plan_for({k: tuple(np.shape(v)) for k, v in feed.items() if isinstance(v, np.ndarray)})
         if not self.measure_memory:
             return plan.run(feed, wanted)
@@ -235,6 +282,8 @@ class InferenceSession:
     # ---- fusegraph additions ------------------------------------------------------------------
     def partition_report(self) -> PartitionReport:
         """What runs where (for the most recent input shapes), and why the rest is not claimed."""
+        if self._direct is not None:
+            return self._direct.report(self)
         if self._last is None:
             raise RuntimeError(
                 "the model's input shapes are dynamic: the partition is made at the first run()"
@@ -248,20 +297,68 @@ class InferenceSession:
         ``last_peak``)."""
         return self._last.last_peak_live if self._last is not None else 0
 
+    def wait_for_evaluation(self, timeout: float | None = None) -> bool:
+        """Waits for fusegraph's background evaluation of the model (``floor_mode=background``)
+        and, where fusegraph's plan won, for the plan to be built; later ``run`` calls use it.
+        True when nothing is pending any more (at once where nothing was)."""
+        return self._direct.wait(self, timeout) if self._direct is not None else True
+
     # ---- internals ------------------------------------------------------------------------------
+    def _background_source(self, path_or_bytes: Any) -> background.Source | None:
+        """The model's identity where its floor verdict may come from the background."""
+        o = self._opts
+        if not self._enabled or o.floor_mode != "background" or o.lazy_compile or o.autotune > 0:
+            return None
+        if o.device != "cpu" or o.floor_budget(pinned=self._engine is not None and self._engine.name is not None) <= 0:
+            return None
+        return background.source_of(path_or_bytes)
+
+    def _open_direct(self, source: background.Source) -> bool:
+        """The whole model on one ONNX Runtime session, where the model's verdict says so or
+        is not known yet (then measured in the background); False: build fusegraph's plan."""
+        cache = floor.cache_for(self._opts, device_id(self._handle))
+        known = cache.lookup(source.content)
+        if known is not None and known.keep:
+            return False  # fusegraph's plan won: built from the caches
+        if known is None:
+            _ = self._model  # checked (typed errors for a malformed model) before anything else reads it
+        try:
+            sess = ort.InferenceSession(source.ort_model, sess_options=self._sess_options, providers=self._ort_providers)
+        except Exception as exc:  # what ONNX Runtime refuses whole, the plan may still run in parts
+            log.info("ONNX Runtime could not open the whole model (%s): building the plan", _first_line(exc))
+            return False
+        inputs = [NodeArg(i.name, list(i.shape), i.type) for i in sess.get_inputs()]
+        if not all(isinstance(d, int) for i in inputs for d in (i.shape or [None])):
+            return False  # dynamic shapes: plans per shape, each measured as it comes
+        self._inputs = inputs
+        self._signature = {i.name: tuple(i.shape) for i in inputs}  # type: ignore[arg-type]
+        self._input_dtypes = {i.name: _np_dtype(i.type) for i in inputs}
+        self._outputs = [NodeArg(o.name, list(o.shape), o.type) for o in sess.get_outputs()]
+        self._output_names = [o.name for o in self._outputs]
+        self._output_set = frozenset(self._output_names)
+        evaluation = background.launch(source, self._opts, cache) if known is None else None
+        self._direct = DirectOrt(sess, known, evaluation, source)
+        return True
+
     def _plan_for(self, shapes: Mapping[str, tuple[int, ...]]) -> SessionPlan:
         key = tuple(sorted(shapes.items()))
         plan = self._plans.get(key)
         if plan is None:
-            plan = SessionPlan(
-                self._model, shapes, self._opts, enabled=self._enabled, handle=self._handle,
-                engine=self._engine, sess_options=self._sess_options, ort_providers=self._ort_providers,
-                model_name=self._model_name,
-            )
+            plan = self._new_plan(shapes)
             self._plans[key] = plan
             log.info("%s", plan.report().summary())
         self._last = plan
         return plan
+
+    def _new_plan(self, shapes: Mapping[str, tuple[int, ...]], direct: Any = None) -> SessionPlan:
+        path = self._model_name if isinstance(self._source_arg, str | os.PathLike) else None
+        return SessionPlan(
+            self._model, shapes, self._opts, enabled=self._enabled, handle=self._handle,
+            engine=self._engine, sess_options=self._sess_options, ort_providers=self._ort_providers,
+            model_name=self._model_name,
+            model_path=path if path is not None and default_opset(self._model) > MIN_OPSET else None,
+            direct=direct,
+        )
 
     def _check_feed(self, input_feed: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(input_feed, Mapping):

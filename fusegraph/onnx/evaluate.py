@@ -1,0 +1,85 @@
+"""The background evaluation's child (``python -m fusegraph.onnx.evaluate``): opens the model
+with the floor inline, as a session of ``floor_mode=inline`` would, so that every unit's and
+the whole model's verdicts land in the cache, then records the verdict the parent and later
+sessions read under the model's identity (``background.Source``). See ``background.py``."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from fusegraph.onnx import floor
+from fusegraph.onnx.options import PROVIDER, ProviderOptions
+from fusegraph.onnx.session import InferenceSession, session_handle
+from fusegraph.select.device_id import device_id
+
+log = logging.getLogger("fusegraph.onnx")
+
+CHILD_LIMIT_S = 1800  # the child's time ceiling (its compiles are bounded on their own too)
+CHILD_NICE = 10  # the caller's inference comes first on a shared machine
+
+
+def evaluate(model: str, opts: ProviderOptions) -> floor.Verdict:
+    """The whole model's verdict: keep (fusegraph's plan runs part of it) or ONNX Runtime."""
+    sess = InferenceSession(model, providers=[(PROVIDER, opts.as_strings()), "CPUExecutionProvider"])
+    plan = sess._last
+    if plan is None:
+        return floor.Verdict(False, source="measured", why="the model's input shapes are dynamic")
+    whole = plan.floor_whole
+    fg_ms = whole.fusegraph_ms if whole is not None else None
+    ort_ms = whole.ort_ms if whole is not None else None
+    if plan.whole_on_ort:
+        why = whole.why if whole is not None and whole.why else "no fusegraph subgraph was kept"
+        return floor.Verdict(False, fg_ms, ort_ms, "measured", why)
+    return floor.Verdict(True, fg_ms, ort_ms, "measured", plan.report().summary())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fusegraph.onnx.evaluate")
+    p.add_argument("--model", required=True)
+    p.add_argument("--options", required=True, help="the provider options, JSON")
+    p.add_argument("--content", required=True, help="the model's identity (background.Source.content)")
+    p.add_argument("--lock", required=True, help="removed when the verdict is recorded")
+    p.add_argument("--remove-model", action="store_true", help="the model file is the parent's copy of its bytes")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    with contextlib.suppress(OSError):
+        os.nice(CHILD_NICE)
+    opts = ProviderOptions.parse(json.loads(args.options))
+    cache = floor.cache_for(opts, device_id(session_handle(opts)))
+
+    def out_of_time(signum: int, frame: Any) -> None:
+        raise TimeoutError(f"the background evaluation ran past its {CHILD_LIMIT_S} s ceiling")
+
+    signal.signal(signal.SIGALRM, out_of_time)
+    signal.alarm(CHILD_LIMIT_S)
+    t0 = time.perf_counter()
+    try:
+        verdict = evaluate(args.model, opts)
+    except BaseException as exc:  # any failure is a verdict for ONNX Runtime
+        log.exception("background evaluation failed")
+        verdict = floor.Verdict(False, source="measured",
+                                why=f"the background evaluation failed: {type(exc).__name__}: {str(exc)[:300]}")
+    finally:
+        signal.alarm(0)
+    took = f"evaluated in the background in {time.perf_counter() - t0:.1f} s"
+    why = "; ".join(p for p in (verdict.why, took) if p)
+    cache.record(args.content, floor.Verdict(verdict.keep, verdict.fusegraph_ms, verdict.ort_ms, "measured", why))
+    cache.flush()
+    log.info("verdict: %s", verdict.describe())
+    if args.remove_model:
+        Path(args.model).unlink(missing_ok=True)
+    Path(args.lock).unlink(missing_ok=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
