@@ -304,9 +304,6 @@ class Fuzz:
         stride = [self.draw(st.sampled_from([1, 1, 2])) for _ in rs]
         dil = [self.draw(st.sampled_from([1, 1, 2])) for _ in rs]
         out = [(x + 2 * p - dl * (r - 1) - 1) // s + 1 for x, p, dl, r, s in zip(spatial, pad, dil, rs, stride, strict=True)]
-        if "unit_output_leftover" in self.known:  # stride 1 where the output would be 1
-            stride = [1 if o == 1 else s for o, s in zip(out, stride, strict=True)]
-            out = [(x + 2 * p - dl * (r - 1) - 1) // s + 1 for x, p, dl, r, s in zip(spatial, pad, dil, rs, stride, strict=True)]
         if any(o < 1 for o in out):
             return None
         return pad, stride, dil, out
@@ -334,8 +331,6 @@ class Fuzz:
         rs = [self.draw(st.sampled_from([1, 2, 3])) for _ in range(2)]
         pad = [self.draw(st.integers(0, r - 1)) for r in rs]
         stride = [self.draw(st.sampled_from([1, 2])) for _ in rs]
-        if "unit_output_leftover" in self.known:
-            stride = [1 if o == 1 else s for o, s in zip((ho, wo), stride, strict=True)]
         spatial = [(o - 1) * s - 2 * p + (r - 1) + 1 for o, s, p, r in zip((ho, wo), stride, pad, rs, strict=True)]
         if any(s_ < 1 for s_ in spatial):
             return
@@ -368,8 +363,6 @@ class Fuzz:
         pad = [self.draw(st.integers(0, w // 2)) for w in win]
         if any((s + 2 * p - w) // st_ + 1 < 1 for s, p, w, st_ in zip(x.dims[2:], pad, win, stride, strict=True)):
             return
-        if "unit_output_leftover" in self.known:
-            stride = [1 if (s + 2 * p - w) // st_ == 0 else st_ for s, p, w, st_ in zip(x.dims[2:], pad, win, stride, strict=True)]
         self.ops.append(f"pool_{mode.value}")
         self.add(Value(self.g.pooling(x.t, mode, window=win, stride=stride, padding=pad), x.bound))
 
@@ -556,7 +549,6 @@ IO_TYPES = [DataType.FLOAT, DataType.FLOAT, DataType.HALF, DataType.BFLOAT16, Da
 # in tests/test_fuzz_regressions.py).
 KNOWN: dict[str, set[str]] = {
     "iree": {
-        "unit_output_leftover",  # test_fuzz_iree_window_op_with_unit_output_and_leftover_input
         "backward_broadcast_dy",  # test_fuzz_iree_backward_op_with_broadcast_dy_into_reduction
     },
 }

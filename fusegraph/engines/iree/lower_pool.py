@@ -14,7 +14,7 @@ import numpy as np
 
 from fusegraph.dtypes import DataType
 from fusegraph.engines.iree.lower_base import Lowering, Val, float_literal, tensor_type
-from fusegraph.engines.iree.lower_conv import channels_last
+from fusegraph.engines.iree.lower_conv import channels_last, trim_unit_windows
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import PoolingAttrs, PoolingMode
 
@@ -63,6 +63,7 @@ def lower_pooling(ctx: Lowering, node: Node) -> None:
     low, high = (0, *attrs.pre_padding, 0), (0, *attrs.post_padding, 0)
     xb, padded = ctx.pad_builtin(ctx.to_builtin(x), x.shape, ct, low, high, fill)
     out_shape = tuple(yt.shape[a] for a in cl)
+    xb, padded = trim_unit_windows(ctx, xb, padded, ct, out_shape[1:-1], tuple(attrs.window), (1,) * nsp)
     acc = ctx.filled(out_shape, ct, fill)
     b = ctx.b
     window = b.fresh("window")
