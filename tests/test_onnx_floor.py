@@ -92,6 +92,30 @@ def test_decide_keeps_only_clearly_faster() -> None:
     assert "2.000 ms" in v.describe() and "1.000 ms" in v.describe() and "ONNX Runtime" in v.describe()
 
 
+def test_a_lucky_block_alone_does_not_keep_fusegraph() -> None:
+    """The best blocks say fusegraph, the rounds' paired ratios do not: ONNX Runtime."""
+    v = floor.decide(0.7, 1.0, paired=1.02)
+    assert not v.keep and "paired ratio 1.02x" in v.describe()
+    assert floor.decide(0.7, 1.0, paired=0.8).keep
+    assert floor.decide_timing((0.7, 1.0)).keep  # a timer without paired ratios (clear-cut calls)
+
+
+def test_time_pair_pairs_adjacent_blocks() -> None:
+    import time
+
+    def slow() -> None:
+        time.sleep(0.002)
+
+    def fast() -> None:
+        time.sleep(0.0005)
+
+    t = floor.time_pair(slow, fast, 0.12)
+    assert t.fusegraph_ms > t.ort_ms and t.paired is not None and t.paired > 1.5
+    assert not floor.decide_timing(t).keep
+    t = floor.time_pair(fast, slow, 0.12)
+    assert t.paired is not None and t.paired < 0.7 and floor.decide_timing(t).keep
+
+
 def test_slower_unit_is_handed_back_and_merged_with_its_ort_neighbour(
     rng: np.random.Generator, tmp_path: Path, fake_timer: Any
 ) -> None:
@@ -235,7 +259,7 @@ class FakeClock:
 def test_time_pair_alternates_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
     monkeypatch.setattr(floor.time, "perf_counter", clock)
-    fg_ms, ort_ms = floor.time_pair(clock.side("f", 0.002), clock.side("o", 0.003), 0.0)
+    fg_ms, ort_ms, *_ = floor.time_pair(clock.side("f", 0.002), clock.side("o", 0.003), 0.0)
     assert (fg_ms, ort_ms) == pytest.approx((2.0, 3.0))
     order = clock.order
     assert order[:2] == ["f", "o"]  # one call each first (not clear-cut here)
@@ -248,7 +272,7 @@ def test_time_pair_alternates_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_time_pair_decides_clear_cut_cases_after_two_calls(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
     monkeypatch.setattr(floor.time, "perf_counter", clock)
-    fg_ms, ort_ms = floor.time_pair(clock.side("f", 2.0), clock.side("o", 0.1), 10.0)
+    fg_ms, ort_ms, *_ = floor.time_pair(clock.side("f", 2.0), clock.side("o", 0.1), 10.0)
     assert clock.order == ["f", "o", "f", "o"] and (fg_ms, ort_ms) == pytest.approx((2000.0, 100.0))
 
 
@@ -263,7 +287,7 @@ def test_time_pair_does_not_let_one_stalled_call_decide(monkeypatch: pytest.Monk
         clock.order.append("f")
         clock.now += next(costs)
 
-    fg_ms, ort_ms = floor.time_pair(stalled, clock.side("o", 0.014), 0.0)
+    fg_ms, ort_ms, *_ = floor.time_pair(stalled, clock.side("o", 0.014), 0.0)
     assert fg_ms == pytest.approx(11.0) and ort_ms == pytest.approx(14.0)
 
 

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -52,8 +52,8 @@ WHOLE_S = 3.0  # the most the whole-model comparison takes
 SMALL_CONSTANT = 64  # constants up to this many elements enter the content key by value
 
 Call = Callable[[], object]
-# (fusegraph call, ORT call, budget in seconds) -> (fusegraph ms, ORT ms)
-Timer = Callable[[Call, Call, float], tuple[float, float]]
+# (fusegraph call, ORT call, budget in seconds) -> (fusegraph ms, ORT ms[, paired ratio])
+Timer = Callable[[Call, Call, float], Sequence[float | None]]
 
 
 @dataclass(frozen=True)
@@ -108,10 +108,26 @@ def runner_up_note(unit: Any, verdict: Verdict) -> str:
     return f"on engine {name}: {verdict.why or verdict.source}"
 
 
-def decide(fusegraph_ms: float, ort_ms: float) -> Verdict:
-    """Keep fusegraph only when clearly faster (``KEEP_BELOW``)."""
-    keep = fusegraph_ms <= ort_ms * KEEP_BELOW
-    return Verdict(keep, fusegraph_ms, ort_ms, "measured")
+class Timing(NamedTuple):
+    fusegraph_ms: float
+    ort_ms: float
+    paired: float | None = None  # median over rounds of fusegraph's block / ORT's adjacent block
+
+
+def decide(fusegraph_ms: float, ort_ms: float, paired: float | None = None) -> Verdict:
+    """Keep fusegraph only when clearly faster (``KEEP_BELOW``), by its best blocks and,
+    where measured, by the rounds' paired ratios too."""
+    keep = fusegraph_ms <= ort_ms * KEEP_BELOW and (paired is None or paired <= KEEP_BELOW)
+    why = "" if paired is None or keep or fusegraph_ms > ort_ms * KEEP_BELOW else (
+        f"the rounds' paired ratio {paired:.2f}x is not a clear win")
+    return Verdict(keep, fusegraph_ms, ort_ms, "measured", why)
+
+
+def decide_timing(timing: Sequence[float | None]) -> Verdict:
+    """``decide`` on what a timer returned: (fusegraph ms, ORT ms[, paired ratio])."""
+    fg_ms, ort_ms, *rest = timing
+    assert fg_ms is not None and ort_ms is not None
+    return decide(fg_ms, ort_ms, rest[0] if rest else None)
 
 
 def _block(fn: Call, block_s: float, out: list[float]) -> None:
@@ -130,7 +146,7 @@ def _block(fn: Call, block_s: float, out: list[float]) -> None:
         k += 1
 
 
-def time_pair(fusegraph: Call, ort: Call, budget_s: float) -> tuple[float, float]:
+def time_pair(fusegraph: Call, ort: Call, budget_s: float) -> Timing:
     """Each side's ms: the best of its per-block medians over ROUNDS alternating blocks (never
     interleaved call by call: an ORT run right before slows the next PyTorch run on 2 cores).
     The best block, not the median of all runs: a neighbour's burst on this shared machine
@@ -149,7 +165,7 @@ def time_pair(fusegraph: Call, ort: Call, budget_s: float) -> tuple[float, float
         # blocks, whose minimum of runs would cost minutes where a call takes seconds. Two,
         # not one: a single call stalled by a neighbour's burst on this shared machine (a
         # 600 ms call of an 11 ms plan) must not decide.
-        return one[0] * 1e3, one[1] * 1e3
+        return Timing(one[0] * 1e3, one[1] * 1e3)
     block = max(budget_s, 0.0) / (2 * ROUNDS)
     a: list[float] = []
     b: list[float] = []
@@ -159,7 +175,11 @@ def time_pair(fusegraph: Call, ort: Call, budget_s: float) -> tuple[float, float
             runs: list[float] = []
             _block(fn, block, runs)
             out.append(statistics.median(runs))
-    return min(a) * 1e3, min(b) * 1e3
+    # Each round's two adjacent blocks saw about the same load: the median of their ratios
+    # must agree with the best blocks before fusegraph is kept (a lucky block alone kept
+    # a BERT plan measured at 0.70x ONNX Runtime that ran at 1.08x).
+    paired = statistics.median(x / y for x, y in zip(a, b, strict=True))
+    return Timing(min(a) * 1e3, min(b) * 1e3, paired)
 
 
 # ---- a second candidate ---------------------------------------------------------------------

@@ -331,9 +331,9 @@ class SessionPlan:
             if self.opts.strict:
                 raise CompileError(f"claimed subgraph {unit.name} disagrees with ONNX Runtime (rel err {err:.1e})")
             return floor.Verdict(False, source="measured", why=f"disagrees with ONNX Runtime (rel err {err:.1e})")
-        fg_ms, ort_ms = floor.time_pair(lambda: unit.run(fg_feed), lambda: ort_unit.run(feed), budget_s)
-        log.info("floor %s: fusegraph %.3f ms, ONNX Runtime %.3f ms", unit.name, fg_ms, ort_ms)
-        return floor.decide(fg_ms, ort_ms)
+        verdict = floor.decide_timing(floor.time_pair(lambda: unit.run(fg_feed), lambda: ort_unit.run(feed), budget_s))
+        log.info("floor %s: %s", unit.name, verdict.describe())
+        return verdict
 
     def _whole_key(self) -> str:
         """The whole-model verdict's content key: the model and how it is partitioned."""
@@ -386,8 +386,8 @@ class SessionPlan:
                 whole.run(feed)
                 wanted = list(self.og.outputs)
                 budget = min(floor.WHOLE_S, self.floor_budget * (1 - floor.UNITS_SHARE))
-                fg_ms, ort_ms = floor.time_pair(lambda: self.run(feed, wanted), lambda: whole.run(feed), budget)  # type: ignore[union-attr]
-                verdict = floor.decide(fg_ms, ort_ms)
+                verdict = floor.decide_timing(
+                    floor.time_pair(lambda: self.run(feed, wanted), lambda: whole.run(feed), budget))  # type: ignore[union-attr]
             except Exception as exc:
                 log.info("floor: the whole model was not compared with ONNX Runtime: %s", exc)
                 self.floor_whole = floor.Verdict(True, source="not measured", why=_one_line(str(exc), 200))
