@@ -18,8 +18,8 @@ import pytest
 from test_onnx_floor import _chain, fake_timer  # noqa: F401  (fixture)
 
 import fusegraph.onnx as fgo
-from fusegraph.onnx.load import ModelError
 from fusegraph.onnx import background, direct, floor
+from fusegraph.onnx.load import ModelError
 from fusegraph.onnx.options import ProviderOptions
 from fusegraph.onnx.session import session_handle
 from fusegraph.select.device_id import device_id
