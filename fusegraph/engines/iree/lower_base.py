@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from fusegraph.dtypes import DataType, promote
 from fusegraph.errors import UnsupportedError
 from fusegraph.graph.node import Node
-from fusegraph.graph.ops import OpKind
+from fusegraph.graph.ops import OpKind, PointwiseMode
 from fusegraph.graph.tensor import TensorAttr
 
 if TYPE_CHECKING:
@@ -227,6 +227,13 @@ class Builder:
             )
             self._consts[key] = name
         return Val(self._consts[key], (), dtype, ())
+
+
+# Pointwise modes that multiply their operands (see Lowering.broadcast_product).
+_PRODUCTS = frozenset({
+    PointwiseMode.MUL, PointwiseMode.GELU_BWD, PointwiseMode.TANH_BWD, PointwiseMode.SIGMOID_BWD,
+    PointwiseMode.RELU_BWD,
+})
 
 
 def _stands_in(have: Sequence[int], dims: Sequence[int]) -> bool:
@@ -476,6 +483,30 @@ class Lowering:
         if self._read is None:
             self._read = {id(x) for n in self.graph.nodes for x in n.inputs.values()}
         return id(t) in self._read
+
+    def broadcast_product(self, t: TensorAttr, axes: Sequence[int]) -> bool:
+        """Whether ``t`` is a product (mul, an activation backward) with an operand broadcast
+        along one of the logical ``axes``.
+
+        IREE 3.13 fuses such a product into a sum over those axes (a reduction, the mean of a
+        norm) as one contraction-like op that its CPU code generation cannot vectorize
+        ("'vector.contract' op invalid accumulator/result vector shape"): mul(dy[1,2,1,4],
+        x[5,2,3,4]) summed over axes 1-3 fails, summed over axis 3 compiles. Readers fence ``t``
+        when this holds (tests/test_fuzz_regressions.py
+        test_fuzz_iree_backward_op_with_broadcast_dy_into_reduction)."""
+        node = self.producer(t)
+        if node is None or node.kind != OpKind.POINTWISE or getattr(node.attrs, "mode", None) not in _PRODUCTS:
+            return False
+        rank = len(t.shape)
+        for u in node.inputs.values():
+            if u.is_scalar:
+                continue
+            stored = self.values.get(id(u))
+            have = next(iter(stored.values())).logical_shape if stored else tuple(u.shape)
+            k = rank - len(have)
+            if any(t.shape[a] > 1 and (a < k or have[a - k] == 1) for a in axes):
+                return True
+        return False
 
     def computed_from(self, t: TensorAttr, kinds: frozenset[OpKind]) -> bool:
         """Whether any node of ``kinds`` is among the nodes that ``t`` is computed from."""

@@ -46,9 +46,15 @@ def _normalize(ctx: Lowering, x: Val, axes: list[int], eps: Val) -> tuple[Val, V
     return binary(ctx, "mul.Tensor", centered, inv), mu, inv
 
 
-def _input(ctx: Lowering, node: Node) -> Val:
+def _input(ctx: Lowering, node: Node, kept: int | None = None) -> Val:
+    """The normalized input in the compute type; fenced where its statistics (a mean over
+    every axis but ``kept``) would fuse a broadcast product IREE cannot compile
+    (Lowering.broadcast_product)."""
     xt = node.inputs["x"]
-    return ctx.cast(ctx.get(xt, full=True), ctx.compute_type(node, xt.dtype))
+    x = ctx.get(xt, full=True)
+    if kept is not None and ctx.broadcast_product(xt, [a for a in range(len(xt.shape)) if a != kept]):
+        x = ctx.fence(x)
+    return ctx.cast(x, ctx.compute_type(node, xt.dtype))
 
 
 def lower_batchnorm_inference(ctx: Lowering, node: Node) -> None:
@@ -65,7 +71,7 @@ def lower_batchnorm_inference(ctx: Lowering, node: Node) -> None:
 
 
 def lower_batchnorm(ctx: Lowering, node: Node) -> None:
-    x = _input(ctx, node)
+    x = _input(ctx, node, kept=1)
     eps = _epsilon(ctx, node.inputs["epsilon"], x)
     axes = [i for i, a in enumerate(x.perm) if a != 1]
     normed, mu, inv = _normalize(ctx, x, axes, eps)
@@ -77,7 +83,7 @@ def lower_batchnorm(ctx: Lowering, node: Node) -> None:
 
 
 def lower_layernorm(ctx: Lowering, node: Node) -> None:
-    x = _input(ctx, node)
+    x = _input(ctx, node, kept=0)
     eps = _epsilon(ctx, node.inputs["epsilon"], x)
     axes = [i for i, a in enumerate(x.perm) if a != 0]
     normed, mu, inv = _normalize(ctx, x, axes, eps)
@@ -91,7 +97,7 @@ def lower_layernorm(ctx: Lowering, node: Node) -> None:
 
 
 def lower_rmsnorm(ctx: Lowering, node: Node) -> None:
-    x = _input(ctx, node)
+    x = _input(ctx, node, kept=0)
     eps = _epsilon(ctx, node.inputs["epsilon"], x)
     axes = [i for i, a in enumerate(x.perm) if a != 0]
     ms = mean(ctx, binary(ctx, "mul.Tensor", x, x), axes)

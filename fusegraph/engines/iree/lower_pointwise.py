@@ -123,8 +123,22 @@ def _relu_bwd(c: Lowering, a: list[Val], p: PointwiseAttrs, shape: Shape, perm: 
     return c.b.aten("threshold_backward", [a[0], a[1], thr], shape, ct, perm)
 
 
+def _full(c: Lowering, v: Val, shape: Shape, perm: Perm) -> Val:
+    """``v`` expanded to the result's ``shape`` (stored in order ``perm``).
+
+    torch's activation-backward ops (gelu/tanh/sigmoid_backward) do not broadcast, and
+    torch-mlir lowers them assuming grad and input have the result's shape: a broadcast dy
+    became a 'tensor.cast' from [5,2,3,4] to [1,2,1,4] that IREE rejected (or a failed
+    translation when a reduction read the result)."""
+    logical = [0] * len(perm)
+    for i, axis in enumerate(perm):
+        logical[axis] = shape[i]
+    return c.broadcast(v, logical, perm) if v.shape != shape else v
+
+
 def _gelu_bwd(c: Lowering, a: list[Val], p: PointwiseAttrs, shape: Shape, perm: Perm, ct: DataType) -> Val:
-    return c.b.aten("gelu_backward", [a[0], a[1], (c.b.const_str("none"), _STR)], shape, ct, perm)
+    dy, x = _full(c, a[0], shape, perm), _full(c, a[1], shape, perm)
+    return c.b.aten("gelu_backward", [dy, x, (c.b.const_str("none"), _STR)], shape, ct, perm)
 
 
 def _via_output(fwd: str, bwd: str) -> PointwiseLowering:
@@ -132,7 +146,7 @@ def _via_output(fwd: str, bwd: str) -> PointwiseLowering:
 
     def lower(c: Lowering, a: list[Val], p: PointwiseAttrs, shape: Shape, perm: Perm, ct: DataType) -> Val:
         y = c.b.aten(fwd, [a[1]], a[1].shape, ct, a[1].perm)
-        return c.b.aten(bwd, [a[0], y], shape, ct, perm)
+        return c.b.aten(bwd, [_full(c, a[0], shape, perm), _full(c, y, shape, perm)], shape, ct, perm)
 
     return lower
 

@@ -80,6 +80,8 @@ def lower_reduction(ctx: Lowering, node: Node) -> None:
     assert isinstance(attrs, ReductionAttrs)
     xt, yt = node.inputs["x"], node.outputs["y"]
     x = ctx.get(xt, full=True)
+    if ctx.broadcast_product(xt, [a for a in range(len(xt.shape)) if xt.shape[a] != yt.shape[a]]):
+        x = ctx.fence(x)
     ct = ctx.compute_type(node, xt.dtype)
     if not ct.is_float and attrs.mode in _NEEDS_FLOAT:
         ct = ctx.compute_type(node, DataType.FLOAT)
