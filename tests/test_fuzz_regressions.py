@@ -335,3 +335,26 @@ def _output_read_by(reader: str, io: DataType) -> fg.Graph:
 @pytest.mark.parametrize("reader", ["softmax_after_batchnorm", "softmax"])
 def test_fuzz_iree_output_read_by_a_reduction_root(reader: str, io: DataType, rng: np.random.Generator) -> None:
     _agrees(_output_read_by(reader, io), "iree", rng)
+
+
+def _norm_then_matvec(case: str) -> fg.Graph:
+    io = DataType.FLOAT if case == "f32_io_f16_weight" else DataType.HALF
+    g = fg.Graph(name=f"fuzz_norm_matvec_{case}", io_data_type=io, intermediate_data_type=DataType.FLOAT,
+                 compute_data_type=DataType.FLOAT)
+    m, k = (2, 2) if case == "layernorm" else (16, 4)
+    x = g.tensor("x", [m, k])
+    if case == "rmsnorm":
+        y, _ = g.rmsnorm(x, g.tensor("scale", [1, k]))
+    else:
+        y, _, _ = g.layernorm(x, g.tensor("scale", [1, k]), g.tensor("bias", [1, k]))
+    g.matmul(y, g.tensor("w", [k, 1], data_type=DataType.HALF)).set_name("o").set_output(True)
+    return g
+
+
+# Was a CompileError for a valid graph (found by a long fuzz run, not named until now): with data
+# tiling, IREE 3.13 fused the norm and A's pack into a mixed-precision matvec dispatch (f32 A x
+# f16 B, N = 1) and failed "to run translation of source executable". Fixed in
+# engines/iree/lower_matmul.py: such a matvec's A operand computed from a norm/reduction is fenced.
+@pytest.mark.parametrize("case", ["layernorm", "rmsnorm", "f32_io_f16_weight"])
+def test_fuzz_iree_matvec_with_narrow_weight_after_a_norm(case: str, rng: np.random.Generator) -> None:
+    _agrees(_norm_then_matvec(case), "iree", rng)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 from fusegraph.dtypes import DataType
-from fusegraph.engines.iree.lower_base import Lowering, Val, identity
+from fusegraph.engines.iree.lower_base import NARROW_FLOATS, Lowering, Val, identity
 from fusegraph.graph.infer import broadcast_dims
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import OpKind
@@ -20,6 +20,12 @@ from fusegraph.graph.tensor import TensorAttr
 
 # Nodes that IREE data-tiles (or may turn into a matmul): their results carry encodings.
 CONTRACTIONS = frozenset({OpKind.MATMUL, OpKind.CONV_FPROP, OpKind.CONV_DGRAD, OpKind.CONV_WGRAD, OpKind.SDPA})
+
+
+# Nodes whose reductions IREE fuses with a consumer's pack (see the matvec case below).
+REDUCERS = frozenset({
+    OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.BATCHNORM, OpKind.REDUCTION, OpKind.SOFTMAX,
+})
 
 
 def _operand(ctx: Lowering, t: TensorAttr, k_axis: int) -> Val:
@@ -56,6 +62,13 @@ def lower_matmul(ctx: Lowering, node: Node) -> None:
         # or pointwise ops after the reshape, do the same. Fencing A keeps the pack out of
         # the producer's dispatch (tests/test_fuzz_regressions.py
         # test_fuzz_iree_matmul_of_a_reshaped_matmul_result).
+        a = ctx.fence(a)
+    elif bt.shape[-1] == 1 and bt.dtype in NARROW_FLOATS and ctx.computed_from(at, REDUCERS):
+        # IREE 3.13 fuses a norm (its statistics and normalization) and the pack of A into
+        # one dispatch with a mixed-precision matvec (f32 A x f16 B, N = 1) and its CPU code
+        # generation fails on it ("failed to run translation of source executable"), with
+        # data tiling: layernorm (f16 io, f32 compute) -> [M, K] @ [K, 1]. Fencing A keeps
+        # the norm in its own dispatch (test_fuzz_iree_matvec_with_narrow_weight_after_a_norm).
         a = ctx.fence(a)
     b = ctx.cast(_operand(ctx, bt, len(bt.shape) - 2), ct)
     batch = broadcast_dims([a.shape[:-2], b.shape[:-2]]) if (a.rank > 2 or b.rank > 2) else ()
