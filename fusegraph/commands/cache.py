@@ -34,6 +34,7 @@ PARTS: tuple[Part, ...] = (
     Part("onnx-choices", "onnx-choices.json", "ONNX provider: autotuned choices per subgraph"),
     Part("onnx-floor", "onnx-floor.json", "ONNX provider: floor verdicts (fusegraph vs ONNX Runtime)"),
     Part("onnx-tier", "onnx-tier", "ONNX provider: torch-mlir tier modules"),
+    Part("onnx-background", "onnx-background", "ONNX provider: background evaluations (locks, child logs)"),
     Part("onednn-graph", "onednn-graph-verdicts.json", "torch engine: oneDNN Graph probe verdicts"),
     Part("torch-aoti", "torch-aoti", "torch engine: AOTInductor packages"),
     Part("cudnn", "cudnn", "cuDNN engine: serialized execution plans"),
