@@ -20,8 +20,9 @@ torch = pytest.importorskip("torch", reason="the torch engine needs PyTorch (pip
 
 from fusegraph.engines import torch as torch_engine  # noqa: E402
 from fusegraph.engines.torch import fusion as torch_fusion  # noqa: E402
+from fusegraph.engines.torch import steps as torch_steps  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not torch_fusion.available(), reason="this torch build has no oneDNN (mkldnn) ops")
+pytestmark = pytest.mark.skipif(not torch_steps.available(), reason="this torch build has no oneDNN (mkldnn) ops")
 
 CPU = fg.Handle("cpu")
 ENGINE = torch_engine.TorchEngine()

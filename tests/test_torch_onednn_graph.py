@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch", reason="the torch engine needs PyTorch (pip
 from fusegraph.engines import torch as torch_engine  # noqa: E402
 from fusegraph.engines.torch import fusion as torch_fusion  # noqa: E402
 from fusegraph.engines.torch import onednn_graph as ong  # noqa: E402
+from fusegraph.engines.torch import steps as torch_steps  # noqa: E402
 from fusegraph.engines.torch.frozen import can_compile  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ong.available(), reason="this torch build has no oneDNN Graph bridge")
@@ -243,12 +244,12 @@ def test_traced_channel_shuffle_keeps_channels_last(rng: np.random.Generator) ->
 
 def test_as_declared_restores_the_declared_memory_format() -> None:
     t = fg.Graph("t").tensor("t", [2, 3, 4, 5], fg.strides_for([2, 3, 4, 5], "NHWC"))
-    y = torch_fusion.as_declared(torch.randn(2, 3, 4, 5), t)
+    y = torch_steps.as_declared(torch.randn(2, 3, 4, 5), t)
     assert y.is_contiguous(memory_format=torch.channels_last)
     rm = fg.Graph("r").tensor("r", [2, 3, 4, 5])
-    assert torch_fusion.as_declared(y, rm).is_contiguous()
+    assert torch_steps.as_declared(y, rm).is_contiguous()
     odd = fg.Graph("o").tensor("o", [2, 3, 4, 5], (60, 1, 3, 12))  # neither format: left as is
-    assert torch_fusion.as_declared(y, odd) is y
+    assert torch_steps.as_declared(y, odd) is y
 
 
 def test_the_lean_call_path_agrees_with_the_general_one(rng: np.random.Generator) -> None:

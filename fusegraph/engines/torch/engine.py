@@ -128,6 +128,7 @@ class TorchEngine:
         # (every build lists every engine for the tuning database's key: issue 10's cold build).
         from fusegraph.engines.torch import fusion as torch_fusion
         from fusegraph.engines.torch import onednn_graph as torch_onednn_graph
+        from fusegraph.engines.torch import steps as torch_steps
         from fusegraph.engines.torch.onednn_graph import ONEDNN_GRAPH_DEFAULT
 
         kinds = {n.kind for n in graph.nodes}
@@ -172,7 +173,7 @@ class TorchEngine:
                     "cores); 1 avoids OpenMP barrier stalls on a busy or shared machine",
                 )
             )
-        if not handle.device.is_gpu and torch_fusion.has_onednn_steps(graph) and torch_fusion.available():
+        if not handle.device.is_gpu and torch_fusion.has_onednn_steps(graph) and torch_steps.available():
             out.append(
                 Knob(
                     "onednn",

@@ -21,11 +21,6 @@ from fusegraph.engines.torch.steps import (
     Step,
     TracedStep,
     Unary,
-    as_declared,
-    available,
-    conv_args,
-    conv_padding,
-    pack_filter,
 )
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
@@ -345,19 +340,7 @@ def plan_fusions(graph: Graph, walk: _Walker | None = None) -> dict[str, FusedCo
 
 
 __all__ = [
-    "ChannelShuffle",
-    "FusedConv",
-    "FusedLinear",
-    "ScaleShift",
-    "Step",
-    "TracedStep",
-    "Unary",
-    "as_declared",
-    "available",
-    "conv_args",
-    "conv_padding",
     "has_onednn_steps",
-    "pack_filter",
     "plan_channel_shuffles",
     "plan_fusions",
     "plan_linears",

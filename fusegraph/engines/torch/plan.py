@@ -16,7 +16,7 @@ import numpy as np
 
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan
-from fusegraph.engines.torch import frozen
+from fusegraph.engines.torch import frozen, steps
 from fusegraph.engines.torch import fusion as torch_fusion
 from fusegraph.engines.torch import onednn_graph as torch_onednn_graph
 from fusegraph.engines.torch.compiled import as_declared, compile_graph, compiled_strides
@@ -89,7 +89,7 @@ class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
         self._dense: dict[str, Tensor] = {}  # bound inputs before any oneDNN reordering
         self._graph: tuple[Any, dict[str, Tensor], dict[str, Tensor]] | None = None
         self._graph_bound: Any = None  # the bindings the graph was captured with
-        self.fusions: dict[str, torch_fusion.Step] = (
+        self.fusions: dict[str, steps.Step] = (
             {} if self._compiled else torch_fusion.plan_steps(graph, onednn=self._ctx.onednn)
         )
         self._bound: dict[str, tuple[Any, Tensor]] = {}  # bound input -> (its value, torch form)
@@ -316,7 +316,7 @@ class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
     def _prepack(self) -> None:
         """Bound conv filters in oneDNN's blocked layout, for the eager fused path."""
         packable = {
-            fc.conv.inputs["w"].name: fc.conv for fc in self.fusions.values() if isinstance(fc, torch_fusion.FusedConv)
+            fc.conv.inputs["w"].name: fc.conv for fc in self.fusions.values() if isinstance(fc, steps.FusedConv)
         }
         readers: dict[str, int] = {}
         for n in self.graph.nodes:
@@ -327,7 +327,7 @@ class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
             for name, (src, value) in self._bound.items():
                 conv = packable.get(name)
                 if conv is not None and readers.get(name) == 1 and value.device.type == "cpu":
-                    bound[name] = (src, torch_fusion.pack_filter(conv, self._dense[name]))
+                    bound[name] = (src, steps.pack_filter(conv, self._dense[name]))
         self._bound = bound
 
     def _resolve(self, variant_pack: Mapping[Any, Any]) -> Any:
