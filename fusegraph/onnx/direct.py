@@ -8,7 +8,6 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import onnxruntime as ort
@@ -27,19 +26,18 @@ POLL_S = 0.5  # run() looks at the background child at most this often (a poll c
 
 class DirectOrt:
     def __init__(self, session: ort.InferenceSession, verdict: floor.Verdict | None,
-                 evaluation: background.Evaluation | None, source: background.Source) -> None:
+                 evaluation: background.Evaluation | None) -> None:
         self.session = session
         self.verdict = verdict
         self.evaluation = evaluation
-        self.source = source
         self._next_poll = 0.0
         self._builder: threading.Thread | None = None
         self._built: SessionPlan | None = None
         self._build_error: str = ""
         self._explained: SessionPlan | None = None
 
-    def run(self, wanted: Sequence[str], feed: Mapping[str, Any], run_options: Any) -> list[Any]:
-        return self.session.run(list(wanted), dict(feed), run_options)  # type: ignore[no-any-return]
+    def run(self, wanted: list[str], feed: dict[str, Any], run_options: Any) -> list[Any]:
+        return self.session.run(wanted, feed, run_options)  # type: ignore[no-any-return]
 
     @property
     def pending(self) -> bool:

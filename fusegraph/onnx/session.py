@@ -24,7 +24,7 @@ from onnx import helper
 from fusegraph.onnx import background, floor
 from fusegraph.onnx.direct import DirectOrt
 from fusegraph.onnx.iobinding import IOBinding, host_array
-from fusegraph.onnx.load import MIN_OPSET, default_opset
+from fusegraph.onnx.load import MIN_OPSET, _first_line, default_opset
 from fusegraph.onnx.memory import PeakMemory, measure_peak
 from fusegraph.onnx.metadata import ModelMetadata
 from fusegraph.onnx.model import input_signature, load_model
@@ -72,27 +72,24 @@ def _type_string(t: onnx.TypeProto) -> str:
 _ORT_NAMES = {"float": "float", "double": "double", "float16": "float16", "bool": "bool"}
 
 
-def _np_dtype(type_string: str) -> np.dtype[Any] | None:
-    """The NumPy dtype of an ONNX Runtime type string ("tensor(float)"); None: not a tensor."""
-    if not _NP_OF_TYPE:
-        for code in onnx.TensorProto.DataType.values():
-            name = onnx.TensorProto.DataType.Name(code).lower()
-            try:
-                _NP_OF_TYPE[f"tensor({_ORT_NAMES.get(name, name)})"] = np.dtype(helper.tensor_dtype_to_np_dtype(code))
-            except (KeyError, TypeError, ValueError):
-                continue
-    return _NP_OF_TYPE.get(type_string)
+def _np_dtypes() -> dict[str, np.dtype[Any]]:
+    out: dict[str, np.dtype[Any]] = {}
+    for code in onnx.TensorProto.DataType.values():
+        name = onnx.TensorProto.DataType.Name(code).lower()
+        try:
+            out[f"tensor({_ORT_NAMES.get(name, name)})"] = np.dtype(helper.tensor_dtype_to_np_dtype(code))
+        except (KeyError, TypeError, ValueError):  # UNDEFINED, STRING-like codes without a NumPy dtype
+            continue
+    return out
 
 
-_NP_OF_TYPE: dict[str, np.dtype[Any]] = {}  # filled at first use
+# ONNX Runtime's type strings ("tensor(float)") -> NumPy dtypes, for a session that never
+# parses the model (its inputs come from ONNX Runtime's NodeArgs); absent: not a tensor.
+NP_OF_TYPE = _np_dtypes()
 
 
 def session_handle(opts: ProviderOptions) -> Handle:
     return default_handle() if opts.device == "cpu" else Handle(opts.device)
-
-
-def _first_line(exc: BaseException) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
 def _shape_of(t: onnx.TypeProto) -> list[Dim] | None:
@@ -332,12 +329,12 @@ class InferenceSession:
             return False  # dynamic shapes: plans per shape, each measured as it comes
         self._inputs = inputs
         self._signature = {i.name: tuple(i.shape) for i in inputs}  # type: ignore[arg-type]
-        self._input_dtypes = {i.name: _np_dtype(i.type) for i in inputs}
+        self._input_dtypes = {i.name: NP_OF_TYPE.get(i.type) for i in inputs}
         self._outputs = [NodeArg(o.name, list(o.shape), o.type) for o in sess.get_outputs()]
         self._output_names = [o.name for o in self._outputs]
         self._output_set = frozenset(self._output_names)
         evaluation = background.launch(source, self._opts, cache) if known is None else None
-        self._direct = DirectOrt(sess, known, evaluation, source)
+        self._direct = DirectOrt(sess, known, evaluation)
         return True
 
     def _plan_for(self, shapes: Mapping[str, tuple[int, ...]]) -> SessionPlan:
