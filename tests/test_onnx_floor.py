@@ -100,20 +100,21 @@ def test_a_lucky_block_alone_does_not_keep_fusegraph() -> None:
     assert floor.decide_timing((0.7, 1.0)).keep  # a timer without paired ratios (clear-cut calls)
 
 
-def test_time_pair_pairs_adjacent_blocks() -> None:
-    import time
+def test_time_pair_pairs_adjacent_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One lucky fusegraph block (1 ms in the first round, 2 ms after, ORT 1.5 ms throughout)
+    wins by best blocks but not by the rounds' paired ratios."""
+    clock = FakeClock()
+    monkeypatch.setattr(floor.time, "perf_counter", clock)
 
-    def slow() -> None:
-        time.sleep(0.002)
+    def lucky() -> None:
+        clock.now += 0.001 if clock.now < 0.010 else 0.002
 
-    def fast() -> None:
-        time.sleep(0.0005)
-
-    t = floor.time_pair(slow, fast, 0.12)
-    assert t.fusegraph_ms > t.ort_ms and t.paired is not None and t.paired > 1.5
+    t = floor.time_pair(lucky, clock.side("o", 0.0015), 0.0)
+    assert (t.fusegraph_ms, t.ort_ms) == pytest.approx((1.0, 1.5))
+    assert t.paired == pytest.approx(2.0 / 1.5)
     assert not floor.decide_timing(t).keep
-    t = floor.time_pair(fast, slow, 0.12)
-    assert t.paired is not None and t.paired < 0.7 and floor.decide_timing(t).keep
+    steady = floor.time_pair(clock.side("f", 0.001), clock.side("o", 0.0015), 0.0)
+    assert steady.paired == pytest.approx(1.0 / 1.5) and floor.decide_timing(steady).keep
 
 
 def test_slower_unit_is_handed_back_and_merged_with_its_ort_neighbour(
