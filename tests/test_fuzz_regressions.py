@@ -358,3 +358,55 @@ def _norm_then_matvec(case: str) -> fg.Graph:
 @pytest.mark.parametrize("case", ["layernorm", "rmsnorm", "f32_io_f16_weight"])
 def test_fuzz_iree_matvec_with_narrow_weight_after_a_norm(case: str, rng: np.random.Generator) -> None:
     _agrees(_norm_then_matvec(case), "iree", rng)
+
+
+def _broadcast_value_read_by_two(case: str) -> fg.Graph:
+    """A value computed from a stride-0 (broadcast) input, which the IREE emitter keeps at its
+    stand-in size 1 on the broadcast axis, read in full by two nodes reducing along different
+    axes. The fuzzer's graph (seed 530993, f16 io): a [3,5] input broadcast along M (strides
+    [0,1]) @ [5,3] -> tanh -> batchnorm training, and -> tanh -> rmsnorm inference."""
+    io = DataType.HALF if case.endswith("_f16") else DataType.FLOAT
+    g = fg.Graph(name=f"fuzz_bcast_two_readers_{case}", io_data_type=io, intermediate_data_type=DataType.FLOAT,
+                 compute_data_type=DataType.FLOAT)
+    if case.startswith("tanh"):
+        v = g.tanh(g.tensor("x", [3, 4], [0, 1]))
+    elif case.startswith("matmul_column"):  # B broadcast along N: the product keeps N at 1
+        v = g.matmul(g.tensor("a", [3, 5]), g.tensor("b", [5, 4], [1, 0]))
+    else:
+        v = g.matmul(g.tensor("a", [3, 5], [0, 1]), g.tensor("b", [5, 3 if "norms" in case else 4]))
+    if "norms" in case:
+        t = g.tanh(v)
+        _, mean, inv_var = g.batchnorm(t, g.tensor("scale", [3]), g.tensor("bias", [3]), epsilon=1e-3)
+        mean.set_output(True)
+        inv_var.set_output(True)
+        r, _ = g.rmsnorm(g.tanh(v), g.tensor("s2", [3]), bias=g.tensor("b2", [3]), epsilon=1e-5,
+                         phase=fg.NormFwdPhase.INFERENCE)
+        r.set_name("r").set_output(True)
+    elif "softmaxes" in case:
+        g.softmax(v, axis=0).set_name("s0").set_output(True)
+        g.softmax(v, axis=1).set_name("s1").set_output(True)
+    else:
+        g.reduction(v, fg.ReductionMode.SUM, axes=[0]).set_name("r0").set_output(True)
+        g.reduction(v, fg.ReductionMode.MAX, axes=[1]).set_name("r1").set_output(True)
+    return g
+
+
+# Was a CompileError for a valid graph (fuzz seed 530993: "'linalg.unpack' op failed to verify
+# that result type matches type of dest", tensor<1x?xf32>; the smaller graphs here failed with
+# "'vector.store' (or 'iree_linalg_ext.map_store') op write affecting operations on global
+# resources are restricted to workgroup distributed contexts", data tiling on or off): IREE 3.13
+# fuses the expansion (broadcast_to) of such a value, and its producer, into reducing readers,
+# and fails where two of them reduce along different axes. Fixed in engines/iree/lower_base.py
+# (Lowering.get): a computed stand-in read in full by a reduction, softmax or norm is expanded
+# once, behind a fence, in its own dispatch.
+@pytest.mark.parametrize("case", [
+    "matmul_norms_f16", "matmul_norms", "matmul_reductions", "matmul_softmaxes", "matmul_column_reductions",
+    "tanh_softmaxes",
+])
+def test_fuzz_iree_broadcast_value_read_by_two_reducers(case: str, rng: np.random.Generator) -> None:
+    _agrees(_broadcast_value_read_by_two(case), "iree", rng)
+
+
+@pytest.mark.parametrize("engine", ["torch", "reference"])
+def test_fuzz_broadcast_value_read_by_two_reducers_other_engines(engine: str, rng: np.random.Generator) -> None:
+    _agrees(_broadcast_value_read_by_two("matmul_norms_f16"), engine, rng)

@@ -236,6 +236,12 @@ _PRODUCTS = frozenset({
 })
 
 
+# Nodes that reduce what they read (see Lowering.get).
+_REDUCING_READERS = frozenset({
+    OpKind.REDUCTION, OpKind.SOFTMAX, OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.BATCHNORM,
+})
+
+
 def _stands_in(have: Sequence[int], dims: Sequence[int]) -> bool:
     """Whether ``have`` is ``dims`` with some axes at a broadcast stand-in size of 1."""
     return len(have) == len(dims) and all(h in (1, d) for h, d in zip(have, dims, strict=True))
@@ -253,6 +259,7 @@ class Lowering:
     node: Node | None = None  # the node being lowered (for error messages)
     _producers: dict[str, Node] = field(default_factory=dict)  # node name -> node, filled lazily
     _read: set[int] | None = None  # ids of the tensors some node reads, filled lazily
+    _expanded: dict[tuple[int, Perm], Val] = field(default_factory=dict)  # see get()
 
     # ---- reading and writing tensors --------------------------------------------------
     def bind(self, t: TensorAttr, val: Val) -> None:
@@ -284,6 +291,23 @@ class Lowering:
             val = self.permute(next(iter(stored.values())), perm)
             stored[perm] = val
         if full and val.logical_shape != tuple(t.shape):
+            if t.producer is not None and self.node is not None and self.node.kind in _REDUCING_READERS:
+                # A value computed from broadcast inputs, kept at its stand-in size, read in
+                # full by a reducing node: IREE 3.13 fuses the expansion (broadcast_to) and
+                # its producer into reducing readers and fails where two of them reduce
+                # along different axes (two softmaxes over axes 0 and 1 of tanh(x[3,4] with
+                # stride [0,1]), a batchnorm's and an rmsnorm's statistics of a matmul of a
+                # broadcast row; fuzz seed 530993): "'vector.store' op write affecting
+                # operations on global resources are restricted to workgroup distributed
+                # contexts", "'iree_linalg_ext.map_store' op ..." or, with data tiling,
+                # "'linalg.unpack' op failed to verify that result type matches type of
+                # dest". Fencing the producer alone is not enough (the matmul case still
+                # fails); the expansion is materialized once, in its own dispatch, and
+                # the readers read it (test_fuzz_iree_broadcast_value_read_by_two_reducers).
+                key = (id(t), val.perm)
+                if key not in self._expanded:
+                    self._expanded[key] = self.fence(self.broadcast(val, t.shape, val.perm))
+                return self._expanded[key]
             val = self.broadcast(val, t.shape, val.perm)
         return val
 
