@@ -248,7 +248,7 @@ def cases(group: str) -> list[Case]:
 def device_inputs(g: fg.Graph, rng: np.random.Generator) -> dict[str, Any]:
     import torch
 
-    from fusegraph.engines.cudnn.plan import torch_dtype
+    from fusegraph.engines.cuda_plan import torch_dtype
 
     out = {}
     for t in g.inputs():
@@ -277,11 +277,11 @@ def direct_cudnn(g: fg.Graph, dev: dict[str, Any]) -> Callable[[], Any]:
     ws = torch.empty(max(1, cg.get_workspace_size()), dtype=torch.uint8, device="cuda")
     pack: dict[int, Any] = {b.uids[n]: v for n, v in dev.items()}
     for t in g.outputs():
-        from fusegraph.engines.cudnn.plan import torch_dtype
+        from fusegraph.engines.cuda_plan import torch_dtype
 
         pack[b.uids[t.name]] = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(torch, t.dtype), device="cuda")
     for uid, (value, dt) in b.scalars.items():
-        from fusegraph.engines.cudnn.plan import torch_dtype
+        from fusegraph.engines.cuda_plan import torch_dtype
 
         pack[uid] = torch.full([1] * b.rank, value, dtype=torch_dtype(torch, dt))
     cudnn.set_stream(handle=h, stream=torch.cuda.current_stream().cuda_stream)
