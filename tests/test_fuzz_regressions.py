@@ -410,3 +410,36 @@ def test_fuzz_iree_broadcast_value_read_by_two_reducers(case: str, rng: np.rando
 @pytest.mark.parametrize("engine", ["torch", "reference"])
 def test_fuzz_broadcast_value_read_by_two_reducers_other_engines(engine: str, rng: np.random.Generator) -> None:
     _agrees(_broadcast_value_read_by_two("matmul_norms_f16"), engine, rng)
+
+
+def _rmsnorm_then_sum(reader: str) -> fg.Graph:
+    """An rmsnorm without bias whose scale ([3] over x [2,4,1,3]) is broadcast along axis 1,
+    read by a node summing over axes 1-3. The fuzzer's graph (seed 453) reached it from a
+    conv wgrad: wgrad -> tanh -> rmsnorm training (inv_rms read out) -> layernorm training."""
+    g = fg.Graph(name=f"fuzz_rms_sum_{reader}", io_data_type=DataType.FLOAT)
+    if reader == "wgrad_chain":
+        x = g.tensor("x", [2, 4, 5, 3], [60, 5, 1, 20])
+        dy = g.tensor("dy", [2, 2, 5, 5], [1, 50, 2, 10])
+        dw = g.conv_wgrad(x, dy, padding=[0, 2], dilation=[2, 1]).set_dim([2, 4, 1, 3]).set_stride([12, 1, 1, 4])
+        v = g.tanh(dw)
+    else:
+        v = g.tensor("x", [2, 4, 1, 3])
+    r, inv = g.rmsnorm(v, g.tensor("scale", [3]), epsilon=1e-5, phase=fg.NormFwdPhase.TRAINING)
+    assert inv is not None
+    inv.set_output(True)
+    if reader == "avg":
+        y = g.reduction(r, fg.ReductionMode.AVG, axes=[1, 2, 3])
+    else:
+        y, _, _ = g.layernorm(r, g.tensor("s2", [1, 4, 1, 3]), g.tensor("b2", [4, 1, 3]), epsilon=1e-5)
+    y.set_name("y").set_output(True)
+    return g
+
+
+# Was a CompileError for a valid graph ("'vector.contract' op invalid accumulator/result vector
+# shape", fuzz seed 453): the bug of test_fuzz_iree_product_with_broadcast_operand_into_a_sum, with
+# the product inside an rmsnorm (x * inv_rms * scale) rather than a mul node. Fixed in
+# engines/iree/lower_base.py (Lowering.broadcast_product counts an rmsnorm without bias as a
+# product), so the reader fences it.
+@pytest.mark.parametrize("reader", ["layernorm", "avg", "wgrad_chain"])
+def test_fuzz_iree_rmsnorm_with_broadcast_scale_into_a_sum(reader: str, rng: np.random.Generator) -> None:
+    _agrees(_rmsnorm_then_sum(reader), "iree", rng)

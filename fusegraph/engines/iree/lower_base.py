@@ -509,8 +509,8 @@ class Lowering:
         return id(t) in self._read
 
     def broadcast_product(self, t: TensorAttr, axes: Sequence[int]) -> bool:
-        """Whether ``t`` is a product (mul, an activation backward) with an operand broadcast
-        along one of the logical ``axes``.
+        """Whether ``t`` is a product (mul, an activation backward, an rmsnorm without bias)
+        with an operand broadcast along one of the logical ``axes``.
 
         IREE 3.13 fuses such a product into a sum over those axes (a reduction, the mean of a
         norm) as one contraction-like op that its CPU code generation cannot vectorize
@@ -519,7 +519,13 @@ class Lowering:
         when this holds (tests/test_fuzz_regressions.py
         test_fuzz_iree_backward_op_with_broadcast_dy_into_reduction)."""
         node = self.producer(t)
-        if node is None or node.kind != OpKind.POINTWISE or getattr(node.attrs, "mode", None) not in _PRODUCTS:
+        if node is None:
+            return False
+        # An rmsnorm without bias ends in a product too (x * inv_rms * scale): a scale broadcast
+        # along a summed axis (scale [3] of x [2,4,1,3], then a layernorm or a mean over axes
+        # 1-3) failed the same way (fuzz seed 453; a bias added after the product compiles).
+        rms_product = node.kind == OpKind.RMSNORM and "bias" not in node.inputs
+        if not rms_product and (node.kind != OpKind.POINTWISE or getattr(node.attrs, "mode", None) not in _PRODUCTS):
             return False
         rank = len(t.shape)
         for u in node.inputs.values():
