@@ -236,10 +236,12 @@ _PRODUCTS = frozenset({
 })
 
 
-# Nodes that reduce what they read (see Lowering.get).
+# Readers of a broadcast value that get it expanded in its own dispatch
+# (Lowering._materialize_expansion).
 _REDUCING_READERS = frozenset({
     OpKind.REDUCTION, OpKind.SOFTMAX, OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.BATCHNORM,
 })
+_CONVOLUTIONS = frozenset({OpKind.CONV_FPROP, OpKind.CONV_DGRAD, OpKind.CONV_WGRAD})
 
 
 def _stands_in(have: Sequence[int], dims: Sequence[int]) -> bool:
@@ -291,25 +293,41 @@ class Lowering:
             val = self.permute(next(iter(stored.values())), perm)
             stored[perm] = val
         if full and val.logical_shape != tuple(t.shape):
-            if t.producer is not None and self.node is not None and self.node.kind in _REDUCING_READERS:
-                # A value computed from broadcast inputs, kept at its stand-in size, read in
-                # full by a reducing node: IREE 3.13 fuses the expansion (broadcast_to) and
-                # its producer into reducing readers and fails where two of them reduce
-                # along different axes (two softmaxes over axes 0 and 1 of tanh(x[3,4] with
-                # stride [0,1]), a batchnorm's and an rmsnorm's statistics of a matmul of a
-                # broadcast row; fuzz seed 530993): "'vector.store' op write affecting
-                # operations on global resources are restricted to workgroup distributed
-                # contexts", "'iree_linalg_ext.map_store' op ..." or, with data tiling,
-                # "'linalg.unpack' op failed to verify that result type matches type of
-                # dest". Fencing the producer alone is not enough (the matmul case still
-                # fails); the expansion is materialized once, in its own dispatch, and
-                # the readers read it (test_fuzz_iree_broadcast_value_read_by_two_reducers).
+            if self._materialize_expansion(t):
                 key = (id(t), val.perm)
                 if key not in self._expanded:
                     self._expanded[key] = self.fence(self.broadcast(val, t.shape, val.perm))
                 return self._expanded[key]
             val = self.broadcast(val, t.shape, val.perm)
         return val
+
+    def _materialize_expansion(self, t: TensorAttr) -> bool:
+        """Whether the node being lowered reads broadcast ``t`` (kept at a size-1 stand-in on
+        its broadcast axes) through an expansion written out in its own dispatch (a fence
+        after the broadcast_to) rather than fused into the reader. Two IREE 3.13 bugs:
+
+        - a convolution (fprop, dgrad, wgrad) of an input broadcast along its spatial or
+          batch axes: with data tiling, iree-compile crashed (SIGSEGV in MaterializeEncoding,
+          DecomposeMismatchEncodingTensorStoreOp) on the expansion fused into the data-tiled
+          operand (fuzz seed 2314104: a lone wgrad of x [2,6,3,5] with strides [1,2,0,0];
+          test_fuzz_iree_convolution_of_a_broadcast_input);
+        - a value computed from broadcast inputs read by reducing nodes: IREE fused its
+          expansion, and its producer, into readers reducing along different axes and failed
+          (two softmaxes over axes 0 and 1 of tanh(x[3,4] with strides [0,1]); a batchnorm's
+          and an rmsnorm's statistics of a matmul of a broadcast row, fuzz seed 530993):
+          "'vector.store' (or 'iree_linalg_ext.map_store') op write affecting operations on
+          global resources are restricted to workgroup distributed contexts", or with data
+          tiling "'linalg.unpack' op failed to verify that result type matches type of
+          dest". Fencing the producer alone is not enough (the matmul case still failed)
+          (test_fuzz_iree_broadcast_value_read_by_two_reducers).
+
+        Such inputs are rare outside the fuzzer (stride-0 views; ONNX models bind packed
+        tensors); the price is writing the expanded tensor once, shared by its readers."""
+        if self.node is None:
+            return False
+        if self.node.kind in _CONVOLUTIONS:
+            return True
+        return t.producer is not None and self.node.kind in _REDUCING_READERS
 
     def set(self, t: TensorAttr, val: Val) -> None:
         """Binds a node result, cast to the tensor's declared data type (a virtual tensor
