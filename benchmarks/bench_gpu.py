@@ -6,7 +6,8 @@ the median reported, after a warm-up that keeps compilation and plan building ou
 
   fusegraph   the plan ``g.build(handle)`` picks (heuristics, untuned)
   tuned       the fastest of fusegraph's candidate configs (cudnn plan indices and
-              heuristic modes, torch eager / CUDA graph / compile), timed here -- what
+              heuristic modes, triton row-kernel tilings, torch eager / CUDA graph /
+              compile), timed here -- what
               ``g.autotune`` chooses, without its float64 reference check (the GPU tests
               check numerics on smaller shapes)
   eager       the same computation in PyTorch eager (cudnn.benchmark on)
@@ -297,6 +298,16 @@ def candidate_configs(case: Case) -> list[EngineConfig]:
         idx = next((k.choices for k in cud.knobs(case.graph, GPU) if k.name == "plan_index"), (0,))
         out += [EngineConfig("cudnn", (("plan_index", i),)) for i in idx[:4]]
         out.append(EngineConfig("cudnn", (("heur_mode", "b"),)))
+    tri = REGISTRY.get("triton")
+    if tri.supports(case.graph, GPU):  # the default tiling and its neighbours
+        knobs = {k.name: k for k in tri.knobs(case.graph, GPU)}
+        rows, warps = knobs["rows_per_program"], knobs["num_warps"]
+        seen = set()
+        for r in (rows.default, rows.default * 2):
+            for w in (warps.default // 2, warps.default, warps.default * 2):
+                if r in rows.choices and w in warps.choices and (r, w) not in seen:
+                    seen.add((r, w))
+                    out.append(EngineConfig("triton", (("rows_per_program", r), ("num_warps", w))))
     out += [EngineConfig("torch"), EngineConfig("torch", (("cuda_graph", False),))]
     if case.compile:
         out.append(EngineConfig("torch", (("compile", True),)))
@@ -307,8 +318,12 @@ def time_all(fns: dict[str, Callable[[], Any]], rounds: int, per_round: int) -> 
     import torch
 
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    names = list(fns)
+    for i in range(rounds):
+        # each round starts at another contender: the first after a synchronize ran
+        # measurably slower on short kernels (idle GPU), and must not always be the same one
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            fn = fns[name]
             fn()  # untimed: absorbs the switch from the previous contender
             evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(per_round)]
             for s, e in evs:
@@ -539,7 +554,7 @@ def main() -> None:
     ap.add_argument("--group", default="issue", choices=["issue", "extra", "all", "none"])
     ap.add_argument("--only", default="", help="comma-separated substrings of case names")
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--per-round", type=int, default=10)
+    ap.add_argument("--per-round", type=int, default=30)
     ap.add_argument("--json", default="")
     ap.add_argument("--png", default="")
     ap.add_argument("--cold", default="", help="a directory for the cold-build check (two fresh processes)")
@@ -563,7 +578,9 @@ def main() -> None:
             r = {"name": case.name, "error": f"{type(exc).__name__}: {exc}", "results": {}}
         r["wall_s"] = round(time.perf_counter() - t0, 1)
         results.append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "results"}), flush=True)
+        line = {k: v for k, v in r.items() if k not in ("results", "setup_s")}
+        line["median_ms"] = {k: round(v["median_ms"], 4) for k, v in r.get("results", {}).items() if "median_ms" in v}
+        print(json.dumps(line), flush=True)
         torch.cuda.empty_cache()
     doc: dict[str, Any] = {"gpu": gpu, "torch": torch.__version__, "command": " ".join(sys.argv), "cases": results}
     if args.overhead:

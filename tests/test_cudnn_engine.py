@@ -482,7 +482,7 @@ def test_autotune_times_cudnn_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         pytest.fail("cudnn is not in engines/registry.py BUILTIN")
     monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
     g = conv_graph(DT.HALF, "NHWC", n=8)
-    res = g.autotune(handle=GPU, budget_s=30, persist=False, engines=["cudnn", "torch"], progress=False)
+    res = g.autotune(handle=GPU, budget_s=30, persist=False, engines=["cudnn"], progress=False)  # torch compiles would spend the budget
     ok = [m for m in res.measurements if m.status == "ok" and m.config.engine == "cudnn"]
     assert len(ok) >= 2, str(res)
 

@@ -46,6 +46,7 @@ BUILTIN: dict[str, str] = {
     "iree": "fusegraph.engines.iree:IreeEngine",
     "torch": "fusegraph.engines.torch.engine:TorchEngine",
     "cudnn": "fusegraph.engines.cudnn:CudnnEngine",
+    "triton": "fusegraph.engines.triton:TritonEngine",
     "reference": "fusegraph.engines.reference:ReferenceEngine",
 }
 

@@ -1,0 +1,295 @@
+"""The Triton source of one row kernel (rows.py's view of a graph).
+
+Each program holds ``ROWS`` rows of ``BLOCK`` (the row length rounded up to a power of
+two) lanes in registers, in float32: graph inputs are loaded once, every node becomes a few
+lines on register tiles (``[ROWS, BLOCK]`` for the frame, ``[ROWS, 1]`` per row,
+``[1, BLOCK]`` per column, scalars), and graph outputs are stored once. Lanes past the row's
+end hold garbage that no reduction reads (each masks them) and no store writes. Shapes,
+strides and constants are literals in the text, so the kernel takes only pointers and
+Triton specializes nothing at call time but pointer alignment.
+
+The text is the artifact: it is written to the cache directory, kept as a compile failure's
+reproducer, and checked as golden text in the tests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from fusegraph.dtypes import DataType
+from fusegraph.engines.triton.rows import Access, RowGraph
+from fusegraph.graph.graph import Graph
+from fusegraph.graph.node import Node
+from fusegraph.graph.ops import (
+    NormAttrs,
+    OpKind,
+    PointwiseAttrs,
+    PointwiseMode,
+    ReductionAttrs,
+    ReductionMode,
+    SoftmaxAttrs,
+)
+from fusegraph.graph.tensor import TensorAttr
+
+M = PointwiseMode
+KERNEL = "fg_row_kernel"
+TL_TYPE = {DataType.HALF: "tl.float16", DataType.BFLOAT16: "tl.bfloat16", DataType.FLOAT: "tl.float32"}
+NAN_ALL = "propagate_nan=tl.PropagateNan.ALL"
+
+
+def _lit(x: float) -> str:
+    if math.isnan(x):
+        return 'float("nan")'
+    if math.isinf(x):
+        return 'float("inf")' if x > 0 else '-float("inf")'
+    return repr(float(x))
+
+
+# mode -> expression over operand texts a, b, c and the node's parameters (p(name) -> literal)
+_Expr = Callable[[str, str, str, Callable[[str], str]], str]
+POINTWISE_TRITON: dict[PointwiseMode, _Expr] = {
+    M.ADD: lambda a, b, c, p: f"({a} + {b})",
+    M.SUB: lambda a, b, c, p: f"({a} - {b})",
+    M.MUL: lambda a, b, c, p: f"({a} * {b})",
+    M.DIV: lambda a, b, c, p: f"({a} / {b})",
+    M.MAX: lambda a, b, c, p: f"tl.maximum({a}, {b}, {NAN_ALL})",
+    M.MIN: lambda a, b, c, p: f"tl.minimum({a}, {b}, {NAN_ALL})",
+    M.POW: lambda a, b, c, p: f"libdevice.pow({a}, {b})",
+    M.ABS: lambda a, b, c, p: f"tl.abs({a})",
+    M.NEG: lambda a, b, c, p: f"(-{a})",
+    M.EXP: lambda a, b, c, p: f"tl.exp({a})",
+    M.LOG: lambda a, b, c, p: f"tl.log({a})",
+    M.SQRT: lambda a, b, c, p: f"tl.sqrt_rn({a})",
+    M.RSQRT: lambda a, b, c, p: f"(1.0 / tl.sqrt_rn({a}))",
+    M.RECIPROCAL: lambda a, b, c, p: f"(1.0 / {a})",
+    M.SIN: lambda a, b, c, p: f"tl.sin({a})",
+    M.COS: lambda a, b, c, p: f"tl.cos({a})",
+    M.ERF: lambda a, b, c, p: f"tl.erf({a})",
+    M.FLOOR: lambda a, b, c, p: f"tl.floor({a})",
+    M.CEIL: lambda a, b, c, p: f"tl.ceil({a})",
+    M.IDENTITY: lambda a, b, c, p: a,
+    M.RELU_FWD: lambda a, b, c, p: (
+        f"tl.where({a} <= {p('relu_lower_clip')}, {p('relu_lower_clip')} + {p('relu_lower_clip_slope')} * "
+        f"({a} - {p('relu_lower_clip')}), tl.minimum({a}, {p('relu_upper_clip')}, {NAN_ALL}))"
+    ),
+    M.TANH_FWD: lambda a, b, c, p: f"libdevice.tanh({a})",
+    M.SIGMOID_FWD: lambda a, b, c, p: f"(1.0 / (1.0 + tl.exp(-{a})))",
+    M.GELU_FWD: lambda a, b, c, p: f"(0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476)))",
+    M.GELU_APPROX_TANH_FWD: lambda a, b, c, p: (
+        f"(0.5 * {a} * (1.0 + libdevice.tanh(0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a}))))"
+    ),
+    M.ELU_FWD: lambda a, b, c, p: f"tl.where({a} > 0.0, {a}, {p('elu_alpha')} * libdevice.expm1({a}))",
+    M.SWISH_FWD: lambda a, b, c, p: f"({a} / (1.0 + tl.exp(-{p('swish_beta')} * {a})))",
+    M.SOFTPLUS_FWD: lambda a, b, c, p: (
+        f"((tl.maximum({p('softplus_beta')} * {a}, 0.0, {NAN_ALL}) + libdevice.log1p(tl.exp(-tl.abs({p('softplus_beta')} * {a}))))"
+        f" / {p('softplus_beta')})"
+    ),
+    M.CMP_EQ: lambda a, b, c, p: f"({a} == {b})",
+    M.CMP_NEQ: lambda a, b, c, p: f"({a} != {b})",
+    M.CMP_GT: lambda a, b, c, p: f"({a} > {b})",
+    M.CMP_GE: lambda a, b, c, p: f"({a} >= {b})",
+    M.CMP_LT: lambda a, b, c, p: f"({a} < {b})",
+    M.CMP_LE: lambda a, b, c, p: f"({a} <= {b})",
+    M.LOGICAL_AND: lambda a, b, c, p: f"({a} & {b})",
+    M.LOGICAL_OR: lambda a, b, c, p: f"({a} | {b})",
+    M.LOGICAL_NOT: lambda a, b, c, p: f"({a} == 0)",
+    M.BINARY_SELECT: lambda a, b, c, p: f"tl.where({c}, {a}, {b})",
+    M.RELU_BWD: lambda a, b, c, p: f"({a} * ({b} > {p('relu_lower_clip')}).to(tl.float32))",
+    M.GELU_BWD: lambda a, b, c, p: (
+        f"({a} * (0.5 * (1.0 + tl.erf({b} * 0.7071067811865476)) + {b} * tl.exp(-0.5 * {b} * {b}) * 0.3989422804014327))"
+    ),
+    M.TANH_BWD: lambda a, b, c, p: f"({a} * (1.0 - libdevice.tanh({b}) * libdevice.tanh({b})))",
+    M.SIGMOID_BWD: lambda a, b, c, p: f"({a} * (1.0 / (1.0 + tl.exp(-{b}))) * (1.0 - 1.0 / (1.0 + tl.exp(-{b}))))",
+}
+_BOOL_OUT = frozenset({M.CMP_EQ, M.CMP_NEQ, M.CMP_GT, M.CMP_GE, M.CMP_LT, M.CMP_LE, M.LOGICAL_AND, M.LOGICAL_OR, M.LOGICAL_NOT})
+_BOOL_IN = frozenset({M.LOGICAL_AND, M.LOGICAL_OR, M.LOGICAL_NOT})
+
+
+def block_of(cols: int) -> int:
+    return 1 << max(0, (cols - 1).bit_length())
+
+
+class _Writer:
+    def __init__(self, graph: Graph, rg: RowGraph, rows_per_program: int) -> None:
+        self.graph, self.rg, self.rows = graph, rg, rows_per_program
+        self.lines: list[str] = []
+        self.var: dict[str, str] = {}  # tensor name -> register variable (or literal)
+        self.boolean: set[str] = set()  # register variables holding int1
+        self.ptr = {t.name: f"p{i}" for i, t in enumerate([*graph.inputs(), *graph.outputs()])}
+
+    def emit(self, line: str) -> None:
+        self.lines.append("    " + line)
+
+    def fresh(self, t: TensorAttr) -> str:
+        v = f"v{len(self.var)}"
+        self.var[t.name] = v
+        return v
+
+    def operand(self, t: TensorAttr, *, as_bool: bool = False) -> str:
+        if t.name not in self.var:  # a graph input or an inlined constant, read where first used
+            self.load(t)
+        v = self.var[t.name]
+        if as_bool and v not in self.boolean:
+            return f"({v} != 0)"
+        if not as_bool and v in self.boolean:
+            return f"{v}.to(tl.float32)"
+        return v
+
+    def load(self, t: TensorAttr) -> None:
+        if t.is_scalar:
+            assert t.value is not None
+            value = np.asarray(t.value, dtype=t.dtype.numpy).item()
+            self.var[t.name] = _lit(float(value)) if not isinstance(value, bool) else repr(value)
+            return
+        a: Access = self.rg.access[t.name]
+        p = self.ptr[t.name]
+        addr, mask = {
+            "full": (f"{p} + r * {a.row_stride} + c * {a.col_stride}", "m"),
+            "row": (f"{p} + r * {a.row_stride}", "rm"),
+            "col": (f"{p} + c * {a.col_stride}", "cm"),
+            "scalar": (p, None),
+        }[a.kind]
+        v = self.fresh(t)
+        masked = f", mask={mask}, other=0.0" if mask else ""
+        self.emit(f"{v} = tl.load({addr}{masked}).to(tl.float32)  # {t.name}")
+
+    def store(self, t: TensorAttr) -> None:
+        a = self.rg.access[t.name]
+        p = self.ptr[t.name]
+        v = self.operand(t)
+        if a.kind == "full":
+            self.emit(f"tl.store({p} + r * {a.row_stride} + c * {a.col_stride}, tl.broadcast_to({v}, [ROWS, BLOCK]).to({TL_TYPE[t.dtype]}), mask=m)  # {t.name}")
+        else:
+            self.emit(f"tl.store({p} + r * {a.row_stride}, tl.broadcast_to({v}, [ROWS, 1]).to({TL_TYPE[t.dtype]}), mask=rm)  # {t.name}")
+
+    # ---- nodes ------------------------------------------------------------------------------
+    def node(self, n: Node) -> None:
+        self.emit(f"# {n.name}: {n.kind.value}")
+        {
+            OpKind.POINTWISE: self.pointwise,
+            OpKind.SOFTMAX: self.softmax,
+            OpKind.LAYERNORM: self.norm,
+            OpKind.RMSNORM: self.norm,
+            OpKind.REDUCTION: self.reduction,
+        }[n.kind](n)
+
+    def pointwise(self, n: Node) -> None:
+        attrs = n.attrs
+        assert isinstance(attrs, PointwiseAttrs)
+        mode = attrs.mode
+        ports = [n.inputs.get(k) for k in ("a", "b", "c")]
+        ops = []
+        for port, t in zip(("a", "b", "c"), ports, strict=True):
+            if t is None:
+                ops.append("")
+            else:
+                ops.append(self.operand(t, as_bool=mode in _BOOL_IN or (mode == M.BINARY_SELECT and port == "c")))
+        text = POINTWISE_TRITON[mode](ops[0], ops[1], ops[2], lambda name: _lit(attrs.param(name)))
+        y = n.outputs["y"]
+        v = self.fresh(y)
+        self.emit(f"{v} = {text}")
+        if mode in _BOOL_OUT:
+            self.boolean.add(v)
+
+    def _rowsum(self, x: str) -> str:
+        return f"tl.sum(tl.where(m, {x}, 0.0), 1)[:, None]"
+
+    def softmax(self, n: Node) -> None:
+        assert isinstance(n.attrs, SoftmaxAttrs)
+        x = self.operand(n.inputs["x"])
+        y = self.fresh(n.outputs["y"])
+        self.emit(f"{y}_x = tl.where(m, {x}, -float(\"inf\"))")
+        self.emit(f"{y}_max = tl.max({y}_x, 1)[:, None]")
+        self.emit(f"{y}_e = tl.exp({y}_x - {y}_max)")
+        self.emit(f"{y}_sum = tl.sum({y}_e, 1)[:, None]")
+        if n.attrs.log:
+            self.emit(f"{y} = {y}_x - {y}_max - tl.log({y}_sum)")
+        else:
+            self.emit(f"{y} = {y}_e / {y}_sum")
+
+    def norm(self, n: Node) -> None:
+        assert isinstance(n.attrs, NormAttrs)
+        cols = _lit(float(self.rg.cols))
+        x = self.operand(n.inputs["x"])
+        eps = self.operand(n.inputs["epsilon"])
+        scale = self.operand(n.inputs["scale"])
+        y = self.fresh(n.outputs["y"])
+        if n.kind == OpKind.LAYERNORM:
+            self.emit(f"{y}_mean = {self._rowsum(x)} / {cols}")
+            self.emit(f"{y}_d = tl.where(m, {x} - {y}_mean, 0.0)")
+            self.emit(f"{y}_inv = 1.0 / tl.sqrt_rn(tl.sum({y}_d * {y}_d, 1)[:, None] / {cols} + {eps})")
+            self.emit(f"{y} = {y}_d * {y}_inv * {scale} + {self.operand(n.inputs['bias'])}")
+            stats = {"mean": f"{y}_mean", "inv_var": f"{y}_inv"}
+        else:
+            self.emit(f"{y}_inv = 1.0 / tl.sqrt_rn({self._rowsum(f'{x} * {x}')} / {cols} + {eps})")
+            bias = n.inputs.get("bias")
+            tail = f" + {self.operand(bias)}" if bias is not None else ""
+            self.emit(f"{y} = {x} * {y}_inv * {scale}{tail}")
+            stats = {"inv_rms": f"{y}_inv"}
+        for port, expr in stats.items():
+            t = n.outputs.get(port)
+            if t is not None:
+                self.var[t.name] = expr
+
+    def reduction(self, n: Node) -> None:
+        assert isinstance(n.attrs, ReductionAttrs)
+        x = self.operand(n.inputs["x"])
+        y = self.fresh(n.outputs["y"])
+        mode = n.attrs.mode
+        nan = f"tl.sum(tl.where(m & ({x} != {x}), 1.0, 0.0), 1)[:, None] > 0"  # max/min must not drop NaN
+        R = ReductionMode
+        if mode in (R.SUM, R.AVG):
+            body = self._rowsum(x) + (f" / {_lit(float(self.rg.cols))}" if mode == R.AVG else "")
+        elif mode == R.NORM1:
+            body = self._rowsum(f"tl.abs({x})")
+        elif mode == R.NORM2:
+            body = f"tl.sqrt_rn({self._rowsum(f'{x} * {x}')})"
+        elif mode in (R.MAX, R.AMAX):
+            v = f"tl.abs({x})" if mode == R.AMAX else x
+            body = f"tl.where({nan}, float(\"nan\"), tl.max(tl.where(m, {v}, -float(\"inf\")), 1)[:, None])"
+        elif mode == R.MIN:
+            body = f"tl.where({nan}, float(\"nan\"), tl.min(tl.where(m, {x}, float(\"inf\")), 1)[:, None])"
+        else:  # MUL
+            body = f"tl.reduce(tl.where(m, {x}, 1.0), 1, _mul)[:, None]"
+        self.emit(f"{y} = {body}")
+
+
+def kernel_source(graph: Graph, rg: RowGraph, rows_per_program: int) -> str:
+    """The module text: imports, helpers and ``fg_row_kernel(p0, p1, ...)`` (inputs in
+    ``graph.inputs()`` order, then outputs), launched on ``ceil(rows / ROWS)`` programs."""
+    w = _Writer(graph, rg, rows_per_program)
+    block = block_of(rg.cols)
+    wide = max([a.row_stride * (rg.rows - 1) + a.col_stride * (rg.cols - 1) for a in rg.access.values()] + [0]) >= 2**31 - 1
+    w.emit("pid = tl.program_id(0)")
+    w.emit(f"r = (pid * ROWS + tl.arange(0, ROWS))[:, None]{'.to(tl.int64)' if wide else ''}")
+    w.emit("c = tl.arange(0, BLOCK)[None, :]")
+    w.emit(f"rm = r < {rg.rows}")
+    w.emit(f"cm = c < {rg.cols}")
+    w.emit("m = rm & cm")
+    for n in rg.order:
+        w.node(n)
+    for t in graph.outputs():
+        w.store(t)
+    params = ", ".join(w.ptr.values())
+    head = [
+        f"# fusegraph row kernel for graph '{graph.name}': {rg.rows} rows x {rg.cols} columns",
+        "import triton",
+        "import triton.language as tl",
+        "from triton.language.extra import libdevice  # noqa: F401",
+        "",
+        f"ROWS = tl.constexpr({rows_per_program})",
+        f"BLOCK = tl.constexpr({block})",
+        "",
+        "",
+        "@triton.jit",
+        "def _mul(a, b):",
+        "    return a * b",
+        "",
+        "",
+        "@triton.jit",
+        f"def {KERNEL}({params}):",
+    ]
+    return "\n".join(head + w.lines) + "\n"

@@ -1,0 +1,64 @@
+"""A built row kernel: the Triton function, its launch grid and warps (the pack contract
+is engines/cuda_plan.py's)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fusegraph.engines.base import EngineConfig
+from fusegraph.engines.cuda_plan import CudaTensorPlan
+from fusegraph.errors import ExecutionError
+from fusegraph.graph.graph import Graph
+from fusegraph.runtime.handle import Handle
+
+
+class TritonPlan(CudaTensorPlan):
+    """One generated kernel, launched on ``ceil(rows / rows_per_program)`` programs on the
+    caller's current stream (Triton asks torch for it)."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        handle: Handle,
+        config: EngineConfig,
+        *,
+        torch: Any,
+        kernel: Any,
+        programs: int,
+        num_warps: int,
+        source: Path,
+    ) -> None:
+        super().__init__(graph, handle, config, torch=torch)
+        self.source = source  # the kernel's text: what a user reads, and a failure's reproducer
+        self.programs, self.num_warps = programs, num_warps
+        self._launch = kernel[(programs,)]
+        self._in_names, self._out_names = list(self._in), list(self._out)
+        # Triton's launch binds and specializes every argument per call (~tens of us of
+        # Python, which a 40 us kernel cannot hide); the kernel it compiled for 16-byte
+        # aligned pointers is launched directly while the pointers stay aligned.
+        self._runner: Any = None
+
+    def _run(self, inputs: Mapping[str, Any], results: Mapping[str, Any]) -> None:
+        args = [*(inputs[n] for n in self._in_names), *(results[n] for n in self._out_names)]
+        torch = self._torch
+        try:
+            if torch.cuda.current_device() != self._index:
+                with torch.cuda.device(self._index):
+                    self._launch(*args, num_warps=self.num_warps)
+                return
+            aligned = all(a.data_ptr() % 16 == 0 for a in args)
+            if aligned and self._runner is not None:
+                self._runner(*args, stream=self.current_stream())
+                return
+            compiled = self._launch(*args, num_warps=self.num_warps)
+            if aligned and self._runner is None and hasattr(compiled, "__getitem__"):
+                self._runner = compiled[(self.programs, 1, 1)]
+        except Exception as exc:
+            raise ExecutionError(f"Triton row kernel for graph '{self.graph.name}' failed ({self.source}): {type(exc).__name__}: {exc}") from exc
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d.update({"source": str(self.source), "programs": self.programs, "num_warps": self.num_warps})
+        return d

@@ -1,0 +1,350 @@
+"""The Triton row-kernel engine: CPU checks that run in CI (lazy imports, why it is
+unavailable, which graphs are one row kernel and why not, the generated text) and
+GPU-marked checks against the float64 reference (``pytest -m gpu tests/test_triton_engine.py``
+on the GPU machine)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import numpy as np
+import pytest
+from engine_fakes import rel_error
+
+import fusegraph as fg
+from fusegraph import DataType as DT
+from fusegraph.engines.base import EngineConfig
+from fusegraph.engines.triton import TritonEngine
+from fusegraph.engines.triton.codegen import kernel_source
+from fusegraph.engines.triton.rows import Access, Refusal, analyze
+from fusegraph.errors import UnsupportedError, VariantPackError
+from fusegraph.graph.ops import NormFwdPhase, ReductionMode
+from fusegraph.reference.inputs import random_inputs
+
+ENGINE = TritonEngine()
+GPU = fg.Handle("cuda:0")
+TOL = {DT.FLOAT: 1e-5, DT.HALF: 1e-2, DT.BFLOAT16: 2e-2}
+
+
+def _g(name: str, dt: DT = DT.HALF) -> fg.Graph:
+    return fg.Graph(name, io_data_type=dt, intermediate_data_type=DT.FLOAT, compute_data_type=DT.FLOAT)
+
+
+def ln_gelu(dt: DT = DT.HALF, rows: int = 64, cols: int = 96, stats: bool = False) -> fg.Graph:
+    g = _g(f"ln_gelu_{dt.value}", dt)
+    x = g.tensor("x", [rows, cols])
+    phase = NormFwdPhase.TRAINING if stats else NormFwdPhase.INFERENCE
+    y, mean, inv = g.layernorm(x, g.tensor("scale", [1, cols]), g.tensor("bias", [1, cols]), 1e-5, phase)
+    g.gelu(y).set_output(True)
+    if stats:
+        assert mean is not None and inv is not None
+        mean.set_output(True).set_data_type(DT.FLOAT)
+        inv.set_output(True).set_data_type(DT.FLOAT)
+    return g
+
+
+def softmax_graph(dt: DT = DT.HALF, shape: tuple[int, ...] = (64, 200), log: bool = False) -> fg.Graph:
+    g = _g(f"softmax_{dt.value}", dt)
+    x = g.tensor("x", list(shape))
+    scaled = g.mul(x, g.scalar(0.125))
+    g.softmax(scaled, -1, log=log).set_output(True)
+    return g
+
+
+# ---- CPU ---------------------------------------------------------------------------------------
+def test_import_loads_neither_triton_nor_torch() -> None:
+    code = textwrap.dedent("""
+        import sys
+        import fusegraph.engines.triton as t
+        e = t.TritonEngine(); e.available(); e.version
+        assert "triton" not in sys.modules and "torch" not in sys.modules, [m for m in sys.modules if m in ("torch", "triton")]
+    """)
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_unavailable_here_says_why() -> None:
+    import importlib.util
+
+    s = ENGINE.available()
+    if importlib.util.find_spec("triton") is None:
+        assert not s and "Triton is not installed" in s.reason
+    cpu = ENGINE.supports(ln_gelu().validate(), fg.Handle("cpu"))
+    assert not cpu and "NVIDIA GPUs only" in cpu.reason
+    with pytest.raises(UnsupportedError, match="NVIDIA GPUs only"):
+        ENGINE.build(ln_gelu().validate(), fg.Handle("cpu"))
+
+
+def test_registry_lists_triton() -> None:
+    from fusegraph.engines.registry import REGISTRY
+
+    assert "triton" in REGISTRY.names()
+
+
+def test_row_view_of_layernorm_gelu() -> None:
+    rg = analyze(ln_gelu().validate())
+    assert (rg.rows, rg.cols) == (64, 96)
+    assert rg.access["x"] == Access("full", 96, 1)
+    assert rg.access["scale"] == Access("col", 0, 1)
+    assert [n.kind.value for n in rg.order] == ["layernorm", "pointwise"]
+
+
+def test_row_view_collapses_leading_dims_and_padded_rows() -> None:
+    g = _g("sm3")
+    x = g.tensor("x", [2, 3, 40], [3 * 64, 64, 1])  # rows padded to 64 elements
+    g.softmax(x, -1).set_output(True)
+    rg = analyze(g.validate())
+    assert (rg.rows, rg.cols) == (6, 40) and rg.access["x"] == Access("full", 64, 1)
+    g2 = _g("ln3")
+    x2 = g2.tensor("x", [4, 8, 16])  # layernorm: one row per batch item, 128 columns
+    y, _, _ = g2.layernorm(x2, g2.tensor("s", [1, 8, 16]), g2.tensor("b", [1, 8, 16]), 1e-5)
+    y.set_output(True)
+    rg2 = analyze(g2.validate())
+    assert (rg2.rows, rg2.cols) == (4, 128) and rg2.access["s"] == Access("col", 0, 1)
+
+
+def _refusal(g: fg.Graph) -> str:
+    with pytest.raises(Refusal) as info:
+        analyze(g.validate())
+    return str(info.value)
+
+
+def test_refusals_say_why() -> None:
+    g = _g("chain")
+    g.relu(g.exp(g.tensor("x", [8, 8]))).set_output(True)
+    assert "pointwise-only" in _refusal(g)
+    g = _g("axis0")
+    g.softmax(g.tensor("x", [8, 16]), 0).set_output(True)
+    assert "not over the trailing dims" in _refusal(g)
+    g = _g("transposed")
+    g.softmax(g.tensor("x", [2, 8, 16], [16, 32, 1]), -1).set_output(True)
+    assert "do not collapse" in _refusal(g) and "'x'" in _refusal(g)
+    g = _g("wide")
+    g.softmax(g.tensor("x", [2, 32768]), -1).set_output(True)
+    assert "up to 16384" in _refusal(g)
+    g = _g("mm")
+    g.softmax(g.matmul(g.tensor("a", [8, 8]), g.tensor("b", [8, 8])), -1).set_output(True)
+    assert "matmul" in _refusal(g)
+    g = _g("odd_broadcast")
+    x = g.tensor("x", [4, 8, 16])
+    g.softmax(g.add(x, g.tensor("m", [1, 8, 1])), -1).set_output(True)
+    assert "'m'" in _refusal(g)
+    g = _g("colout")
+    x = g.tensor("x", [8, 16])
+    g.softmax(x, -1).set_output(True)
+    g.mul(g.tensor("s", [1, 16]), g.scalar(2.0)).set_output(True)
+    assert "every row's program would write it" in _refusal(g)
+    g = fg.Graph("f64", io_data_type=DT.DOUBLE, intermediate_data_type=DT.DOUBLE, compute_data_type=DT.DOUBLE)
+    g.softmax(g.tensor("x", [8, 16]), -1).set_output(True)
+    assert "DOUBLE" in _refusal(g)
+
+
+GOLDEN = '''\
+# fusegraph row kernel for graph 'ln_gelu_half': 64 rows x 96 columns
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice  # noqa: F401
+
+ROWS = tl.constexpr(4)
+BLOCK = tl.constexpr(128)
+
+
+@triton.jit
+def _mul(a, b):
+    return a * b
+
+
+@triton.jit
+def fg_row_kernel(p0, p1, p2, p3):
+    pid = tl.program_id(0)
+    r = (pid * ROWS + tl.arange(0, ROWS))[:, None]
+    c = tl.arange(0, BLOCK)[None, :]
+    rm = r < 64
+    cm = c < 96
+    m = rm & cm
+    # layernorm_0: layernorm
+    v0 = tl.load(p0 + r * 96 + c * 1, mask=m, other=0.0).to(tl.float32)  # x
+    v2 = tl.load(p1 + c * 1, mask=cm, other=0.0).to(tl.float32)  # scale
+    v3_mean = tl.sum(tl.where(m, v0, 0.0), 1)[:, None] / 96.0
+    v3_d = tl.where(m, v0 - v3_mean, 0.0)
+    v3_inv = 1.0 / tl.sqrt_rn(tl.sum(v3_d * v3_d, 1)[:, None] / 96.0 + 9.999999747378752e-06)
+    v4 = tl.load(p2 + c * 1, mask=cm, other=0.0).to(tl.float32)  # bias
+    v3 = v3_d * v3_inv * v2 + v4
+    # pointwise_0: pointwise
+    v5 = (0.5 * v3 * (1.0 + tl.erf(v3 * 0.7071067811865476)))
+    tl.store(p3 + r * 96 + c * 1, tl.broadcast_to(v5, [ROWS, BLOCK]).to(tl.float16), mask=m)  # pointwise_0::y
+'''
+
+
+def test_golden_kernel_text() -> None:
+    g = ln_gelu().validate()
+    assert kernel_source(g, analyze(g), 4) == GOLDEN
+
+
+def test_knobs_and_default_tiling() -> None:
+    from fusegraph.engines.triton.engine import default_tiling
+
+    assert default_tiling(8192, 4096) == (1, 8)  # one row of 4096 per program, 8 warps (H100 probe)
+    assert default_tiling(8192, 64) == (64, 8)
+    assert default_tiling(3, 64) == (4, 1)
+
+
+# ---- GPU ---------------------------------------------------------------------------------------
+def _needs_triton() -> None:
+    s = ENGINE.supports(ln_gelu().validate(), GPU)
+    if not s:
+        pytest.fail(f"GPU test without a usable Triton engine: {s.reason}")
+
+
+def _check(g: fg.Graph, rng: np.random.Generator, tol: float, config: EngineConfig | None = None) -> Any:
+    _needs_triton()
+    g.validate()
+    s = ENGINE.supports(g, GPU)
+    assert s, s.reason
+    pack = random_inputs(g, rng)
+    plan = ENGINE.build(g, GPU, config)
+    got = plan.execute(pack)
+    ref = g.execute(pack, engine="reference")
+    for t in g.outputs():
+        assert got[t.name].strides == ref[t.name].strides, t.name
+        err = rel_error(got[t.name], ref[t.name])
+        assert err <= tol, (t.name, err)
+    return plan
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [DT.HALF, DT.BFLOAT16, DT.FLOAT])
+def test_layernorm_gelu(dt: DT, rng: np.random.Generator) -> None:
+    _check(ln_gelu(dt), rng, TOL[dt])
+
+
+@pytest.mark.gpu
+def test_layernorm_training_stats(rng: np.random.Generator) -> None:
+    _check(ln_gelu(DT.FLOAT, stats=True), rng, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [DT.HALF, DT.BFLOAT16, DT.FLOAT])
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax(dt: DT, log: bool, rng: np.random.Generator) -> None:
+    _check(softmax_graph(dt, log=log), rng, TOL[dt])
+    _check(softmax_graph(dt, (2, 3, 4096), log=log), rng, TOL[dt])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias", [False, True])
+def test_rmsnorm_with_stats(bias: bool, rng: np.random.Generator) -> None:
+    g = _g("rms", DT.FLOAT)
+    x = g.tensor("x", [33, 8, 20])
+    y, inv = g.rmsnorm(x, g.tensor("s", [1, 8, 20]), 1e-6, NormFwdPhase.TRAINING, bias=g.tensor("b", [1, 8, 20]) if bias else None)
+    g.swish(y).set_output(True)
+    assert inv is not None
+    inv.set_output(True)
+    _check(g, rng, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(ReductionMode))
+def test_trailing_reductions(mode: ReductionMode, rng: np.random.Generator) -> None:
+    g = _g(f"red_{mode.value}", DT.FLOAT)
+    x = g.tensor("x", [48, 3, 10])
+    pre = g.tanh(x) if mode != ReductionMode.MUL else g.add(g.mul(g.tanh(x), g.scalar(0.1)), g.scalar(1.0))
+    g.reduction(pre, mode, [48, 1, 1]).set_output(True)
+    _check(g, rng, 1e-5)
+
+
+@pytest.mark.gpu
+def test_pointwise_menagerie_and_broadcasts(rng: np.random.Generator) -> None:
+    """Every kind of operand (frame, row, column, scalar, constant) and most pointwise modes
+    around one softmax, against the reference."""
+    g = _g("zoo", DT.FLOAT)
+    x = g.tensor("x", [40, 72])
+    rowv = g.tensor("rowv", [40, 1])
+    colv = g.tensor("colv", [1, 72])
+    s = g.tensor("s", [1, 1])
+    h = g.add(g.mul(x, colv), rowv)
+    h = g.sub(h, s)
+    h = g.max(h, g.neg(g.abs(x)))
+    h = g.binary_select(h, g.tanh(h), g.cmp_gt(x, g.scalar(0.0)))
+    h = g.add(g.sigmoid(h), g.elu(h))
+    h = g.add(h, g.gelu_approx_tanh(x))
+    h = g.add(h, g.softplus(x))
+    h = g.add(h, g.mul(g.sin(x), g.cos(x)))
+    h = g.add(h, g.swish(x))
+    sm = g.softmax(h, -1)
+    out = g.add(g.mul(sm, g.exp(g.neg(g.abs(x)))), g.sqrt(g.abs(rowv)))
+    out.set_output(True)
+    _check(g, rng, 1e-5)
+
+
+@pytest.mark.gpu
+def test_max_reduction_keeps_nan(rng: np.random.Generator) -> None:
+    g = _g("nanmax", DT.FLOAT)
+    g.reduction(g.tensor("x", [4, 32]), ReductionMode.MAX, [4, 1]).set_output(True)
+    _needs_triton()
+    plan = ENGINE.build(g.validate(), GPU)
+    x = rng.standard_normal((4, 32)).astype(np.float32)
+    x[2, 7] = np.nan
+    got = plan.execute({"x": x})[g.outputs()[0].name]
+    assert np.isnan(got[2, 0]) and not np.isnan(got[[0, 1, 3], 0]).any()
+
+
+@pytest.mark.gpu
+def test_knob_settings_agree(rng: np.random.Generator) -> None:
+    g = ln_gelu(DT.HALF, rows=100, cols=300)
+    for rows, warps in ((1, 1), (2, 4), (8, 8), (16, 16)):
+        _check(g, rng, 1e-2, EngineConfig("triton", (("rows_per_program", rows), ("num_warps", warps))))
+    with pytest.raises(ValueError, match="rows_per_program"):
+        ENGINE.build(g.validate(), GPU, EngineConfig("triton", (("rows_per_program", 3),)))
+
+
+@pytest.mark.gpu
+def test_torch_tensors_streams_outputs_and_errors(rng: np.random.Generator) -> None:
+    import torch
+
+    _needs_triton()
+    g = ln_gelu(DT.HALF, rows=256, cols=512).validate()
+    plan = ENGINE.build(g, GPU)
+    pack = random_inputs(g, rng)
+    dev = plan.stage(pack)
+    ref = g.execute(pack, engine="reference")
+    name = g.outputs()[0].name
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = plan.execute(dev)[name]
+    side.synchronize()
+    assert rel_error(out.float().cpu().numpy(), ref[name]) <= 1e-2
+    given = torch.empty_like(out)
+    assert plan.execute({**dev, name: given}) == {}
+    torch.cuda.synchronize()
+    assert rel_error(given.float().cpu().numpy(), ref[name]) <= 1e-2
+    with pytest.raises(VariantPackError, match="strides"):
+        plan.execute({**dev, "x": dev["x"].t().contiguous().t()})
+    with pytest.raises(VariantPackError, match="missing"):
+        plan.execute({"x": dev["x"]})
+    with pytest.raises(VariantPackError, match="dtype"):
+        plan.execute({**dev, "x": dev["x"].float()})
+    assert "source" in plan.describe() and plan.source.is_file()
+    # after aligned calls launched the compiled kernel directly: a pointer 2 bytes off 16
+    base = torch.empty(dev["x"].numel() + 1, dtype=dev["x"].dtype, device=dev["x"].device)
+    odd = base[1:].view(dev["x"].shape)
+    odd.copy_(dev["x"])
+    assert odd.data_ptr() % 16 != 0
+    out_odd = plan.execute({**dev, "x": odd})[name]
+    torch.cuda.synchronize()
+    assert rel_error(out_odd.float().cpu().numpy(), ref[name]) <= 1e-2
+    again = plan.execute(dev)[name]
+    assert torch.equal(again, out)
+
+
+@pytest.mark.gpu
+def test_selection_picks_triton_for_softmax_and_norms() -> None:
+    _needs_triton()
+    assert softmax_graph(DT.HALF, (128, 1024)).build(GPU).engine == "triton"
+    assert ln_gelu(DT.HALF).build(GPU).engine == "triton"
+    g = _g("pool")  # not a row graph: goes on to the engines after triton
+    g.softmax(g.tensor("x", [8, 40000]), -1).set_output(True)
+    assert g.build(GPU).engine != "triton"
