@@ -30,7 +30,7 @@ def test_builtins_are_listed_with_version_and_availability() -> None:
         assert (row.version and row.version != "?") or row.origin == "broken"
         assert row.available or row.available.reason, "an unavailable engine must say why"
     assert names["reference"].available
-    assert list(BUILTIN) == ["iree", "torch", "cudnn", "reference"]
+    assert list(BUILTIN) == ["iree", "torch", "cudnn", "triton", "reference"]
 
 
 def test_every_loaded_engine_implements_the_protocol() -> None:
