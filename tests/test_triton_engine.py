@@ -186,8 +186,8 @@ def test_golden_kernel_text() -> None:
 def test_knobs_and_default_tiling() -> None:
     from fusegraph.engines.triton.engine import default_tiling
 
-    assert default_tiling(8192, 4096) == (1, 8)  # one row of 4096 per program, 8 warps (H100 probe)
-    assert default_tiling(8192, 64) == (64, 8)
+    assert default_tiling(8192, 4096) == (1, 4)  # one row of 4096 per program, 4 warps (bench_gpu, H200)
+    assert default_tiling(8192, 64) == (64, 4)
     assert default_tiling(3, 64) == (4, 1)
 
 

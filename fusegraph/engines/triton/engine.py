@@ -38,16 +38,17 @@ log = logging.getLogger("fusegraph.engines.triton")
 INSTALL_HINT = "Triton ships with PyTorch's CUDA wheels on Linux (pip install torch); it needs an NVIDIA GPU"
 ROWS_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 WARPS_CHOICES = (1, 2, 4, 8, 16)
-TILE_TARGET = 4096  # elements per program: one 4096-wide row per program, 8 warps, was fastest (H100)
+TILE_TARGET = 4096  # elements per program (H200, 8192x4096 f16: one row per program)
+PER_THREAD = 32  # elements per thread: layernorm+GELU 0.0589 ms at 4 warps vs 0.0636 at 8, 0.0724 at 16 (H200)
 
 
 def default_tiling(rows: int, cols: int) -> tuple[int, int]:
-    """Rows per program and warps: about TILE_TARGET elements per program, 16 per thread."""
+    """Rows per program and warps: about TILE_TARGET elements per program, PER_THREAD per thread."""
     from fusegraph.engines.triton.codegen import block_of
 
     block = block_of(cols)
     per = max(1, min(ROWS_CHOICES[-1], TILE_TARGET // block, block_of(rows)))
-    warps = max(WARPS_CHOICES[0], min(WARPS_CHOICES[-1], per * block // 512))
+    warps = max(WARPS_CHOICES[0], min(WARPS_CHOICES[-1], per * block // (32 * PER_THREAD)))
     return per, warps
 
 
