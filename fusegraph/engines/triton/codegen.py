@@ -38,6 +38,7 @@ M = PointwiseMode
 KERNEL = "fg_row_kernel"
 TL_TYPE = {DataType.HALF: "tl.float16", DataType.BFLOAT16: "tl.bfloat16", DataType.FLOAT: "tl.float32"}
 NAN_ALL = "propagate_nan=tl.PropagateNan.ALL"
+NEG_INF, POS_INF, NAN = '-float("inf")', 'float("inf")', 'float("nan")'
 
 
 def _lit(x: float) -> str:
@@ -116,12 +117,27 @@ class _Writer:
     def __init__(self, graph: Graph, rg: RowGraph, rows_per_program: int) -> None:
         self.graph, self.rg, self.rows = graph, rg, rows_per_program
         self.lines: list[str] = []
+        self.indent = "    "
+        # Masks only where a tile can run past the data: none at all for a power-of-two row
+        # length and a row count the tiles divide (selects and predicated memory ops cost).
+        tiles_cover = -(-rg.rows // rows_per_program) * rows_per_program
+        self.row_mask = "rm" if tiles_cover != rg.rows else None
+        self.col_mask = "cm" if block_of(rg.cols) != rg.cols else None
+        self.full_mask = "m" if self.row_mask and self.col_mask else (self.row_mask or self.col_mask)
         self.var: dict[str, str] = {}  # tensor name -> register variable (or literal)
         self.boolean: set[str] = set()  # register variables holding int1
         self.ptr = {t.name: f"p{i}" for i, t in enumerate([*graph.inputs(), *graph.outputs()])}
 
     def emit(self, line: str) -> None:
-        self.lines.append("    " + line)
+        self.lines.append(self.indent + line)
+
+    @staticmethod
+    def _mask(mask: str | None) -> str:
+        return f", mask={mask}" if mask else ""
+
+    def _lanes(self, x: str, pad: str) -> str:
+        """``x`` with the lanes past the row's end set to ``pad`` (the reduction's identity)."""
+        return f"tl.where(cm, {x}, {pad})" if self.col_mask else x
 
     def fresh(self, t: TensorAttr) -> str:
         v = f"v{len(self.var)}"
@@ -147,13 +163,13 @@ class _Writer:
         a: Access = self.rg.access[t.name]
         p = self.ptr[t.name]
         addr, mask = {
-            "full": (f"{p} + r * {a.row_stride} + c * {a.col_stride}", "m"),
-            "row": (f"{p} + r * {a.row_stride}", "rm"),
-            "col": (f"{p} + c * {a.col_stride}", "cm"),
+            "full": (f"{p} + r * {a.row_stride} + c * {a.col_stride}", self.full_mask),
+            "row": (f"{p} + r * {a.row_stride}", self.row_mask),
+            "col": (f"{p} + c * {a.col_stride}", self.col_mask),
             "scalar": (p, None),
         }[a.kind]
         v = self.fresh(t)
-        masked = f", mask={mask}, other=0.0" if mask else ""
+        masked = f"{self._mask(mask)}, other=0.0" if mask else ""
         self.emit(f"{v} = tl.load({addr}{masked}).to(tl.float32)  # {t.name}")
 
     def store(self, t: TensorAttr) -> None:
@@ -161,9 +177,9 @@ class _Writer:
         p = self.ptr[t.name]
         v = self.operand(t)
         if a.kind == "full":
-            self.emit(f"tl.store({p} + r * {a.row_stride} + c * {a.col_stride}, tl.broadcast_to({v}, [ROWS, BLOCK]).to({TL_TYPE[t.dtype]}), mask=m)  # {t.name}")
+            self.emit(f"tl.store({p} + r * {a.row_stride} + c * {a.col_stride}, tl.broadcast_to({v}, [ROWS, BLOCK]).to({TL_TYPE[t.dtype]}){self._mask(self.full_mask)})  # {t.name}")
         else:
-            self.emit(f"tl.store({p} + r * {a.row_stride}, tl.broadcast_to({v}, [ROWS, 1]).to({TL_TYPE[t.dtype]}), mask=rm)  # {t.name}")
+            self.emit(f"tl.store({p} + r * {a.row_stride}, tl.broadcast_to({v}, [ROWS, 1]).to({TL_TYPE[t.dtype]}){self._mask(self.row_mask)})  # {t.name}")
 
     # ---- nodes ------------------------------------------------------------------------------
     def node(self, n: Node) -> None:
@@ -195,13 +211,13 @@ class _Writer:
             self.boolean.add(v)
 
     def _rowsum(self, x: str) -> str:
-        return f"tl.sum(tl.where(m, {x}, 0.0), 1)[:, None]"
+        return f"tl.sum({self._lanes(x, '0.0')}, 1)[:, None]"
 
     def softmax(self, n: Node) -> None:
         assert isinstance(n.attrs, SoftmaxAttrs)
         x = self.operand(n.inputs["x"])
         y = self.fresh(n.outputs["y"])
-        self.emit(f"{y}_x = tl.where(m, {x}, -float(\"inf\"))")
+        self.emit(f"{y}_x = {self._lanes(x, NEG_INF)}")
         self.emit(f"{y}_max = tl.max({y}_x, 1)[:, None]")
         self.emit(f"{y}_e = tl.exp({y}_x - {y}_max)")
         self.emit(f"{y}_sum = tl.sum({y}_e, 1)[:, None]")
@@ -219,7 +235,7 @@ class _Writer:
         y = self.fresh(n.outputs["y"])
         if n.kind == OpKind.LAYERNORM:
             self.emit(f"{y}_mean = {self._rowsum(x)} / {cols}")
-            self.emit(f"{y}_d = tl.where(m, {x} - {y}_mean, 0.0)")
+            self.emit(f"{y}_d = {self._lanes(f'{x} - {y}_mean', '0.0')}")
             self.emit(f"{y}_inv = 1.0 / tl.sqrt_rn(tl.sum({y}_d * {y}_d, 1)[:, None] / {cols} + {eps})")
             self.emit(f"{y} = {y}_d * {y}_inv * {scale} + {self.operand(n.inputs['bias'])}")
             stats = {"mean": f"{y}_mean", "inv_var": f"{y}_inv"}
@@ -239,7 +255,7 @@ class _Writer:
         x = self.operand(n.inputs["x"])
         y = self.fresh(n.outputs["y"])
         mode = n.attrs.mode
-        nan = f"tl.sum(tl.where(m & ({x} != {x}), 1.0, 0.0), 1)[:, None] > 0"  # max/min must not drop NaN
+        nan = f"tl.sum({self._lanes(f'({x} != {x}).to(tl.float32)', '0.0')}, 1)[:, None] > 0"  # max/min must not drop NaN
         R = ReductionMode
         if mode in (R.SUM, R.AVG):
             body = self._rowsum(x) + (f" / {_lit(float(self.rg.cols))}" if mode == R.AVG else "")
@@ -249,26 +265,41 @@ class _Writer:
             body = f"tl.sqrt_rn({self._rowsum(f'{x} * {x}')})"
         elif mode in (R.MAX, R.AMAX):
             v = f"tl.abs({x})" if mode == R.AMAX else x
-            body = f"tl.where({nan}, float(\"nan\"), tl.max(tl.where(m, {v}, -float(\"inf\")), 1)[:, None])"
+            body = f"tl.where({nan}, {NAN}, tl.max({self._lanes(v, NEG_INF)}, 1)[:, None])"
         elif mode == R.MIN:
-            body = f"tl.where({nan}, float(\"nan\"), tl.min(tl.where(m, {x}, float(\"inf\")), 1)[:, None])"
+            body = f"tl.where({nan}, {NAN}, tl.min({self._lanes(x, POS_INF)}, 1)[:, None])"
         else:  # MUL
-            body = f"tl.reduce(tl.where(m, {x}, 1.0), 1, _mul)[:, None]"
+            body = f"tl.reduce({self._lanes(x, '1.0')}, 1, _mul)[:, None]"
         self.emit(f"{y} = {body}")
 
 
 def kernel_source(graph: Graph, rg: RowGraph, rows_per_program: int) -> str:
     """The module text: imports, helpers and ``fg_row_kernel(p0, p1, ...)`` (inputs in
-    ``graph.inputs()`` order, then outputs), launched on ``ceil(rows / ROWS)`` programs."""
+    ``graph.inputs()`` order, then outputs), launched on ``ceil(rows / ROWS)`` programs.
+
+    Every graph input is loaded at the top, so the latency of a norm's scale and bias
+    overlaps the tile's main load instead of following its reductions. (Persistent
+    programs looping over row tiles, loading those once, measured slower: 0.078 vs
+    0.060 ms for layernorm+GELU 8192x4096 on the H200, too few loads in flight.)"""
     w = _Writer(graph, rg, rows_per_program)
     block = block_of(rg.cols)
     wide = max([a.row_stride * (rg.rows - 1) + a.col_stride * (rg.cols - 1) for a in rg.access.values()] + [0]) >= 2**31 - 1
+    inputs = graph.inputs()
     w.emit("pid = tl.program_id(0)")
-    w.emit(f"r = (pid * ROWS + tl.arange(0, ROWS))[:, None]{'.to(tl.int64)' if wide else ''}")
     w.emit("c = tl.arange(0, BLOCK)[None, :]")
-    w.emit(f"rm = r < {rg.rows}")
-    w.emit(f"cm = c < {rg.cols}")
-    w.emit("m = rm & cm")
+    if w.col_mask:
+        w.emit(f"cm = c < {rg.cols}")
+    for t in inputs:
+        if rg.access[t.name].kind in ("col", "scalar"):
+            w.load(t)
+    w.emit(f"r = (pid * ROWS + tl.arange(0, ROWS))[:, None]{'.to(tl.int64)' if wide else ''}")
+    if w.row_mask:
+        w.emit(f"rm = r < {rg.rows}")
+    if w.full_mask == "m":
+        w.emit("m = rm & cm")
+    for t in inputs:
+        if rg.access[t.name].kind in ("full", "row"):
+            w.load(t)
     for n in rg.order:
         w.node(n)
     for t in graph.outputs():
