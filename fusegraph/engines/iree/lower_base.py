@@ -242,6 +242,13 @@ _REDUCING_READERS = frozenset({
     OpKind.REDUCTION, OpKind.SOFTMAX, OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.BATCHNORM,
 })
 _CONVOLUTIONS = frozenset({OpKind.CONV_FPROP, OpKind.CONV_DGRAD, OpKind.CONV_WGRAD})
+# Operations whose data-tiled operands IREE packs (Lowering.shares_a_packed_operand), and the
+# nodes it fuses into their producers' dispatches as elementwise work or views.
+_CONTRACTIONS = _CONVOLUTIONS | {OpKind.MATMUL}
+_ELEMENTWISE = frozenset({
+    OpKind.POINTWISE, OpKind.BATCHNORM_INFERENCE, OpKind.RESHAPE, OpKind.TRANSPOSE, OpKind.SLICE,
+    OpKind.CONCATENATE,
+})
 
 
 def _stands_in(have: Sequence[int], dims: Sequence[int]) -> bool:
@@ -262,6 +269,7 @@ class Lowering:
     _producers: dict[str, Node] = field(default_factory=dict)  # node name -> node, filled lazily
     _read: set[int] | None = None  # ids of the tensors some node reads, filled lazily
     _expanded: dict[tuple[int, Perm], Val] = field(default_factory=dict)  # see get()
+    _packed_sources: frozenset[int] | None = None  # see shares_a_packed_operand, filled lazily
 
     # ---- reading and writing tensors --------------------------------------------------
     def bind(self, t: TensorAttr, val: Val) -> None:
@@ -555,6 +563,49 @@ class Lowering:
             if any(t.shape[a] > 1 and (a < k or have[a - k] == 1) for a in axes):
                 return True
         return False
+
+    def _elementwise_sources(self, t: TensorAttr) -> frozenset[int]:
+        """Ids of ``t`` and of the tensors it is computed from through elementwise ops and
+        views only (what IREE may fuse into one dispatch with whatever reads ``t``)."""
+        seen: dict[int, None] = {}
+        todo = [t]
+        while todo:
+            u = todo.pop()
+            if u.is_scalar or id(u) in seen:
+                continue
+            seen[id(u)] = None
+            node = self.producer(u)
+            if node is not None and node.kind in _ELEMENTWISE:
+                todo.extend(node.inputs.values())
+        return frozenset(seen)
+
+    def shares_a_packed_operand(self, t: TensorAttr, kept: Sequence[int]) -> bool:
+        """Whether a node reducing ``t`` to one value (every logical axis but ``kept`` summed,
+        and those of extent 1) shares an elementwise producer with an operand of a matmul or
+        a convolution.
+
+        With data tiling, IREE 3.13 fuses that producer into the reduction's dispatch and,
+        with it, the producer's other consumer: the pack (set_encoding) of the contraction's
+        operand. A reduction to one value has no parallel loop to distribute, so the pack's
+        store lands outside the distributed loops and iree-compile fails ("'vector.store' (or
+        'memref.store') op write affecting operations on global resources are restricted to
+        workgroup distributed contexts"; iree-org/iree issue 24058 describes this dispatch,
+        elementwise -> reduction and -> set_encoding, the set_encoding left outside the
+        workgroup loop). Fuzz seed 24718: x [3,1,1,2] read by a wgrad whose
+        dy is 1x1 (a matmul over the batch) and by a batchnorm with one channel, f16 io (the
+        shared producer is x's cast to f32); minimized: tanh(x[3,4]) read by a matmul and by a
+        sum over both axes, or siblings of it (neg(t) into the matmul, exp(t) into the sum).
+        A reduction keeping a parallel axis of extent > 1 compiles. The reader fences its
+        input when this holds, so the reduction's dispatch reads a finished tensor
+        (tests/test_fuzz_regressions.py test_fuzz_iree_lone_reduction_beside_a_packed_operand)."""
+        if any(t.shape[a] > 1 for a in kept):
+            return False
+        if self._packed_sources is None:
+            self._packed_sources = frozenset().union(*(
+                self._elementwise_sources(u)
+                for n in self.graph.nodes if n.kind in _CONTRACTIONS for u in n.inputs.values()
+            ))
+        return not self._packed_sources.isdisjoint(self._elementwise_sources(t))
 
     def computed_from(self, t: TensorAttr, kinds: frozenset[OpKind]) -> bool:
         """Whether any node of ``kinds`` is among the nodes that ``t`` is computed from."""

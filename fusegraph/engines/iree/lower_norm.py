@@ -49,12 +49,16 @@ def _normalize(ctx: Lowering, x: Val, axes: list[int], eps: Val) -> tuple[Val, V
 def _input(ctx: Lowering, node: Node, kept: int | None = None) -> Val:
     """The normalized input in the compute type; fenced where its statistics (a mean over
     every axis but ``kept``) would fuse a broadcast product IREE cannot compile
-    (Lowering.broadcast_product)."""
+    (Lowering.broadcast_product), or a producer shared with a matmul's or convolution's
+    packed operand into one single-valued reduction (Lowering.shares_a_packed_operand)."""
     xt = node.inputs["x"]
     x = ctx.get(xt, full=True)
     if kept is not None and ctx.broadcast_product(xt, [a for a in range(len(xt.shape)) if a != kept]):
         x = ctx.fence(x)
-    return ctx.cast(x, ctx.compute_type(node, xt.dtype))
+    x = ctx.cast(x, ctx.compute_type(node, xt.dtype))
+    if kept is not None and ctx.shares_a_packed_operand(xt, [kept]):
+        x = ctx.fence(x)  # after the cast: an f16 input's cast is the shared producer
+    return x
 
 
 def lower_batchnorm_inference(ctx: Lowering, node: Node) -> None:

@@ -80,12 +80,15 @@ def lower_reduction(ctx: Lowering, node: Node) -> None:
     assert isinstance(attrs, ReductionAttrs)
     xt, yt = node.inputs["x"], node.outputs["y"]
     x = ctx.get(xt, full=True)
-    if ctx.broadcast_product(xt, [a for a in range(len(xt.shape)) if xt.shape[a] != yt.shape[a]]):
+    summed = [a for a in range(len(xt.shape)) if xt.shape[a] != yt.shape[a]]
+    if ctx.broadcast_product(xt, summed):
         x = ctx.fence(x)
     ct = ctx.compute_type(node, xt.dtype)
     if not ct.is_float and attrs.mode in _NEEDS_FLOAT:
         ct = ctx.compute_type(node, DataType.FLOAT)
     x = ctx.cast(x, ct)
+    if summed and ctx.shares_a_packed_operand(xt, [a for a in range(len(xt.shape)) if a not in summed]):
+        x = ctx.fence(x)  # after the cast: an f16 input's cast is the shared producer
     axes = [i for i, a in enumerate(x.perm) if xt.shape[a] != yt.shape[a]]
     if not axes:  # nothing reduced: the mode's elementwise part only
         y = unary(ctx, "abs", x) if attrs.mode in (R.AMAX, R.NORM1, R.NORM2) else x
