@@ -395,12 +395,15 @@ def _torch_tables() -> tuple[set[Any], set[Any]]:
 def _implemented() -> dict[str, tuple[set[Any], set[Any]]]:
     from fusegraph.engines.iree.emit import LOWER as IREE_LOWER
     from fusegraph.engines.iree.lower_pointwise import POINTWISE_LOWER
+    from fusegraph.engines.triton.codegen import POINTWISE_TRITON
+    from fusegraph.engines.triton.rows import ROW_OPS
     from fusegraph.reference.ops import POINTWISE_FNS, REFERENCE
 
     return {
         "reference": (set(REFERENCE), set(POINTWISE_FNS)),
         "iree": (set(IREE_LOWER), set(POINTWISE_LOWER)),
         "torch": _torch_tables(),
+        "triton": ({*ROW_OPS, OpKind.POINTWISE}, set(POINTWISE_TRITON)),
     }
 
 

@@ -21,12 +21,23 @@ if TYPE_CHECKING:
 
 Op = OpKind | PointwiseMode
 
-# engine -> op or pointwise mode -> why the engine does not run it. Empty today: the three
-# built-in engines implement the whole table.
+_ROW_KERNEL_ONLY = (
+    "the triton engine generates row kernels (pointwise ops around softmax, norms and trailing "
+    "reductions); other ops go to cudnn or torch"
+)
+
+# engine -> op or pointwise mode -> why the engine does not run it. The reference, IREE and
+# torch engines implement the whole table; the cudnn engine answers from cuDNN itself
+# (engines/cudnn/lower.py); triton is a row-kernel generator by design.
 UNSUPPORTED: dict[str, dict[Op, str]] = {
     "reference": {},
     "iree": {},
     "torch": {},
+    "triton": {
+        k: _ROW_KERNEL_ONLY
+        for k in OpKind
+        if k not in (OpKind.POINTWISE, OpKind.SOFTMAX, OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.REDUCTION)
+    },
 }
 
 
