@@ -1,4 +1,4 @@
-"""The nine light ONNX models at batch 1: fusegraph's execution provider side by side with
+"""The nine light ONNX models (batch 1, or --batch N): fusegraph's execution provider side by side with
 ONNX Runtime (CPU) in one process.
 
 For each model: the share of non-constant nodes that run on fusegraph engines, the
@@ -167,13 +167,39 @@ def _model_source(name: str, args: argparse.Namespace) -> tuple[str | bytes, str
     """The model as given to both sessions (a path as shipped, else the bytes of the
     randomized model) and the name of the exposed logits output, if any."""
     path = str(LIGHT / f"light_{name}.onnx")
-    if args.shipped_weights:
+    if args.shipped_weights and args.batch == 1:
         return path, None
     shipped = onnx.load(path)
-    model = randomize_weights(shipped, np.random.default_rng(args.seed))
+    model = shipped if args.shipped_weights else randomize_weights(shipped, np.random.default_rng(args.seed))
+    if args.batch != 1:
+        model = _with_batch(model, args.batch)
     known = {o.name for o in shipped.graph.output}
     extra = [o.name for o in model.graph.output if o.name not in known]
     return model.SerializeToString(), (extra[0] if extra else None)
+
+
+def _with_batch(model: onnx.ModelProto, n: int) -> onnx.ModelProto:
+    """The light model at batch ``n``: its data input's first dim, and the Reshape shapes
+    that pin a batch of 1 (they flatten to [1, C] before the classifier)."""
+    from onnx import numpy_helper
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    inits = {i.name: i for i in out.graph.initializer}
+    for v in [*out.graph.input, *out.graph.output]:
+        if v.name in inits or not v.type.tensor_type.shape.dim:
+            continue
+        d = v.type.tensor_type.shape.dim[0]
+        if d.dim_value == 1:
+            d.dim_value = n
+    for node in out.graph.node:
+        if node.op_type == "Reshape" and node.input[1] in inits:
+            shape = numpy_helper.to_array(inits[node.input[1]]).copy()
+            if shape.size and shape[0] == 1:
+                shape[0] = n
+                inits[node.input[1]].CopyFrom(numpy_helper.from_array(shape, node.input[1]))
+    del out.graph.value_info[:]
+    return out
 
 
 class _OthersCpu:
@@ -249,7 +275,7 @@ def bench_model(name: str, args: argparse.Namespace, cache_dir: str, worker: Ort
     t0 = time.perf_counter()
     with measure_peak() as ours_setup_mem:
         ours = fgo.InferenceSession(src, providers=[(fgo.PROVIDER, opts), "CPUExecutionProvider"])
-        x = rng.standard_normal((1, 3, 224, 224), dtype=np.float32)
+        x = rng.standard_normal((args.batch, 3, 224, 224), dtype=np.float32)
         feed = {ours.get_inputs()[0].name: x}
         got = ours.run(None, feed)
     setup_s = time.perf_counter() - t0
@@ -350,6 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--engine", default=None, help="pin an engine (default: the selection layer)")
+    p.add_argument("--batch", type=int, default=1, help="batch size (the light models are rewritten from their batch of 1)")
     p.add_argument("--device", default="cpu",
                    help="where fusegraph runs (cpu, cuda:0); ONNX Runtime always runs on the CPU, so on a GPU the "
                         "ratio is against ORT's CPU provider")
@@ -418,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
           f"its own; the default was faster on {sum(r['ort_best'] == 'default' for r in rows)}/{len(rows)} models")
     print("others' CPU: share of the machine's CPU time used by other processes while timing (a busy "
           "neighbour makes latencies unreliable)")
-    print(f"fusegraph on {args.device}; memory method: {rows[0]['mem_method']}; repeat {args.repeat} after {args.warmup} warm-up runs, batch 1, "
+    print(f"fusegraph on {args.device}; memory method: {rows[0]['mem_method']}; repeat {args.repeat} after {args.warmup} warm-up runs, batch {args.batch}, "
           f"{'weights as shipped' if args.shipped_weights else f'random weights (seed {args.seed})'}, "
           f"{'engine ' + args.engine if args.engine else 'engines chosen by the selection layer'}"
           f"{f', autotune {args.autotune:g} s per model at setup' if args.autotune else ''}")
