@@ -161,15 +161,15 @@ def fg_row_kernel(p0, p1, p2, p3):
     pid = tl.program_id(0)
     c = tl.arange(0, BLOCK)[None, :]
     cm = c < 96
-    v0 = tl.load(p1 + c * 1, mask=cm, other=0.0).to(tl.float32)  # scale
-    v1 = tl.load(p2 + c * 1, mask=cm, other=0.0).to(tl.float32)  # bias
+    v0 = tl.load(p1 + c * 1, mask=cm, other=0.0)  # scale
+    v1 = tl.load(p2 + c * 1, mask=cm, other=0.0)  # bias
     r = (pid * ROWS + tl.arange(0, ROWS))[:, None]
     v2 = tl.load(p0 + r * 96 + c * 1, mask=cm, other=0.0).to(tl.float32)  # x
     # layernorm_0: layernorm
     v4_mean = tl.sum(tl.where(cm, v2, 0.0), 1)[:, None] / 96.0
     v4_d = tl.where(cm, v2 - v4_mean, 0.0)
     v4_inv = 1.0 / tl.sqrt_rn(tl.sum(v4_d * v4_d, 1)[:, None] / 96.0 + 9.999999747378752e-06)
-    v4 = v4_d * v4_inv * v0 + v1
+    v4 = v4_d * v4_inv * v0.to(tl.float32) + v1.to(tl.float32)
     # pointwise_0: pointwise
     v5 = (0.5 * v4 * (1.0 + tl.erf(v4 * 0.7071067811865476)))
     tl.store(p3 + r * 96 + c * 1, tl.broadcast_to(v5, [ROWS, BLOCK]).to(tl.float16), mask=cm)  # pointwise_0::y

@@ -126,6 +126,7 @@ class _Writer:
         self.full_mask = "m" if self.row_mask and self.col_mask else (self.row_mask or self.col_mask)
         self.var: dict[str, str] = {}  # tensor name -> register variable (or literal)
         self.boolean: set[str] = set()  # register variables holding int1
+        self.narrow: set[str] = set()  # register variables holding a 16-bit float input
         self.ptr = {t.name: f"p{i}" for i, t in enumerate([*graph.inputs(), *graph.outputs()])}
 
     def emit(self, line: str) -> None:
@@ -150,7 +151,7 @@ class _Writer:
         v = self.var[t.name]
         if as_bool and v not in self.boolean:
             return f"({v} != 0)"
-        if not as_bool and v in self.boolean:
+        if not as_bool and (v in self.boolean or v in self.narrow):
             return f"{v}.to(tl.float32)"
         return v
 
@@ -170,6 +171,12 @@ class _Writer:
         }[a.kind]
         v = self.fresh(t)
         masked = f"{self._mask(mask)}, other=0.0" if mask else ""
+        if a.kind == "col" and t.dtype != DataType.FLOAT:
+            # held in its 16-bit type (half the registers: a 4096-wide scale and bias took 64
+            # of each thread's registers as f32 beside the row) and widened where read
+            self.narrow.add(v)
+            self.emit(f"{v} = tl.load({addr}{masked})  # {t.name}")
+            return
         self.emit(f"{v} = tl.load({addr}{masked}).to(tl.float32)  # {t.name}")
 
     def store(self, t: TensorAttr) -> None:
