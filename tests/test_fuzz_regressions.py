@@ -632,3 +632,30 @@ def test_fuzz_iree_lone_reduction_beside_a_packed_operand(case: str, rng: np.ran
 
 def test_fuzz_lone_reduction_beside_a_packed_operand_on_torch(rng: np.random.Generator) -> None:
     _agrees(_lone_reduction_beside_a_packed_operand("seed_24718"), "torch", rng)
+
+
+# Was a CompileError for a pure data-movement graph (fuzz seed 1018: x[7] -> slice [6:7] ->
+# reshape [1,1,1] (an output) -> reshape; "expected rank to be smaller or equal to the other
+# rank" on a tensor.extract_slice from tensor<7xi32> to tensor<1x1x1xi32>). The output read by
+# another node is fenced (Lowering.set); IREE 3.13's BubbleUpExpandShapesPass folded the
+# one-element slice and the view adding unit axes, inside the fence's dispatch region, into a
+# rank-expanding extract_slice. Fixed in engines/iree/lower_base.py (Lowering.fence: a
+# one-element value is fenced with util.optimization_barrier). Slices of more than one element,
+# and views of the one-element slice that add no axes, compiled before and still do.
+@pytest.mark.parametrize(("xd", "starts", "ends", "steps", "yd", "reader"), [
+    ([7], [6], [7], [1], [1, 1, 1], "reshape"),  # seed 1018
+    ([7], [6], [7], [1], [1, 1, 1], "neg"),
+    ([7], [6], [7], [3], [1, 1], "add"),
+    ([3, 4], [1, 1], [2, 2], [1, 1], [1, 1, 1, 1], "reshape"),
+    ([7], [4], [6], [1], [1, 2, 1], "reshape"),  # two elements: compiled before too
+], ids=["seed_1018", "neg", "step3_add", "2d_rank4", "two_elements"])
+@pytest.mark.parametrize("io", [DataType.INT32, DataType.FLOAT], ids=["i32", "f32"])
+def test_fuzz_iree_one_element_slice_viewed_to_more_unit_axes(
+    xd: list[int], starts: list[int], ends: list[int], steps: list[int], yd: list[int], reader: str,
+    io: DataType, rng: np.random.Generator,
+) -> None:
+    g = fg.Graph(name="fuzz_slice_view", io_data_type=io)
+    r = g.reshape(g.slice(g.tensor("x", xd), starts, ends, steps), yd).set_name("y").set_output(True)
+    z = {"reshape": lambda: g.reshape(r, yd), "neg": lambda: g.neg(r), "add": lambda: g.add(r, r)}[reader]()
+    z.set_name("z").set_output(True)
+    _agrees(g, "iree", rng)

@@ -517,6 +517,15 @@ class Lowering:
         vb = self.to_builtin(val)
         fenced = self.b.fresh("t")
         ty = tensor_type(val.shape, val.dtype)
+        if math.prod(val.shape) == 1:
+            # A one-element value: the marker's dispatch region can hold a one-element slice
+            # and a view adding unit axes to it (slice x[6:7] of [7], reshaped to [1,1,1]),
+            # and IREE 3.13's BubbleUpExpandShapesPass folds them into a rank-expanding
+            # tensor.extract_slice, which the verifier rejects ("expected rank to be smaller
+            # or equal to the other rank"; fuzz seed 1018). util.optimization_barrier keeps
+            # the fence without forming that region; one more submission, for one element.
+            self.b.line(f"{fenced} = util.optimization_barrier {vb} : {ty}")
+            return self.from_builtin(fenced, val.shape, val.dtype, val.perm)
         self.b.line(f"{fenced} = iree_tensor_ext.compute_barrier.start {vb} : {ty} -> {ty}")
         return self.from_builtin(fenced, val.shape, val.dtype, val.perm)
 
