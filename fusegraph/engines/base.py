@@ -54,6 +54,17 @@ class Knob:
             raise ValueError(f"knob '{self.name}': {value!r} outside {self.range}")
 
 
+def knob_values(engine: str, knobs: Sequence[Knob], config: EngineConfig) -> dict[str, Any]:
+    """Every knob's value under ``config`` (its default where the config is silent), after
+    checking that the config names only these knobs and only allowed values."""
+    known = {k.name: k for k in knobs}
+    for name, value in config.knobs:
+        if name not in known:
+            raise ValueError(f"{engine}: no knob '{name}' for this graph/handle (knobs: {sorted(known)})")
+        known[name].check(value)
+    return {k.name: config.get(k.name, k.default) for k in knobs}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """An engine and a setting of its knobs: what a plan is built from and tuned over."""

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fusegraph import __version__
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support, distribution_version
-from fusegraph.engines.torch.convert import torch_build_info, torch_installed
+from fusegraph.engines.torch.convert import cuda_torch_support
 from fusegraph.errors import CompileError, UnsupportedError
 from fusegraph.graph.graph import Graph
 from fusegraph.runtime.handle import Handle
@@ -95,12 +95,7 @@ class CudnnEngine:
         the cuDNN library loads is asked with the first CUDA handle (_runtime_support)."""
         if importlib.util.find_spec("cudnn") is None:
             return Support.no(f"cuDNN's Python frontend is not installed ({INSTALL_HINT})")
-        if not torch_installed():
-            return Support.no(f"PyTorch is not installed; the cuDNN engine takes its CUDA runtime and cuDNN library ({INSTALL_HINT})")
-        info = torch_build_info()
-        if not info["cuda"]:
-            return Support.no(f"cuDNN needs an NVIDIA GPU: a CPU-only build of PyTorch ({info['__version__']})")
-        return Support.yes()
+        return cuda_torch_support("the cuDNN engine", INSTALL_HINT)
 
     def _runtime_support(self) -> Support:
         """The libraries loaded and a GPU visible (asked once per process, under a CUDA handle)."""

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from fusegraph.dtypes import DataType
+from fusegraph.engines.base import Support
 from fusegraph.graph import layout
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.runtime.handle import Handle
@@ -57,6 +58,17 @@ def torch_build_info() -> dict[str, str | None]:
                 v = ast.literal_eval(value)
                 out[target.id] = str(v) if v is not None else None
     return out
+
+
+def cuda_torch_support(who: str, hint: str) -> Support:
+    """Whether a CUDA build of PyTorch is installed, for an engine (``who``) that runs on its
+    CUDA runtime -- read from files, without importing torch."""
+    if not torch_installed():
+        return Support.no(f"PyTorch is not installed; {who} runs on its CUDA runtime ({hint})")
+    info = torch_build_info()
+    if not info["cuda"]:
+        return Support.no(f"{who} needs an NVIDIA GPU: a CPU-only build of PyTorch ({info['__version__']})")
+    return Support.yes()
 
 
 def torch_installed() -> bool:

@@ -18,7 +18,7 @@ import importlib.util
 import json
 from collections.abc import Sequence
 
-from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support
+from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support, knob_values
 from fusegraph.engines.torch.convert import _FP8, _torch, torch_build_info, torch_installed
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
@@ -225,11 +225,7 @@ class TorchEngine:
     def build(self, graph: Graph, handle: Handle, config: EngineConfig | None = None) -> ExecutionPlan:
         graph.ensure_valid()
         config = config or EngineConfig(self.name)
-        known = {k.name: k for k in self.knobs(graph, handle)}
-        for name, value in config.knobs:
-            if name not in known:
-                raise ValueError(f"torch engine: no knob '{name}' for this graph/handle (knobs: {sorted(known)})")
-            known[name].check(value)
+        knob_values("torch engine", self.knobs(graph, handle), config)
         sup = self.supports(graph, handle)
         if not sup:
             from fusegraph.errors import UnsupportedError

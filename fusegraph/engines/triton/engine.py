@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from fusegraph import __version__
-from fusegraph.engines.base import EngineConfig, Knob, Support, distribution_version
-from fusegraph.engines.torch.convert import torch_build_info, torch_installed
+from fusegraph.engines.base import EngineConfig, Knob, Support, distribution_version, knob_values
+from fusegraph.engines.torch.convert import cuda_torch_support
 from fusegraph.errors import CompileError, UnsupportedError
 from fusegraph.graph.graph import Graph
 from fusegraph.runtime.cache_dir import atomic_write_bytes, cache_enabled, cache_root, ensure_dir
@@ -74,12 +74,7 @@ class TritonEngine:
         """Without importing a library: Triton installed beside a CUDA build of PyTorch."""
         if importlib.util.find_spec("triton") is None:
             return Support.no(f"Triton is not installed ({INSTALL_HINT})")
-        if not torch_installed():
-            return Support.no(f"PyTorch is not installed; Triton kernels take its CUDA tensors ({INSTALL_HINT})")
-        info = torch_build_info()
-        if not info["cuda"]:
-            return Support.no(f"Triton row kernels need an NVIDIA GPU: a CPU-only build of PyTorch ({info['__version__']})")
-        return Support.yes()
+        return cuda_torch_support("the Triton engine", INSTALL_HINT)
 
     def _load(self) -> tuple[Any, Any]:
         if self._libs is None:
@@ -151,13 +146,8 @@ class TritonEngine:
         except Refusal as why:
             raise UnsupportedError(f"triton cannot run graph '{graph.name}': {why}") from None
         config = config or EngineConfig(self.name)
-        knobs = {k.name: k for k in self.knobs(graph, handle)}
-        for name, value in config.knobs:
-            if name not in knobs:
-                raise ValueError(f"triton has no knob '{name}' (knobs: {sorted(knobs)})")
-            knobs[name].check(value)
-        per = int(config.get("rows_per_program", knobs["rows_per_program"].default))
-        warps = int(config.get("num_warps", knobs["num_warps"].default))
+        values = knob_values(self.name, self.knobs(graph, handle), config)
+        per, warps = int(values["rows_per_program"]), int(values["num_warps"])
         text = kernel_source(graph, rg, per)
         key = hashlib.sha256(f"{text}|{self.version}".encode()).hexdigest()[:24]
         path = _kernel_file(key, text)
