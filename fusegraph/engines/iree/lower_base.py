@@ -616,6 +616,51 @@ class Lowering:
             ))
         return not self._packed_sources.isdisjoint(self._elementwise_sources(t))
 
+    def beside_a_softmax(self, x: TensorAttr, y: TensorAttr) -> tuple[bool, bool]:
+        """Whether a layer norm's input ``x`` is computed from a softmax, and whether its
+        result ``y`` is read by a softmax, through elementwise ops and views only.
+
+        A layer norm whose statistics (mean, inv_var) are graph outputs, fused with a
+        softmax over the same rows, failed iree-compile 3.13: the statistics' stores, one
+        value per row, were left outside the distributed loops of the softmax's dispatch
+        ("'vector.store' (or 'memref.store') op write affecting operations on global
+        resources are restricted to workgroup distributed contexts", the family of
+        shares_a_packed_operand). Fuzz seeds 817 (softmax -> layernorm), 34410 (layernorm
+        -> softmax) and 3000314297 (tanh(matmul) -> softmax -> layernorm); minimized:
+        x[8,3] -> softmax(-1) -> layernorm with its statistics read out, or layernorm ->
+        tanh -> softmax. Without the statistics, with a sum or another norm in the softmax's
+        place, and for batch norms, it compiled. lower_norm fences the side that holds the
+        softmax (tests/test_fuzz_regressions.py test_fuzz_iree_layernorm_statistics_beside_a_softmax)."""
+        after = any(
+            (n := self.producer(u)) is not None and n.kind == OpKind.SOFTMAX
+            for u in self._tensors_through_elementwise(x, up=True)
+        )
+        before = any(
+            n.kind == OpKind.SOFTMAX
+            for u in self._tensors_through_elementwise(y, up=False)
+            for n in self.graph.nodes if any(v is u for v in n.inputs.values())
+        )
+        return after, before
+
+    def _tensors_through_elementwise(self, t: TensorAttr, *, up: bool) -> list[TensorAttr]:
+        """``t`` and the tensors it is computed from (``up``) or that are computed from it,
+        through elementwise ops and views only."""
+        seen: dict[int, TensorAttr] = {}
+        todo = [t]
+        while todo:
+            u = todo.pop()
+            if u.is_scalar or id(u) in seen:
+                continue
+            seen[id(u)] = u
+            if up:
+                node = self.producer(u)
+                if node is not None and node.kind in _ELEMENTWISE:
+                    todo.extend(node.inputs.values())
+            else:
+                todo.extend(o for n in self.graph.nodes if n.kind in _ELEMENTWISE
+                            and any(v is u for v in n.inputs.values()) for o in n.outputs.values())
+        return list(seen.values())
+
     def computed_from(self, t: TensorAttr, kinds: frozenset[OpKind]) -> bool:
         """Whether any node of ``kinds`` is among the nodes that ``t`` is computed from."""
         seen: set[str] = set()

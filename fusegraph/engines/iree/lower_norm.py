@@ -88,11 +88,17 @@ def lower_batchnorm(ctx: Lowering, node: Node) -> None:
 
 def lower_layernorm(ctx: Lowering, node: Node) -> None:
     x = _input(ctx, node, kept=0)
+    stats_out = any(node.outputs[k].is_output for k in ("mean", "inv_var") if k in node.outputs)
+    after, before = ctx.beside_a_softmax(node.inputs["x"], node.outputs["y"]) if stats_out else (False, False)
+    if after:  # statistics stored from a softmax's dispatch (Lowering.beside_a_softmax)
+        x = ctx.fence(x)
     eps = _epsilon(ctx, node.inputs["epsilon"], x)
     axes = [i for i, a in enumerate(x.perm) if a != 0]
     normed, mu, inv = _normalize(ctx, x, axes, eps)
     y = binary(ctx, "mul.Tensor", normed, _feature(ctx, node.inputs["scale"], x))
     y = binary(ctx, "add.Tensor", y, _feature(ctx, node.inputs["bias"], x))
+    if before:
+        y = ctx.fence(y)
     ctx.set(node.outputs["y"], y)
     if "mean" in node.outputs:
         ctx.set(node.outputs["mean"], mu)
