@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from fusegraph import __version__
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support, distribution_version
-from fusegraph.engines.torch.convert import cuda_torch_support
+from fusegraph.engines.torch.convert import cuda_torch_support, gpu_exists
 from fusegraph.errors import CompileError, UnsupportedError
 from fusegraph.graph.graph import Graph
 from fusegraph.runtime.handle import Handle
@@ -150,10 +150,7 @@ class CudnnEngine:
         if not ready:
             return ready
         _, torch = self._load()
-        n = torch.cuda.device_count()
-        if handle.device.index >= n:
-            return Support.no(f"GPU {handle.device.index} does not exist ({n} visible)")
-        return Support.yes()
+        return gpu_exists(torch, handle.device.index)
 
     def supports(self, graph: Graph, handle: Handle) -> Support:
         return self._verdict(graph, handle)[0]

@@ -71,6 +71,14 @@ def cuda_torch_support(who: str, hint: str) -> Support:
     return Support.yes()
 
 
+def gpu_exists(torch: Any, index: int) -> Support:
+    """Whether CUDA device ``index`` is one of the visible GPUs."""
+    n = torch.cuda.device_count()
+    if index >= n:
+        return Support.no(f"GPU {index} does not exist ({n} visible)")
+    return Support.yes()
+
+
 def torch_installed() -> bool:
     try:
         return importlib.util.find_spec("torch") is not None

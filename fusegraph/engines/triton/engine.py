@@ -27,7 +27,7 @@ from typing import Any
 
 from fusegraph import __version__
 from fusegraph.engines.base import EngineConfig, Knob, Support, distribution_version, knob_values
-from fusegraph.engines.torch.convert import cuda_torch_support
+from fusegraph.engines.torch.convert import cuda_torch_support, gpu_exists
 from fusegraph.errors import CompileError, UnsupportedError
 from fusegraph.graph.graph import Graph
 from fusegraph.runtime.cache_dir import atomic_write_bytes, cache_enabled, cache_root, ensure_dir
@@ -99,10 +99,7 @@ class TritonEngine:
         if not self._runtime:
             return self._runtime
         _, torch = self._load()
-        n = torch.cuda.device_count()
-        if handle.device.index >= n:
-            return Support.no(f"GPU {handle.device.index} does not exist ({n} visible)")
-        return Support.yes()
+        return gpu_exists(torch, handle.device.index)
 
     def supports(self, graph: Graph, handle: Handle) -> Support:
         dev = self._device_support(handle)
