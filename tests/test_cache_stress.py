@@ -260,6 +260,29 @@ def test_16_processes_write_the_tuning_db_without_losing_entries(tmp_path: Path)
     assert not list((tmp_path / "tuning").glob(".tuning*")), "temporary files left behind"
 
 
+CHOICE_WRITERS = """
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.onnx import choices
+    me, root = int(sys.argv[1]), sys.argv[2]
+    for j in range(3):
+        cfg = EngineConfig("torch", (("compile", bool(j % 2)),))
+        choices.record(root, f"g{me}-{j}", "cpu", choices.Choice(cfg, "NHWC", 1.0 + me + j))
+"""
+
+
+def test_16_processes_record_onnx_choices_without_losing_entries(tmp_path: Path) -> None:
+    """The ONNX provider's remembered engine choices (onnx-choices.json) are written from
+    sessions and background evaluations at once: none may lose another's entry."""
+    from fusegraph.onnx import choices
+
+    _spawn(CHOICE_WRITERS, [str(tmp_path)])
+    for i in range(PROCS):
+        for j in range(3):
+            got = choices.lookup(str(tmp_path), f"g{i}-{j}", "cpu")
+            assert got is not None, f"entry g{i}-{j} was lost"
+            assert got.median_ms == 1.0 + i + j and got.config.knobs == (("compile", bool(j % 2)),)
+
+
 # ---- unusable locations: uncached, one warning ---------------------------------------------------
 def _unusable(kind: str, tmp_path: Path) -> Path:
     if kind == "file":

@@ -16,7 +16,7 @@ from typing import Any
 
 from fusegraph import __version__
 from fusegraph.engines.base import EngineConfig
-from fusegraph.runtime.cache_dir import cache_root, read_table, write_table
+from fusegraph.runtime.cache_dir import cache_root, read_table, update_table
 
 log = logging.getLogger("fusegraph.onnx")
 
@@ -56,14 +56,13 @@ def lookup(cache_dir: str | None, graph_key: str, device: str) -> Choice | None:
 def record(cache_dir: str | None, graph_key: str, device: str, choice: Choice) -> None:
     root = _root(cache_dir)
     try:
-        path = root / FILE
-        data = read_table(path)
-        data[_key(graph_key, device)] = {
+        entry = {
             "engine": choice.config.engine,
             "knobs": dict(choice.config.knobs),
             "filter_layout": choice.filter_layout,
             "median_ms": choice.median_ms,
         }
-        write_table(path, data)
+        # under the table's lock: two sessions recording at once keep both entries
+        update_table(root / FILE, lambda table: table.__setitem__(_key(graph_key, device), entry))
     except OSError as exc:
         log.info("could not record the tuned choice in %s: %s", root, exc)

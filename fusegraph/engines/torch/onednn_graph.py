@@ -256,7 +256,7 @@ def _verdict_key(graph: Graph, bound: Sequence[str], knobs: Sequence[tuple[str, 
 def probe(graph: Graph, bound: Sequence[str], knobs: Sequence[tuple[str, Any]]) -> str:
     """'' when tracing and running this graph through oneDNN Graph works (in a child process,
     on random values, ``bound`` inputs frozen in as constants), else why not; cached."""
-    from fusegraph.runtime.cache_dir import cache_enabled, cache_root, read_table, write_table
+    from fusegraph.runtime.cache_dir import cache_enabled, cache_root, read_table, update_table
 
     key = _verdict_key(graph, bound, knobs)
     path = cache_root() / VERDICTS
@@ -268,10 +268,8 @@ def probe(graph: Graph, bound: Sequence[str], knobs: Sequence[tuple[str, Any]]) 
     verdict, definitive = _run_probe(graph, bound, knobs)
     if cache_enabled() and definitive:
         with _LOCK:
-            table = read_table(path)
-            table[key] = verdict
-            try:
-                write_table(path, table)
+            try:  # under the table's file lock: concurrent probes keep each other's verdicts
+                update_table(path, lambda table: table.__setitem__(key, verdict))
             except OSError as exc:  # a read-only cache: the verdict is still used now
                 log.info("could not record the oneDNN Graph verdict in %s: %s", path, exc)
     return verdict
