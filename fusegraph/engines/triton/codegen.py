@@ -78,7 +78,7 @@ POINTWISE_TRITON: dict[PointwiseMode, _Expr] = {
     ),
     M.TANH_FWD: lambda a, b, c, p: f"libdevice.tanh({a})",
     M.SIGMOID_FWD: lambda a, b, c, p: f"(1.0 / (1.0 + tl.exp(-{a})))",
-    M.GELU_FWD: lambda a, b, c, p: f"(0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476)))",
+    M.GELU_FWD: lambda a, b, c, p: f"({a} * {GELU_CDF}({a}))",
     M.GELU_APPROX_TANH_FWD: lambda a, b, c, p: (
         f"(0.5 * {a} * (1.0 + libdevice.tanh(0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a}))))"
     ),
@@ -100,13 +100,49 @@ POINTWISE_TRITON: dict[PointwiseMode, _Expr] = {
     M.BINARY_SELECT: lambda a, b, c, p: f"tl.where({c}, {a}, {b})",
     M.RELU_BWD: lambda a, b, c, p: f"({a} * ({b} > {p('relu_lower_clip')}).to(tl.float32))",
     M.GELU_BWD: lambda a, b, c, p: (
-        f"({a} * (0.5 * (1.0 + tl.erf({b} * 0.7071067811865476)) + {b} * tl.exp(-0.5 * {b} * {b}) * 0.3989422804014327))"
+        f"({a} * ({GELU_CDF}({b}) + {b} * tl.exp(-0.5 * {b} * {b}) * 0.3989422804014327))"
     ),
     M.TANH_BWD: lambda a, b, c, p: f"({a} * (1.0 - libdevice.tanh({b}) * libdevice.tanh({b})))",
     M.SIGMOID_BWD: lambda a, b, c, p: f"({a} * (1.0 / (1.0 + tl.exp(-{b}))) * (1.0 - 1.0 / (1.0 + tl.exp(-{b}))))",
 }
 _BOOL_OUT = frozenset({M.CMP_EQ, M.CMP_NEQ, M.CMP_GT, M.CMP_GE, M.CMP_LT, M.CMP_LE, M.LOGICAL_AND, M.LOGICAL_OR, M.LOGICAL_NOT})
 _BOOL_IN = frozenset({M.LOGICAL_AND, M.LOGICAL_OR, M.LOGICAL_NOT})
+
+
+# GELU's normal CDF, 0.5 * (1 + erf(x / sqrt(2))), as erfc(|z|) / 2 = 2**P(|z|), one exp2:
+# P is a degree-7 polynomial fitted to log2(erfc(z) / 2) on z in [0, 4.2] (near-minimax in
+# the absolute error of 2**P; erfc < 3e-9 past 4.2 is taken as 0). The CDF is that
+# half-erfc for x < 0 (computed, not left to the cancellation in 1 + erf) and 1 minus it
+# for x >= 0. f32 evaluation (FMA, ex2.approx's 2^-22) on a dense grid of x in [-30, 30] and
+# +-1e-30..1e5 against float64: erf's error <= 3.7e-7 absolute, GELU's <= 1.65e-7 *
+# max(1, |x|) (torch's f32 GELU on libdevice erf: 1.06e-7); +-inf and NaN as the erf form
+# gives them (tests/test_triton_engine.py re-checks it, on the CPU and on the GPU). Why: on sm_90 libdevice's erff
+# (selected coefficients, both branches predicated) made GELU ~32 SASS instructions an
+# element, this ~15 -- arithmetic that layernorm+GELU 8192x4096 did not hide behind its
+# memory traffic (0.019 ms of 0.057 on the H200). The erf mode itself keeps libdevice's
+# erf: its relative accuracy near 0, which 1 - 2**P does not have.
+GELU_CDF = "_gelu_cdf"
+GELU_CDF_Z = 4.2
+GELU_CDF_COEFFS = (
+    -1.0, -1.6279137134552002, -0.9183286428451538, -0.14896371960639954, 0.02945261262357235,
+    -0.0023023411631584167, -0.00046152211143635213, 0.00010021174239227548,
+)
+
+
+def gelu_cdf_source() -> list[str]:
+    """The jitted helper's lines (emitted only into kernels that use GELU)."""
+    c = [repr(v) for v in GELU_CDF_COEFFS]
+    horner = f"{c[-1]} * zc + {c[-2]}"
+    for k in c[-3::-1]:
+        horner = f"({horner}) * zc + {k}"
+    return [
+        "@triton.jit",
+        f"def {GELU_CDF}(x):",
+        "    z = tl.abs(x) * 0.7071067811865476",
+        f"    zc = tl.minimum(z, {GELU_CDF_Z!r})",
+        f"    h = tl.where(z < {GELU_CDF_Z!r}, tl.exp2({horner}), 0.0)  # erfc(z) / 2",
+        "    return tl.where(x < 0.0, h, 1.0 - h)",
+    ]
 
 
 def block_of(cols: int) -> int:
@@ -327,6 +363,10 @@ def kernel_source(graph: Graph, rg: RowGraph, rows_per_program: int) -> str:
         "    return a * b",
         "",
         "",
+    ]
+    if any(isinstance(n.attrs, PointwiseAttrs) and n.attrs.mode in (M.GELU_FWD, M.GELU_BWD) for n in rg.order):
+        head += [*gelu_cdf_source(), "", ""]
+    head += [
         "@triton.jit",
         f"def {KERNEL}({params}):",
     ]
