@@ -1,19 +1,26 @@
-"""A session's whole model on one ONNX Runtime session, by the floor's verdict or while the
-verdict is measured in the background (``background.py``), and the switch to fusegraph's
-plan when the background finds that plan faster."""
+"""A session's whole model on one runner -- the caller's ONNX Runtime session, or another
+whole-model runner the floor found faster (OpenVINO's CPU plugin, ONNX Runtime without
+spinning: ``floor.RUNNERS``) -- by the floor's verdict or while the verdict is measured in
+the background (``background.py``), and the switch to fusegraph's plan or to the winning
+runner when the background evaluation finds one faster."""
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Mapping, Sequence
+from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import onnxruntime as ort
 
 from fusegraph.onnx import background, floor
 from fusegraph.onnx.report import PartitionReport, SubgraphEntry
+from fusegraph.runtime.cache_dir import cache_enabled, cache_root
 
 if TYPE_CHECKING:
     from fusegraph.onnx.plan import SessionPlan
@@ -24,20 +31,65 @@ log = logging.getLogger("fusegraph.onnx")
 POLL_S = 0.5  # run() looks at the background child at most this often (a poll costs ~2 us)
 
 
-class DirectOrt:
-    def __init__(self, session: ort.InferenceSession, verdict: floor.Verdict | None,
-                 evaluation: background.Evaluation | None) -> None:
+class OrtRunner:
+    """The whole model on one ONNX Runtime session (``name``: "onnxruntime" for the
+    caller's, a ``floor.RUNNERS`` name for another configuration)."""
+
+    def __init__(self, session: ort.InferenceSession, name: str = "onnxruntime") -> None:
         self.session = session
+        self.name = name
+
+    def run(self, wanted: Sequence[str] | None, feed: Mapping[str, Any], run_options: Any = None) -> list[Any]:
+        return self.session.run(list(wanted) if wanted else None, dict(feed), run_options)  # type: ignore[no-any-return]
+
+
+def make_runner(name: str, model: str | bytes, shapes: Mapping[str, Sequence[int]], sess_options: Any,
+                providers: list[Any], cache_dir: str | None) -> floor.Runner:
+    """The whole model on runner ``name`` (a ``floor.RUNNERS`` name). OpenVINO gets the
+    caller's thread count (``intra_op_num_threads``) and keeps its compiled models under
+    the cache directory (a warm session loads instead of compiling)."""
+    if name == "openvino":
+        from fusegraph.onnx import openvino_runner
+
+        threads = int(getattr(sess_options, "intra_op_num_threads", 0) or 0)
+        ov_cache = (Path(cache_dir) if cache_dir else cache_root()) / openvino_runner.CACHE_SUBDIR
+        return openvino_runner.OpenVinoRunner(model, shapes, threads=threads,
+                                              cache_dir=ov_cache if cache_enabled() else None)
+    if name == "ort-nospin":
+        so = ort.SessionOptions()
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        return OrtRunner(ort.InferenceSession(model, sess_options=so, providers=providers), name)
+    raise ValueError(f"unknown whole-model runner {name!r} (known: {sorted(floor.RUNNERS)})")
+
+
+def runner_label(runner: Any) -> str:
+    name = getattr(runner, "name", "onnxruntime")
+    return str(floor.RUNNERS.get(name, "ONNX Runtime"))
+
+
+class DirectOrt:
+    """The whole model on one runner (``OrtRunner`` or another ``floor.Runner``); ``verdict``
+    is the whole-model verdict that put it there, ``evaluation`` the background child."""
+
+    def __init__(self, runner: floor.Runner, verdict: floor.Verdict | None,
+                 evaluation: background.Evaluation | None) -> None:
+        self.runner = runner
         self.verdict = verdict
         self.evaluation = evaluation
         self._next_poll = 0.0
         self._builder: threading.Thread | None = None
         self._built: SessionPlan | None = None
+        self._built_runner: floor.Runner | None = None
         self._build_error: str = ""
         self._explained: SessionPlan | None = None
 
+    @property
+    def session(self) -> ort.InferenceSession | None:
+        """The ONNX Runtime session running the whole model (None: another runner does)."""
+        return self.runner.session if isinstance(self.runner, OrtRunner) else None
+
     def run(self, wanted: list[str], feed: dict[str, Any], run_options: Any) -> list[Any]:
-        return self.session.run(wanted, feed, run_options)  # type: ignore[no-any-return]
+        return self.runner.run(wanted, feed, run_options)
 
     @property
     def pending(self) -> bool:
@@ -85,19 +137,28 @@ class DirectOrt:
         self.evaluation = None
         self.verdict = verdict
         log.info("background evaluation of %s: %s", sess._model_name, verdict.describe())
-        if verdict.keep:  # fusegraph's plan won: build it from the caches, off the caller's thread
-            self._builder = threading.Thread(target=self._build, args=(sess,), name="fusegraph-plan", daemon=True)
+        if verdict.keep or verdict.runner:  # build the winner off the caller's thread
+            self._builder = threading.Thread(target=self._build, args=(sess, verdict), name="fusegraph-plan", daemon=True)
             self._builder.start()
 
-    def _build(self, sess: InferenceSession) -> None:
+    def _build(self, sess: InferenceSession, verdict: floor.Verdict) -> None:
         try:
-            self._built = sess._new_plan(_static_shapes(sess))
+            if verdict.runner:
+                self._built_runner = sess._make_runner(verdict.runner)
+            else:
+                self._built = sess._new_plan(_static_shapes(sess))
         except Exception as exc:  # the session stays on ONNX Runtime, and says why
-            log.warning("fusegraph's plan for %s could not be built after its evaluation: %s", sess._model_name, exc)
+            what = floor.RUNNERS.get(verdict.runner, "fusegraph's plan")
+            log.warning("%s for %s could not be built after its evaluation: %s", what, sess._model_name, exc)
             self._build_error = f"{type(exc).__name__}: {exc}"
 
     def _take_plan(self, sess: InferenceSession) -> None:
         self._builder = None
+        if self._built_runner is not None:
+            self.runner, self._built_runner = self._built_runner, None
+            self._explained = None
+            log.info("%s now runs on %s", sess._model_name, runner_label(self.runner))
+            return
         plan, self._built = self._built, None
         if plan is None:
             return
@@ -111,18 +172,39 @@ class DirectOrt:
     def report(self, sess: InferenceSession) -> PartitionReport:
         if self.pending:
             return self._pending_report(sess)
+        verdict = self.verdict or floor.Verdict(False, source="not measured", why="no verdict")
+        if self._build_error:
+            what = floor.RUNNERS.get(verdict.runner, "its plan")
+            verdict = floor.with_note(verdict, f"{what} failed to build: {self._build_error}")
+        session = self.session
+        if session is None or getattr(self.runner, "name", "") != "onnxruntime":  # another runner: one unit of it
+            return self._runner_report(sess, verdict)
         if self._explained is None:  # the partition and every node's reason, nothing built
-            verdict = self.verdict or floor.Verdict(False, source="not measured", why="no verdict")
-            if self._build_error:
-                verdict = floor.with_note(verdict, f"its plan failed to build: {self._build_error}")
-            self._explained = sess._new_plan(_static_shapes(sess), direct=(self.session, verdict))
-        return self._explained.report()
+            self._explained = sess._new_plan(_static_shapes(sess), direct=(session, verdict))
+        return dataclasses.replace(self._explained.report(), runners=verdict.candidates)
+
+    def _runner_report(self, sess: InferenceSession, verdict: floor.Verdict) -> PartitionReport:
+        model = sess._model
+        nodes = tuple(n.name or f"{n.op_type}_{k}" for k, n in enumerate(model.graph.node))
+        ops = dict(collections.Counter(n.op_type for n in model.graph.node))
+        name = getattr(self.runner, "name", "runner")
+        entry = SubgraphEntry(f"{name}_0", name, runner_label(self.runner), nodes, ops, note="the whole model",
+                              fusegraph_ms=verdict.fusegraph_ms, ort_ms=verdict.ort_ms)
+        return PartitionReport(
+            model=sess._model_name, total_nodes=len(nodes), folded_nodes=0, subgraphs=(entry,), unclaimed=(),
+            input_shapes=_static_shapes(sess), floor=f"whole model {verdict.describe()}", runners=verdict.candidates,
+        )
 
     def _pending_report(self, sess: InferenceSession) -> PartitionReport:
         model = sess._model
         nodes = tuple(n.name or f"{n.op_type}_{k}" for k, n in enumerate(model.graph.node))
         ops = dict(collections.Counter(n.op_type for n in model.graph.node))
-        what = self.evaluation.describe() if self.evaluation is not None else "fusegraph's plan is being built"
+        if self.evaluation is not None:
+            what = self.evaluation.describe()
+        elif self.verdict is not None and self.verdict.runner:
+            what = f"{floor.RUNNERS[self.verdict.runner]} is being built"
+        else:
+            what = "fusegraph's plan is being built"
         entry = SubgraphEntry("onnxruntime_0", "onnxruntime", "onnxruntime", nodes, ops,
                               note="the whole model, until the evaluation decides")
         return PartitionReport(
@@ -130,6 +212,78 @@ class DirectOrt:
             input_shapes=_static_shapes(sess),
             floor=f"floor: whole model on ONNX Runtime while {what}",
         )
+
+
+# ---- the choice at session creation (floor_mode=inline, and the background child) --------------
+def choose_whole_runner(sess: InferenceSession, plan: SessionPlan) -> tuple[DirectOrt | None, floor.Verdict | None]:
+    """Times the whole model on each candidate runner (the ``runners`` option) against what
+    the plan decided -- fusegraph's plan, or the caller's ONNX Runtime session where the
+    floor gave the whole model back -- and returns (the winner to run the model, or None;
+    the verdict with every candidate's line, or None where nothing was measured). Cached
+    like the floor's verdicts, under the plan's whole-model key."""
+    opts = sess._opts
+    names = [n for n in opts.runner_candidates() if n != "ort-nospin" or sess._sess_options is None]
+    if not names or plan.floor_budget <= 0 or opts.lazy_compile or opts.device != "cpu":
+        return None, None
+    cache = plan._verdict_cache()
+    content = _runners_key(sess, plan)
+    known = cache.lookup(content)
+    runner: floor.Runner | None = None
+    if known is None:
+        measured = _measure_runners(sess, plan, names)
+        if measured is None:
+            return None, None
+        runner, known = measured
+        cache.record(content, known)
+        cache.flush()
+    if not known.runner:
+        return None, known
+    try:
+        runner = runner or sess._make_runner(known.runner)
+    except Exception as exc:  # the plan stands
+        log.warning("%s won the floor for %s but did not start: %s", floor.RUNNERS[known.runner], sess._model_name, exc)
+        return None, floor.with_note(dataclasses.replace(known, runner=""), f"{floor.RUNNERS[known.runner]} did not start: {exc}")
+    log.info("%s runs on %s: %s", sess._model_name, runner_label(runner), known.describe())
+    return DirectOrt(runner, known, None), known
+
+
+def _runners_key(sess: InferenceSession, plan: SessionPlan) -> str:
+    """The model (its file's identity or its bytes' hash, as the background evaluation keys
+    it), its input shapes and the partition the incumbent ran: the plan's own whole-model key
+    changes once the plan hands the whole model back (the weights leave its graph)."""
+    source = background.source_of(sess._source_arg)
+    shape = ",".join(f"{'f' if g.claimed else 'o'}{len(g.nodes)}" for g in plan.partitioning.groups)
+    model = source.content if source is not None else plan._whole_key()
+    return f"runners|{model}|{sorted(plan.input_shapes.items())}|{shape}"
+
+
+def _measure_runners(sess: InferenceSession, plan: SessionPlan,
+                     names: Sequence[str]) -> tuple[floor.Runner | None, floor.Verdict] | None:
+    og = plan.og
+    ins = [i for i in og.inputs if i not in og.constants]
+    try:
+        feed = floor.sample_inputs(og, ins)
+    except KeyError as exc:
+        log.info("floor: whole-model runners not measured: the type of input %s is unknown", exc)
+        return None
+    wanted = list(sess._output_names)
+    try:
+        want = plan.run(feed, wanted)
+        if plan.whole_on_ort:
+            reference, against = want, "ONNX Runtime"
+        else:  # fusegraph's plan agrees with ONNX Runtime within the floor's 1e-3; runners must within 1e-4
+            reference = ort.InferenceSession(sess._runner_model(), sess_options=sess._sess_options,
+                                             providers=sess._ort_providers).run(wanted, feed)
+            against = "fusegraph's plan"
+    except Exception as exc:
+        log.info("floor: whole-model runners not measured: %s", exc)
+        return None
+    budget = min(floor.WHOLE_S, plan.floor_budget * (1 - floor.UNITS_SHARE))
+    candidates = {n: partial(sess._make_runner, n) for n in names}
+    runner, verdict = floor.choose_runner(lambda: plan.run(feed, wanted), against, candidates, feed, wanted,
+                                          reference, budget)
+    log.info("floor: whole-model runners for %s: %s", sess._model_name, "; ".join(verdict.candidates))
+    return runner, verdict
 
 
 def _static_shapes(sess: InferenceSession) -> dict[str, tuple[int, ...]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -28,18 +29,23 @@ CHILD_NICE = 10  # the caller's inference comes first on a shared machine
 
 
 def evaluate(model: str, opts: ProviderOptions) -> floor.Verdict:
-    """The whole model's verdict: keep (fusegraph's plan runs part of it) or ONNX Runtime."""
+    """The whole model's verdict: keep (fusegraph's plan runs part of it), another
+    whole-model runner (``runner``), or ONNX Runtime; with every runner candidate's line."""
     sess = InferenceSession(model, providers=[(PROVIDER, opts.as_strings()), "CPUExecutionProvider"])
+    runners = sess._runners
+    if runners is not None and runners.runner and sess._direct is not None:  # another whole-model runner won
+        return dataclasses.replace(runners, source="measured")
     plan = sess._last
     if plan is None:
         return floor.Verdict(False, source="measured", why="the model's input shapes are dynamic")
     whole = plan.floor_whole
     fg_ms = whole.fusegraph_ms if whole is not None else None
     ort_ms = whole.ort_ms if whole is not None else None
+    lines = runners.candidates if runners is not None else ()
     if plan.whole_on_ort:
         why = whole.why if whole is not None and whole.why else "no fusegraph subgraph was kept"
-        return floor.Verdict(False, fg_ms, ort_ms, "measured", why)
-    return floor.Verdict(True, fg_ms, ort_ms, "measured", plan.report().summary())
+        return floor.Verdict(False, fg_ms, ort_ms, "measured", why, candidates=lines)
+    return floor.Verdict(True, fg_ms, ort_ms, "measured", plan.report().summary(), candidates=lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.alarm(0)
     took = f"evaluated in the background in {time.perf_counter() - t0:.1f} s"
     why = "; ".join(p for p in (verdict.why, took) if p)
-    cache.record(args.content, floor.Verdict(verdict.keep, verdict.fusegraph_ms, verdict.ort_ms, "measured", why))
+    cache.record(args.content, dataclasses.replace(verdict, source="measured", why=why))
     cache.flush()
     log.info("verdict: %s", verdict.describe())
     if args.remove_model:

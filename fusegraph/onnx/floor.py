@@ -19,6 +19,7 @@ machine's identity and the versions involved, so later sessions decide without t
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import math
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import onnx
@@ -50,6 +51,11 @@ UNIT_S = 0.6  # the most one unit's comparison takes (its share of the budget ma
 UNITS_SHARE = 0.8  # of the budget, for the units; the rest for the whole-model comparison
 WHOLE_S = 3.0  # the most the whole-model comparison takes
 SMALL_CONSTANT = 64  # constants up to this many elements enter the content key by value
+RUNNER_WARM_S = 0.1  # each side's warm-up before a whole-model runner is timed
+RUNNER_AGREE = 1e-4  # a whole-model runner further than this from ONNX Runtime (relative) is refused
+# Whole-model runners besides fusegraph's plan and the caller's ONNX Runtime session (the
+# incumbent, always a candidate): name -> label. Made by ``direct.make_runner``.
+RUNNERS = {"openvino": "OpenVINO", "ort-nospin": "ONNX Runtime without spinning"}
 
 Call = Callable[[], object]
 # (fusegraph call, ORT call, budget in seconds) -> (fusegraph ms, ORT ms[, paired ratio])
@@ -58,15 +64,29 @@ Timer = Callable[[Call, Call, float], Sequence[float | None]]
 
 @dataclass(frozen=True)
 class Verdict:
-    """The floor's decision for one unit (or the whole plan)."""
+    """The floor's decision for one unit (or the whole plan). A whole-model verdict may name
+    a ``runner`` other than fusegraph's plan or the caller's ONNX Runtime session (one of
+    ``RUNNERS``): then the whole model runs on it, ``fusegraph_ms`` is that runner's time and
+    ``ort_ms`` the incumbent's; ``candidates`` says what every whole-model candidate did."""
 
-    keep: bool  # True: fusegraph runs it; False: ONNX Runtime does
+    keep: bool  # True: fusegraph runs it; False: ONNX Runtime does (or ``runner``)
     fusegraph_ms: float | None = None
     ort_ms: float | None = None
     source: str = "measured"  # "measured", "cached", or "not measured"
     why: str = ""
+    runner: str = ""  # whole model only: a RUNNERS name that won, "" where none did
+    candidates: tuple[str, ...] = ()  # whole model only: one line per candidate runner
+    against: str = ""  # whole model only: what ``runner`` was timed against (default ONNX Runtime)
 
     def describe(self) -> str:
+        if self.runner:
+            label = RUNNERS.get(self.runner, self.runner)
+            times = ""
+            if self.fusegraph_ms is not None and self.ort_ms is not None:
+                times = (f"{label} {self.fusegraph_ms:.3f} ms vs {self.against or 'ONNX Runtime'} "
+                         f"{self.ort_ms:.3f} ms ({self.source})")
+            parts = [p for p in (times, self.why) if p]
+            return f"floor: on {label}" + (f" -- {'; '.join(parts)}" if parts else "")
         times = ""
         if self.fusegraph_ms is not None and self.ort_ms is not None:
             times = f"fusegraph {self.fusegraph_ms:.3f} ms vs ONNX Runtime {self.ort_ms:.3f} ms ({self.source})"
@@ -77,7 +97,14 @@ class Verdict:
         return f"floor: {who}" + (f" -- {'; '.join(parts)}" if parts else "")
 
     def to_json(self) -> dict[str, Any]:
-        return {"keep": self.keep, "fusegraph_ms": self.fusegraph_ms, "ort_ms": self.ort_ms, "why": self.why}
+        out: dict[str, Any] = {"keep": self.keep, "fusegraph_ms": self.fusegraph_ms, "ort_ms": self.ort_ms, "why": self.why}
+        if self.runner:
+            out["runner"] = self.runner
+        if self.candidates:
+            out["candidates"] = list(self.candidates)
+        if self.against:
+            out["against"] = self.against
+        return out
 
     @staticmethod
     def from_json(entry: Any) -> Verdict | None:
@@ -86,9 +113,13 @@ class Verdict:
         try:
             fg = entry.get("fusegraph_ms")
             ort_ms = entry.get("ort_ms")
+            runner = str(entry.get("runner", ""))
+            if runner and runner not in RUNNERS:
+                return None  # a runner this version does not know: measure again
             return Verdict(
                 entry["keep"], None if fg is None else float(fg), None if ort_ms is None else float(ort_ms),
-                "cached", str(entry.get("why", "")),
+                "cached", str(entry.get("why", "")), runner, tuple(str(c) for c in entry.get("candidates", ())),
+                str(entry.get("against", "")),
             )
         except (TypeError, ValueError):
             return None
@@ -96,8 +127,7 @@ class Verdict:
 
 def with_note(verdict: Verdict, note: str) -> Verdict:
     """``verdict`` with ``note`` added to its reason."""
-    return Verdict(verdict.keep, verdict.fusegraph_ms, verdict.ort_ms, verdict.source,
-                   "; ".join(p for p in (verdict.why, note) if p))
+    return dataclasses.replace(verdict, why="; ".join(p for p in (verdict.why, note) if p))
 
 
 def runner_up_note(unit: Any, verdict: Verdict) -> str:
@@ -220,6 +250,77 @@ def runner_up(plan: Any, unit: Any, nodes: Sequence[ONode], ins: list[str], outs
     return second, verdict, spent
 
 
+# ---- whole-model runners -------------------------------------------------------------------
+class Runner(Protocol):
+    """The whole model on one runtime (``direct.OrtRunner``, ``openvino_runner.OpenVinoRunner``)."""
+
+    def run(self, wanted: Sequence[str] | None, feed: Mapping[str, Any], run_options: Any = None) -> list[Any]: ...
+
+
+def choose_runner(
+    incumbent: Call, against: str, candidates: Mapping[str, Callable[[], Runner]],
+    feed: Mapping[str, np.ndarray], wanted: Sequence[str], reference: Sequence[Any], budget_s: float,
+) -> tuple[Runner | None, Verdict]:
+    """The whole model on each candidate runner against the incumbent (``incumbent``: the
+    session's choice so far -- the caller's ONNX Runtime session or fusegraph's plan -- named
+    ``against``), as a claimed unit is timed against ONNX Runtime: a trial run compared with
+    ONNX Runtime's outputs (``reference``; the same dtypes and shapes, within RUNNER_AGREE,
+    else refused with the reason), then ``time_pair`` with the budget, kept only when at least
+    3% faster (KEEP_BELOW: ties go to the incumbent). Of the candidates that win, the one with
+    the best ratio. Returns (the winner or None, the verdict naming it with every candidate's
+    line); a candidate that cannot be made (not installed, refuses the model) is a line."""
+    lines: list[str] = []
+    best: tuple[float, str, Runner, Verdict] | None = None
+    for name, make in candidates.items():
+        label = RUNNERS.get(name, name)
+        try:
+            runner = make()
+            got = runner.run(list(wanted), feed)
+        except Exception as exc:
+            lines.append(f"{label}: refused -- {_one_line(exc)}")
+            continue
+        why = _disagreement(got, reference, wanted)
+        if why:
+            lines.append(f"{label}: refused -- {why}")
+            continue
+        # A fresh runner's first calls are slow (OpenVINO's first inferences): warm both up,
+        # or a clear-cut decision after two calls each would judge the warm-up.
+        for fn in (lambda r=runner: r.run(list(wanted), feed), incumbent):  # type: ignore[misc]
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < RUNNER_WARM_S:
+                fn()
+        timing = time_pair(lambda r=runner: r.run(list(wanted), feed), incumbent, budget_s)  # type: ignore[misc]
+        verdict = decide_timing(timing)
+        ratio = (verdict.fusegraph_ms or math.inf) / max(verdict.ort_ms or math.inf, 1e-12)
+        word = "faster" if verdict.keep else "not faster"
+        lines.append(f"{label} {verdict.fusegraph_ms:.3f} ms vs {against} {verdict.ort_ms:.3f} ms "
+                     f"({ratio:.2f}x: {word}{'; ' + verdict.why if verdict.why else ''})")
+        if verdict.keep and (best is None or ratio < best[0]):
+            best = (ratio, name, runner, verdict)
+    if best is None:
+        return None, Verdict(False, source="measured", candidates=tuple(lines), against=against)
+    _, name, runner, verdict = best
+    return runner, Verdict(False, verdict.fusegraph_ms, verdict.ort_ms, "measured", runner=name,
+                           candidates=tuple(lines), against=against)
+
+
+def _disagreement(got: Sequence[Any], want: Sequence[Any], names: Sequence[str]) -> str:
+    """Why a runner's outputs are not ONNX Runtime's ("" where they agree)."""
+    for name, g, w in zip(names, got, want, strict=True):
+        g, w = np.asarray(g), np.asarray(w)
+        if g.dtype != w.dtype or g.shape != w.shape:
+            return f"output {name} is {g.dtype}{list(g.shape)}, ONNX Runtime's {w.dtype}{list(w.shape)}"
+    err = agreement(dict(zip(names, got, strict=True)), dict(zip(names, want, strict=True)))
+    if err > RUNNER_AGREE:
+        return f"disagrees with ONNX Runtime (rel err {err:.1e} > {RUNNER_AGREE:.0e})"
+    return ""
+
+
+def _one_line(exc: BaseException, n: int = 300) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:n]
+
+
 # ---- content keys ---------------------------------------------------------------------------
 def group_key(og: OnnxGraph, nodes: Sequence[ONode], inputs: Sequence[str], outputs: Sequence[str]) -> str:
     """What decides a sub-model's speed, hashed: per node its op type, domain and attributes,
@@ -272,7 +373,10 @@ def settings_key(device: str, settings: Mapping[str, Any]) -> str:
     """The machine and everything besides the sub-model that decides the verdict."""
     import onnxruntime
 
-    parts = [device, f"fusegraph {__version__}", f"onnxruntime {onnxruntime.__version__}", _torch_version()]
+    from fusegraph.onnx import openvino_runner
+
+    parts = [device, f"fusegraph {__version__}", f"onnxruntime {onnxruntime.__version__}", _torch_version(),
+             openvino_runner.version()]
     parts += [f"{k}={settings[k]}" for k in sorted(settings)]
     return "|".join(parts)
 
@@ -291,7 +395,7 @@ def cache_for(opts: ProviderOptions, device: str) -> VerdictCache:
     its plan and its background evaluation."""
     settings = {
         "engine": opts.engine or "auto", "channels_last": opts.channels_last,
-        "autotune": opts.autotune > 0, "keep_below": KEEP_BELOW,
+        "autotune": opts.autotune > 0, "keep_below": KEEP_BELOW, "runners": ",".join(opts.runner_candidates()),
     }
     return VerdictCache(opts.cache_dir, settings_key(device, settings))
 

@@ -18,6 +18,10 @@ TIERS = ("off", "on", "auto")
 LAYOUTS = ("auto", "on", "off")
 FLOOR_MODES = ("background", "inline")
 FLOOR_MODE_ENV = "FUSEGRAPH_FLOOR_MODE"  # the default of floor_mode (the test suite sets inline)
+# Whole-model runners the floor may measure against the caller's ONNX Runtime session
+# (fusegraph.onnx.floor.RUNNERS; docs/models.md has the measurements behind ``auto``).
+RUNNER_NAMES = ("openvino", "ort-nospin")
+AUTO_RUNNERS = ("openvino",)
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,16 @@ class ProviderOptions:
     # where the floor measures a model it has no verdict for: "background" (the session runs
     # ONNX Runtime meanwhile; background.py) or "inline" (at session creation)
     floor_mode: str = field(default_factory=lambda: _floor_mode(os.environ.get(FLOOR_MODE_ENV, "background")))
+    # whole-model runners timed against ONNX Runtime with the floor: auto, off, or names (RUNNER_NAMES)
+    runners: str = "auto"
+
+    def runner_candidates(self) -> tuple[str, ...]:
+        """The whole-model runners the floor measures (none with ``runners=off``)."""
+        if self.runners == "auto":
+            return AUTO_RUNNERS
+        if self.runners == "off":
+            return ()
+        return tuple(self.runners.split(","))
 
     def floor_budget(self, *, pinned: bool) -> float:
         """Seconds the floor may spend timing (0: off). ``auto`` is on unless an engine is
@@ -91,6 +105,8 @@ class ProviderOptions:
             values["floor_mode"] = _floor_mode(raw["floor_mode"])
         if "channels_last" in raw:
             values["channels_last"] = _choice(raw["channels_last"], "channels_last", LAYOUTS)
+        if "runners" in raw:
+            values["runners"] = _runners(raw["runners"])
         return cls(**values)
 
     def as_strings(self) -> dict[str, str]:
@@ -127,6 +143,23 @@ def _floor(v: Any) -> str:
     if not f > 0 or f == float("inf"):
         raise ValueError(f"{PROVIDER} option floor={v!r}: expected auto, on, off or a budget in seconds")
     return f"{f:g}"
+
+
+def _runners(v: Any) -> str:
+    """auto, off (0, none), or a comma-separated list of RUNNER_NAMES."""
+    if isinstance(v, str) and not v.strip():
+        return "auto"  # as ONNX Runtime reports an unset option
+    items = v.split(",") if isinstance(v, str) else list(v or [])
+    names = [str(s).strip().lower() for s in items if str(s).strip()]
+    if not names or (len(names) == 1 and names[0] in ("0", "off", "none", "false", "no")):
+        return "off"  # an empty list: no runner
+    if len(names) == 1 and names[0] in ("auto", "1", "on", "true", "yes"):
+        return "auto"
+    bad = [n for n in names if n not in RUNNER_NAMES]
+    if bad:
+        raise ValueError(f"{PROVIDER} option runners={v!r}: unknown {bad}; expected auto, off or names "
+                         f"among {list(RUNNER_NAMES)}")
+    return ",".join(dict.fromkeys(names))
 
 
 def _floor_mode(v: Any) -> str:

@@ -10,7 +10,7 @@ from typing import Any
 @dataclass(frozen=True)
 class SubgraphEntry:
     name: str
-    kind: str  # "fusegraph", "onnxruntime" or "iree-onnx" (torch-mlir tier)
+    kind: str  # "fusegraph", "onnxruntime", "iree-onnx" (torch-mlir tier) or a whole-model runner ("openvino", ...)
     engine: str
     nodes: tuple[str, ...]  # original ONNX node names it runs (folded BatchNorms included)
     op_types: dict[str, int]
@@ -53,6 +53,7 @@ class PartitionReport:
     setup_s: float = 0.0
     floor: str = ""  # the whole-model verdict (plan vs ONNX Runtime alone), or why none
     boundaries: Boundaries = field(default_factory=Boundaries)
+    runners: tuple[str, ...] = ()  # the whole-model runners the floor timed (one line each), if any
 
     @property
     def running_nodes(self) -> int:
@@ -92,6 +93,9 @@ class PartitionReport:
         )
         if self.floor:
             lines.append(f"  {self.floor}")
+        if self.runners:
+            lines.append("  whole-model runners (each timed against the incumbent):")
+            lines += [f"    {r}" for r in self.runners]
         if self.rewrites:
             lines.append("  rewrites: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.rewrites.items()) if v))
         for s in self.subgraphs:

@@ -9,6 +9,7 @@ on ONNX Runtime. Provider options go to ``FusegraphExecutionProvider`` either in
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import warnings
@@ -22,7 +23,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from fusegraph.onnx import background, floor
-from fusegraph.onnx.direct import DirectOrt
+from fusegraph.onnx.direct import DirectOrt, OrtRunner, choose_whole_runner, make_runner
 from fusegraph.onnx.iobinding import IOBinding, host_array
 from fusegraph.onnx.load import MIN_OPSET, _first_line, default_opset
 from fusegraph.onnx.memory import PeakMemory, measure_peak
@@ -174,6 +175,7 @@ class InferenceSession:
         # costs more than a small model's whole run.
         self.measure_memory = False
         self._direct: DirectOrt | None = None
+        self._runners: floor.Verdict | None = None  # the whole-model runners' verdict (floor.choose_runner)
         source = self._background_source(path_or_bytes)
         if source is not None and self._open_direct(source):
             return
@@ -198,10 +200,14 @@ class InferenceSession:
             for k, v in self._signature.items()
             if v is not None and all(isinstance(d, int) for d in v)
         }
-        if len(static) == len(self._signature):
+        if len(static) == len(self._signature) and not self._open_runner():
             with progress.working(f"fusegraph: building the session for {os.path.basename(self._model_name)}"):
-                self._plan_for(static)
+                plan = self._plan_for(static)
+                self._direct, self._runners = choose_whole_runner(self, plan)
         self._outputs = self._output_args()
+        if self._direct is not None:  # another runner won the whole model: the plan is not needed
+            self._plans.clear()
+            self._last = None
 
     # ---- ONNX Runtime API -----------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -285,7 +291,8 @@ class InferenceSession:
             raise RuntimeError(
                 "the model's input shapes are dynamic: the partition is made at the first run()"
             )
-        return self._last.report()
+        report = self._last.report()
+        return dataclasses.replace(report, runners=self._runners.candidates) if self._runners else report
 
     @property
     def peak_live_bytes(self) -> int:
@@ -315,8 +322,9 @@ class InferenceSession:
         is not known yet (then measured in the background); False: build fusegraph's plan."""
         cache = floor.cache_for(self._opts, device_id(self._handle))
         known = cache.lookup(source.content)
-        if known is not None and known.keep:
-            return False  # fusegraph's plan won: built from the caches
+        if known is not None and (known.keep or known.runner):
+            self._runners = known if known.runner else None
+            return False  # fusegraph's plan or another runner won: made from the caches
         if known is None:
             _ = self._model  # checked (typed errors for a malformed model) before anything else reads it
         try:
@@ -334,8 +342,36 @@ class InferenceSession:
         self._output_names = [o.name for o in self._outputs]
         self._output_set = frozenset(self._output_names)
         evaluation = background.launch(source, self._opts, cache) if known is None else None
-        self._direct = DirectOrt(sess, known, evaluation)
+        self._direct = DirectOrt(OrtRunner(sess), known, evaluation)
         return True
+
+    def _open_runner(self) -> bool:
+        """Where the model's background verdict named another whole-model runner: that runner,
+        made at once (OpenVINO loads its compiled model from the cache); False where there is
+        none or it fails to start (then fusegraph's plan is built and decides again)."""
+        known = self._runners
+        if known is None or not known.runner:
+            return False
+        try:
+            self._direct = DirectOrt(self._make_runner(known.runner), known, None)
+        except Exception as exc:
+            log.warning("%s won the floor for %s but did not start (%s): building the plan", known.runner,
+                        self._model_name, _first_line(exc))
+            self._runners = None
+            return False
+        return True
+
+    def _runner_model(self) -> str | bytes:
+        """The model as a whole-model runner reads it: the caller's file, else its bytes."""
+        src = self._source_arg
+        if isinstance(src, str | os.PathLike):
+            return os.fspath(src)
+        return src.SerializeToString() if isinstance(src, onnx.ModelProto) else bytes(src)
+
+    def _make_runner(self, name: str) -> Any:
+        """Whole-model runner ``name`` (``floor.RUNNERS``) for this session's model and shapes."""
+        shapes = {k: tuple(int(d) for d in v) for k, v in self._signature.items() if v is not None}  # type: ignore[arg-type]
+        return make_runner(name, self._runner_model(), shapes, self._sess_options, self._ort_providers, self._opts.cache_dir)
 
     def _plan_for(self, shapes: Mapping[str, tuple[int, ...]]) -> SessionPlan:
         key = tuple(sorted(shapes.items()))
