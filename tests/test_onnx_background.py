@@ -25,7 +25,7 @@ from fusegraph.onnx.session import session_handle
 from fusegraph.select.device_id import device_id
 
 OPTS = {"engine": "reference", "torch_mlir_tier": "off", "op_types_to_exclude": "Neg", "floor": "on",
-        "floor_mode": "background"}
+        "floor_mode": "background", "runners": "off"}  # whole-model runners: test_onnx_runners.py
 
 
 def _open(model: Any, cache: Path, **extra: Any) -> fgo.InferenceSession:

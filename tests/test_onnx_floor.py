@@ -69,7 +69,7 @@ def fake_timer(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 def _session(model: onnx.ModelProto, cache: Path, **opts: Any) -> fgo.InferenceSession:
     o = {"engine": "reference", "torch_mlir_tier": "off", "op_types_to_exclude": "Neg",
-         "floor": "on", "cache_dir": str(cache), **opts}
+         "floor": "on", "runners": "off", "cache_dir": str(cache), **opts}  # runners: test_onnx_runners.py
     return fgo.InferenceSession(model.SerializeToString(), providers=[(fgo.PROVIDER, o), "CPUExecutionProvider"])
 
 
