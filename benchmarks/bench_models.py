@@ -37,6 +37,7 @@ here goes on without the C++ ops' fake registrations (detection ops are not used
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import gc
 import hashlib
@@ -389,6 +390,16 @@ def _cpu_paths(report: Any) -> list[str]:
     return sorted({m for t in texts for m in re.findall(r"CPU path: (\w+)", t)})
 
 
+def _runs_on(report: Any) -> str:
+    """What runs the model: a whole-model runner the floor chose (openvino, ort-nospin),
+    onnxruntime (the caller's session, whole), or fusegraph (its plan: fusegraph units
+    and ONNX Runtime sub-sessions)."""
+    kinds = {s.kind for s in report.subgraphs}
+    if len(report.subgraphs) == 1 and not kinds & {"fusegraph", "iree-onnx"}:
+        return str(report.subgraphs[0].kind)
+    return "fusegraph" if "fusegraph" in kinds else "onnxruntime"
+
+
 def bench_one(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
     import onnxruntime as ort
     import torch
@@ -446,6 +457,8 @@ def bench_one(spec: Spec, args: argparse.Namespace) -> dict[str, Any]:
                 "engines": sorted({s.engine.split("[")[0] for s in report.subgraphs if s.kind == "fusegraph"}),
                 "boundary_copies": report.boundaries.copies,
                 "cpu_paths": _cpu_paths(report),
+                "runs_on": _runs_on(report),
+                "runners": list(report.runners),
                 "floor": report.floor,
                 "setup_cold_s": cold_s, "setup_warm_s": warm_s, "ort_setup_s": ort_setup_s,
                 "evaluation_s": evaluation_s,
@@ -527,19 +540,22 @@ def geomean(xs: list[float]) -> float:
 
 
 def print_table(rows: list[dict[str, Any]], agree: float) -> None:
-    head = ("| model | source | agreement (rel err vs ORT) | coverage | units (fusegraph) | fusegraph / ORT "
-            "| fusegraph / eager | fusegraph ms | ORT ms | eager ms | setup cold / warm / ORT s | MiB (ORT) |")
+    head = ("| model | source | agreement (rel err vs ORT) | coverage | units (fusegraph) | runs on | fusegraph / ORT "
+            "| fusegraph / ORT default | fusegraph / eager | fusegraph ms | ORT ms (default / no-spin) | eager ms "
+            "| setup cold / warm / ORT s | MiB (ORT) |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for r in rows:
         if "error" in r:
-            print(f"| {r['model']} | {r['source']} | FAILED: {r['error'][:160]} |" + " |" * 9)
+            print(f"| {r['model']} | {r['source']} | FAILED: {r['error'][:160]} |" + " |" * 11)
             continue
         ok = "ok" if r["rel_err"] <= agree else "NO"
         print(
             f"| {r['model']} | {r['source']} | {ok} {r['rel_err']:.1e} | {100 * r['coverage']:.0f}% "
-            f"| {r['units']} ({r['fusegraph_units']}) | {_fmt(r.get('vs_ort'))}x | {_fmt(r.get('vs_eager'))}x "
-            f"| {_fmt(r.get('ms'))} | {_fmt(r.get('ort_ms'))} | {_fmt(r.get('eager_ms'))} "
+            f"| {r['units']} ({r['fusegraph_units']}) | {r.get('runs_on', '-')} | {_fmt(r.get('vs_ort'))}x "
+            f"| {_fmt(r.get('vs_ort_default'))}x | {_fmt(r.get('vs_eager'))}x "
+            f"| {_fmt(r.get('ms'))} | {_fmt(r.get('ort_default_ms'))} / {_fmt(r.get('ort_nospin_ms'))} "
+            f"| {_fmt(r.get('eager_ms'))} "
             f"| {r['setup_cold_s']:.1f} / {r['setup_warm_s']:.2f} / {r['ort_setup_s']:.2f} "
             f"| {r['mib']:.0f} ({r['ort_mib']:.0f}) |"
         )
@@ -555,9 +571,13 @@ def print_table(rows: list[dict[str, Any]], agree: float) -> None:
         print(f"geomean setup cold / ORT: {geomean([r['setup_cold_s'] / r['ort_setup_s'] for r in timed]):.1f}x, "
               f"warm / ORT: {geomean([r['setup_warm_s'] / r['ort_setup_s'] for r in timed]):.1f}x; "
               f"memory / ORT: {geomean([max(r['mib'], 1) / max(r['ort_mib'], 1) for r in timed]):.2f}x")
+        runs_on = collections.Counter(r.get("runs_on", "-") for r in timed)
+        print("runs on: " + ", ".join(f"{k} x{v}" for k, v in sorted(runs_on.items())))
         default = [r for r in timed if "vs_ort_default" in r]
         if default:
-            print(f"geomean fusegraph / ORT default: {geomean([r['vs_ort_default'] for r in default]):.3f}x; "
+            worst = max(default, key=lambda r: r["vs_ort_default"])
+            print(f"geomean fusegraph / ORT default: {geomean([r['vs_ort_default'] for r in default]):.3f}x "
+                  f"(worst {worst['vs_ort_default']:.2f}x, {worst['model']}); "
                   f"above 1.05x: {sum(r['vs_ort_default'] > 1.05 for r in default)} of {len(default)} against ORT "
                   f"default, {sum(r['vs_ort'] > 1.05 for r in timed)} against the faster ORT configuration")
         cold = [r['setup_cold_s'] / r['ort_setup_s'] for r in timed]
