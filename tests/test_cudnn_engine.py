@@ -396,6 +396,35 @@ def test_torch_tensors_streams_and_errors(rng: np.random.Generator) -> None:
 
 
 @pytest.mark.gpu
+def test_streams_alternate_between_plans_sharing_the_handle(rng: np.random.Generator) -> None:
+    """The handle's stream is set only when the caller's differs from the last one a plan of
+    the engine set (engine.stream_cell): two plans on one handle, alternating between two
+    streams, each call on the stream it was made on, every result right."""
+    import torch
+
+    _needs_cudnn()
+    g1 = conv_graph(DT.HALF, "NHWC").validate()
+    g2 = conv_graph(DT.HALF, "NHWC", k=24).validate()
+    p1, p2 = ENGINE.build(g1, GPU), ENGINE.build(g2, GPU)
+    pk1, pk2 = random_inputs(g1, rng), random_inputs(g2, rng)
+    d1, d2 = p1.stage(pk1), p2.stage(pk2)
+    r1 = g1.execute(pk1, engine="reference")[g1.outputs()[0].name]
+    r2 = g2.execute(pk2, engine="reference")[g2.outputs()[0].name]
+    side = torch.cuda.Stream()
+    cell = ENGINE.stream_cell(0)
+    for i in range(4):
+        stream = side if i % 2 else torch.cuda.current_stream()
+        stream.wait_stream(torch.cuda.default_stream())
+        with torch.cuda.stream(stream):
+            o1 = p1.execute(d1)[g1.outputs()[0].name]
+            o2 = p2.execute(d2)[g2.outputs()[0].name]
+            assert cell[0] == torch.cuda.current_stream().cuda_stream
+        stream.synchronize()
+        assert rel_error(o1.float().cpu().numpy(), r1) <= 1e-2
+        assert rel_error(o2.float().cpu().numpy(), r2) <= 1e-2
+
+
+@pytest.mark.gpu
 def test_plan_indices_and_heuristic_modes(rng: np.random.Generator) -> None:
     _needs_cudnn()
     g = conv_graph(DT.HALF, "NHWC").validate()
