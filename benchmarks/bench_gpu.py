@@ -443,7 +443,11 @@ def run_case(case: Case, rounds: int, per_round: int, rng: np.random.Generator) 
 
 def overhead() -> dict[str, float]:
     """Host microseconds per call on a tiny conv+bias+ReLU (kernel time ~ nothing): what each
-    way of calling costs above the kernels."""
+    way of calling costs above the kernels, and the pieces of fusegraph's call (the checks,
+    an output's allocation by each way torch offers, the stream, the launch entry alone), and
+    the same for a 64x64 ReLU on the torch engine."""
+    import ctypes
+
     import torch
 
     from fusegraph.engines.registry import REGISTRY
@@ -459,6 +463,10 @@ def overhead() -> dict[str, float]:
     public.use_public_execute()  # type: ignore[attr-defined]
     a, b = plan.execute(dev)[out_name], public.execute(dev)[out_name]
     torch.cuda.synchronize()
+    o = given[out_name]
+    shape, strides, dt, gpu = tuple(o.shape), tuple(o.stride()), o.dtype, torch.device("cuda", 0)
+    x = dev["x"]
+    xs, xst = tuple(x.shape), tuple(x.stride())
     fns: dict[str, Callable[[], Any]] = {
         "eager conv+bias+relu": lambda: case.eager(dev),
         "cudnn frontend execute(dict)": direct_cudnn(g, dev),
@@ -467,10 +475,34 @@ def overhead() -> dict[str, float]:
         "fusegraph cudnn plan, public execute": lambda: public.execute(dev),
         "current raw stream": lambda: torch._C._cuda_getCurrentRawStream(0),
         "torch.empty_strided": lambda: torch.empty_strided((1, 16, 8, 8), (1024, 1, 128, 16), dtype=torch.float16, device="cuda"),
+        "piece: empty_strided(device=torch.device)": functools.partial(torch.empty_strided, shape, strides, dtype=dt, device=gpu),
+        "piece: tensor.new_empty_strided": functools.partial(o.new_empty_strided, shape, strides),
+        "piece: empty(numel).as_strided": lambda: torch.empty(o.numel(), dtype=dt, device=gpu).as_strided(shape, strides),
+        "piece: empty_like": functools.partial(torch.empty_like, o),
+        "piece: check one tensor": lambda: (type(x) is torch.Tensor and x.dtype is dt and x.shape == xs and x.stride() == xst
+                                            and x.is_cuda and x.get_device() == 0),
+        "piece: result dict of one": lambda: {out_name: o},
+        "piece: ctypes pointer array": lambda: (ctypes.c_void_p * 4)(),
     }
+    raw = getattr(plan, "_raw", None)
+    if raw is not None:
+        cudnn, _ = cud._load()  # type: ignore[attr-defined]
+        stream = torch._C._cuda_getCurrentRawStream(0)
+        fns["piece: cudnn.set_stream"] = lambda: cudnn.set_stream(handle=raw._handle, stream=stream)
+        fns["piece: _execute_with_raw_ptrs alone"] = lambda: raw._execute(raw._addr, raw._n, raw._ws, raw._backend, raw._index)
     for cfg in (EngineConfig("torch"), EngineConfig("torch", (("cuda_graph", False),))):
         tp = REGISTRY.get("torch").build(g, GPU, cfg)
         fns[f"fusegraph {cfg}"] = functools.partial(tp.execute, dev)
+    relu = relu_case("overhead").graph.validate()
+    rdev = device_inputs(relu, np.random.default_rng(2))
+    rplan = REGISTRY.get("torch").build(relu, GPU)
+    rname = relu.outputs()[0].name
+    rgiven = {**rdev, rname: rplan.execute(rdev)[rname].clone()}
+    rx = rdev["x"]
+    fns["relu 64x64: eager"] = lambda: torch.relu(rx)
+    fns["relu 64x64: fusegraph torch plan"] = functools.partial(rplan.execute, rdev)
+    fns["relu 64x64: fusegraph torch plan, outputs given"] = functools.partial(rplan.execute, rgiven)
+    fns["relu 64x64: copy_ into a given output"] = functools.partial(rgiven[rname].copy_, rx)
     res = {k: round(host_us_per_call(fn, 3000), 2) for k, fn in fns.items()}
     res["raw_vs_public_max_abs_diff"] = float((a.float() - b.float()).abs().max())
     res["raw_launch"] = float(plan.raw_launch)  # type: ignore[attr-defined]

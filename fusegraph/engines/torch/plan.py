@@ -271,9 +271,12 @@ class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
             for o, name in zip(given, self._out_names, strict=True):
                 o.copy_(static_out[name])
             return {}
-        full = list(self._lean_fixed)
-        for slot, v in zip(self._lean_slots, xs, strict=True):
-            full[slot] = v
+        if self._bound:
+            full = list(self._lean_fixed)
+            for slot, v in zip(self._lean_slots, xs, strict=True):
+                full[slot] = v
+        else:  # the activations are the inputs, in order
+            full = xs
         try:
             if self._numerics or self._threads:
                 with self._flags():
