@@ -104,7 +104,9 @@ class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
         # The lean call on a GPU compares device indices (a tensor's ``.device`` builds a
         # torch.device per call) and reads the current device without torch.cuda's wrapper.
         self._lean_cuda: int | None = self.device.index if self.device.type == "cuda" else None
-        self._get_device: Any = getattr(torch._C, "_cuda_getDevice", None) if self._lean_cuda is not None else None
+        self._get_device: Any = (
+            getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device if self._lean_cuda is not None else None
+        )
         self._inputs = graph.inputs()
         self._outputs = graph.outputs()
         self._in_by_name = {t.name: t for t in self._inputs}
