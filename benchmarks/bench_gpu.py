@@ -510,13 +510,19 @@ def overhead() -> dict[str, float]:
 
 
 def cold_build(tmp: str) -> dict[str, Any]:
-    """g.build(cuda:0) of a conv graph in two fresh processes sharing a cache directory."""
+    """g.build(cuda:0) of a conv graph in two fresh processes sharing a cache directory, the
+    first graph's time split into its parts: importing cuDNN's frontend, the handle, an
+    empty cuDNN graph, the engine's verdict (which loads a stored plan), the build, the
+    first launch."""
     code = textwrap.dedent("""
         import json, sys, time
         sys.path.insert(0, ".")
+        t = time.perf_counter()
         import torch, fusegraph as fg
         from fusegraph import DataType as DT
-        torch.zeros(1, device="cuda")
+        out = {"import_torch_fusegraph_ms": (time.perf_counter() - t) * 1e3}
+        t = time.perf_counter(); torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+        out["cuda_context_ms"] = (time.perf_counter() - t) * 1e3
         def conv(k):
             g = fg.Graph(f"cold{k}", io_data_type=DT.HALF, intermediate_data_type=DT.FLOAT, compute_data_type=DT.FLOAT)
             x = g.tensor("x", [32, 64, 56, 56], fg.strides_for([32, 64, 56, 56], "NHWC"))
@@ -524,13 +530,20 @@ def cold_build(tmp: str) -> dict[str, Any]:
             g.relu(g.bias(g.conv_fprop(x, w, padding=[1, 1]), g.tensor("b", [1, k, 1, 1]))).set_output(True)
             return g.validate()
         from fusegraph.engines.registry import REGISTRY
-        e = REGISTRY.get("cudnn"); e.available()
-        th = time.perf_counter(); e.cudnn_handle(0); handle_ms = (time.perf_counter() - th) * 1e3
-        out = {"cudnn_handle_ms": handle_ms}
+        e = REGISTRY.get("cudnn")
+        t = time.perf_counter(); e.available(); cudnn, _ = e._load(); out["import_cudnn_ms"] = (time.perf_counter() - t) * 1e3
+        th = time.perf_counter(); h = e.cudnn_handle(0); out["cudnn_handle_ms"] = (time.perf_counter() - th) * 1e3
+        t = time.perf_counter(); cudnn.pygraph(handle=h); out["empty_pygraph_ms"] = (time.perf_counter() - t) * 1e3
+        gpu = fg.Handle("cuda:0")
         for k in (64, 128):  # the first graph pays cuDNN's first use in the process, the second not
             g = conv(k)
-            t0 = time.perf_counter(); q = g.build(fg.Handle("cuda:0")); t1 = time.perf_counter()
-            out[f"k{k}"] = {"g_build_ms": (t1 - t0) * 1e3, "picked": str(q.config), "loaded": getattr(q, "loaded", None)}
+            t0 = time.perf_counter(); s = e.supports(g, gpu); t1 = time.perf_counter()
+            q = g.build(gpu); t2 = time.perf_counter()
+            dev = {t.name: torch.zeros(t.shape, dtype=torch.float16, device="cuda").as_strided(t.shape, t.strides) for t in g.inputs()}
+            q.execute(dev); torch.cuda.synchronize(); t3 = time.perf_counter()
+            out[f"k{k}"] = {"supports_ms": (t1 - t0) * 1e3, "g_build_after_ms": (t2 - t1) * 1e3, "g_build_ms": (t2 - t0) * 1e3,
+                            "first_execute_ms": (t3 - t2) * 1e3, "picked": str(q.config), "loaded": getattr(q, "loaded", None),
+                            "supported": bool(s)}
         print(json.dumps(out))
         """)
     import os
