@@ -509,6 +509,43 @@ def overhead() -> dict[str, float]:
     return res
 
 
+def gelu_erf_ab(rounds: int, per_round: int) -> dict[str, Any]:
+    """layernorm+GELU 8192x4096 on the triton engine with GELU's polynomial CDF (the
+    codegen's) against the same kernel with libdevice's erf, a few tilings each, interleaved,
+    with each one's error against float64 (the A/B that decides which the codegen keeps)."""
+    import torch
+
+    from fusegraph.engines.registry import REGISTRY
+    from fusegraph.engines.triton import codegen
+
+    case = norm_case("layernorm", "ab", 8192, 4096, gelu=True)
+    g = case.graph.validate()
+    dev = device_inputs(g, np.random.default_rng(5))
+    tri = REGISTRY.get("triton")
+    poly = codegen.POINTWISE_TRITON[codegen.M.GELU_FWD]
+    libdevice = lambda a, b, c, p: f"(0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476)))"  # noqa: E731
+    x, s, b = dev["x"].double(), dev["scale"].double().reshape(-1), dev["bias"].double().reshape(-1)
+    ln = torch.nn.functional.layer_norm(x, (4096,), s, b, 1e-5)
+    ref = 0.5 * ln * (1 + torch.special.erf(ln / math.sqrt(2)))
+    fns: dict[str, Callable[[], Any]] = {}
+    res: dict[str, Any] = {}
+    try:
+        for label, expr in (("libdevice", libdevice), ("poly", poly)):
+            codegen.POINTWISE_TRITON[codegen.M.GELU_FWD] = expr
+            for rows, warps in ((1, 4), (1, 8), (2, 8)):
+                plan = tri.build(g, GPU, EngineConfig("triton", (("rows_per_program", rows), ("num_warps", warps))))
+                key = f"{label} r{rows}w{warps}"
+                y = plan.execute(dev)[g.outputs()[0].name].double()
+                res[f"err {key}"] = {"rel": float((y - ref).norm() / ref.norm()), "max_abs": float((y - ref).abs().max())}
+                fns[key] = functools.partial(plan.execute, dev)
+    finally:
+        codegen.POINTWISE_TRITON[codegen.M.GELU_FWD] = poly
+    fns["eager"] = functools.partial(case.eager, dev)
+    times = time_all(fns, rounds, per_round)
+    res["median_ms"] = {k: round(statistics.median(v), 4) for k, v in times.items()}
+    return res
+
+
 def cold_build(tmp: str) -> dict[str, Any]:
     """g.build(cuda:0) of a conv graph in two fresh processes sharing a cache directory, the
     first graph's time split into its parts: importing cuDNN's frontend, the handle, an
@@ -604,6 +641,7 @@ def main() -> None:
     ap.add_argument("--png", default="")
     ap.add_argument("--cold", default="", help="a directory for the cold-build check (two fresh processes)")
     ap.add_argument("--overhead", action="store_true", help="host us per call of each way of calling (tiny conv)")
+    ap.add_argument("--erf-ab", action="store_true", help="layernorm+GELU with GELU's polynomial CDF vs libdevice erf")
     args = ap.parse_args()
     import torch
 
@@ -613,6 +651,9 @@ def main() -> None:
     if args.overhead:
         ov = overhead()
         print(json.dumps(ov, indent=1), flush=True)
+    if args.erf_ab:
+        ab = gelu_erf_ab(max(args.rounds, 7), args.per_round)
+        print(json.dumps(ab, indent=1), flush=True)
     for case in cases(args.group):
         if args.only and not any(s in case.name for s in args.only.split(",")):
             continue
@@ -630,6 +671,8 @@ def main() -> None:
     doc: dict[str, Any] = {"gpu": gpu, "torch": torch.__version__, "command": " ".join(sys.argv), "cases": results}
     if args.overhead:
         doc["overhead_us"] = ov
+    if args.erf_ab:
+        doc["gelu_erf_ab"] = ab
     try:
         from fusegraph.engines.registry import REGISTRY
 
