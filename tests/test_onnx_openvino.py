@@ -23,6 +23,8 @@ import fusegraph.onnx.session as session_module
 from fusegraph.onnx import background, direct, floor, openvino_runner
 from fusegraph.onnx.openvino_runner import OpenVinoRunner, OpenVinoUnavailable
 from fusegraph.onnx.options import ProviderOptions
+from fusegraph.onnx.session import session_handle
+from fusegraph.select.device_id import device_id
 
 HAVE_OV = importlib.util.find_spec("openvino") is not None
 needs_ov = pytest.mark.skipif(not HAVE_OV, reason="openvino is not installed (the openvino extra)")
@@ -283,13 +285,7 @@ def test_openvino_in_a_session_agrees(rng: np.random.Generator, tmp_path: Path, 
     assert list((tmp_path / openvino_runner.CACHE_SUBDIR).iterdir()), "OpenVINO's compiled model is cached"
 
 
-@needs_ov
-def test_background_verdict_for_openvino_switches_the_running_session(
-    rng: np.random.Generator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    model = _chain(rng)
-    won = floor.Verdict(False, 0.5, 1.0, "cached", "", "openvino", ("OpenVINO 0.500 ms vs ONNX Runtime 1.000 ms",))
-
+def _finished(tmp_path: Path, won: floor.Verdict) -> Any:
     class Finished:
         log_path = tmp_path / "fake.log"
 
@@ -305,13 +301,55 @@ def test_background_verdict_for_openvino_switches_the_running_session(
         def describe(self) -> str:
             return "finished"
 
-    monkeypatch.setattr(background, "launch", lambda *a: Finished())
+    return Finished()
+
+
+@needs_ov
+def test_background_verdict_for_openvino_switches_the_running_session(
+    rng: np.random.Generator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = _chain(rng)
+    won = floor.Verdict(False, 0.5, 1.0, "cached", "", "openvino", ("OpenVINO 0.500 ms vs ONNX Runtime 1.000 ms",))
+    monkeypatch.setattr(background, "launch", lambda *a: _finished(tmp_path, won))
     sess = _session(model, tmp_path, floor_mode="background", runners="openvino")
     assert sess._direct is not None and isinstance(sess._direct.runner, direct.OrtRunner)  # meanwhile
     assert sess.wait_for_evaluation(timeout=120)
     assert sess._direct is not None and isinstance(sess._direct.runner, OpenVinoRunner)
     assert [s.kind for s in sess.partition_report().subgraphs] == ["openvino"]
     _agrees(sess, model, rng)
+
+
+def test_background_child_records_a_runner_and_warm_sessions_open_it_without_parsing(
+    rng: np.random.Generator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The real child (python -m fusegraph.onnx.evaluate) measures the whole-model runners too;
+    its verdict (whichever way its timing came out) is recorded with every runner's line, and
+    a later session follows it without parsing the model where it names ONNX Runtime."""
+    model = _chain(rng)
+    path = tmp_path / "chain.onnx"
+    onnx.save(model, path)
+    sess = _session(model, tmp_path, floor_mode="background", runners="ort-nospin")  # bytes
+    assert sess.wait_for_evaluation(timeout=300), "the background evaluation did not finish in 300 s"
+    verdict = sess._direct.verdict if sess._direct is not None else None
+    assert verdict is not None and len(verdict.candidates) == 1, verdict
+    assert "ONNX Runtime without spinning" in verdict.candidates[0] and "vs ONNX Runtime" in verdict.candidates[0]
+    _agrees(sess, model, rng)
+    # A recorded verdict naming ORT without spinning: the warm session opens it directly.
+    won = floor.Verdict(False, 0.6, 1.0, "measured", "", "ort-nospin", ("ONNX Runtime without spinning 0.600 ms ...",))
+    source = background.source_of(str(path))
+    assert source is not None
+    opts = ProviderOptions.parse({"engine": "reference", "torch_mlir_tier": "off", "op_types_to_exclude": "Neg",
+                                  "floor": "on", "floor_mode": "background", "runners": "ort-nospin",
+                                  "cache_dir": str(tmp_path)})
+    cache = floor.cache_for(opts, device_id(session_handle(opts)))
+    cache.record(source.content, won)
+    cache.flush()
+    warm = fgo.InferenceSession(str(path), providers=[(fgo.PROVIDER, opts.as_strings()), "CPUExecutionProvider"])
+    assert warm._direct is not None and warm._direct.evaluation is None and warm._model_value is None
+    assert isinstance(warm._direct.runner, direct.OrtRunner) and warm._direct.runner.name == "ort-nospin"
+    _agrees(warm, model, rng)
+    rep = warm.partition_report()
+    assert [s.kind for s in rep.subgraphs] == ["ort-nospin"] and "(cached)" in rep.floor
 
 
 @pytest.mark.parametrize(("raw", "want"), [("auto", "auto"), ("", "auto"), ("on", "auto"), ("off", "off"), ("0", "off"),

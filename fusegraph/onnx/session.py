@@ -322,13 +322,20 @@ class InferenceSession:
         is not known yet (then measured in the background); False: build fusegraph's plan."""
         cache = floor.cache_for(self._opts, device_id(self._handle))
         known = cache.lookup(source.content)
-        if known is not None and (known.keep or known.runner):
+        if known is not None and (known.keep or known.runner == "openvino"):
             self._runners = known if known.runner else None
-            return False  # fusegraph's plan or another runner won: made from the caches
+            return False  # fusegraph's plan or OpenVINO won: made from the caches (the model parsed)
         if known is None:
             _ = self._model  # checked (typed errors for a malformed model) before anything else reads it
         try:
-            sess = ort.InferenceSession(source.ort_model, sess_options=self._sess_options, providers=self._ort_providers)
+            if known is not None and known.runner:  # another ONNX Runtime configuration won
+                runner = make_runner(known.runner, source.ort_model, {}, self._sess_options, self._ort_providers,
+                                     self._opts.cache_dir)
+                assert isinstance(runner, OrtRunner)
+                sess = runner.session
+            else:
+                sess = ort.InferenceSession(source.ort_model, sess_options=self._sess_options, providers=self._ort_providers)
+                runner = OrtRunner(sess)
         except Exception as exc:  # what ONNX Runtime refuses whole, the plan may still run in parts
             log.info("ONNX Runtime could not open the whole model (%s): building the plan", _first_line(exc))
             return False
@@ -342,13 +349,13 @@ class InferenceSession:
         self._output_names = [o.name for o in self._outputs]
         self._output_set = frozenset(self._output_names)
         evaluation = background.launch(source, self._opts, cache) if known is None else None
-        self._direct = DirectOrt(OrtRunner(sess), known, evaluation)
+        self._direct = DirectOrt(runner, known, evaluation)
         return True
 
     def _open_runner(self) -> bool:
-        """Where the model's background verdict named another whole-model runner: that runner,
-        made at once (OpenVINO loads its compiled model from the cache); False where there is
-        none or it fails to start (then fusegraph's plan is built and decides again)."""
+        """Where the model's background verdict named OpenVINO: its runner, made at once (it
+        loads its compiled model from the cache); False where there is none or it fails to
+        start (then fusegraph's plan is built and decides again)."""
         known = self._runners
         if known is None or not known.runner:
             return False
