@@ -350,6 +350,15 @@ def test_background_child_records_a_runner_and_warm_sessions_open_it_without_par
     _agrees(warm, model, rng)
     rep = warm.partition_report()
     assert [s.kind for s in rep.subgraphs] == ["ort-nospin"] and "(cached)" in rep.floor
+    # The child never sees the caller's session options: where the caller gave some, they stand.
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = 1
+    mine = fgo.InferenceSession(str(path), sess_options=so,
+                                providers=[(fgo.PROVIDER, opts.as_strings()), "CPUExecutionProvider"])
+    assert mine._direct is not None and mine._direct.runner.name == "onnxruntime"
+    assert mine._direct.verdict is not None and "session options stand" in mine._direct.verdict.why
+    assert [s.kind for s in mine.partition_report().subgraphs] == ["onnxruntime"]
+    _agrees(mine, model, rng)
 
 
 @pytest.mark.parametrize(("raw", "want"), [("auto", "auto"), ("", "auto"), ("on", "auto"), ("off", "off"), ("0", "off"),

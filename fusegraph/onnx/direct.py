@@ -62,6 +62,13 @@ def make_runner(name: str, model: str | bytes, shapes: Mapping[str, Sequence[int
     raise ValueError(f"unknown whole-model runner {name!r} (known: {sorted(floor.RUNNERS)})")
 
 
+def allowed(name: str, sess_options: Any) -> bool:
+    """Whether runner ``name`` may run a session with the caller's ``sess_options``: another
+    ONNX Runtime configuration only where the caller gave none (a verdict recorded by the
+    background child, which never sees them, must not override the caller's choice)."""
+    return not (name.startswith("ort-") and sess_options is not None)
+
+
 def runner_label(runner: Any) -> str:
     name = getattr(runner, "name", "onnxruntime")
     return str(floor.RUNNERS.get(name, "ONNX Runtime"))
@@ -137,6 +144,10 @@ class DirectOrt:
         self.evaluation = None
         self.verdict = verdict
         log.info("background evaluation of %s: %s", sess._model_name, verdict.describe())
+        if verdict.runner and not allowed(verdict.runner, sess._sess_options):
+            verdict = dataclasses.replace(verdict, runner="", why=f"{floor.RUNNERS[verdict.runner]} won, but the "
+                                          "caller's session options stand")
+            self.verdict = verdict
         if verdict.keep or verdict.runner:  # build the winner off the caller's thread
             self._builder = threading.Thread(target=self._build, args=(sess, verdict), name="fusegraph-plan", daemon=True)
             self._builder.start()
@@ -222,7 +233,7 @@ def choose_whole_runner(sess: InferenceSession, plan: SessionPlan) -> tuple[Dire
     the verdict with every candidate's line, or None where nothing was measured). Cached
     like the floor's verdicts, under the plan's whole-model key."""
     opts = sess._opts
-    names = [n for n in opts.runner_candidates() if n != "ort-nospin" or sess._sess_options is None]
+    names = [n for n in opts.runner_candidates() if allowed(n, sess._sess_options)]
     if not names or plan.floor_budget <= 0 or opts.lazy_compile or opts.device != "cpu":
         return None, None
     cache = plan._verdict_cache()
@@ -236,7 +247,7 @@ def choose_whole_runner(sess: InferenceSession, plan: SessionPlan) -> tuple[Dire
         runner, known = measured
         cache.record(content, known)
         cache.flush()
-    if not known.runner:
+    if not known.runner or not allowed(known.runner, sess._sess_options):
         return None, known
     try:
         runner = runner or sess._make_runner(known.runner)
