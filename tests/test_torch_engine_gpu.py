@@ -180,11 +180,11 @@ def test_cuda_graph_knob_off_runs_eagerly(rng: np.random.Generator) -> None:
 
 
 @pytest.mark.parametrize("config", [EngineConfig("torch", (("cuda_graph", False),)), EngineConfig("torch", (("cuda_graph", True),))])
-def test_lean_call_writes_given_outputs_in_place(config: EngineConfig, rng: np.random.Generator) -> None:
+def test_given_outputs_are_written_in_place(config: EngineConfig, rng: np.random.Generator) -> None:
     """Device tensors in and every output given (the cuDNN frontend's way of calling): the
-    lean call writes the results into the given tensors -- contiguous or not -- and returns
-    {}; a given output of the wrong dtype goes to the general path, which names it."""
-    g = fg.Graph("lean_given", io_data_type=DT.HALF, intermediate_data_type=DT.FLOAT, compute_data_type=DT.FLOAT)
+    results are written into the given tensors -- contiguous or not -- and nothing is
+    returned; a given output of the wrong dtype or device is refused, naming it."""
+    g = fg.Graph("given_out", io_data_type=DT.HALF, intermediate_data_type=DT.FLOAT, compute_data_type=DT.FLOAT)
     x, z = g.tensor("x", [64, 64]), g.tensor("z", [64, 64])
     g.relu(g.tanh(g.add(x, z))).set_output(True).set_name("y")
     g.validate()
@@ -192,13 +192,14 @@ def test_lean_call_writes_given_outputs_in_place(config: EngineConfig, rng: np.r
     pack = random_inputs(g, rng)
     ref = g.execute(pack, engine="reference")["y"]
     dev = plan.stage(pack)
-    plan.execute(dev)  # a CUDA graph is captured by the first (general) call
+    plan.execute(dev)  # a CUDA graph is captured by the first call
     for given in (torch.empty(64, 64, dtype=torch.float16, device="cuda"),
                   torch.empty(64, 64, dtype=torch.float16, device="cuda").t()):  # transposed strides
         given.fill_(float("nan"))
-        assert plan._run_lean({**dev, "y": given}) == {}  # type: ignore[attr-defined]
+        assert plan.execute({**dev, "y": given}) == {}
         torch.cuda.synchronize()
         assert rel_error(given.float().cpu().numpy(), ref) <= 1e-2
     with pytest.raises(fg.errors.VariantPackError, match="tensor 'y'"):
         plan.execute({**dev, "y": torch.empty(64, 64, dtype=torch.float32, device="cuda")})
-    assert plan._run_lean({**dev, "y": torch.empty(64, 64, dtype=torch.float16)}) is None  # type: ignore[attr-defined]  # a host output
+    with pytest.raises(fg.errors.VariantPackError, match="tensor 'y'"):
+        plan.execute({**dev, "y": torch.empty(64, 64, dtype=torch.float16)})  # a host output

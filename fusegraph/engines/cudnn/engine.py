@@ -55,8 +55,6 @@ class CudnnEngine:
         self._lib_error: str | None = None
         self._runtime: Support | None = None
         self._handles: dict[int, Any] = {}
-        # the stream each GPU's handle was last given by a plan (plans skip setting it again)
-        self._streams: dict[int, list[int | None]] = {}
         self._verdicts: dict[tuple[str, str], tuple[Support, int]] = {}
         self._ready: dict[tuple[str, str], Any] = {}  # built by supports(), taken by build()
         self._loaded: dict[tuple[str, str], CudnnPlan] = {}  # loaded from the store by supports()
@@ -140,14 +138,6 @@ class CudnnEngine:
                 with torch.cuda.device(index):
                     h = self._handles[index] = cudnn.create_handle()
             return h
-
-    def stream_cell(self, index: int) -> list[int | None]:
-        """The raw CUDA stream the GPU's cuDNN handle was last set to, shared by every plan
-        of this engine on that GPU: a plan sets the stream only when the caller's current
-        one differs (cudnn.set_stream is a pybind call and cudnnSetStream per launch; the
-        handle is this engine's, and only its plans set a stream on it)."""
-        with self._lock:
-            return self._streams.setdefault(index, [None])
 
     # ---- support ----------------------------------------------------------------------------------
     def _device_support(self, handle: Handle) -> Support:
@@ -297,8 +287,7 @@ class CudnnEngine:
             raise CompileError(f"cuDNN could not build a plan for graph '{graph.name}' ({config}): {_message(exc)}",
                                diagnostic=str(exc)) from exc
         plan = CudnnPlan(graph, handle, config, cudnn=cudnn, torch=torch, cudnn_handle=self.cudnn_handle(handle.device.index),
-                         cudnn_graph=g, binding=lower.binding(graph), plan_name=_plan_name(g),
-                         stream_cell=self.stream_cell(handle.device.index))
+                         cudnn_graph=g, binding=lower.binding(graph), plan_name=_plan_name(g))
         plan.plan_count = count
         blob = plan.serialize()
         if blob is not None:
@@ -316,8 +305,7 @@ class CudnnEngine:
             g = cudnn.pygraph(handle=h)
             g.deserialize(h, blob)
         plan = CudnnPlan(graph, handle, config, cudnn=cudnn, torch=torch, cudnn_handle=h, cudnn_graph=g,
-                         binding=lower.binding(graph), plan_name=str(head.get("plan_name", "")), loaded=True,
-                         stream_cell=self.stream_cell(handle.device.index))
+                         binding=lower.binding(graph), plan_name=str(head.get("plan_name", "")), loaded=True)
         plan.plan_count = int(head.get("plan_count", 0))
         return plan
 
