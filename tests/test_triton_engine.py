@@ -158,6 +158,42 @@ def _mul(a, b):
 
 
 @triton.jit
+def fg_row_kernel(p0, p1, p2, p3):
+    pid = tl.program_id(0)
+    c = tl.arange(0, BLOCK)[None, :]
+    cm = c < 96
+    v0 = tl.load(p1 + c * 1, mask=cm, other=0.0)  # scale
+    v1 = tl.load(p2 + c * 1, mask=cm, other=0.0)  # bias
+    r = (pid * ROWS + tl.arange(0, ROWS))[:, None]
+    v2 = tl.load(p0 + r * 96 + c * 1, mask=cm, other=0.0).to(tl.float32)  # x
+    # layernorm_0: layernorm
+    v4_mean = tl.sum(tl.where(cm, v2, 0.0), 1)[:, None] / 96.0
+    v4_d = tl.where(cm, v2 - v4_mean, 0.0)
+    v4_inv = 1.0 / tl.sqrt_rn(tl.sum(v4_d * v4_d, 1)[:, None] / 96.0 + 9.999999747378752e-06)
+    v4 = v4_d * v4_inv * v0.to(tl.float32) + v1.to(tl.float32)
+    # pointwise_0: pointwise
+    v5 = (0.5 * v4 * (1.0 + tl.erf(v4 * 0.7071067811865476)))
+    tl.store(p3 + r * 96 + c * 1, tl.broadcast_to(v5, [ROWS, BLOCK]).to(tl.float16), mask=cm)  # pointwise_0::y
+'''
+
+
+# the same graph with gelu_cdf="poly": the helper, and GELU through it
+GOLDEN_POLY = '''\
+# fusegraph row kernel for graph 'ln_gelu_half': 64 rows x 96 columns
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice  # noqa: F401
+
+ROWS = tl.constexpr(4)
+BLOCK = tl.constexpr(128)
+
+
+@triton.jit
+def _mul(a, b):
+    return a * b
+
+
+@triton.jit
 def _gelu_cdf(x):
     z = tl.abs(x) * 0.7071067811865476
     zc = tl.minimum(z, 4.2)
@@ -187,7 +223,42 @@ def fg_row_kernel(p0, p1, p2, p3):
 
 def test_golden_kernel_text() -> None:
     g = ln_gelu().validate()
-    assert kernel_source(g, analyze(g), 4) == GOLDEN
+    assert kernel_source(g, analyze(g), 4) == GOLDEN  # the default: libdevice's erf
+    assert kernel_source(g, analyze(g), 4, "erf") == GOLDEN
+    assert kernel_source(g, analyze(g), 4, "poly") == GOLDEN_POLY
+
+
+def test_gelu_cdf_knob_only_where_gelu_is() -> None:
+    """The ``gelu_cdf`` knob is offered for graphs with GELU forward or backward (elsewhere
+    it would not change the kernel, and autotuning would time it for nothing), defaults to
+    libdevice's erf, and comes last so the capped product of knob settings tries both forms
+    at the default tiling; "poly" leaves a kernel without GELU as it was; other values are
+    refused."""
+    from fusegraph.engines.base import knob_values
+    from fusegraph.select.heuristics import knob_configs
+
+    g = ln_gelu().validate()
+    knobs = ENGINE.knobs(g, GPU)
+    assert [k.name for k in knobs] == ["rows_per_program", "num_warps", "gelu_cdf"]
+    assert knobs[-1].default == "erf" and knobs[-1].choices == ("erf", "poly")
+    assert knob_values("triton", knobs, EngineConfig("triton"))["gelu_cdf"] == "erf"
+    with pytest.raises(ValueError, match="gelu_cdf"):
+        knob_values("triton", knobs, EngineConfig("triton", (("gelu_cdf", "tanh"),)))
+    combos = knob_configs(knobs)
+    assert combos[0] == () and combos[1] == (("gelu_cdf", "poly"),)
+    sm = softmax_graph().validate()
+    assert "gelu_cdf" not in [k.name for k in ENGINE.knobs(sm, GPU)]
+    assert kernel_source(sm, analyze(sm), 4, "poly") == kernel_source(sm, analyze(sm), 4)
+    bwd = _g("gelu_bwd", DT.FLOAT)
+    dy, x = bwd.tensor("dy", [64, 96]), bwd.tensor("x", [64, 96])
+    bwd.softmax(bwd.gelu_backward(dy, x), -1).set_output(True)
+    bwd.validate()
+    assert "gelu_cdf" in [k.name for k in ENGINE.knobs(bwd, GPU)]
+    erf, poly = kernel_source(bwd, analyze(bwd), 4), kernel_source(bwd, analyze(bwd), 4, "poly")
+    assert "tl.erf(" in erf and "_gelu_cdf" not in erf
+    assert "tl.erf(" not in poly and "def _gelu_cdf(x):" in poly and "_gelu_cdf(v" in poly
+    with pytest.raises(ValueError, match="gelu_cdf"):
+        kernel_source(g, analyze(g), 4, "tanh")
 
 
 def test_gelu_cdf_polynomial_is_f32_accurate() -> None:
@@ -337,9 +408,9 @@ def test_max_reduction_keeps_nan(rng: np.random.Generator) -> None:
 
 @pytest.mark.gpu
 def test_gelu_on_a_dense_grid_against_float64() -> None:
-    """GELU's polynomial CDF on the GPU (codegen.gelu_cdf_source): a dense f32 grid over
-    [-12, 12], far-out values and inf/NaN, against float64 -- the f32 accuracy the CPU test
-    emulates, with room for ex2.approx."""
+    """GELU's polynomial CDF on the GPU (gelu_cdf="poly", codegen.gelu_cdf_source): a dense
+    f32 grid over [-12, 12], far-out values and inf/NaN, against float64 -- the f32 accuracy
+    the CPU test emulates, with room for ex2.approx."""
     import torch
 
     _needs_triton()
@@ -348,7 +419,8 @@ def test_gelu_on_a_dense_grid_against_float64() -> None:
     g.gelu(x).set_output(True)
     g.reduction(x, ReductionMode.MAX, [512, 1]).set_output(True)  # a row op: what makes it a row graph
     g.validate()
-    plan = ENGINE.build(g, GPU)
+    plan = ENGINE.build(g, GPU, EngineConfig("triton", (("gelu_cdf", "poly"),)))
+    assert "_gelu_cdf" in plan.source.read_text()
     grid = torch.linspace(-12, 12, 512 * 4096 - 8, dtype=torch.float64, device="cuda")
     far = torch.tensor([1e5, -1e5, 40.0, -40.0, 1e-30, -1e-30, float("inf"), float("nan")], dtype=torch.float64, device="cuda")
     xs = torch.cat([grid, far]).float()
@@ -368,6 +440,7 @@ def test_knob_settings_agree(rng: np.random.Generator) -> None:
     g = ln_gelu(DT.HALF, rows=100, cols=300)
     for rows, warps in ((1, 1), (2, 4), (8, 8), (16, 16)):
         _check(g, rng, 1e-2, EngineConfig("triton", (("rows_per_program", rows), ("num_warps", warps))))
+    _check(g, rng, 1e-2, EngineConfig("triton", (("gelu_cdf", "poly"),)))
     even = ln_gelu(DT.FLOAT, rows=1024, cols=64, stats=True)  # tiles cover the data exactly: no masks at all
     assert "mask" not in kernel_source(even.validate(), analyze(even), 8)
     _check(even, rng, 1e-4, EngineConfig("triton", (("rows_per_program", 8),)))

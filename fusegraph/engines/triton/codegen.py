@@ -78,7 +78,7 @@ POINTWISE_TRITON: dict[PointwiseMode, _Expr] = {
     ),
     M.TANH_FWD: lambda a, b, c, p: f"libdevice.tanh({a})",
     M.SIGMOID_FWD: lambda a, b, c, p: f"(1.0 / (1.0 + tl.exp(-{a})))",
-    M.GELU_FWD: lambda a, b, c, p: f"({a} * {GELU_CDF}({a}))",
+    M.GELU_FWD: lambda a, b, c, p: f"(0.5 * {a} * (1.0 + tl.erf({a} * 0.7071067811865476)))",
     M.GELU_APPROX_TANH_FWD: lambda a, b, c, p: (
         f"(0.5 * {a} * (1.0 + libdevice.tanh(0.7978845608028654 * ({a} + 0.044715 * {a} * {a} * {a}))))"
     ),
@@ -100,7 +100,7 @@ POINTWISE_TRITON: dict[PointwiseMode, _Expr] = {
     M.BINARY_SELECT: lambda a, b, c, p: f"tl.where({c}, {a}, {b})",
     M.RELU_BWD: lambda a, b, c, p: f"({a} * ({b} > {p('relu_lower_clip')}).to(tl.float32))",
     M.GELU_BWD: lambda a, b, c, p: (
-        f"({a} * ({GELU_CDF}({b}) + {b} * tl.exp(-0.5 * {b} * {b}) * 0.3989422804014327))"
+        f"({a} * (0.5 * (1.0 + tl.erf({b} * 0.7071067811865476)) + {b} * tl.exp(-0.5 * {b} * {b}) * 0.3989422804014327))"
     ),
     M.TANH_BWD: lambda a, b, c, p: f"({a} * (1.0 - libdevice.tanh({b}) * libdevice.tanh({b})))",
     M.SIGMOID_BWD: lambda a, b, c, p: f"({a} * (1.0 / (1.0 + tl.exp(-{b}))) * (1.0 - 1.0 / (1.0 + tl.exp(-{b}))))",
@@ -109,18 +109,23 @@ _BOOL_OUT = frozenset({M.CMP_EQ, M.CMP_NEQ, M.CMP_GT, M.CMP_GE, M.CMP_LT, M.CMP_
 _BOOL_IN = frozenset({M.LOGICAL_AND, M.LOGICAL_OR, M.LOGICAL_NOT})
 
 
-# GELU's normal CDF, 0.5 * (1 + erf(x / sqrt(2))), as erfc(|z|) / 2 = 2**P(|z|), one exp2:
-# P is a degree-7 polynomial fitted to log2(erfc(z) / 2) on z in [0, 4.2] (near-minimax in
-# the absolute error of 2**P; erfc < 3e-9 past 4.2 is taken as 0). The CDF is that
-# half-erfc for x < 0 (computed, not left to the cancellation in 1 + erf) and 1 minus it
-# for x >= 0. f32 evaluation (FMA, ex2.approx's 2^-22) on a dense grid of x in [-30, 30] and
+# GELU's normal CDF, 0.5 * (1 + erf(x / sqrt(2))), two ways (the triton engine's knob
+# ``gelu_cdf``): "erf" -- libdevice's erff through tl.erf, the form timed and validated on
+# the GPU and the default -- and "poly": erfc(|z|) / 2 = 2**P(|z|) with one exp2, P a
+# degree-7 polynomial fitted to log2(erfc(z) / 2) on z in [0, 4.2] (near-minimax in the
+# absolute error of 2**P; erfc < 3e-9 past 4.2 is taken as 0); the CDF is that half-erfc
+# for x < 0 (computed, not left to the cancellation in 1 + erf) and 1 minus it for x >= 0.
+# f32 evaluation (FMA, ex2.approx's 2^-22) on a dense grid of x in [-30, 30] and
 # +-1e-30..1e5 against float64: erf's error <= 3.7e-7 absolute, GELU's <= 1.65e-7 *
 # max(1, |x|) (torch's f32 GELU on libdevice erf: 1.06e-7); +-inf and NaN as the erf form
-# gives them (tests/test_triton_engine.py re-checks it, on the CPU and on the GPU). Why: on sm_90 libdevice's erff
-# (selected coefficients, both branches predicated) made GELU ~32 SASS instructions an
-# element, this ~15 -- arithmetic that layernorm+GELU 8192x4096 did not hide behind its
-# memory traffic (0.019 ms of 0.057 on the H200). The erf mode itself keeps libdevice's
-# erf: its relative accuracy near 0, which 1 - 2**P does not have.
+# gives them (tests/test_triton_engine.py re-checks it on the CPU, and on the GPU). Why
+# offer it: sm_90 SASS (Triton 3.6, compiled without a GPU) puts libdevice's erff at ~32
+# instructions an element of GELU and this at ~15, arithmetic that layernorm+GELU 8192x4096
+# did not hide behind its memory traffic (0.019 ms of 0.057 on the H200). Not yet timed on
+# a GPU, so not the default: autotuning times both and checks each against float64, and
+# ``bench_gpu.py --erf-ab`` measures the two side by side. The ERF pointwise mode itself
+# always keeps libdevice's erf (its relative accuracy near 0, which 1 - 2**P lacks).
+GELU_CDF_MODES = ("erf", "poly")
 GELU_CDF = "_gelu_cdf"
 GELU_CDF_Z = 4.2
 GELU_CDF_COEFFS = (
@@ -129,8 +134,22 @@ GELU_CDF_COEFFS = (
 )
 
 
+# the GELU modes' expressions with gelu_cdf="poly" (else POINTWISE_TRITON's erf forms)
+GELU_POLY: dict[PointwiseMode, _Expr] = {
+    M.GELU_FWD: lambda a, b, c, p: f"({a} * {GELU_CDF}({a}))",
+    M.GELU_BWD: lambda a, b, c, p: (
+        f"({a} * ({GELU_CDF}({b}) + {b} * tl.exp(-0.5 * {b} * {b}) * 0.3989422804014327))"
+    ),
+}
+
+
+def uses_gelu(rg: RowGraph) -> bool:
+    """Whether the row graph has a node the ``gelu_cdf`` knob changes (GELU forward or backward)."""
+    return any(isinstance(n.attrs, PointwiseAttrs) and n.attrs.mode in GELU_POLY for n in rg.order)
+
+
 def gelu_cdf_source() -> list[str]:
-    """The jitted helper's lines (emitted only into kernels that use GELU)."""
+    """The jitted helper's lines (emitted only into kernels built with gelu_cdf="poly" that use GELU)."""
     c = [repr(v) for v in GELU_CDF_COEFFS]
     horner = f"{c[-1]} * zc + {c[-2]}"
     for k in c[-3::-1]:
@@ -150,8 +169,9 @@ def block_of(cols: int) -> int:
 
 
 class _Writer:
-    def __init__(self, graph: Graph, rg: RowGraph, rows_per_program: int) -> None:
+    def __init__(self, graph: Graph, rg: RowGraph, rows_per_program: int, gelu_cdf: str = "erf") -> None:
         self.graph, self.rg, self.rows = graph, rg, rows_per_program
+        self.gelu_poly = gelu_cdf == "poly"
         self.lines: list[str] = []
         self.indent = "    "
         # Masks only where a tile can run past the data: none at all for a power-of-two row
@@ -246,7 +266,8 @@ class _Writer:
                 ops.append("")
             else:
                 ops.append(self.operand(t, as_bool=mode in _BOOL_IN or (mode == M.BINARY_SELECT and port == "c")))
-        text = POINTWISE_TRITON[mode](ops[0], ops[1], ops[2], lambda name: _lit(attrs.param(name)))
+        expr = GELU_POLY[mode] if self.gelu_poly and mode in GELU_POLY else POINTWISE_TRITON[mode]
+        text = expr(ops[0], ops[1], ops[2], lambda name: _lit(attrs.param(name)))
         y = n.outputs["y"]
         v = self.fresh(y)
         self.emit(f"{v} = {text}")
@@ -316,15 +337,18 @@ class _Writer:
         self.emit(f"{y} = {body}")
 
 
-def kernel_source(graph: Graph, rg: RowGraph, rows_per_program: int) -> str:
+def kernel_source(graph: Graph, rg: RowGraph, rows_per_program: int, gelu_cdf: str = "erf") -> str:
     """The module text: imports, helpers and ``fg_row_kernel(p0, p1, ...)`` (inputs in
     ``graph.inputs()`` order, then outputs), launched on ``ceil(rows / ROWS)`` programs.
+    ``gelu_cdf`` is one of GELU_CDF_MODES (see there).
 
     Every graph input is loaded at the top, so the latency of a norm's scale and bias
     overlaps the tile's main load instead of following its reductions. (Persistent
     programs looping over row tiles, loading those once, measured slower: 0.078 vs
     0.060 ms for layernorm+GELU 8192x4096 on the H200, too few loads in flight.)"""
-    w = _Writer(graph, rg, rows_per_program)
+    if gelu_cdf not in GELU_CDF_MODES:
+        raise ValueError(f"gelu_cdf must be one of {GELU_CDF_MODES}, got {gelu_cdf!r}")
+    w = _Writer(graph, rg, rows_per_program, gelu_cdf)
     block = block_of(rg.cols)
     wide = max([a.row_stride * (rg.rows - 1) + a.col_stride * (rg.cols - 1) for a in rg.access.values()] + [0]) >= 2**31 - 1
     inputs = graph.inputs()
@@ -364,7 +388,7 @@ def kernel_source(graph: Graph, rg: RowGraph, rows_per_program: int) -> str:
         "",
         "",
     ]
-    if any(isinstance(n.attrs, PointwiseAttrs) and n.attrs.mode in (M.GELU_FWD, M.GELU_BWD) for n in rg.order):
+    if w.gelu_poly and uses_gelu(rg):
         head += [*gelu_cdf_source(), "", ""]
     head += [
         "@triton.jit",

@@ -53,7 +53,8 @@ def default_tiling(rows: int, cols: int) -> tuple[int, int]:
 
 
 class TritonEngine:
-    """See the module docstring; knobs: ``rows_per_program`` and ``num_warps``."""
+    """See the module docstring; knobs: ``rows_per_program``, ``num_warps`` and, for graphs
+    with GELU, ``gelu_cdf`` (codegen.GELU_CDF_MODES: libdevice's erf by default)."""
 
     name = "triton"
 
@@ -114,7 +115,7 @@ class TritonEngine:
         return Support.yes()
 
     def knobs(self, graph: Graph, handle: Handle) -> Sequence[Knob]:
-        from fusegraph.engines.triton.codegen import block_of
+        from fusegraph.engines.triton.codegen import GELU_CDF_MODES, block_of, uses_gelu
         from fusegraph.engines.triton.rows import Refusal, analyze
 
         try:
@@ -124,10 +125,16 @@ class TritonEngine:
         per, warps = default_tiling(rg.rows, rg.cols)
         block = block_of(rg.cols)
         rows = tuple(r for r in ROWS_CHOICES if r <= block_of(rg.rows) and r * block <= 4 * TILE_TARGET) or (1,)
-        return [
+        knobs = [
             Knob("rows_per_program", per, rows, description="rows each program holds in registers"),
             Knob("num_warps", warps, WARPS_CHOICES, description="warps per program"),
         ]
+        if uses_gelu(rg):  # offered only where it changes the kernel (autotuning times every setting)
+            # last: the varying knob of heuristics.knob_configs' product, so both forms are
+            # tried at each tiling before its cap on configurations is reached
+            knobs.append(Knob("gelu_cdf", GELU_CDF_MODES[0], GELU_CDF_MODES,
+                              description="GELU's normal CDF: libdevice erf, or a polynomial with one exp2 (not yet timed on a GPU)"))
+        return knobs
 
     def build(self, graph: Graph, handle: Handle, config: EngineConfig | None = None) -> Any:
         from fusegraph.engines.triton.codegen import kernel_source
@@ -145,7 +152,7 @@ class TritonEngine:
         config = config or EngineConfig(self.name)
         values = knob_values(self.name, self.knobs(graph, handle), config)
         per, warps = int(values["rows_per_program"]), int(values["num_warps"])
-        text = kernel_source(graph, rg, per)
+        text = kernel_source(graph, rg, per, str(values.get("gelu_cdf", "erf")))
         key = hashlib.sha256(f"{text}|{self.version}".encode()).hexdigest()[:24]
         path = _kernel_file(key, text)
         _, torch = self._load()
