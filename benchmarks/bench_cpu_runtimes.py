@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 PAUSE_S = 0.05
 WARM_S = 0.15
-CANDIDATES = ("ort", "ort_nospin", "ort_t1", "ov", "ov_t1", "ov_tput")
+CANDIDATES = ("ort", "ort_nospin", "ort_stopspin", "ort_t1", "ov", "ov_t1", "ov_tput")
 DEFAULT_MODELS = ("resnet18,resnet50,mobilenet_v2,mobilenet_v3_small,efficientnet_b0,convnext_tiny,"
                   "regnet_y_400mf,swin_t,timm_vit_tiny,hf_bert,hf_gpt2,hf_llama,hf_t5_encoder,nn_lstm_tagger")
 
@@ -65,6 +65,8 @@ def make(kind: str, path: str) -> Run:
         so = ort.SessionOptions()
         if kind == "ort_nospin":
             so.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        if kind == "ort_stopspin":  # spin within a run, stop at its end
+            so.add_session_config_entry("session.force_spinning_stop", "1")
         if kind == "ort_t1":
             so.intra_op_num_threads = 1
         sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])

@@ -579,13 +579,15 @@ def test_autotune_across_engines_is_recorded_and_reused(rng: np.random.Generator
     packing, and a later session rebuilds the winner without tuning."""
     model = conv_block(rng, bn=False)
     x = rng.standard_normal((2, 8, 6, 6)).astype(np.float32)
-    opts = {"autotune": "4", "cache_dir": str(tmp_path), "torch_mlir_tier": "off"}
+    # runners off: a whole-model runner measured faster would run both sessions instead (timing)
+    opts = {"autotune": "4", "cache_dir": str(tmp_path), "torch_mlir_tier": "off", "runners": "off"}
     tuned = fgo.InferenceSession(model.SerializeToString(), providers=[(fgo.PROVIDER, opts)])
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     _close(tuned.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], 1e-4)
     assert (tmp_path / "onnx-choices.json").is_file()
     engine = tuned.partition_report().subgraphs[0].engine
     again = fgo.InferenceSession(model.SerializeToString(),
-                                 providers=[(fgo.PROVIDER, {"cache_dir": str(tmp_path), "torch_mlir_tier": "off"})])
+                                 providers=[(fgo.PROVIDER, {"cache_dir": str(tmp_path), "torch_mlir_tier": "off",
+                                                            "runners": "off"})])
     assert again.partition_report().subgraphs[0].engine == engine
     _close(again.run(None, {"x": x})[0], ref.run(None, {"x": x})[0], 1e-4)

@@ -40,7 +40,7 @@ class OrtRunner:
         self.name = name
 
     def run(self, wanted: Sequence[str] | None, feed: Mapping[str, Any], run_options: Any = None) -> list[Any]:
-        return self.session.run(list(wanted) if wanted else None, dict(feed), run_options)  # type: ignore[no-any-return]
+        return self.session.run(wanted, feed, run_options)  # type: ignore[arg-type,no-any-return]
 
 
 def make_runner(name: str, model: str | bytes, shapes: Mapping[str, Sequence[int]], sess_options: Any,
