@@ -236,6 +236,7 @@ def test_a_faster_runner_runs_the_session_and_later_sessions_from_the_cache(
     assert [(s.kind, s.fusegraph_ms, s.ort_ms) for s in rep.subgraphs] == [("ort-nospin", 0.6, 1.0)]
     assert "whole model floor: on ONNX Runtime without spinning -- ONNX Runtime without spinning 0.600 ms" in rep.floor
     assert "whole-model runners" in str(rep) and "0.60x: faster" in rep.runners[0]
+    assert "the whole model on ONNX Runtime without spinning" in rep.summary()
     _agrees(sess, model, rng)
 
     fake_timer([])  # a later session decides from the cached verdicts: nothing timed

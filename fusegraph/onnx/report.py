@@ -79,10 +79,12 @@ class PartitionReport:
         tier = f", {self.tier_nodes} via torch-mlir tier" if self.tier_nodes else ""
         engines = collections.Counter(s.engine for s in self.subgraphs if s.kind == "fusegraph")
         ran = ", ".join(f"{k} x{v}" for k, v in sorted(engines.items()))
+        runner = [s.engine for s in self.subgraphs if s.kind not in ("fusegraph", "onnxruntime", "iree-onnx")]
+        whole = f"; the whole model on {runner[0]} (the floor's pick)" if runner else ""
         return (
             f"{self.fusegraph_nodes}/{self.running_nodes} non-constant nodes on fusegraph "
             f"({100 * self.coverage:.1f}%){tier}; {self.folded_nodes} folded at setup; "
-            f"subgraphs: {parts or 'none'}; engines that ran: {ran or 'none'}"
+            f"subgraphs: {parts or 'none'}; engines that ran: {ran or 'none'}{whole}"
         )
 
     def __str__(self) -> str:
