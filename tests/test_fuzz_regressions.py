@@ -735,3 +735,58 @@ def test_fuzz_batchnorm_mean_of_saturated_values_errs_by_its_conditioning(engine
     for name in ("y", "inv_var"):
         a, b = np.asarray(got[name], np.float64), ref[name]
         assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b), f"{engine}: {name}"
+
+
+def _matvec_of_elementwise_matrix(case: str) -> fg.Graph:
+    """A matrix-vector product whose matrix operand is computed by elementwise ops and stored
+    with its contraction axis outside (A [M, K] stored K-major, B [K, N] row-major)."""
+    io = DataType.HALF if case == "seed_234407" else DataType.FLOAT
+    g = fg.Graph(name=f"fuzz_matvec_{case}", io_data_type=io, intermediate_data_type=DataType.FLOAT,
+                 compute_data_type=DataType.FLOAT)
+    if case == "seed_234407":  # the fuzzer's graph, dead branches (sigmoid_bwd, log_softmax) kept
+        x = g.tensor("in1", [5, 8], [1, 5])
+        p = g.sub(g.tensor("in2", [1, 1]), x)
+        c = g.matmul(p, g.tensor("in3", [8, 1], [1, 8]))
+        g.softmax(g.tanh(c), axis=-1, log=True)
+        g.concatenate([g.sigmoid_backward(x, p), g.tensor("in4", [3, 8])], axis=0)
+        g.concatenate([p, g.tensor("in5", [5, 2]), c], axis=1).set_name("y").set_output(True)
+        return g
+    m, k, n = {"k1000": (4, 1000, 1), "vecmat_k1000": (1, 1000, 64), "n2": (5, 8, 2)}.get(case, (5, 8, 1))
+    if case in ("vecmat_row_major", "vecmat_n_major", "vecmat_k1000"):  # x[1, K] @ tanh(w)
+        t = g.tanh(g.tensor("w", [k, 5 if n == 1 else n], [1, k] if case == "vecmat_n_major" else None))
+        c = g.matmul(g.tensor("a", [1, k]), t)
+    else:
+        shape, strides = ([1, m, k], [m * k, 1, m]) if case == "batch1" else ([m, k], [1, m])
+        t = g.tanh(g.tensor("x", shape, None if case == "k_inner" else strides))
+        c = g.matmul(g.neg(t) if case == "siblings" else t, g.tensor("w", [*shape[:-2], k, n]))
+    c.set_name("c").set_output(True)
+    if case not in ("k1000", "vecmat_k1000"):  # the value shared with another reader
+        (g.exp(t) if case == "siblings" else g.neg(t)).set_name("q").set_output(True)
+    return g
+
+
+# Was a CompileError for valid graphs, with data tiling (fuzz seed 234407 of a local ~3,000-graph
+# run, f16 io: "'vector.store' op write affecting operations on global resources are restricted to
+# workgroup distributed contexts"). Minimized: a matvec (N = 1, or M = 1 for B) whose matrix is
+# computed by elementwise ops and stored K-outer; IREE 3.13 fused the elementwise work, the
+# matrix's pack and the matvec into one dispatch: with the value read elsewhere and M within one
+# tile, that read's store fell outside the distributed loops; with K >= 512 (no other reader
+# needed) "One or more operations with large vector sizes (16384 bytes) were found". The size-1
+# log_softmax and the sigmoid_bwd of the fuzz graph were bystanders (dead code). Fixed in
+# engines/iree/lower_matmul.py (_matvec_matrix_k_outer: the matrix is fenced). k_inner,
+# vecmat_n_major and n2 compiled before too (controls: no fence).
+@pytest.mark.parametrize("case", [
+    "seed_234407", "tanh_read_by_neg", "siblings", "batch1", "vecmat_row_major", "k1000", "vecmat_k1000",
+    "k_inner", "vecmat_n_major", "n2",
+])
+def test_fuzz_iree_matvec_of_an_elementwise_matrix_stored_k_outer(case: str, rng: np.random.Generator) -> None:
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.engines.iree import IreeEngine
+
+    g = _matvec_of_elementwise_matrix(case)
+    g.validate()
+    inputs = random_inputs(g, rng)
+    ref = g.execute(dict(inputs), engine="reference")
+    plan = IreeEngine().build(g, fg.Handle("cpu"), EngineConfig("iree", (("data_tiling", True),)))
+    err, why = compare(g, plan.execute(dict(inputs)), ref)
+    assert err <= tolerance(g), f"rel err {err:.3g} > {tolerance(g):g} {why}"

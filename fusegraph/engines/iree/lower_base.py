@@ -250,6 +250,8 @@ _ELEMENTWISE = frozenset({
     OpKind.CONCATENATE,
 })
 
+_ARITHMETIC = frozenset({OpKind.POINTWISE, OpKind.BATCHNORM_INFERENCE})
+
 
 def _stands_in(have: Sequence[int], dims: Sequence[int]) -> bool:
     """Whether ``have`` is ``dims`` with some axes at a broadcast stand-in size of 1."""
@@ -615,6 +617,16 @@ class Lowering:
                 for n in self.graph.nodes if n.kind in _CONTRACTIONS for u in n.inputs.values()
             ))
         return not self._packed_sources.isdisjoint(self._elementwise_sources(t))
+
+    def computed_elementwise(self, t: TensorAttr) -> bool:
+        """Whether ``t`` is computed by arithmetic elementwise ops (pointwise, an inference
+        batch norm), perhaps through views: work IREE fuses into the dispatch of whatever
+        reads ``t``. Views of graph inputs alone, and casts (which IREE clones into each
+        reader), are not."""
+        return any(
+            (n := self.producer(u)) is not None and n.kind in _ARITHMETIC
+            for u in self._tensors_through_elementwise(t, up=True)
+        )
 
     def beside_a_softmax(self, x: TensorAttr, y: TensorAttr) -> tuple[bool, bool]:
         """Whether a layer norm's input ``x`` is computed from a softmax, and whether its

@@ -41,6 +41,39 @@ def _operand(ctx: Lowering, t: TensorAttr, k_axis: int) -> Val:
     return v
 
 
+def _matvec_matrix_k_outer(ctx: Lowering, matrix: TensorAttr, k_axis: int, vector_width: int, rows: int) -> bool:
+    """Whether ``matrix``, the matrix operand of a matrix-vector product (``vector_width``, N
+    for A or M for B, is 1; ``rows``, the matrix's other axis, is not), is computed by
+    elementwise arithmetic and stored with its contraction axis ``k_axis`` outside (A [M, K]
+    stored K-major, B [K, N] stored row-major).
+
+    With data tiling, IREE 3.13 puts the elementwise work, the pack of the matrix (a
+    transpose of that order) and the matvec into one dispatch and its CPU code generation
+    fails on it in two ways, with the matrix stored K-innermost it compiles:
+
+    - the elementwise value also read by another node is stored from that dispatch, and
+      where the matvec's parallel extent fits one tile (M <= 8 on this CPU; the tile is the
+      target's) the store lies outside the distributed loops: "'vector.store' op write
+      affecting operations on global resources are restricted to workgroup distributed
+      contexts" (fuzz seed 234407: sub(s[1,1], x[5,8] K-major) @ w[8,1], the difference
+      also concatenated into the output; tanh(x) @ w read by a neg; x[1,8] @ tanh(w[8,5]));
+    - with K >= 512, whether or not the value is shared, the pack is vectorized whole:
+      "One or more operations with large vector sizes (16384 bytes) were found"
+      (tanh(x[4,1000] K-major) @ w[1000,1]; x[1,1000] @ tanh(w[1000,64]) row-major).
+
+    Fencing the matrix, in its logical order, writes it out before the matvec's dispatch
+    (one more write and read of the matrix; not where it is stored K-innermost, or comes from
+    a graph input) (tests/test_fuzz_regressions.py
+    test_fuzz_iree_matvec_of_an_elementwise_matrix_stored_k_outer)."""
+    if vector_width != 1 or rows <= 1:
+        return False
+    stored = ctx.values.get(id(matrix))
+    if not stored or not ctx.computed_elementwise(matrix):
+        return False
+    produced = next(iter(stored.values()))  # the order the producer wrote it in
+    return produced.perm[-1] != k_axis
+
+
 def lower_matmul(ctx: Lowering, node: Node) -> None:
     at, bt, ct_ = node.inputs["a"], node.inputs["b"], node.outputs["c"]
     ct = ctx.compute_type(node, at.dtype, bt.dtype)
@@ -70,7 +103,11 @@ def lower_matmul(ctx: Lowering, node: Node) -> None:
         # data tiling: layernorm (f16 io, f32 compute) -> [M, K] @ [K, 1]. Fencing A keeps
         # the norm in its own dispatch (test_fuzz_iree_matvec_with_narrow_weight_after_a_norm).
         a = ctx.fence(a)
+    elif _matvec_matrix_k_outer(ctx, at, len(at.shape) - 1, bt.shape[-1], at.shape[-2]):
+        a = ctx.fence(a)
     b = ctx.cast(_operand(ctx, bt, len(bt.shape) - 2), ct)
+    if _matvec_matrix_k_outer(ctx, bt, len(bt.shape) - 2, at.shape[-2], bt.shape[-1]):
+        b = ctx.fence(b)
     batch = broadcast_dims([a.shape[:-2], b.shape[:-2]]) if (a.rank > 2 or b.rank > 2) else ()
     assert batch is not None
     shape = (*batch, a.shape[-2], b.shape[-1])
