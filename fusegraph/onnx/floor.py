@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -52,6 +53,7 @@ UNITS_SHARE = 0.8  # of the budget, for the units; the rest for the whole-model 
 WHOLE_S = 3.0  # the most the whole-model comparison takes
 SMALL_CONSTANT = 64  # constants up to this many elements enter the content key by value
 RUNNER_WARM_S = 0.1  # each side's warm-up before a whole-model runner is timed
+BUSY_LOAD = 0.5  # run-queue length per usable core from which the machine counts as busy
 RUNNER_AGREE = 1e-4  # a whole-model runner further than this from ONNX Runtime (relative) is refused
 # Whole-model runners besides fusegraph's plan and the caller's ONNX Runtime session (the
 # incumbent, always a candidate): name -> label. Made by ``direct.make_runner``.
@@ -393,11 +395,28 @@ def _torch_version() -> str:
 def cache_for(opts: ProviderOptions, device: str) -> VerdictCache:
     """The verdict table under the settings that decide a verdict: one key for a session,
     its plan and its background evaluation."""
-    settings = {
+    settings: dict[str, Any] = {
         "engine": opts.engine or "auto", "channels_last": opts.channels_last,
         "autotune": opts.autotune > 0, "keep_below": KEEP_BELOW, "runners": ",".join(opts.runner_candidates()),
     }
+    if opts.runner_candidates():  # which runner wins depends on the load: one verdict per class
+        settings["load"] = opts.load if opts.load != "auto" else machine_load()
     return VerdictCache(opts.cache_dir, settings_key(device, settings))
+
+
+def machine_load() -> str:
+    """"busy" where the last minute's run queue (os.getloadavg) averages at least BUSY_LOAD
+    per usable core, else "quiet". A whole-model runner's verdict is only valid in the class
+    it was measured in: ONNX Runtime without spinning won 15 of 18 models beside other work
+    and loses ~10% on a quiet machine, so a verdict taken under load must not decide there.
+    The average counts the caller's own threads too (a spinning ORT pool among them)."""
+    from fusegraph.select.device_id import usable_cores
+
+    try:
+        per_core = os.getloadavg()[0] / max(usable_cores(), 1)
+    except OSError:  # no load average on this platform: taken as quiet
+        return "quiet"
+    return "busy" if per_core >= BUSY_LOAD else "quiet"
 
 
 # ---- the verdict table ------------------------------------------------------------------------

@@ -24,6 +24,11 @@ FLOOR_MODE_ENV = "FUSEGRAPH_FLOOR_MODE"  # the default of floor_mode (the test s
 # without spinning on 16 of 17 models, so it is opt-in (``runners=openvino``).
 RUNNER_NAMES = ("openvino", "ort-nospin")
 AUTO_RUNNERS = ("ort-nospin",)
+# The machine's load class, part of a whole-model runner's verdict key: which ONNX Runtime
+# configuration wins depends on it (without spinning: 0.62x the default beside other work,
+# 1.11x on a quiet machine; docs/models.md), so a verdict taken in one class never decides
+# for the other. "auto" reads it at session creation (floor.machine_load).
+LOADS = ("auto", "quiet", "busy")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,8 @@ class ProviderOptions:
     floor_mode: str = field(default_factory=lambda: _floor_mode(os.environ.get(FLOOR_MODE_ENV, "background")))
     # whole-model runners timed against ONNX Runtime with the floor: auto, off, or names (RUNNER_NAMES)
     runners: str = "auto"
+    # the load class whole-model runner verdicts are taken and looked up under: auto / quiet / busy
+    load: str = "auto"
 
     def runner_candidates(self) -> tuple[str, ...]:
         """The whole-model runners the floor measures (none with ``runners=off``)."""
@@ -109,6 +116,8 @@ class ProviderOptions:
             values["channels_last"] = _choice(raw["channels_last"], "channels_last", LAYOUTS)
         if "runners" in raw:
             values["runners"] = _runners(raw["runners"])
+        if "load" in raw:
+            values["load"] = _choice(raw["load"], "load", LOADS)
         return cls(**values)
 
     def as_strings(self) -> dict[str, str]:

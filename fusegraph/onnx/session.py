@@ -159,6 +159,9 @@ class InferenceSession:
         if kwargs:
             raise TypeError(f"InferenceSession got unexpected keyword argument(s) {sorted(kwargs)}")
         self._providers, self._opts, self._ort_providers = _parse_providers(providers, provider_options)
+        if self._opts.load == "auto" and self._opts.runner_candidates():
+            # read once: the session, its plan and its background child key runner verdicts alike
+            self._opts = dataclasses.replace(self._opts, load=floor.machine_load())
         self._enabled = PROVIDER in self._providers
         self._sess_options = sess_options
         self._model_name = (
