@@ -54,7 +54,7 @@ def test_every_cache_writer_in_the_source_is_a_listed_part() -> None:
 
 def test_part_paths_are_the_owners_constants() -> None:
     from fusegraph.engines.torch import frozen, onednn_graph
-    from fusegraph.onnx import choices, floor, torch_mlir_tier
+    from fusegraph.onnx import choices, floor, openvino_runner, torch_mlir_tier
     from fusegraph.runtime.cache_dir import cache_root
     from fusegraph.select import tuning_db
 
@@ -63,6 +63,7 @@ def test_part_paths_are_the_owners_constants() -> None:
     assert paths["onednn-graph"] == onednn_graph.VERDICTS and paths["torch-aoti"] == frozen.PACKAGES
     assert tuning_db.default_path().parent == cache_root() / paths["tuning"]
     assert torch_mlir_tier._cache_root(None) == cache_root() / paths["onnx-tier"]
+    assert paths["openvino"] == openvino_runner.CACHE_SUBDIR
 
 
 def test_list_shows_every_part_with_its_size(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
