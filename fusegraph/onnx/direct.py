@@ -69,6 +69,15 @@ def allowed(name: str, sess_options: Any) -> bool:
     return not (name.startswith("ort-") and sess_options is not None)
 
 
+def as_allowed(verdict: floor.Verdict, sess_options: Any) -> floor.Verdict:
+    """``verdict`` without its runner where the caller's ``sess_options`` rule that runner out
+    (``allowed``), saying why."""
+    if not verdict.runner or allowed(verdict.runner, sess_options):
+        return verdict
+    return dataclasses.replace(verdict, runner="", why=f"{floor.RUNNERS[verdict.runner]} won, but the "
+                               "caller's session options stand")
+
+
 def runner_label(runner: Any) -> str:
     name = getattr(runner, "name", "onnxruntime")
     return str(floor.RUNNERS.get(name, "ONNX Runtime"))
@@ -144,10 +153,7 @@ class DirectOrt:
         self.evaluation = None
         self.verdict = verdict
         log.info("background evaluation of %s: %s", sess._model_name, verdict.describe())
-        if verdict.runner and not allowed(verdict.runner, sess._sess_options):
-            verdict = dataclasses.replace(verdict, runner="", why=f"{floor.RUNNERS[verdict.runner]} won, but the "
-                                          "caller's session options stand")
-            self.verdict = verdict
+        verdict = self.verdict = as_allowed(verdict, sess._sess_options)
         if verdict.keep or verdict.runner:  # build the winner off the caller's thread
             self._builder = threading.Thread(target=self._build, args=(sess, verdict), name="fusegraph-plan", daemon=True)
             self._builder.start()

@@ -23,7 +23,7 @@ import onnxruntime as ort
 from onnx import helper
 
 from fusegraph.onnx import background, floor
-from fusegraph.onnx.direct import DirectOrt, OrtRunner, allowed, choose_whole_runner, make_runner
+from fusegraph.onnx.direct import DirectOrt, OrtRunner, as_allowed, choose_whole_runner, make_runner
 from fusegraph.onnx.iobinding import IOBinding, host_array
 from fusegraph.onnx.load import MIN_OPSET, _first_line, default_opset
 from fusegraph.onnx.memory import PeakMemory, measure_peak
@@ -325,9 +325,8 @@ class InferenceSession:
         is not known yet (then measured in the background); False: build fusegraph's plan."""
         cache = floor.cache_for(self._opts, device_id(self._handle))
         known = cache.lookup(source.content)
-        if known is not None and known.runner and not allowed(known.runner, self._sess_options):
-            known = dataclasses.replace(known, runner="", why="another ONNX Runtime configuration won, but the "
-                                        "caller's session options stand")
+        if known is not None:
+            known = as_allowed(known, self._sess_options)
         if known is not None and (known.keep or known.runner == "openvino"):
             self._runners = known if known.runner else None
             return False  # fusegraph's plan or OpenVINO won: made from the caches (the model parsed)
