@@ -426,7 +426,7 @@ def test_plan_indices_and_heuristic_modes(rng: np.random.Generator) -> None:
     _needs_cudnn()
     g = conv_graph(DT.HALF, "NHWC").validate()
     knobs = {k.name: k for k in ENGINE.knobs(g, GPU)}
-    assert set(knobs) == {"heur_mode", "plan_index"}
+    assert set(knobs) == {"cuda_graph", "heur_mode", "plan_index"}
     for idx in knobs["plan_index"].choices[:3]:
         _check(g, rng, 1e-2, EngineConfig("cudnn", (("plan_index", idx),)))
     _check(g, rng, 1e-2, EngineConfig("cudnn", (("heur_mode", "b"),)))
@@ -567,3 +567,86 @@ def test_dlpack_and_buffer_values(rng: np.random.Generator) -> None:
     res = plan.execute(bufs)[name]
     assert type(res).__name__ == "Buffer"
     assert rel_error(res.to_numpy(), ref) <= 1e-2
+
+
+def _fresh_inputs(g: fg.Graph, dev: dict[str, Any], rng: np.random.Generator) -> tuple[dict[str, Any], Any]:
+    """New random values written into the same device tensors, and the reference for them."""
+    import torch
+
+    pack = random_inputs(g, rng)
+    for t in g.inputs():
+        dev[t.name].copy_(torch.from_numpy(np.ascontiguousarray(pack[t.name]).view(np.int16)).view(torch.bfloat16)
+                          if t.dtype == DT.BFLOAT16 else torch.from_numpy(np.ascontiguousarray(pack[t.name])))
+    return pack, g.execute(pack, engine="reference")[g.outputs()[0].name]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("outputs", ["given", "allocated"])
+def test_cuda_graph_replays_read_each_calls_inputs(outputs: str, rng: np.random.Generator) -> None:
+    """The same pointers call after call on the default stream (inputs rewritten in place,
+    the output given -- or allocated where the last one was freed): after a few calls the
+    launch is replayed from a CUDA graph, and every call's result is that call's (the given
+    output is NaN-filled before each call, so a replay that wrote nothing would fail)."""
+    import torch
+
+    _needs_cudnn()
+    g = conv_graph(DT.HALF, "NHWC").validate()
+    plan = ENGINE.build(g, GPU)
+    name = g.outputs()[0].name
+    dev = plan.stage(random_inputs(g, rng))  # type: ignore[attr-defined]
+    given = torch.empty_strided(g.outputs()[0].shape, g.outputs()[0].strides, dtype=torch.float16, device="cuda")
+    assert torch.cuda.current_stream().cuda_stream == 0
+    for _ in range(8):
+        _, ref = _fresh_inputs(g, dev, rng)
+        if outputs == "given":
+            given.fill_(float("nan"))
+            assert plan.execute({**dev, name: given}) == {}
+            got = given.float().cpu().numpy()
+        else:
+            y = plan.execute(dev)[name]
+            got = y.float().cpu().numpy()
+            del y
+        assert rel_error(got, ref) <= 1e-2
+    raw = plan._raw  # type: ignore[attr-defined]
+    assert raw is not None and len(raw.graphs) >= 1, "the repeated pointers were never captured"
+    off = ENGINE.build(g, GPU, EngineConfig("cudnn", (("cuda_graph", "off"),)))
+    for _ in range(5):
+        off.execute({**dev, name: given})
+    assert not off._raw.graphs  # type: ignore[attr-defined]
+
+
+@pytest.mark.gpu
+def test_one_plan_from_threads_on_their_own_streams(rng: np.random.Generator) -> None:
+    """Four threads, each on its own CUDA stream with its own inputs, executing one plan at
+    once (the plan's workspace serves one stream; the others get one per call): every
+    result against the float64 reference."""
+    import threading
+
+    import torch
+
+    _needs_cudnn()
+    g = conv_graph(DT.HALF, "NHWC").validate()
+    plan = ENGINE.build(g, GPU)
+    name = g.outputs()[0].name
+    packs = [random_inputs(g, np.random.default_rng(100 + i)) for i in range(4)]
+    refs = [g.execute(p, engine="reference")[name] for p in packs]
+    devs = [plan.stage(p) for p in packs]  # type: ignore[attr-defined]
+    torch.cuda.synchronize()
+    errors: list[str] = []
+
+    def work(i: int) -> None:
+        stream = torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            outs = [plan.execute(devs[i])[name] for _ in range(10)]
+        stream.synchronize()
+        for o in outs:
+            err = rel_error(o.float().cpu().numpy(), refs[i])
+            if err > 1e-2:
+                errors.append(f"thread {i}: rel err {err}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

@@ -55,6 +55,7 @@ class CudnnEngine:
         self._lib_error: str | None = None
         self._runtime: Support | None = None
         self._handles: dict[int, Any] = {}
+        self._gates: dict[int, Any] = {}  # GPU index -> the HandleGate its plans share
         self._verdicts: dict[tuple[str, str], tuple[Support, int]] = {}
         self._ready: dict[tuple[str, str], Any] = {}  # built by supports(), taken by build()
         self._loaded: dict[tuple[str, str], CudnnPlan] = {}  # loaded from the store by supports()
@@ -138,6 +139,16 @@ class CudnnEngine:
                 with torch.cuda.device(index):
                     h = self._handles[index] = cudnn.create_handle()
             return h
+
+    def gate(self, index: int) -> Any:
+        """The lock and last-set stream that the plans on GPU ``index`` share with its handle."""
+        from fusegraph.engines.cudnn.plan import HandleGate
+
+        with self._lock:
+            g = self._gates.get(index)
+            if g is None:
+                g = self._gates[index] = HandleGate()
+            return g
 
     # ---- support ----------------------------------------------------------------------------------
     def _device_support(self, handle: Handle) -> Support:
@@ -225,7 +236,10 @@ class CudnnEngine:
         ok, count = self._verdict(graph, handle)
         if not ok:
             return []
-        out = [
+        out = [  # cuda_graph first: the autotuner's product varies it slowest (its "off" configs come last)
+            Knob("cuda_graph", "auto", choices=("auto", "off"),
+                 description="replay a captured launch when the default stream repeats the same pointers "
+                             "(saves cuDNN's ~10 us host launch; 'off': launch every call)"),
             Knob("heur_mode", "a", choices=HEUR_MODES, description="cuDNN's heuristic: A (fast), B (better, slower to ask), FALLBACK"),
             Knob("plan_index", 0, choices=tuple(range(max(1, min(count, MAX_PLAN_INDEX)))),
                  description="which of cuDNN's ranked execution plans (0: its first choice that builds)"),
@@ -252,6 +266,8 @@ class CudnnEngine:
         index = int(config.get("plan_index", 0))
         if mode not in HEUR_MODES:
             raise ValueError(f"cudnn knob 'heur_mode': {mode!r} not in {list(HEUR_MODES)}")
+        if str(config.get("cuda_graph", "auto")) not in ("auto", "off"):
+            raise ValueError(f"cudnn knob 'cuda_graph': {config.get('cuda_graph')!r} not in ['auto', 'off']")
         dev = self._device_support(handle)
         why = dev.reason if not dev else lower.refusal(graph)
         if why:
@@ -287,7 +303,8 @@ class CudnnEngine:
             raise CompileError(f"cuDNN could not build a plan for graph '{graph.name}' ({config}): {_message(exc)}",
                                diagnostic=str(exc)) from exc
         plan = CudnnPlan(graph, handle, config, cudnn=cudnn, torch=torch, cudnn_handle=self.cudnn_handle(handle.device.index),
-                         cudnn_graph=g, binding=lower.binding(graph), plan_name=_plan_name(g))
+                         cudnn_graph=g, binding=lower.binding(graph), plan_name=_plan_name(g),
+                         gate=self.gate(handle.device.index))
         plan.plan_count = count
         blob = plan.serialize()
         if blob is not None:
@@ -305,7 +322,8 @@ class CudnnEngine:
             g = cudnn.pygraph(handle=h)
             g.deserialize(h, blob)
         plan = CudnnPlan(graph, handle, config, cudnn=cudnn, torch=torch, cudnn_handle=h, cudnn_graph=g,
-                         binding=lower.binding(graph), plan_name=str(head.get("plan_name", "")), loaded=True)
+                         binding=lower.binding(graph), plan_name=str(head.get("plan_name", "")), loaded=True,
+                         gate=self.gate(handle.device.index))
         plan.plan_count = int(head.get("plan_count", 0))
         return plan
 

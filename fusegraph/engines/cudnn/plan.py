@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import struct
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +19,9 @@ from fusegraph.graph.graph import Graph
 from fusegraph.runtime.handle import Handle
 
 MAGIC = b"FGCUDNN1"
+log = logging.getLogger("fusegraph.engines.cudnn")
+# the cuda_graph knob's default: "auto" replays a captured launch for repeated pointers (see _RawLaunch)
+CUDA_GRAPH_DEFAULT = "auto"
 
 
 class CudnnPlan(CudaTensorPlan):
@@ -35,6 +40,7 @@ class CudnnPlan(CudaTensorPlan):
         binding: Binding,
         plan_name: str = "",
         loaded: bool = False,
+        gate: HandleGate | None = None,
     ) -> None:
         super().__init__(graph, handle, config, torch=torch)
         self._cudnn = cudnn
@@ -59,8 +65,17 @@ class CudnnPlan(CudaTensorPlan):
                 self._prep_bufs[uid] = torch.empty(p.dims, dtype=torch.float32, device=self.device)
         self._uid = binding.uids
         self._ordered: bool | None = None  # execute(..., tensor_uids=): decided on the first call
-        self._raw = _RawLaunch.make(cudnn_graph, cudnn_handle, binding, {**self._prep_bufs, **self._scalars})
+        self._home: int | None = None  # the public execute's first stream (the workspace's)
+        self._gate = gate if gate is not None else HandleGate()
+        self._raw = _RawLaunch.make(cudnn, torch, cudnn_graph, cudnn_handle, self._gate, binding,
+                                    {**self._prep_bufs, **self._scalars}, ws, self._ws_ptr, self.device,
+                                    graphs=str(config.get("cuda_graph", CUDA_GRAPH_DEFAULT)) == "auto")
         self.raw_launch = self._raw is not None  # the frontend's pointer-array entry (else its public execute)
+        slot = self._raw.slot if self._raw is not None else {}
+        self._fast_in = [(n, shape, strides, dt, slot.get(n, -1)) for n, shape, strides, dt in self._in_spec]
+        self._fast_out = [(n, shape, strides, dt, slot.get(n, -1)) for n, shape, strides, dt in self._out_spec]
+        self._n_in, self._n_out = len(self._in_spec), len(self._out_spec)
+        self._tensor = torch.Tensor
 
     @property
     def workspace_size(self) -> int:
@@ -77,16 +92,57 @@ class CudnnPlan(CudaTensorPlan):
             _fill_prep(self._torch, p, vals, self._prep_bufs[p.uid_a], self._prep_bufs[p.uid_b])
             self._prep_key[p.node] = key
 
+    def _execute_fast(self, pack: dict[Any, Any]) -> dict[str, Any] | None:
+        """The common call in one frame: torch CUDA tensors keyed by name in the declared
+        layouts, outputs all given or none, no batchnorm scale/shift to prepare. Each tensor
+        is checked (type, dtype, shape, strides, device) and its pointer put in its slot.
+        None sends anything else to the general path, which raises the precise error."""
+        raw = self._raw
+        if raw is None or self.binding.preps:
+            return super()._execute_fast(pack)
+        n = len(pack)
+        if n != self._n_in and n != self._n_in + self._n_out:
+            return None
+        tensor, index = self._tensor, self._index
+        ptrs = raw.template.copy()
+        for name, shape, strides, dt, slot in self._fast_in:
+            v: Any = pack.get(name)
+            if type(v) is not tensor or v.dtype is not dt or v.shape != shape or v.stride() != strides or not v.is_cuda or v.get_device() != index:
+                return None
+            ptrs[slot] = v.data_ptr()
+        results: dict[str, Any] = {}
+        if n == self._n_in:
+            empty, device = self._torch.empty_strided, self.device
+            for name, shape, strides, dt, slot in self._fast_out:
+                v = results[name] = empty(shape, strides, dtype=dt, device=device)
+                ptrs[slot] = v.data_ptr()
+        else:  # every output given: written in place, nothing returned
+            for name, shape, strides, dt, slot in self._fast_out:
+                v = pack.get(name)
+                if type(v) is not tensor or v.dtype is not dt or v.shape != shape or v.stride() != strides or not v.is_cuda or v.get_device() != index:
+                    return None
+                ptrs[slot] = v.data_ptr()
+        rs = self._raw_stream
+        try:
+            raw.run(ptrs, int(rs(index)) if rs is not None else self.current_stream())
+        except Exception as exc:
+            raise ExecutionError(f"cuDNN plan for graph '{self.graph.name}' failed: {type(exc).__name__}: {exc}") from exc
+        return results
+
     def _run(self, inputs: Mapping[str, Any], results: Mapping[str, Any]) -> None:
         cudnn = self._cudnn
         if self.binding.preps:
             self._prep(inputs)
         try:
             stream = self.current_stream()
-            if self._raw is not None:
-                self._raw.launch(cudnn, stream, inputs, results, self._ws_ptr)
+            raw = self._raw
+            if raw is not None:
+                ptrs = raw.template.copy()
+                for name, i in raw.slot.items():
+                    v = inputs.get(name)
+                    ptrs[i] = (v if v is not None else results[name]).data_ptr()
+                raw.run(ptrs, stream)
                 return
-            cudnn.set_stream(handle=self._h, stream=stream)
             uid = self._uid
             buffers = [*(inputs[n] for n in self._in), *(results[n] for n in self._out)]
             uids = [*(uid[n] for n in self._in), *(uid[n] for n in self._out)]
@@ -96,16 +152,26 @@ class CudnnPlan(CudaTensorPlan):
             for u, b in self._prep_bufs.items():
                 buffers.append(b)
                 uids.append(u)
-            if self._ordered is not False:
-                try:
-                    self._g.execute(tuple(buffers), self._ws, handle=self._h, tensor_uids=tuple(uids))
-                    self._ordered = True
-                    return
-                except (TypeError, ValueError, AttributeError):
-                    if self._ordered:
-                        raise
-                    self._ordered = False  # a frontend without the ordered form: the mapping form
-            self._g.execute(dict(zip(uids, buffers, strict=True)), self._ws, handle=self._h)
+            gate = self._gate
+            with gate.lock:
+                if self._home is None:
+                    self._home = stream
+            # the plan's workspace serves its first stream; another stream's call takes one
+            # from torch's caching allocator, reused only in that stream's order
+            ws = self._ws if stream == self._home else self._torch.empty(max(self._ws_size, 1), dtype=self._torch.uint8, device=self.device)
+            with gate.lock:  # the handle's stream, then the launch, as one step
+                cudnn.set_stream(handle=self._h, stream=stream)
+                gate.stream = stream
+                if self._ordered is not False:
+                    try:
+                        self._g.execute(tuple(buffers), ws, handle=self._h, tensor_uids=tuple(uids))
+                        self._ordered = True
+                        return
+                    except (TypeError, ValueError, AttributeError):
+                        if self._ordered:
+                            raise
+                        self._ordered = False  # a frontend without the ordered form: the mapping form
+                self._g.execute(dict(zip(uids, buffers, strict=True)), ws, handle=self._h)
         except VariantPackError:
             raise
         except Exception as exc:
@@ -149,23 +215,65 @@ def _fill_prep(torch: Any, p: Prep, vals: list[Any], a: Any, b: Any) -> None:
     b.copy_((bias - mean * inv).reshape(b.shape))
 
 
+class HandleGate:
+    """What the plans sharing one GPU's cuDNN handle must agree on: the handle's stream is
+    state (``cudnn.set_stream`` then the launch), so setting it and launching is one step
+    under ``lock``; ``stream`` is the raw stream the handle was last given, so a launch on
+    the same stream skips setting it again."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.stream: int | None = None
+
+
 class _RawLaunch:
     """The frontend's own launch entry, ``_execute_with_raw_ptrs``: a ``void*[]`` of device
     pointers in the backend's ascending-uid operand order, the workspace, the cuDNN handle
     and the plan index -- what its public ``execute`` reaches after normalizing a pack, minus
     the normalizing (fusegraph has checked every tensor already). Private API, so it is
-    looked up once per plan and the public ``execute`` is used where it is missing."""
+    looked up once per plan and the public ``execute`` is used where it is missing.
 
-    def __init__(self, lowered: Any, handle: Any, slots: list[tuple[str, int]], fixed: list[tuple[int, int]], n: int, index: int) -> None:
-        self._lowered, self._handle = lowered, handle
+    Calls from several threads and streams at once are safe: the pointer array is written
+    and read under the handle's lock (cuDNN copies it during the call), and the plan's own
+    workspace serves only its first stream -- a call on another stream takes a workspace
+    from torch's caching allocator for that call, which torch reuses only in that stream's
+    order.
+
+    **CUDA graphs** (``cuda_graph``): cuDNN's launch costs ~10 us of host time, which is the
+    whole of a small convolution's time when calls come back to back. When the default
+    stream sees the same pointers (the same input tensors, outputs allocated where the last
+    ones were freed, or given) three calls running, the launch is captured once into a
+    CUDA graph, and later calls with those pointers replay it (a few us). A replay does
+    what the launch would: the same kernels on the same addresses, the plan's constants and
+    workspace. At most ``MAX_GRAPHS`` per plan; a capture that fails turns graphs off for
+    the plan (logged)."""
+
+    MAX_GRAPHS = 4
+    REPEATS = 3
+
+    def __init__(self, cudnn: Any, torch: Any, lowered: Any, handle: Any, gate: HandleGate, slot: dict[str, int],
+                 template: list[int], index: int, ws_size: int, ws_ptr: int, device: Any, graphs: bool) -> None:
+        self._cudnn, self._torch, self._handle, self._gate = cudnn, torch, handle, gate
+        self._execute = lowered._execute_with_raw_ptrs
         self._backend = int(handle.backend_handle)
-        self._slots = slots  # (tensor name, slot) for inputs and outputs
-        self._fixed = fixed  # (slot, pointer) of the plan's own device buffers
-        self._n = n
+        self.slot = slot  # tensor name -> its slot, for inputs and outputs
+        self.template = template  # every slot, the plan's own buffers already in theirs
+        self._n = len(template)
+        self._arr = (ctypes.c_void_p * self._n)()
+        self._addr = ctypes.addressof(self._arr)
         self._index = index
+        self._ws_size, self._ws_ptr = ws_size, ws_ptr
+        self._device = device
+        self._home: int | None = None  # the first stream a call came on: its workspace is the plan's
+        self.graphs_on = graphs
+        self.graphs: dict[tuple[int, ...], Any] = {}
+        self._last: tuple[int, ...] | None = None
+        self._repeats = 0
+        self._side: Any = None
 
     @classmethod
-    def make(cls, g: Any, handle: Any, binding: Binding, own: Mapping[int, Any]) -> _RawLaunch | None:
+    def make(cls, cudnn: Any, torch: Any, g: Any, handle: Any, gate: HandleGate, binding: Binding, own: Mapping[int, Any],
+             ws_size: int, ws_ptr: int, device: Any, graphs: bool) -> _RawLaunch | None:
         """``own``: uid -> the plan's own buffers (device preps; host pass-by-value scalars,
         whose host pointer cuDNN reads at launch), listed where the backend asks for them."""
         try:
@@ -174,24 +282,80 @@ class _RawLaunch:
                 return None
             lowered._prepare_variant_pack_template()
             order = [int(u) for u in lowered._get_variant_pack_uids_sorted()]
-            slot = {u: i for i, u in enumerate(order)}
-            slots = [(name, slot[uid]) for name, uid in binding.uids.items()]
-            fixed = [(slot[uid], int(buf.data_ptr())) for uid, buf in own.items() if uid in slot]
-            if len(slots) + len(fixed) != len(order):
+            at = {u: i for i, u in enumerate(order)}
+            slot = {name: at[uid] for name, uid in binding.uids.items()}
+            template = [0] * len(order)
+            fixed = 0
+            for uid, buf in own.items():
+                if uid in at:
+                    template[at[uid]] = int(buf.data_ptr())
+                    fixed += 1
+            if len(slot) + fixed != len(order):
                 return None  # operands fusegraph does not know of: leave it to execute()
             plans = getattr(g, "_plans", None) or []
             idx = getattr(g, "_plan_index", 0)
             cpp = plans[idx].cpp_index if plans and 0 <= idx < len(plans) else None
-            return cls(lowered, handle, slots, fixed, len(order), -1 if cpp is None else int(cpp))
+            return cls(cudnn, torch, lowered, handle, gate, slot, template, -1 if cpp is None else int(cpp), ws_size, ws_ptr,
+                       device, graphs)
         except Exception:
             return None
 
-    def launch(self, cudnn: Any, stream: int, inputs: Mapping[str, Any], results: Mapping[str, Any], ws_ptr: int) -> None:
-        cudnn.set_stream(handle=self._handle, stream=stream)
-        ptrs = (ctypes.c_void_p * self._n)()
-        for name, i in self._slots:
-            v = inputs.get(name)
-            ptrs[i] = (v if v is not None else results[name]).data_ptr()
-        for i, p in self._fixed:
-            ptrs[i] = p
-        self._lowered._execute_with_raw_ptrs(ctypes.addressof(ptrs), self._n, ws_ptr, self._backend, self._index)
+    def run(self, ptrs: list[int], stream: int) -> None:
+        """Launches with ``ptrs`` (every slot filled) on ``stream``."""
+        home = self._home
+        if home is None:
+            with self._gate.lock:
+                home = self._home = self._home if self._home is not None else stream
+        tmp = None
+        if stream == home:
+            ws = self._ws_ptr
+            if self.graphs and stream == 0:
+                graph = self.graphs.get(tuple(ptrs))
+                if graph is not None:
+                    graph.replay()
+                    return
+        elif self._ws_size:  # another stream: a workspace for this call, in that stream's order
+            tmp = self._torch.empty(self._ws_size, dtype=self._torch.uint8, device=self._device)
+            ws = int(tmp.data_ptr())
+        else:
+            ws = 0
+        gate = self._gate
+        with gate.lock:
+            if gate.stream != stream:
+                self._cudnn.set_stream(handle=self._handle, stream=stream)
+                gate.stream = stream
+            self._arr[:] = ptrs  # type: ignore[assignment]
+            self._execute(self._addr, self._n, ws, self._backend, self._index)
+        if stream == 0 and stream == home and self.graphs_on:
+            self._note(tuple(ptrs))
+
+    def _note(self, key: tuple[int, ...]) -> None:
+        if key == self._last:
+            self._repeats += 1
+        else:
+            self._last, self._repeats = key, 1
+        if self._repeats == self.REPEATS and len(self.graphs) < self.MAX_GRAPHS and key not in self.graphs:
+            self._capture(key)
+
+    def _capture(self, key: tuple[int, ...]) -> None:
+        torch = self._torch
+        gate = self._gate
+        try:
+            if self._side is None:
+                self._side = torch.cuda.Stream(self._device)
+            graph = torch.cuda.CUDAGraph()
+            side = self._side
+            with gate.lock, torch.cuda.stream(side):
+                graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    self._cudnn.set_stream(handle=self._handle, stream=side.cuda_stream)
+                    gate.stream = side.cuda_stream
+                    self._arr[:] = list(key)
+                    self._execute(self._addr, self._n, self._ws_ptr, self._backend, self._index)
+                finally:
+                    graph.capture_end()
+        except Exception as exc:
+            self.graphs_on = False
+            log.info("cuDNN launch not captured into a CUDA graph (%s: %s); plain launches from now on", type(exc).__name__, exc)
+            return
+        self.graphs[key] = graph
