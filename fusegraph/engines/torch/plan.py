@@ -100,6 +100,13 @@ class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
         self._lean: list[tuple[Any, ...]] | None = None  # see _run_lean
         self._lean_fixed: list[Any] = []
         self._lean_slots: list[int] = []
+        self._lean_out: list[tuple[str, Any, Any]] = []  # outputs given to the lean call (GPU)
+        # The lean call on a GPU compares device indices (a tensor's ``.device`` builds a
+        # torch.device per call) and reads the current device without torch.cuda's wrapper.
+        self._lean_cuda: int | None = self.device.index if self.device.type == "cuda" else None
+        self._get_device: Any = (
+            getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device if self._lean_cuda is not None else None
+        )
         self._inputs = graph.inputs()
         self._outputs = graph.outputs()
         self._in_by_name = {t.name: t for t in self._inputs}
@@ -201,6 +208,7 @@ class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
             (t.name, torch.Size(t.shape), self._strides.get(t.name), torch_dtype(t.dtype))
             for t in self._acts
         ]
+        self._lean_out = [(t.name, torch.Size(t.shape), torch_dtype(t.dtype)) for t in self._outputs]
         acts = {t.name: i for i, t in enumerate(self._inputs) if t.name not in self._bound}
         self._lean_slots = [acts[t.name] for t in self._acts]
         self._lean_fixed = [
@@ -214,39 +222,83 @@ class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
     def _run_lean(self, variant_pack: Any) -> dict[str, Any] | None:
         """The call of a user who holds torch tensors, kept to what it must do: a dict of
         tensors on the plan's device laid out as the plan takes them, bound constants left
-        out, no outputs given, no gradients. None sends the call down the general path,
-        which also raises the precise errors."""
+        out, no gradients; on a GPU, every output may be given as well (a tensor of its
+        shape, dtype and device, any strides: the results are copied into it, as the general
+        path does). None sends the call down the general path, which also raises the
+        precise errors."""
         spec = self._lean
-        if spec is None or type(variant_pack) is not dict or len(variant_pack) != len(spec):
+        if spec is None or type(variant_pack) is not dict:
             return None
         torch = self._torch
-        tensor, device = torch.Tensor, self.device
+        tensor = torch.Tensor
+        cuda = self._lean_cuda
+        n = len(variant_pack)
+        given: list[Any] | None = None
+        if n != len(spec):
+            if cuda is None or n != len(spec) + len(self._lean_out):
+                return None
+            given = []
+            for name, shape, dtype in self._lean_out:
+                o: Any = variant_pack.get(name)
+                if type(o) is not tensor or o.shape != shape or o.dtype is not dtype or not o.is_cuda or o.get_device() != cuda or o.requires_grad:
+                    return None
+                given.append(o)
         xs = []
-        for name, shape, strides, dtype in spec:
-            v: Any = variant_pack.get(name)
-            if type(v) is not tensor or v.shape != shape or v.dtype != dtype or v.device != device or v.requires_grad:
+        if cuda is not None:
+            for name, shape, strides, dtype in spec:
+                v: Any = variant_pack.get(name)
+                if type(v) is not tensor or v.shape != shape or v.dtype is not dtype or not v.is_cuda or v.get_device() != cuda or v.requires_grad:
+                    return None
+                if strides is not None and v.stride() != strides:
+                    return None
+                xs.append(v)
+            if self._get_device() != cuda:
                 return None
-            if strides is not None and v.stride() != strides:
-                return None
-            xs.append(v)
-        if device.type == "cuda" and torch.cuda.current_device() != device.index:
-            return None
+        else:
+            device = self.device
+            for name, shape, strides, dtype in spec:
+                v = variant_pack.get(name)
+                if type(v) is not tensor or v.shape != shape or v.dtype != dtype or v.device != device or v.requires_grad:
+                    return None
+                if strides is not None and v.stride() != strides:
+                    return None
+                xs.append(v)
         if self._cuda_graph:
             if self._graph is None or self._graph_bound is not self._bound:
                 return None  # captured by the general path's first call
             with torch.inference_mode():  # the captured buffers are inference tensors
                 static_out = self._launch(zip(self._act_names, xs, strict=True))
-                return {n: static_out[n].clone() for n in self._out_names}
-        full = list(self._lean_fixed)
-        for slot, v in zip(self._lean_slots, xs, strict=True):
-            full[slot] = v
+                if given is None:
+                    return {n: static_out[n].clone() for n in self._out_names}
+            for o, name in zip(given, self._out_names, strict=True):
+                o.copy_(static_out[name])
+            return {}
+        if self._bound:
+            full = list(self._lean_fixed)
+            for slot, v in zip(self._lean_slots, xs, strict=True):
+                full[slot] = v
+        else:  # the activations are the inputs, in order
+            full = xs
         try:
-            with self._flags() if self._numerics or self._threads else _NO_FLAGS:
-                if self._positional is not None:
-                    return dict(zip(self._out_names, self._positional(*full), strict=True))
-                return self._fn(dict(zip(self._in_names, full, strict=True)))
+            if self._numerics or self._threads:
+                with self._flags():
+                    res = self._lean_call(full)
+            elif self._positional is not None:
+                res = dict(zip(self._out_names, self._positional(*full), strict=True))
+            else:
+                res = self._fn(dict(zip(self._in_names, full, strict=True)))
+            if given is None:
+                return res
+            for o, name in zip(given, self._out_names, strict=True):
+                o.copy_(res[name])
+            return {}
         except Exception as exc:
             raise ExecutionError(f"torch plan for graph '{self.graph.name}' failed: {type(exc).__name__}: {exc}") from exc
+
+    def _lean_call(self, full: list[Any]) -> dict[str, Any]:
+        if self._positional is not None:
+            return dict(zip(self._out_names, self._positional(*full), strict=True))
+        return self._fn(dict(zip(self._in_names, full, strict=True)))
 
     # -- variant packs ----------------------------------------------------------------------
     def _check(self, t: TensorAttr, value: Any, *, what: str) -> Any:

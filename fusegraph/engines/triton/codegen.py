@@ -110,22 +110,21 @@ _BOOL_IN = frozenset({M.LOGICAL_AND, M.LOGICAL_OR, M.LOGICAL_NOT})
 
 
 # GELU's normal CDF, 0.5 * (1 + erf(x / sqrt(2))), two ways (the triton engine's knob
-# ``gelu_cdf``): "erf" -- libdevice's erff through tl.erf, the form timed and validated on
-# the GPU and the default -- and "poly": erfc(|z|) / 2 = 2**P(|z|) with one exp2, P a
-# degree-7 polynomial fitted to log2(erfc(z) / 2) on z in [0, 4.2] (near-minimax in the
-# absolute error of 2**P; erfc < 3e-9 past 4.2 is taken as 0); the CDF is that half-erfc
-# for x < 0 (computed, not left to the cancellation in 1 + erf) and 1 minus it for x >= 0.
-# f32 evaluation (FMA, ex2.approx's 2^-22) on a dense grid of x in [-30, 30] and
-# +-1e-30..1e5 against float64: erf's error <= 3.7e-7 absolute, GELU's <= 1.65e-7 *
-# max(1, |x|) (torch's f32 GELU on libdevice erf: 1.06e-7); +-inf and NaN as the erf form
-# gives them (tests/test_triton_engine.py re-checks it on the CPU, and on the GPU). Why
-# offer it: sm_90 SASS (Triton 3.6, compiled without a GPU) puts libdevice's erff at ~32
-# instructions an element of GELU and this at ~15, arithmetic that layernorm+GELU 8192x4096
-# did not hide behind its memory traffic (0.019 ms of 0.057 on the H200). Not yet timed on
-# a GPU, so not the default: autotuning times both and checks each against float64, and
-# ``bench_gpu.py --erf-ab`` measures the two side by side. The ERF pointwise mode itself
-# always keeps libdevice's erf (its relative accuracy near 0, which 1 - 2**P lacks).
-GELU_CDF_MODES = ("erf", "poly")
+# ``gelu_cdf``): "poly", the default: erfc(|z|) / 2 = 2**P(|z|) with one exp2, P a degree-7
+# polynomial fitted to log2(erfc(z) / 2) on z in [0, 4.2] (near-minimax in the absolute
+# error of 2**P; erfc < 3e-9 past 4.2 is taken as 0); the CDF is that half-erfc for x < 0
+# (computed, not left to the cancellation in 1 + erf) and 1 minus it for x >= 0. f32
+# evaluation (FMA, ex2.approx's 2^-22) on a dense grid of x in [-30, 30] and +-1e-30..1e5
+# against float64: erf's error <= 3.7e-7 absolute, GELU's <= 1.65e-7 * max(1, |x|) (torch's
+# f32 GELU on libdevice erf: 1.06e-7); +-inf and NaN as the erf form gives them
+# (tests/test_triton_engine.py re-checks it on the CPU, and on the GPU). And "erf":
+# libdevice's erff through tl.erf. Why the polynomial: libdevice's erff is ~32 sm_90 SASS
+# instructions an element of GELU, this ~15, and layernorm+GELU 8192x4096 does not hide
+# that arithmetic behind its memory traffic -- on the H200 (bench_gpu.py --erf-ab) 0.0495 ms
+# against 0.0578 at the default tiling, the same error against float64 (2.07e-4 relative,
+# the f16 output's rounding). The ERF pointwise mode itself always keeps libdevice's erf
+# (its relative accuracy near 0, which 1 - 2**P lacks).
+GELU_CDF_MODES = ("poly", "erf")  # the first is the default
 GELU_CDF = "_gelu_cdf"
 GELU_CDF_Z = 4.2
 GELU_CDF_COEFFS = (
@@ -169,7 +168,7 @@ def block_of(cols: int) -> int:
 
 
 class _Writer:
-    def __init__(self, graph: Graph, rg: RowGraph, rows_per_program: int, gelu_cdf: str = "erf") -> None:
+    def __init__(self, graph: Graph, rg: RowGraph, rows_per_program: int, gelu_cdf: str = GELU_CDF_MODES[0]) -> None:
         self.graph, self.rg, self.rows = graph, rg, rows_per_program
         self.gelu_poly = gelu_cdf == "poly"
         self.lines: list[str] = []
@@ -337,7 +336,7 @@ class _Writer:
         self.emit(f"{y} = {body}")
 
 
-def kernel_source(graph: Graph, rg: RowGraph, rows_per_program: int, gelu_cdf: str = "erf") -> str:
+def kernel_source(graph: Graph, rg: RowGraph, rows_per_program: int, gelu_cdf: str = GELU_CDF_MODES[0]) -> str:
     """The module text: imports, helpers and ``fg_row_kernel(p0, p1, ...)`` (inputs in
     ``graph.inputs()`` order, then outputs), launched on ``ceil(rows / ROWS)`` programs.
     ``gelu_cdf`` is one of GELU_CDF_MODES (see there).

@@ -39,16 +39,22 @@ class TritonPlan(CudaTensorPlan):
         # Python, which a 40 us kernel cannot hide); the kernel it compiled for 16-byte
         # aligned pointers is launched directly while the pointers stay aligned.
         self._runner: Any = None
+        # the current device, without torch.cuda.current_device()'s lazy-init wrapper
+        self._get_device: Any = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
 
     def _run(self, inputs: Mapping[str, Any], results: Mapping[str, Any]) -> None:
         args = [*(inputs[n] for n in self._in_names), *(results[n] for n in self._out_names)]
         torch = self._torch
         try:
-            if torch.cuda.current_device() != self._index:
+            if self._get_device() != self._index:
                 with torch.cuda.device(self._index):
                     self._launch(*args, num_warps=self.num_warps)
                 return
-            aligned = all(a.data_ptr() % 16 == 0 for a in args)
+            aligned = True
+            for a in args:
+                if a.data_ptr() % 16:
+                    aligned = False
+                    break
             if aligned and self._runner is not None:
                 self._runner(*args, stream=self.current_stream())
                 return
