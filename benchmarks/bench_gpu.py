@@ -500,8 +500,8 @@ def overhead() -> dict[str, float]:
         for _ in range(4):  # the given-output call repeats its pointers: captured
             plan.execute(given)
         torch.cuda.synchronize()
-        if raw.graphs:
-            graph = next(iter(raw.graphs.values()))
+        if raw.replays.graphs:
+            graph = next(iter(raw.replays.graphs.values()))
             fns["piece: CUDA graph replay alone"] = graph.replay
     nog = cud.build(g, GPU, EngineConfig("cudnn", (("cuda_graph", "off"),)))
     fns["fusegraph cudnn plan, cuda_graph=off"] = functools.partial(nog.execute, dev)
@@ -519,10 +519,17 @@ def overhead() -> dict[str, float]:
     fns["relu 64x64: fusegraph torch plan"] = functools.partial(rplan.execute, rdev)
     fns["relu 64x64: fusegraph torch plan, outputs given"] = functools.partial(rplan.execute, rgiven)
     fns["relu 64x64: copy_ into a given output"] = functools.partial(rgiven[rname].copy_, rx)
+    sm = softmax_case("overhead", 64, 256)
+    smg = sm.graph.validate()
+    smdev = device_inputs(smg, np.random.default_rng(3))
+    for cg in ("auto", "off"):  # a small softmax on the triton engine: its host cost per call
+        tp = REGISTRY.get("triton").build(smg, GPU, EngineConfig("triton", (("cuda_graph", cg),)))
+        fns[f"softmax 64x256: fusegraph triton[cuda_graph={cg}]"] = functools.partial(tp.execute, smdev)
+    fns["softmax 64x256: eager"] = functools.partial(sm.eager, smdev)
     res = {k: round(host_us_per_call(fn, 3000), 2) for k, fn in fns.items()}
     res["raw_vs_public_max_abs_diff"] = float((a.float() - b.float()).abs().max())
     res["raw_launch"] = float(plan.raw_launch)  # type: ignore[attr-defined]
-    res["cudnn_graphs_captured"] = float(len(raw.graphs)) if raw is not None else 0.0
+    res["cudnn_graphs_captured"] = float(len(raw.replays.graphs)) if raw is not None else 0.0
     return res
 
 

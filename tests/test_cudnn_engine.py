@@ -608,11 +608,11 @@ def test_cuda_graph_replays_read_each_calls_inputs(outputs: str, rng: np.random.
             del y
         assert rel_error(got, ref) <= 1e-2
     raw = plan._raw  # type: ignore[attr-defined]
-    assert raw is not None and len(raw.graphs) >= 1, "the repeated pointers were never captured"
+    assert raw is not None and len(raw.replays.graphs) >= 1, "the repeated pointers were never captured"
     off = ENGINE.build(g, GPU, EngineConfig("cudnn", (("cuda_graph", "off"),)))
     for _ in range(5):
         off.execute({**dev, name: given})
-    assert not off._raw.graphs  # type: ignore[attr-defined]
+    assert not off._raw.replays.graphs  # type: ignore[attr-defined]
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import pytest
 
 from fusegraph.engines.cudnn.plan import HandleGate, _RawLaunch
+from fusegraph.engines.launch_replay import LaunchReplay
 
 
 class _Lowered:
@@ -185,10 +186,10 @@ def test_no_workspace_no_allocation_on_another_stream() -> None:
 def test_graph_captured_after_repeats_on_the_default_stream_then_replayed() -> None:
     raw, lowered, _, _ = _launch()
     p = _ptrs(raw, 1, 2, 3)
-    for _ in range(_RawLaunch.REPEATS):
+    for _ in range(LaunchReplay.REPEATS):
         raw.run(p, 0)
-    assert len(raw.graphs) == 1 and lowered.captured == [p]
-    assert len(lowered.calls) == _RawLaunch.REPEATS  # the capture launched nothing
+    assert len(raw.replays.graphs) == 1 and lowered.captured == [p]
+    assert len(lowered.calls) == LaunchReplay.REPEATS  # the capture launched nothing
     raw.run(p, 0)
     assert lowered.calls[-1][1:] == (-1, -1)  # replayed
     q = _ptrs(raw, 1, 2, 4)  # another output address: launched, not replayed
@@ -201,16 +202,16 @@ def test_no_graph_off_the_default_stream_or_when_off_or_alternating() -> None:
     p = _ptrs(raw, 1, 2, 3)
     for _ in range(6):
         raw.run(p, 5)  # a side stream (the plan's first): launched each time
-    assert not raw.graphs and not lowered.captured
+    assert not raw.replays.graphs and not lowered.captured
     raw, lowered, _, _ = _launch(graphs=False)
     for _ in range(6):
         raw.run(p, 0)
-    assert not raw.graphs
+    assert not raw.replays.graphs
     raw, lowered, _, _ = _launch()
     q = _ptrs(raw, 1, 2, 4)
     for i in range(8):  # alternating pointers never repeat three calls running
         raw.run(p if i % 2 else q, 0)
-    assert not raw.graphs
+    assert not raw.replays.graphs
 
 
 def test_failed_capture_turns_graphs_off_and_launches_go_on() -> None:
@@ -218,17 +219,17 @@ def test_failed_capture_turns_graphs_off_and_launches_go_on() -> None:
     p = _ptrs(raw, 1, 2, 3)
     for _ in range(6):
         raw.run(p, 0)
-    assert not raw.graphs and raw.graphs_on is False
+    assert not raw.replays.graphs and raw.replays.on is False
     assert len(lowered.calls) == 6 and all(c[1:] == (0xAAAA, 0) for c in lowered.calls)
 
 
 def test_graphs_per_plan_are_bounded() -> None:
     raw, _, _, _ = _launch()
-    for y in range(_RawLaunch.MAX_GRAPHS + 3):
+    for y in range(LaunchReplay.MAX_GRAPHS + 3):
         p = _ptrs(raw, 1, 2, 100 + y)
-        for _ in range(_RawLaunch.REPEATS):
+        for _ in range(LaunchReplay.REPEATS):
             raw.run(p, 0)
-    assert len(raw.graphs) == _RawLaunch.MAX_GRAPHS
+    assert len(raw.replays.graphs) == LaunchReplay.MAX_GRAPHS
 
 
 def test_threads_launching_at_once_keep_their_own_pointers() -> None:

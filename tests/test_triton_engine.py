@@ -239,7 +239,7 @@ def test_gelu_cdf_knob_only_where_gelu_is() -> None:
 
     g = ln_gelu().validate()
     knobs = ENGINE.knobs(g, GPU)
-    assert [k.name for k in knobs] == ["rows_per_program", "num_warps", "gelu_cdf"]
+    assert [k.name for k in knobs] == ["cuda_graph", "rows_per_program", "num_warps", "gelu_cdf"]
     assert knobs[-1].default == "poly" and knobs[-1].choices == ("poly", "erf")
     assert knob_values("triton", knobs, EngineConfig("triton"))["gelu_cdf"] == "poly"
     with pytest.raises(ValueError, match="gelu_cdf"):
@@ -496,3 +496,40 @@ def test_selection_picks_triton_for_softmax_and_norms() -> None:
     g = _g("pool")  # not a row graph: goes on to the engines after triton
     g.softmax(g.tensor("x", [8, 40000]), -1).set_output(True)
     assert g.build(GPU).engine != "triton"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("outputs", ["given", "allocated"])
+def test_cuda_graph_replays_read_each_calls_inputs(outputs: str, rng: np.random.Generator) -> None:
+    """The same pointers call after call on the default stream (inputs rewritten in place,
+    the output given -- NaN-filled before each call -- or allocated where the last one was
+    freed): after a few calls the launch replays from a CUDA graph, and every call's result
+    is that call's; with cuda_graph="off" nothing is captured."""
+    import torch
+
+    _needs_triton()
+    g = ln_gelu(DT.HALF, rows=256, cols=512).validate()
+    plan = ENGINE.build(g, GPU)
+    name = g.outputs()[0].name
+    dev = plan.stage(random_inputs(g, rng))
+    given = torch.empty_like(plan.execute(dev)[name])
+    assert torch.cuda.current_stream().cuda_stream == 0
+    for _ in range(8):
+        pack = random_inputs(g, rng)
+        for k, v in plan.stage(pack).items():
+            dev[k].copy_(v)
+        ref = g.execute(pack, engine="reference")[name]
+        if outputs == "given":
+            given.fill_(float("nan"))
+            assert plan.execute({**dev, name: given}) == {}
+            got = given.float().cpu().numpy()
+        else:
+            y = plan.execute(dev)[name]
+            got = y.float().cpu().numpy()
+            del y
+        assert rel_error(got, ref) <= 1e-2
+    assert len(plan.replays.graphs) >= 1, "the repeated pointers were never captured"  # type: ignore[attr-defined]
+    off = ENGINE.build(g, GPU, EngineConfig("triton", (("cuda_graph", "off"),)))
+    for _ in range(5):
+        off.execute({**dev, name: given})
+    assert not off.replays.graphs  # type: ignore[attr-defined]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import logging
 import struct
 import threading
 from collections.abc import Mapping
@@ -14,13 +13,13 @@ from typing import Any
 from fusegraph.engines.base import EngineConfig
 from fusegraph.engines.cuda_plan import CudaTensorPlan, torch_dtype
 from fusegraph.engines.cudnn.lower import Binding, Prep
+from fusegraph.engines.launch_replay import DEFAULT_STREAM, LaunchReplay
 from fusegraph.errors import ExecutionError, VariantPackError
 from fusegraph.graph.graph import Graph
 from fusegraph.runtime.handle import Handle
 
 MAGIC = b"FGCUDNN1"
-log = logging.getLogger("fusegraph.engines.cudnn")
-# the cuda_graph knob's default: "auto" replays a captured launch for repeated pointers (see _RawLaunch)
+# the cuda_graph knob's default: "auto" replays a captured launch for repeated pointers (engines/launch_replay.py)
 CUDA_GRAPH_DEFAULT = "auto"
 
 
@@ -237,19 +236,8 @@ class _RawLaunch:
     and read under the handle's lock (cuDNN copies it during the call), and the plan's own
     workspace serves only its first stream -- a call on another stream takes a workspace
     from torch's caching allocator for that call, which torch reuses only in that stream's
-    order.
-
-    **CUDA graphs** (``cuda_graph``): cuDNN's launch costs ~10 us of host time, which is the
-    whole of a small convolution's time when calls come back to back. When the default
-    stream sees the same pointers (the same input tensors, outputs allocated where the last
-    ones were freed, or given) three calls running, the launch is captured once into a
-    CUDA graph, and later calls with those pointers replay it (a few us). A replay does
-    what the launch would: the same kernels on the same addresses, the plan's constants and
-    workspace. At most ``MAX_GRAPHS`` per plan; a capture that fails turns graphs off for
-    the plan (logged)."""
-
-    MAX_GRAPHS = 4
-    REPEATS = 3
+    order. Repeated pointers on the default stream replay a captured launch
+    (engines/launch_replay.py; knob ``cuda_graph``)."""
 
     def __init__(self, cudnn: Any, torch: Any, lowered: Any, handle: Any, gate: HandleGate, slot: dict[str, int],
                  template: list[int], index: int, ws_size: int, ws_ptr: int, device: Any, graphs: bool) -> None:
@@ -265,11 +253,7 @@ class _RawLaunch:
         self._ws_size, self._ws_ptr = ws_size, ws_ptr
         self._device = device
         self._home: int | None = None  # the first stream a call came on: its workspace is the plan's
-        self.graphs_on = graphs
-        self.graphs: dict[tuple[int, ...], Any] = {}
-        self._last: tuple[int, ...] | None = None
-        self._repeats = 0
-        self._side: Any = None
+        self.replays = LaunchReplay(torch, device, graphs)
 
     @classmethod
     def make(cls, cudnn: Any, torch: Any, g: Any, handle: Any, gate: HandleGate, binding: Binding, own: Mapping[int, Any],
@@ -307,55 +291,26 @@ class _RawLaunch:
             with self._gate.lock:
                 home = self._home = self._home if self._home is not None else stream
         tmp = None
+        replays = self.replays
         if stream == home:
             ws = self._ws_ptr
-            if self.graphs and stream == 0:
-                graph = self.graphs.get(tuple(ptrs))
-                if graph is not None:
-                    graph.replay()
-                    return
+            if stream == DEFAULT_STREAM and replays.graphs and replays.replay(tuple(ptrs)):
+                return
         elif self._ws_size:  # another stream: a workspace for this call, in that stream's order
             tmp = self._torch.empty(self._ws_size, dtype=self._torch.uint8, device=self._device)
             ws = int(tmp.data_ptr())
         else:
             ws = 0
-        gate = self._gate
-        with gate.lock:
-            if gate.stream != stream:
-                self._cudnn.set_stream(handle=self._handle, stream=stream)
-                gate.stream = stream
-            self._arr[:] = ptrs  # type: ignore[assignment]
-            self._execute(self._addr, self._n, ws, self._backend, self._index)
-        if stream == 0 and stream == home and self.graphs_on:
-            self._note(tuple(ptrs))
+        with self._gate.lock:
+            self._launch(ptrs, ws, stream)
+        if stream == DEFAULT_STREAM and stream == home and replays.on:
+            replays.launched(tuple(ptrs), lambda s: self._launch(ptrs, self._ws_ptr, s), self._gate.lock)
 
-    def _note(self, key: tuple[int, ...]) -> None:
-        if key == self._last:
-            self._repeats += 1
-        else:
-            self._last, self._repeats = key, 1
-        if self._repeats == self.REPEATS and len(self.graphs) < self.MAX_GRAPHS and key not in self.graphs:
-            self._capture(key)
-
-    def _capture(self, key: tuple[int, ...]) -> None:
-        torch = self._torch
+    def _launch(self, ptrs: list[int], ws: int, stream: int) -> None:
+        """Under the handle's lock: its stream, the pointers, cuDNN's launch."""
         gate = self._gate
-        try:
-            if self._side is None:
-                self._side = torch.cuda.Stream(self._device)
-            graph = torch.cuda.CUDAGraph()
-            side = self._side
-            with gate.lock, torch.cuda.stream(side):
-                graph.capture_begin(capture_error_mode="thread_local")
-                try:
-                    self._cudnn.set_stream(handle=self._handle, stream=side.cuda_stream)
-                    gate.stream = side.cuda_stream
-                    self._arr[:] = list(key)
-                    self._execute(self._addr, self._n, self._ws_ptr, self._backend, self._index)
-                finally:
-                    graph.capture_end()
-        except Exception as exc:
-            self.graphs_on = False
-            log.info("cuDNN launch not captured into a CUDA graph (%s: %s); plain launches from now on", type(exc).__name__, exc)
-            return
-        self.graphs[key] = graph
+        if gate.stream != stream:
+            self._cudnn.set_stream(handle=self._handle, stream=stream)
+            gate.stream = stream
+        self._arr[:] = ptrs  # type: ignore[assignment]
+        self._execute(self._addr, self._n, ws, self._backend, self._index)

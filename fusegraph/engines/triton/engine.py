@@ -53,8 +53,9 @@ def default_tiling(rows: int, cols: int) -> tuple[int, int]:
 
 
 class TritonEngine:
-    """See the module docstring; knobs: ``rows_per_program``, ``num_warps`` and, for graphs
-    with GELU, ``gelu_cdf`` (codegen.GELU_CDF_MODES: the polynomial CDF by default)."""
+    """See the module docstring; knobs: ``cuda_graph`` (engines/launch_replay.py),
+    ``rows_per_program``, ``num_warps`` and, for graphs with GELU, ``gelu_cdf``
+    (codegen.GELU_CDF_MODES: the polynomial CDF by default)."""
 
     name = "triton"
 
@@ -125,7 +126,9 @@ class TritonEngine:
         per, warps = default_tiling(rg.rows, rg.cols)
         block = block_of(rg.cols)
         rows = tuple(r for r in ROWS_CHOICES if r <= block_of(rg.rows) and r * block <= 4 * TILE_TARGET) or (1,)
-        knobs = [
+        knobs = [  # cuda_graph first: the autotuner's product varies it slowest (its "off" configs come last)
+            Knob("cuda_graph", "auto", choices=("auto", "off"),
+                 description="replay a captured launch when the default stream repeats the same pointers ('off': launch every call)"),
             Knob("rows_per_program", per, rows, description="rows each program holds in registers"),
             Knob("num_warps", warps, WARPS_CHOICES, description="warps per program"),
         ]
