@@ -35,7 +35,7 @@ from fusegraph.engines.base import EngineConfig, ExecutionPlan
 from fusegraph.engines.registry import Registry, active_registry
 from fusegraph.errors import FusegraphError, UnsupportedError
 from fusegraph.graph.graph import Graph
-from fusegraph.reference.executor import run_reference
+from fusegraph.reference.executor import cast_to, reads_an_output, run_reference
 from fusegraph.reference.inputs import random_inputs
 from fusegraph.runtime import progress as signs_of_life
 from fusegraph.runtime.handle import Handle, as_handle
@@ -148,6 +148,36 @@ def compare(graph: Graph, outputs: Mapping[str, Any], reference: Mapping[str, np
     return worst, ""
 
 
+class Answers:
+    """The float64 answers a plan's outputs are checked against: the exact one, and -- only
+    where a node reads a graph output and the exact check fails -- the one with that output
+    rounded to its own dtype before it is read (``run_reference(materialize=True)``: what an
+    engine that stores the tensor and reads it back computes). A plan is right if it
+    matches either; the worse answer's error is not the plan's."""
+
+    def __init__(self, graph: Graph, inputs: Mapping[str, np.ndarray], *, cast: bool = False) -> None:
+        """``cast``: the answers rounded to each output's dtype, as the reference engine
+        returns them (integer outputs truncated)."""
+        self.graph, self._inputs, self._cast = graph, inputs, cast
+        self.exact = self._run(materialize=False)
+        self._materialized: dict[str, np.ndarray] | None = None
+
+    def _run(self, *, materialize: bool) -> dict[str, np.ndarray]:
+        values = run_reference(self.graph, dict(self._inputs), materialize=materialize)
+        if self._cast:
+            values = {t.name: cast_to(values[t.name], t.dtype) for t in self.graph.outputs()}
+        return values
+
+    def error(self, outputs: Mapping[str, Any], tol: float) -> tuple[float, str]:
+        err, why = compare(self.graph, outputs, self.exact)
+        if err <= tol or not reads_an_output(self.graph):
+            return err, why
+        if self._materialized is None:
+            self._materialized = self._run(materialize=True)
+        err2, why2 = compare(self.graph, outputs, self._materialized)
+        return (err2, why2) if err2 < err else (err, why)
+
+
 # ---- timing ----------------------------------------------------------------------------------
 def _bar_options(progress: bool | None) -> dict[str, Any]:
     """tqdm options: ``progress=None`` draws only where fusegraph's progress lines are on (a
@@ -236,7 +266,7 @@ def autotune(
     else:
         inputs = dict(resolve_pack(graph, variant_pack, check=lambda t, v, what: v).inputs)
     host_inputs = {k: to_host(v) for k, v in inputs.items()}
-    reference = run_reference(graph, host_inputs)
+    reference = Answers(graph, host_inputs)
     tol = rtol if rtol is not None else tolerance(graph)
     cands = _candidates(graph, h, modes, engines, registry, include_reference)
     if max_configs_per_engine is not None:
@@ -320,7 +350,7 @@ def _build_and_check(
     h: Handle,
     cfg: EngineConfig,
     inputs: Mapping[str, Any],
-    reference: Mapping[str, np.ndarray],
+    reference: Answers,
     tol: float,
     registry: Registry,
     staged_by_kind: dict[type, Mapping[str, Any]],
@@ -344,7 +374,7 @@ def _build_and_check(
             staged = inputs  # the plan does not take staged values: time it on host inputs
             first = plan.execute(staged)
         _sync(plan)
-        err, why = compare(graph, first, reference)
+        err, why = reference.error(first, tol)
     except (FusegraphError, ValueError, RuntimeError) as exc:
         return Measurement(cfg, "run_failed", build_s=build_s, detail=f"{type(exc).__name__}: {exc}"), None
     if not err <= tol:
