@@ -203,3 +203,39 @@ def test_given_outputs_are_written_in_place(config: EngineConfig, rng: np.random
         plan.execute({**dev, "y": torch.empty(64, 64, dtype=torch.float32, device="cuda")})
     with pytest.raises(fg.errors.VariantPackError, match="tensor 'y'"):
         plan.execute({**dev, "y": torch.empty(64, 64, dtype=torch.float16)})  # a host output
+
+
+def test_cuda_graph_plan_from_threads_and_streams(rng: np.random.Generator) -> None:
+    """One captured plan executed from six threads at once -- three on the default stream,
+    three on streams of their own (those run eagerly: the captured buffers live on the
+    capturing call's stream) -- each with its own device inputs, every result against the
+    float64 reference (the captured buffers serve one call at a time)."""
+    import threading
+
+    g = conv_graph(n=2, c=8, hw=10, k=16)
+    plan = ENGINE.build(g, GPU, EngineConfig("torch", (("cuda_graph", True),)))
+    packs = [random_inputs(g, np.random.default_rng(200 + i)) for i in range(6)]
+    refs = [g.execute(p, engine="reference")["y"] for p in packs]
+    devs = [{k: torch.from_numpy(np.ascontiguousarray(v)).cuda().as_strided(v.shape, [s // v.itemsize for s in v.strides])
+             for k, v in p.items()} for p in packs]
+    plan.execute(devs[0])  # captured on the default stream
+    torch.cuda.synchronize()
+    assert plan.describe()["cuda_graph"] is True
+    errors: list[str] = []
+
+    def work(i: int) -> None:
+        stream = torch.cuda.current_stream() if i < 3 else torch.cuda.Stream()
+        with torch.cuda.stream(stream):
+            outs = [plan.execute(devs[i])["y"] for _ in range(10)]
+        stream.synchronize()
+        for o in outs:
+            err = rel_error(o.cpu().numpy(), refs[i])
+            if not err < 1e-5:
+                errors.append(f"thread {i}: rel err {err}")
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors

@@ -55,6 +55,16 @@ class CudaGraphs:
     _cuda_graph: bool
     _graph: tuple[Any, dict[str, Tensor], dict[str, Tensor]] | None
     _graph_bound: Any
+    _graph_stream: int | None
+
+    def _on_graph_stream(self) -> bool:
+        """Whether the caller's current stream is the one replays run on. The captured
+        buffers are written and read on that stream only: a call on another stream could
+        overwrite them while a replay still reads them (such calls run eagerly)."""
+        torch = self._torch
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        current = raw(self.device.index) if raw is not None else torch.cuda.current_stream(self.device).cuda_stream
+        return int(current) == self._graph_stream
 
     def _to_device(self, t: TensorAttr, value: Any) -> Tensor:
         raise NotImplementedError  # TorchPlan's
@@ -66,6 +76,8 @@ class CudaGraphs:
             return None
         stale = self._graph is None or self._graph_bound is not self._bound
         if stale and not self._capture(pack):
+            return None
+        if not self._on_graph_stream():
             return None
         values = []
         for t in self._inputs:
@@ -117,4 +129,5 @@ class CudaGraphs:
             return False
         self._graph = (graph, static_in, static_out)
         self._graph_bound = self._bound
+        self._graph_stream = int(torch.cuda.current_stream(self.device).cuda_stream)
         return True

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -36,6 +37,7 @@ from fusegraph.engines.torch.convert import (
 )
 from fusegraph.engines.torch.cuda_graph import CudaGraphs, worth_capturing
 from fusegraph.engines.torch.function import _graph_function, _node_thunk
+from fusegraph.engines.torch.lean import LeanCall
 from fusegraph.engines.torch.onednn_graph import ONEDNN_GRAPH_DEFAULT
 from fusegraph.errors import ExecutionError, VariantPackError
 from fusegraph.graph import layout
@@ -49,7 +51,7 @@ log = logging.getLogger("fusegraph.engines.torch")
 _NO_FLAGS = contextlib.nullcontext()
 
 
-class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
+class TorchPlan(LeanCall, CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
     """A graph as one PyTorch function (eager, or compiled once per plan)."""
 
     relayouts_host_inputs = True  # torch's threaded copy (NCHW -> NHWC: ~5x NumPy's)
@@ -89,6 +91,8 @@ class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
         self._dense: dict[str, Tensor] = {}  # bound inputs before any oneDNN reordering
         self._graph: tuple[Any, dict[str, Tensor], dict[str, Tensor]] | None = None
         self._graph_bound: Any = None  # the bindings the graph was captured with
+        self._graph_lock = threading.Lock()  # one replay (copy in, replay, copy out) at a time
+        self._graph_stream: int | None = None  # the raw stream replays run on (the capturing call's)
         self.fusions: dict[str, steps.Step] = (
             {} if self._compiled else torch_fusion.plan_steps(graph, onednn=self._ctx.onednn)
         )
@@ -97,16 +101,7 @@ class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
         self._fn = _graph_function(graph, self._ctx, self.device, self.fusions)
         self._positional: Any = None  # the compiled function: positional tensors in, a list out
         self._strides: dict[str, tuple[int, ...]] = {}  # the strides it is specialized to
-        self._lean: list[tuple[Any, ...]] | None = None  # see _run_lean
-        self._lean_fixed: list[Any] = []
-        self._lean_slots: list[int] = []
-        self._lean_out: list[tuple[str, Any, Any]] = []  # outputs given to the lean call (GPU)
-        # The lean call on a GPU compares device indices (a tensor's ``.device`` builds a
-        # torch.device per call) and reads the current device without torch.cuda's wrapper.
-        self._lean_cuda: int | None = self.device.index if self.device.type == "cuda" else None
-        self._get_device: Any = (
-            getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device if self._lean_cuda is not None else None
-        )
+        self._lean_init()
         self._inputs = graph.inputs()
         self._outputs = graph.outputs()
         self._in_by_name = {t.name: t for t in self._inputs}
@@ -197,109 +192,6 @@ class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
         self._fn = call
 
     # -- the lean call: torch tensors in, torch tensors out ---------------------------------
-    def _lean_spec(self) -> None:
-        """What _run_lean checks each activation against: its name, shape, dtype, device and,
-        for a compiled plan, the strides it was compiled for (an eager plan takes any)."""
-        torch = self._torch
-        if self._llga_on:  # CPU NumPy calls take _run_hot; tensors the general path
-            self._lean = None
-            return
-        self._lean = [
-            (t.name, torch.Size(t.shape), self._strides.get(t.name), torch_dtype(t.dtype))
-            for t in self._acts
-        ]
-        self._lean_out = [(t.name, torch.Size(t.shape), torch_dtype(t.dtype)) for t in self._outputs]
-        acts = {t.name: i for i, t in enumerate(self._inputs) if t.name not in self._bound}
-        self._lean_slots = [acts[t.name] for t in self._acts]
-        self._lean_fixed = [
-            None if t.name in acts else (
-                as_declared(t, self._bound[t.name][1], self._strides[t.name]) if self._positional is not None
-                else self._bound[t.name][1]
-            )
-            for t in self._inputs
-        ]
-
-    def _run_lean(self, variant_pack: Any) -> dict[str, Any] | None:
-        """The call of a user who holds torch tensors, kept to what it must do: a dict of
-        tensors on the plan's device laid out as the plan takes them, bound constants left
-        out, no gradients; on a GPU, every output may be given as well (a tensor of its
-        shape, dtype and device, any strides: the results are copied into it, as the general
-        path does). None sends the call down the general path, which also raises the
-        precise errors."""
-        spec = self._lean
-        if spec is None or type(variant_pack) is not dict:
-            return None
-        torch = self._torch
-        tensor = torch.Tensor
-        cuda = self._lean_cuda
-        n = len(variant_pack)
-        given: list[Any] | None = None
-        if n != len(spec):
-            if cuda is None or n != len(spec) + len(self._lean_out):
-                return None
-            given = []
-            for name, shape, dtype in self._lean_out:
-                o: Any = variant_pack.get(name)
-                if type(o) is not tensor or o.shape != shape or o.dtype is not dtype or not o.is_cuda or o.get_device() != cuda or o.requires_grad:
-                    return None
-                given.append(o)
-        xs = []
-        if cuda is not None:
-            for name, shape, strides, dtype in spec:
-                v: Any = variant_pack.get(name)
-                if type(v) is not tensor or v.shape != shape or v.dtype is not dtype or not v.is_cuda or v.get_device() != cuda or v.requires_grad:
-                    return None
-                if strides is not None and v.stride() != strides:
-                    return None
-                xs.append(v)
-            if self._get_device() != cuda:
-                return None
-        else:
-            device = self.device
-            for name, shape, strides, dtype in spec:
-                v = variant_pack.get(name)
-                if type(v) is not tensor or v.shape != shape or v.dtype != dtype or v.device != device or v.requires_grad:
-                    return None
-                if strides is not None and v.stride() != strides:
-                    return None
-                xs.append(v)
-        if self._cuda_graph:
-            if self._graph is None or self._graph_bound is not self._bound:
-                return None  # captured by the general path's first call
-            with torch.inference_mode():  # the captured buffers are inference tensors
-                static_out = self._launch(zip(self._act_names, xs, strict=True))
-                if given is None:
-                    return {n: static_out[n].clone() for n in self._out_names}
-            for o, name in zip(given, self._out_names, strict=True):
-                o.copy_(static_out[name])
-            return {}
-        if self._bound:
-            full = list(self._lean_fixed)
-            for slot, v in zip(self._lean_slots, xs, strict=True):
-                full[slot] = v
-        else:  # the activations are the inputs, in order
-            full = xs
-        try:
-            if self._numerics or self._threads:
-                with self._flags():
-                    res = self._lean_call(full)
-            elif self._positional is not None:
-                res = dict(zip(self._out_names, self._positional(*full), strict=True))
-            else:
-                res = self._fn(dict(zip(self._in_names, full, strict=True)))
-            if given is None:
-                return res
-            for o, name in zip(given, self._out_names, strict=True):
-                o.copy_(res[name])
-            return {}
-        except Exception as exc:
-            raise ExecutionError(f"torch plan for graph '{self.graph.name}' failed: {type(exc).__name__}: {exc}") from exc
-
-    def _lean_call(self, full: list[Any]) -> dict[str, Any]:
-        if self._positional is not None:
-            return dict(zip(self._out_names, self._positional(*full), strict=True))
-        return self._fn(dict(zip(self._in_names, full, strict=True)))
-
     # -- variant packs ----------------------------------------------------------------------
     def _check(self, t: TensorAttr, value: Any, *, what: str) -> Any:
         torch = self._torch
@@ -471,41 +363,43 @@ class TorchPlan(CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
             acts = [pack.inputs[n] for n in self._act_names]
             as_buffers = self._bound_buffers or any(_is_buffer(v) for v in acts)
             host_io = not as_buffers and self._bound_host and all(isinstance(v, np.ndarray) for v in acts)
-        try:
-            with torch.inference_mode(), (self._flags() if self._has_flags else _NO_FLAGS):
-                results = self._replay(pack) if self._cuda_graph else None
-                replayed = results is not None
-                if results is None and self._llga_on and self._bound:  # worth compiling once weights are fixed
-                    results = self._run_llga(pack)
-                fused = results is not None and not replayed
-                if results is None:
-                    results = self._fn(self._inputs_of(pack))
-        except Exception as exc:
-            raise ExecutionError(f"torch plan for graph '{self.graph.name}' failed: {type(exc).__name__}: {exc}") from exc
-        if replayed and not host_io:  # the graph's static outputs are overwritten by the next replay
-            results = {k: v.clone() for k, v in results.items()}
-        out: dict[str, Any] = {}
-        # Host results of the oneDNN Graph function may be lent as NumPy views of the tensors
-        # it computed (not copied): those it allocates afresh on every call (_llga_fresh: so
-        # never an input's or a constant's memory), unless two results share memory.
-        taken: list[int] | None = [] if fused and host_io else None
-        for t in self._outputs:
-            value = results[t.name]
-            given = pack.outputs.get(t.name)
-            if given is not None:
-                if isinstance(given, np.ndarray):
-                    to_numpy_into(value, given, t.dtype)
-                elif _is_buffer(given):
-                    buffer_to_torch(given, t).copy_(value)
+        # a replay's captured buffers serve one call at a time, through its outputs' copies
+        with self._graph_lock if self._cuda_graph else _NO_FLAGS:
+            try:
+                with torch.inference_mode(), (self._flags() if self._has_flags else _NO_FLAGS):
+                    results = self._replay(pack) if self._cuda_graph else None
+                    replayed = results is not None
+                    if results is None and self._llga_on and self._bound:  # worth compiling once weights are fixed
+                        results = self._run_llga(pack)
+                    fused = results is not None and not replayed
+                    if results is None:
+                        results = self._fn(self._inputs_of(pack))
+            except Exception as exc:
+                raise ExecutionError(f"torch plan for graph '{self.graph.name}' failed: {type(exc).__name__}: {exc}") from exc
+            if replayed and not host_io:  # the graph's static outputs are overwritten by the next replay
+                results = {k: v.clone() for k, v in results.items()}
+            out: dict[str, Any] = {}
+            # Host results of the oneDNN Graph function may be lent as NumPy views of the tensors
+            # it computed (not copied): those it allocates afresh on every call (_llga_fresh: so
+            # never an input's or a constant's memory), unless two results share memory.
+            taken: list[int] | None = [] if fused and host_io else None
+            for t in self._outputs:
+                value = results[t.name]
+                given = pack.outputs.get(t.name)
+                if given is not None:
+                    if isinstance(given, np.ndarray):
+                        to_numpy_into(value, given, t.dtype)
+                    elif _is_buffer(given):
+                        buffer_to_torch(given, t).copy_(value)
+                    else:
+                        given.copy_(value)
+                elif as_buffers:
+                    out[t.name] = torch_to_buffer(value, t, self.handle)
+                elif host_io:
+                    out[t.name] = _host_result(value, t, taken if t.name in self._llga_fresh else None)
                 else:
-                    given.copy_(value)
-            elif as_buffers:
-                out[t.name] = torch_to_buffer(value, t, self.handle)
-            elif host_io:
-                out[t.name] = _host_result(value, t, taken if t.name in self._llga_fresh else None)
-            else:
-                out[t.name] = value
-        return out
+                    out[t.name] = value
+            return out
 
     # -- the hot path ------------------------------------------------------------------------
     def _hot_spec(self) -> tuple[list[tuple[Any, ...]] | None, list[tuple[str, TensorAttr, bool]]]:
