@@ -216,8 +216,7 @@ def test_cuda_graph_plan_from_threads_and_streams(rng: np.random.Generator) -> N
     plan = ENGINE.build(g, GPU, EngineConfig("torch", (("cuda_graph", True),)))
     packs = [random_inputs(g, np.random.default_rng(200 + i)) for i in range(6)]
     refs = [g.execute(p, engine="reference")["y"] for p in packs]
-    devs = [{k: torch.from_numpy(np.ascontiguousarray(v)).cuda().as_strided(v.shape, [s // v.itemsize for s in v.strides])
-             for k, v in p.items()} for p in packs]
+    devs = [plan.stage(p) for p in packs]  # device tensors in the declared layouts
     plan.execute(devs[0])  # captured on the default stream
     torch.cuda.synchronize()
     assert plan.describe()["cuda_graph"] is True
