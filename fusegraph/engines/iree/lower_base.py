@@ -629,8 +629,8 @@ class Lowering:
         )
 
     def beside_a_softmax(self, x: TensorAttr, y: TensorAttr) -> tuple[bool, bool]:
-        """Whether a layer norm's input ``x`` is computed from a softmax, and whether its
-        result ``y`` is read by a softmax, through elementwise ops and views only.
+        """Whether a layer (or batch) norm's input ``x`` is computed from a softmax, and
+        whether its result ``y`` is read by a softmax, through elementwise ops and views only.
 
         A layer norm whose statistics (mean, inv_var) are graph outputs, fused with a
         softmax over the same rows, failed iree-compile 3.13: the statistics' stores, one
@@ -640,9 +640,11 @@ class Lowering:
         shares_a_packed_operand). Fuzz seeds 817 (softmax -> layernorm), 34410 (layernorm
         -> softmax) and 3000314297 (tanh(matmul) -> softmax -> layernorm); minimized:
         x[8,3] -> softmax(-1) -> layernorm with its statistics read out, or layernorm ->
-        tanh -> softmax. Without the statistics, with a sum or another norm in the softmax's
-        place, and for batch norms, it compiled. lower_norm fences the side that holds the
-        softmax (tests/test_fuzz_regressions.py test_fuzz_iree_layernorm_statistics_beside_a_softmax)."""
+        tanh -> softmax. Without the statistics, or with a sum or another norm in the
+        softmax's place, it compiled. A batch norm failed alike where its groups are the
+        softmax's rows (fuzz seed 31895: x[1,7,1,3] -> softmax over W -> batch norm).
+        lower_norm fences the side that holds the softmax (tests/test_fuzz_regressions.py
+        test_fuzz_iree_layernorm_statistics_beside_a_softmax, tests/test_fuzz_norm_beside_a_softmax.py)."""
         after = any(
             (n := self.producer(u)) is not None and n.kind == OpKind.SOFTMAX
             for u in self._tensors_through_elementwise(x, up=True)

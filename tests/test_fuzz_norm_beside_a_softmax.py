@@ -1,0 +1,61 @@
+"""A batch norm (training, statistics read out) whose groups are a softmax's rows, the
+softmax before or after it: iree-compile 3.13 failed these valid graphs ("'memref.store' op
+write affecting operations on global resources are restricted to workgroup distributed
+contexts"; fuzz seed 31895 of the 11,332-graph run on commit e947fcb: x[1,7,1,3] ->
+softmax over W -> batch norm, whose groups are W alone since N = H = 1). Fixed as the layer
+norm's case was (Lowering.beside_a_softmax: the softmax's side fenced). Compared with the
+float64 reference; torch runs the same graphs as a control."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import fusegraph as fg
+from fusegraph.dtypes import DataType
+from fusegraph.reference.inputs import random_inputs
+from fusegraph.select.autotune import compare, tolerance
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FUSEGRAPH_CACHE", raising=False)
+
+
+def _graph(where: str, shape: list[int], strides: list[int] | None, axis: int, stats: bool) -> fg.Graph:
+    g = fg.Graph("bn_softmax", io_data_type=DataType.FLOAT)
+    x = g.tensor("x", shape, strides)
+    s, b = g.tensor("s", [shape[1]]), g.tensor("b", [shape[1]])
+    if where == "softmax_first":
+        y, m, v = g.batchnorm(g.softmax(x, axis), s, b, 1e-3)
+        y.set_output(True)
+    else:
+        y, m, v = g.batchnorm(x, s, b, 1e-3)
+        g.softmax(y, axis).set_output(True)
+    if stats:
+        m.set_output(True)
+        v.set_output(True)
+    return g.validate()
+
+
+CASES = {
+    "seed31895": ("softmax_first", [1, 7, 1, 3], [3, 3, 3, 1], 3, True),  # the fuzzer's graph, failing before
+    "norm_first": ("norm_first", [1, 7, 1, 3], None, 3, True),  # failing before
+    "no_statistics": ("softmax_first", [1, 7, 1, 3], None, 3, False),  # control: compiled before
+    "batch_of_four": ("softmax_first", [4, 7, 1, 3], None, 3, True),  # control: compiled before
+    "softmax_over_channels": ("softmax_first", [2, 3, 4, 5], None, 1, True),  # control: compiled before
+}
+
+
+@pytest.mark.parametrize("engine", ["iree", "torch"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_batchnorm_statistics_beside_a_softmax(case: str, engine: str, rng: np.random.Generator) -> None:
+    g = _graph(*CASES[case])
+    inputs = random_inputs(g, rng)
+    ref = g.execute(dict(inputs), engine="reference")
+    got = g.execute(dict(inputs), engine=engine)
+    err, why = compare(g, got, ref)
+    assert err <= tolerance(g), f"{engine}: rel err {err:.3g} > {tolerance(g):g} {why}"
