@@ -644,7 +644,7 @@ class Lowering:
         softmax's place, it compiled. A batch norm failed alike where its groups are the
         softmax's rows (fuzz seed 31895: x[1,7,1,3] -> softmax over W -> batch norm).
         lower_norm fences the side that holds the softmax (tests/test_fuzz_regressions.py
-        test_fuzz_iree_layernorm_statistics_beside_a_softmax, tests/test_fuzz_norm_beside_a_softmax.py)."""
+        test_fuzz_iree_layernorm_statistics_beside_a_softmax, tests/test_fuzz_softmax_neighbours.py)."""
         after = any(
             (n := self.producer(u)) is not None and n.kind == OpKind.SOFTMAX
             for u in self._tensors_through_elementwise(x, up=True)
@@ -655,6 +655,24 @@ class Lowering:
             for n in self.graph.nodes if any(v is u for v in n.inputs.values())
         )
         return after, before
+
+    def softmax_shared_with_a_softmax(self, y: TensorAttr) -> bool:
+        """Whether a softmax's result ``y`` is read by another softmax (through elementwise
+        ops and views) and by some other node as well.
+
+        iree-compile 3.13 failed such graphs ("'vector.store' op write affecting operations
+        on global resources are restricted to workgroup distributed contexts"; fuzz seed
+        288016661: x[4,3] -> softmax(0) -> softmax(1), and sin of the first softmax). With
+        either reader alone it compiled, as it did with a sum in the second softmax's place.
+        lower_softmax fences ``y`` (tests/test_fuzz_softmax_neighbours.py)."""
+        readers = [n for n in self.graph.nodes if any(v is y for v in n.inputs.values())]
+        if len(readers) < 2:
+            return False
+        return any(
+            n.kind == OpKind.SOFTMAX
+            for u in self._tensors_through_elementwise(y, up=False)
+            for n in self.graph.nodes if any(v is u for v in n.inputs.values())
+        )
 
     def _tensors_through_elementwise(self, t: TensorAttr, *, up: bool) -> list[TensorAttr]:
         """``t`` and the tensors it is computed from (``up``) or that are computed from it,

@@ -59,3 +59,31 @@ def test_batchnorm_statistics_beside_a_softmax(case: str, engine: str, rng: np.r
     got = g.execute(dict(inputs), engine=engine)
     err, why = compare(g, got, ref)
     assert err <= tolerance(g), f"{engine}: rel err {err:.3g} > {tolerance(g):g} {why}"
+
+
+def _shared(case: str) -> fg.Graph:
+    g = fg.Graph("softmax_shared", io_data_type=DataType.FLOAT)
+    x = g.tensor("x", [4, 3])
+    first, second, via_tanh, other = {
+        "seed288016661": (0, 1, False, "sin"),  # failing before
+        "same_axis": (1, 1, False, "sin"),  # failing before
+        "through_tanh": (0, 1, True, "sin"),  # failing before
+        "second_alone": (0, 1, False, None),  # control: compiled before
+        "other_axis_first": (1, 0, False, "sin"),  # control: compiled before
+    }[case]
+    s = g.softmax(x, first)
+    g.softmax(g.tanh(s) if via_tanh else s, second).set_output(True)
+    if other:
+        g.sin(s).set_output(True)
+    return g.validate()
+
+
+@pytest.mark.parametrize("engine", ["iree", "torch"])
+@pytest.mark.parametrize("case", ["seed288016661", "same_axis", "through_tanh", "second_alone", "other_axis_first"])
+def test_softmax_read_by_a_softmax_and_another_op(case: str, engine: str, rng: np.random.Generator) -> None:
+    g = _shared(case)
+    inputs = random_inputs(g, rng)
+    ref = g.execute(dict(inputs), engine="reference")
+    got = g.execute(dict(inputs), engine=engine)
+    err, why = compare(g, got, ref)
+    assert err <= tolerance(g), f"{engine}: rel err {err:.3g} > {tolerance(g):g} {why}"
