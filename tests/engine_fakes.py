@@ -4,8 +4,9 @@ knob setting and, on demand, wrong answers."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -147,3 +148,37 @@ def rel_error(out: np.ndarray, ref: np.ndarray) -> float:
     o, r = np.asarray(out, np.float64), np.asarray(ref, np.float64)
     assert not np.isnan(o).any(), "NaN in output"
     return float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-300))
+
+
+def in_threads(n: int, work: Callable[[int], None]) -> None:
+    """Runs ``work(0)`` .. ``work(n - 1)`` in ``n`` threads at once and waits for them all."""
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def check_repeated_calls(plan: Any, g: fg.Graph, dev: dict[str, Any], given: Any, outputs: str,
+                         rng: np.random.Generator, calls: int = 8, tol: float = 1e-2) -> None:
+    """A GPU plan called again and again with the same pointers (its inputs rewritten in
+    place; the output ``given`` -- NaN-filled before each call -- or allocated where the last
+    one was freed), each call's result against the float64 reference for that call's inputs:
+    a replayed launch must read each call's inputs and write each call's output."""
+    from fusegraph.reference.inputs import random_inputs
+
+    name = g.outputs()[0].name
+    for _ in range(calls):
+        pack = random_inputs(g, rng)
+        for k, v in plan.stage(pack).items():
+            dev[k].copy_(v)
+        ref = g.execute(pack, engine="reference")[name]
+        if outputs == "given":
+            given.fill_(float("nan"))
+            assert plan.execute({**dev, name: given}) == {}
+            got = given.float().cpu().numpy()
+        else:
+            y = plan.execute(dev)[name]
+            got = y.float().cpu().numpy()
+            del y
+        assert rel_error(got, ref) <= tol

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_fakes import rel_error
+from engine_fakes import check_repeated_calls, in_threads, rel_error
 
 import fusegraph as fg
 from fusegraph import DataType as DT
@@ -569,17 +569,6 @@ def test_dlpack_and_buffer_values(rng: np.random.Generator) -> None:
     assert rel_error(res.to_numpy(), ref) <= 1e-2
 
 
-def _fresh_inputs(g: fg.Graph, dev: dict[str, Any], rng: np.random.Generator) -> tuple[dict[str, Any], Any]:
-    """New random values written into the same device tensors, and the reference for them."""
-    import torch
-
-    pack = random_inputs(g, rng)
-    for t in g.inputs():
-        dev[t.name].copy_(torch.from_numpy(np.ascontiguousarray(pack[t.name]).view(np.int16)).view(torch.bfloat16)
-                          if t.dtype == DT.BFLOAT16 else torch.from_numpy(np.ascontiguousarray(pack[t.name])))
-    return pack, g.execute(pack, engine="reference")[g.outputs()[0].name]
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("outputs", ["given", "allocated"])
 def test_cuda_graph_replays_read_each_calls_inputs(outputs: str, rng: np.random.Generator) -> None:
@@ -596,17 +585,7 @@ def test_cuda_graph_replays_read_each_calls_inputs(outputs: str, rng: np.random.
     dev = plan.stage(random_inputs(g, rng))  # type: ignore[attr-defined]
     given = torch.empty_strided(g.outputs()[0].shape, g.outputs()[0].strides, dtype=torch.float16, device="cuda")
     assert torch.cuda.current_stream().cuda_stream == 0
-    for _ in range(8):
-        _, ref = _fresh_inputs(g, dev, rng)
-        if outputs == "given":
-            given.fill_(float("nan"))
-            assert plan.execute({**dev, name: given}) == {}
-            got = given.float().cpu().numpy()
-        else:
-            y = plan.execute(dev)[name]
-            got = y.float().cpu().numpy()
-            del y
-        assert rel_error(got, ref) <= 1e-2
+    check_repeated_calls(plan, g, dev, given, outputs, rng)
     raw = plan._raw  # type: ignore[attr-defined]
     assert raw is not None and len(raw.replays.graphs) >= 1, "the repeated pointers were never captured"
     off = ENGINE.build(g, GPU, EngineConfig("cudnn", (("cuda_graph", "off"),)))
@@ -620,7 +599,6 @@ def test_one_plan_from_threads_on_their_own_streams(rng: np.random.Generator) ->
     """Four threads, each on its own CUDA stream with its own inputs, executing one plan at
     once (the plan's workspace serves one stream; the others get one per call): every
     result against the float64 reference."""
-    import threading
 
     import torch
 
@@ -644,9 +622,5 @@ def test_one_plan_from_threads_on_their_own_streams(rng: np.random.Generator) ->
             if err > 1e-2:
                 errors.append(f"thread {i}: rel err {err}")
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(4, work)
     assert not errors, errors

@@ -7,12 +7,12 @@ The GPU tests (test_cudnn_engine.py) check the same against the float64 referenc
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
+from engine_fakes import in_threads
 
 from fusegraph.engines.cudnn.plan import HandleGate, _RawLaunch
 from fusegraph.engines.launch_replay import LaunchReplay
@@ -245,11 +245,7 @@ def test_threads_launching_at_once_keep_their_own_pointers() -> None:
         except BaseException as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(4, work)
     assert not errors, errors
     assert len(lowered.calls) == 80
     # each launch ran on the stream its thread asked for

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from engine_fakes import conv_graph, layernorm_graph, rel_error
+from engine_fakes import conv_graph, in_threads, layernorm_graph, rel_error
 
 import fusegraph as fg
 from fusegraph import DataType as DT
@@ -210,7 +210,6 @@ def test_cuda_graph_plan_from_threads_and_streams(rng: np.random.Generator) -> N
     three on streams of their own (those run eagerly: the captured buffers live on the
     capturing call's stream) -- each with its own device inputs, every result against the
     float64 reference (the captured buffers serve one call at a time)."""
-    import threading
 
     g = conv_graph(n=2, c=8, hw=10, k=16)
     plan = ENGINE.build(g, GPU, EngineConfig("torch", (("cuda_graph", True),)))
@@ -232,9 +231,5 @@ def test_cuda_graph_plan_from_threads_and_streams(rng: np.random.Generator) -> N
             if not err < 1e-5:
                 errors.append(f"thread {i}: rel err {err}")
 
-    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(6, work)
     assert not errors, errors
