@@ -189,6 +189,7 @@ def test_graph_captured_after_repeats_on_the_default_stream_then_replayed() -> N
     for _ in range(LaunchReplay.REPEATS):
         raw.run(p, 0)
     assert len(raw.replays.graphs) == 1 and lowered.captured == [p]
+    assert raw.replays.describe() == {"cuda_graph": "auto", "cuda_graphs_captured": 1}
     assert len(lowered.calls) == LaunchReplay.REPEATS  # the capture launched nothing
     raw.run(p, 0)
     assert lowered.calls[-1][1:] == (-1, -1)  # replayed
@@ -220,6 +221,7 @@ def test_failed_capture_turns_graphs_off_and_launches_go_on() -> None:
     for _ in range(6):
         raw.run(p, 0)
     assert not raw.replays.graphs and raw.replays.on is False
+    assert raw.replays.describe()["cuda_graph"] == "off"
     assert len(lowered.calls) == 6 and all(c[1:] == (0xAAAA, 0) for c in lowered.calls)
 
 

@@ -49,6 +49,10 @@ class LaunchReplay:
         self._side: Any = None
         self._lock = threading.Lock()  # one replay of a graph at a time
 
+    def describe(self) -> dict[str, Any]:
+        """For a plan's ``describe()``: whether replays are on, and how many graphs are held."""
+        return {"cuda_graph": "auto" if self.on else "off", "cuda_graphs_captured": len(self.graphs)}
+
     def replay(self, key: tuple[int, ...]) -> bool:
         """Replays the graph captured for ``key`` on the default stream; False if none."""
         graph = self.graphs.get(key)

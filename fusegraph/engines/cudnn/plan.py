@@ -195,6 +195,7 @@ class CudnnPlan(CudaTensorPlan):
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d.update({"cudnn_plan": self.plan_name, "workspace": self._ws_size, "loaded": self.loaded})
+        d.update(self._raw.replays.describe() if self._raw is not None else {"cuda_graph": "off", "cuda_graphs_captured": 0})
         return d
 
 

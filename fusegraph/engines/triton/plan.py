@@ -82,4 +82,5 @@ class TritonPlan(CudaTensorPlan):
     def describe(self) -> dict[str, Any]:
         d = super().describe()
         d.update({"source": str(self.source), "programs": self.programs, "num_warps": self.num_warps})
+        d.update(self.replays.describe())
         return d
