@@ -106,6 +106,4 @@ def lower_softmax(ctx: Lowering, node: Node) -> None:
     b = ctx.b
     name = "log_softmax.int" if attrs.log else "softmax.int"
     y = b.aten(name, [x, (b.const_int(axis), "!torch.int"), (b.const_none(), "!torch.none")], x.shape, x.dtype, x.perm)
-    if ctx.softmax_shared_with_a_softmax(yt):
-        y = ctx.fence(y)
     ctx.set(yt, y)
