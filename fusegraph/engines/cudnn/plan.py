@@ -293,9 +293,10 @@ class _RawLaunch:
                 home = self._home = self._home if self._home is not None else stream
         tmp = None
         replays = self.replays
+        key = tuple(ptrs) if stream == DEFAULT_STREAM and stream == home and replays.on else None
         if stream == home:
             ws = self._ws_ptr
-            if stream == DEFAULT_STREAM and replays.graphs and replays.replay(tuple(ptrs)):
+            if key is not None and replays.graphs and replays.replay(key):
                 return
         elif self._ws_size:  # another stream: a workspace for this call, in that stream's order
             tmp = self._torch.empty(self._ws_size, dtype=self._torch.uint8, device=self._device)
@@ -304,8 +305,8 @@ class _RawLaunch:
             ws = 0
         with self._gate.lock:
             self._launch(ptrs, ws, stream)
-        if stream == DEFAULT_STREAM and stream == home and replays.on:
-            replays.launched(tuple(ptrs), lambda s: self._launch(ptrs, self._ws_ptr, s), self._gate.lock)
+        if key is not None:
+            replays.launched(key, lambda s: self._launch(ptrs, self._ws_ptr, s), self._gate.lock)
 
     def _launch(self, ptrs: list[int], ws: int, stream: int) -> None:
         """Under the handle's lock: its stream, the pointers, cuDNN's launch."""
