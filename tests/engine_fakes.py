@@ -165,9 +165,9 @@ def check_repeated_calls(plan: Any, g: fg.Graph, dev: dict[str, Any], given: Any
     place; the output ``given`` -- NaN-filled before each call -- or allocated where the last
     one was freed), each call's result against the float64 reference for that call's inputs:
     a replayed launch must read each call's inputs and write each call's output."""
-    from fusegraph.reference.inputs import random_inputs
-
     import torch
+
+    from fusegraph.reference.inputs import random_inputs
 
     name = g.outputs()[0].name
     for _ in range(calls):
