@@ -255,6 +255,42 @@ class FusionGuards:
                             and any(v is u for v in n.inputs.values()) for o in n.outputs.values())
         return list(seen.values())
 
+    def one_group_into_a_contraction(self, x: TensorAttr, y: TensorAttr, kept: int) -> bool:
+        """Whether a norm over a single group (``x``'s ``kept`` axis, the groups, of extent
+        1: every statistic one value) writes ``y`` into an operand of a matmul or a
+        convolution, through elementwise ops and views only.
+
+        With data tiling, iree-compile 3.13 fused the normalization, and with it the pack
+        (set_encoding) of the contraction's operand, into the dispatch of the single-valued
+        mean; a reduction to one value has no parallel loop to distribute, so the pack's
+        store was left outside the distributed loops ("'iree_linalg_ext.map_store' op write
+        affecting operations on global resources are restricted to workgroup distributed
+        contexts"; the family of shares_a_packed_operand). Fuzz seed 2, minimized:
+        x[1,5,7,5] -> layernorm -> matmul with w[1,1,5,7]; with two groups (x[2,5,7,5]) it
+        compiled; rmsnorm failed alike. The norm fences ``y``
+        (tests/test_fuzz_single_group_norms.py)."""
+        if x.shape[kept] != 1:
+            return False
+        downstream = {id(u) for u in self._tensors_through_elementwise(y, up=False)}
+        return any(
+            n.kind in _CONTRACTIONS and any(id(v) in downstream for v in n.inputs.values())
+            for n in self.graph.nodes
+        )
+
+    def concatenates_an_output(self, t: TensorAttr) -> bool:
+        """Whether a concatenation's operand ``t`` is a graph output.
+
+        iree-compile 3.13 put the permute of such an operand (a conv result stored
+        channels-last, concatenated in NCHW order) into one dispatch writing both the graph
+        output and the operand's slice of the concatenation, and left the second store
+        outside the distributed loops ("'vector.store' op write affecting operations on
+        global resources are restricted to workgroup distributed contexts"): fuzz seed
+        48897765, minimized: x[2,1,1,5] -> conv (a graph output) -> concatenated with x ->
+        relu. Without the output it compiled. The output is written anyway, so the
+        concatenation reading a fenced copy costs one read
+        (tests/test_fuzz_concatenated_outputs.py)."""
+        return t.is_output and not t.is_scalar
+
     def computed_from(self, t: TensorAttr, kinds: frozenset[OpKind]) -> bool:
         """Whether any node of ``kinds`` is among the nodes that ``t`` is computed from."""
         seen: set[str] = set()

@@ -32,6 +32,9 @@ def lower_concatenate(ctx: Lowering, node: Node) -> None:
     ins = node.input_list()
     perm = ctx.get(ins[0]).perm if not ins[0].is_scalar else identity(len(yt.shape))
     parts = [ctx.cast(ctx.get(t, perm, full=True), yt.dtype) for t in ins]
+    # A graph output is written out anyway: the concatenation reads the written copy
+    # (FusionGuards.concatenates_an_output says why).
+    parts = [ctx.fence(p) if ctx.concatenates_an_output(t) else p for t, p in zip(ins, parts, strict=True)]
     b = ctx.b
     lst = b.fresh("parts")
     b.line(

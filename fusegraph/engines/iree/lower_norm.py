@@ -87,7 +87,7 @@ def lower_batchnorm(ctx: Lowering, node: Node) -> None:
     normed, mu, inv = _normalize(ctx, x, axes, eps)
     y = binary(ctx, "mul.Tensor", normed, _per_channel(ctx, node.inputs["scale"], x))
     y = binary(ctx, "add.Tensor", y, _per_channel(ctx, node.inputs["bias"], x))
-    if before:
+    if before or ctx.one_group_into_a_contraction(node.inputs["x"], node.outputs["y"], 1):
         y = ctx.fence(y)
     ctx.set(node.outputs["y"], y)
     ctx.set(node.outputs["mean"], mu)
@@ -105,7 +105,7 @@ def lower_layernorm(ctx: Lowering, node: Node) -> None:
     normed, mu, inv = _normalize(ctx, x, axes, eps)
     y = binary(ctx, "mul.Tensor", normed, _feature(ctx, node.inputs["scale"], x))
     y = binary(ctx, "add.Tensor", y, _feature(ctx, node.inputs["bias"], x))
-    if before:
+    if before or ctx.one_group_into_a_contraction(node.inputs["x"], node.outputs["y"], 0):
         y = ctx.fence(y)
     ctx.set(node.outputs["y"], y)
     if "mean" in node.outputs:
@@ -123,6 +123,8 @@ def lower_rmsnorm(ctx: Lowering, node: Node) -> None:
     y = binary(ctx, "mul.Tensor", binary(ctx, "mul.Tensor", x, inv), _feature(ctx, node.inputs["scale"], x))
     if "bias" in node.inputs:
         y = binary(ctx, "add.Tensor", y, _feature(ctx, node.inputs["bias"], x))
+    if ctx.one_group_into_a_contraction(node.inputs["x"], node.outputs["y"], 0):
+        y = ctx.fence(y)
     ctx.set(node.outputs["y"], y)
     if "inv_rms" in node.outputs:
         ctx.set(node.outputs["inv_rms"], inv)
