@@ -95,6 +95,7 @@ class PointwiseSpec:
     params: tuple[tuple[str, float], ...] = ()  # name and default, in canonical order
     output: str = "same"  # "same": the promoted input type; "bool": boolean
     inputs: str = "numeric"  # "numeric", "bool" (logical ops), "float" (transcendentals)
+    commutative: bool = False  # f(a, b) == f(b, a) exactly, NaNs and rounding included
 
 
 _INF = float("inf")
@@ -105,12 +106,12 @@ _RELU_PARAMS = (
 )
 
 POINTWISE: dict[PointwiseMode, PointwiseSpec] = {
-    PointwiseMode.ADD: PointwiseSpec(2),
+    PointwiseMode.ADD: PointwiseSpec(2, commutative=True),
     PointwiseMode.SUB: PointwiseSpec(2),
-    PointwiseMode.MUL: PointwiseSpec(2),
+    PointwiseMode.MUL: PointwiseSpec(2, commutative=True),
     PointwiseMode.DIV: PointwiseSpec(2),
-    PointwiseMode.MAX: PointwiseSpec(2),
-    PointwiseMode.MIN: PointwiseSpec(2),
+    PointwiseMode.MAX: PointwiseSpec(2, commutative=True),
+    PointwiseMode.MIN: PointwiseSpec(2, commutative=True),
     PointwiseMode.POW: PointwiseSpec(2, inputs="float"),
     PointwiseMode.ABS: PointwiseSpec(1),
     PointwiseMode.NEG: PointwiseSpec(1),
@@ -135,14 +136,14 @@ POINTWISE: dict[PointwiseMode, PointwiseSpec] = {
     PointwiseMode.SOFTPLUS_FWD: PointwiseSpec(
         1, params=(("softplus_beta", 1.0),), inputs="float"
     ),
-    PointwiseMode.CMP_EQ: PointwiseSpec(2, output="bool", inputs="any"),
-    PointwiseMode.CMP_NEQ: PointwiseSpec(2, output="bool", inputs="any"),
+    PointwiseMode.CMP_EQ: PointwiseSpec(2, output="bool", inputs="any", commutative=True),
+    PointwiseMode.CMP_NEQ: PointwiseSpec(2, output="bool", inputs="any", commutative=True),
     PointwiseMode.CMP_GT: PointwiseSpec(2, output="bool"),
     PointwiseMode.CMP_GE: PointwiseSpec(2, output="bool"),
     PointwiseMode.CMP_LT: PointwiseSpec(2, output="bool"),
     PointwiseMode.CMP_LE: PointwiseSpec(2, output="bool"),
-    PointwiseMode.LOGICAL_AND: PointwiseSpec(2, output="bool", inputs="bool"),
-    PointwiseMode.LOGICAL_OR: PointwiseSpec(2, output="bool", inputs="bool"),
+    PointwiseMode.LOGICAL_AND: PointwiseSpec(2, output="bool", inputs="bool", commutative=True),
+    PointwiseMode.LOGICAL_OR: PointwiseSpec(2, output="bool", inputs="bool", commutative=True),
     PointwiseMode.LOGICAL_NOT: PointwiseSpec(1, output="bool", inputs="bool"),
     PointwiseMode.BINARY_SELECT: PointwiseSpec(3, inputs="any"),
     PointwiseMode.RELU_BWD: PointwiseSpec(2, params=(("relu_lower_clip", 0.0),)),

@@ -10,6 +10,7 @@ rules go one by one as IREE fixes them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -290,6 +291,25 @@ class FusionGuards:
         concatenation reading a fenced copy costs one read
         (tests/test_fuzz_concatenated_outputs.py)."""
         return t.is_output and not t.is_scalar
+
+    @staticmethod
+    def swap_commutative(a: Val, b: Val) -> bool:
+        """Whether a commutative binary op's operands go in the other order: always the same
+        order, whichever the graph gave (the larger operand first, so ``x + bias`` stays as
+        written; then by SSA name), so that IREE folds two nodes computing f(x, y) and
+        f(y, x) into one value before it forms dispatches.
+
+        Left apart, iree-compile 3.13 fused both into one dispatch and failed (fuzz seed 2
+        of run K: t = x + y, then max(x, t) and max(t, x), both graph outputs of int32
+        x, y [5,5]; add and mul alike, f32 too; "'linalg.generic' op write affecting
+        operations on global resources are restricted to workgroup distributed contexts").
+        The same node twice in one order compiled: IREE folds identical ops. The swap
+        changes no result: these ops are exactly commutative
+        (tests/test_fuzz_commutative_twins.py)."""
+        def key(v: Val) -> tuple[int, str]:
+            return (-math.prod(v.shape), v.name)
+
+        return key(b) < key(a)
 
     def computed_from(self, t: TensorAttr, kinds: frozenset[OpKind]) -> bool:
         """Whether any node of ``kinds`` is among the nodes that ``t`` is computed from."""

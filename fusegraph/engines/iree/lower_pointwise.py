@@ -271,5 +271,7 @@ def lower_pointwise(ctx: Lowering, node: Node) -> None:
     if not shape:  # every operand a scalar: compute at the output's shape
         args[0] = ctx.broadcast(args[0], out.shape, perm)
         shape = args[0].shape
+    if spec.commutative and ctx.swap_commutative(args[0], args[1]):
+        args = [args[1], args[0]]
     result = POINTWISE_LOWER[attrs.mode](ctx, args, attrs, tuple(shape), perm, ct)
     ctx.set(out, result)
