@@ -29,6 +29,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from fusegraph.engines.cuda_capture import CENSUS, capturing
+
 log = logging.getLogger("fusegraph.engines")
 
 DEFAULT_STREAM = 0
@@ -82,7 +84,7 @@ class LaunchReplay:
                 self._side = torch.cuda.Stream(self._device)
             side = self._side
             graph = torch.cuda.CUDAGraph()
-            with guard if guard is not None else contextlib.nullcontext(), torch.cuda.stream(side):
+            with capturing(), guard if guard is not None else contextlib.nullcontext(), torch.cuda.stream(side):
                 graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     capture(int(side.cuda_stream))
@@ -93,3 +95,4 @@ class LaunchReplay:
             log.info("launch not captured into a CUDA graph (%s: %s); plain launches from now on", type(exc).__name__, exc)
             return
         self.graphs[key] = graph
+        CENSUS.track(self)

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from fusegraph.engines.cuda_capture import CENSUS, capturing
 from fusegraph.engines.torch.convert import (
     Tensor,
     _is_buffer,
@@ -120,7 +121,8 @@ class CudaGraphs:
                     self._fn(static_in)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # thread_local: other threads' CUDA calls (another plan running eagerly) stay allowed
+            with capturing(), torch.cuda.graph(graph, capture_error_mode="thread_local"):
                 static_out = self._fn(static_in)
         except Exception as exc:  # an op that syncs with the host, or one CUDA graphs cannot hold
             log.info("graph '%s': CUDA graph capture failed (%s); running eagerly", self.graph.name, str(exc).splitlines()[0])
@@ -128,6 +130,7 @@ class CudaGraphs:
             self._graph = None
             return False
         self._graph = (graph, static_in, static_out)
+        CENSUS.track(self)
         self._graph_bound = self._bound
         self._graph_stream = int(torch.cuda.current_stream(self.device).cuda_stream)
         return True
