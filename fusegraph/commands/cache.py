@@ -28,7 +28,7 @@ class Part:
 
 
 PARTS: tuple[Part, ...] = (
-    Part("iree", "iree", "IREE engine: compiled modules (LRU, size-limited)"),
+    Part("iree", "iree", "IREE engine: compiled modules (LRU, size-limited with the other artifacts)"),
     Part("failures", "failures", "IREE engine: kept compile-failure reproducers"),
     Part("tuning", "tuning", "autotune: the tuning database"),
     Part("onnx-choices", "onnx-choices.json", "ONNX provider: autotuned choices per subgraph"),
@@ -64,7 +64,8 @@ def register(sub: Any) -> None:
                      help=f"clear only this part (repeatable): {', '.join(names)}")
     clr.set_defaults(fn=_clear)
     lim = csub.add_parser(
-        "limit", help="show or set the IREE modules' size limit (least recently used entries are evicted)"
+        "limit", help="show or set the size limit of everything compiled into the cache (IREE modules, cuDNN "
+        "plans, AOTInductor packages, tier modules, OpenVINO models; least recently used evicted first)"
     )
     lim.add_argument("size", nargs="?", help="e.g. 500M, 2G, 100000 (bytes) or 'default'")
     lim.set_defaults(fn=_limit)
@@ -145,7 +146,8 @@ def _info(args: argparse.Namespace) -> int:
     state = "enabled" if info["enabled"] else "disabled (FUSEGRAPH_CACHE=0)"
     print(f"cache directory : {info['root']} ({state})")
     print(f"entries         : {info['entries']} ({info['bytes'] / 1e6:.2f} MB)")
-    print(f"size limit      : {info['max_bytes'] / 1e6:.2f} MB (least recently used evicted)")
+    print(f"size limit      : {info['max_bytes'] / 1e6:.2f} MB for every compiled artifact; "
+          f"{_artifacts_line(Path(info['root']))} (least recently used evicted)")
     print(f"kept failures   : {info['failures']} (under {info['root']}/failures)")
     print(f"everything      : {_human(sum(r['bytes'] for r in parts if r['name'] != '(other)'))} in "
           f"{sum(r['files'] for r in parts if r['name'] != '(other)')} files (`fusegraph cache list`)")
@@ -240,8 +242,16 @@ def _limit(args: argparse.Namespace) -> int:
             print(f"fusegraph cache limit: {exc}", file=sys.stderr)
             return 2
     info = cache.info()
-    print(f"size limit {info['max_bytes'] / 1e6:.2f} MB; {info['entries']} entries use {info['bytes'] / 1e6:.2f} MB")
+    print(f"size limit {info['max_bytes'] / 1e6:.2f} MB; {_artifacts_line(cache.root)}")
     return 0
+
+
+def _artifacts_line(root: Path) -> str:
+    from fusegraph.runtime import cache_limit
+
+    use = cache_limit.usage(root)
+    each = ", ".join(f"{k} {_human(v)}" for k, v in use.items() if v)
+    return f"compiled artifacts use {sum(use.values()) / 1e6:.2f} MB" + (f" ({each})" if each else "")
 
 
 def _age(seconds: float) -> str:

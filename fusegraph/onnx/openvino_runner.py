@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from fusegraph.errors import UnsupportedError
+from fusegraph.runtime import cache_limit
 
 log = logging.getLogger("fusegraph.onnx")
 
@@ -99,6 +100,9 @@ class OpenVinoRunner:
             raise
         except Exception as exc:  # OpenVINO's refusal (an op it cannot convert, ...) is a reason
             raise OpenVinoUnavailable(f"OpenVINO cannot compile the model: {_first_lines(exc)}") from None
+        if cache_dir is not None and Path(cache_dir).name == "openvino":  # fusegraph's own cache
+            # OpenVINO reads its blobs itself (their mtime is their write): evicted oldest first
+            cache_limit.enforce(Path(cache_dir).parent)
         self._request = self._compiled.create_infer_request()
         self._lock = threading.Lock()
         # A port may carry several tensor names (an input aliased by an internal value, as in

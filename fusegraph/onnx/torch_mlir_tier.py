@@ -20,6 +20,7 @@ Compiled modules are cached by content (model bytes, flags, IREE version) in
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import statistics
@@ -34,6 +35,8 @@ import onnx
 from fusegraph.errors import CompileError
 from fusegraph.onnx.model import OnnxGraph, ONode
 from fusegraph.onnx.units import OrtUnit, sub_model
+from fusegraph.runtime import cache_limit
+from fusegraph.runtime.cache_dir import atomic_write_bytes
 
 log = logging.getLogger("fusegraph.onnx")
 
@@ -73,7 +76,10 @@ def compile_region(model: onnx.ModelProto, device: str, cache_dir: str | None) -
     root = _cache_root(cache_dir)
     cached = root / f"{key}.vmfb"
     if cached.is_file():
-        return cached.read_bytes()
+        with contextlib.suppress(OSError):  # evicted meanwhile: compiled again below
+            data = cached.read_bytes()
+            cache_limit.touch(cached)
+            return data
     try:
         prepared = _prepare(model)
         ctx = ir.Context()
@@ -96,7 +102,8 @@ def compile_region(model: onnx.ModelProto, device: str, cache_dir: str | None) -
         raise CompileError(f"IREE failed to compile the region: {exc}", diagnostic=exc.diagnostic,
                            reproducer=repro) from exc
     root.mkdir(parents=True, exist_ok=True)
-    cached.write_bytes(vmfb)
+    atomic_write_bytes(cached, bytes(vmfb))  # a writer killed halfway leaves no truncated module
+    cache_limit.enforce(root.parent, keep=[cached])
     return bytes(vmfb)
 
 

@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from fusegraph.runtime import cache_limit
 from fusegraph.runtime.cache_dir import cache_enabled, cache_root
 
 log = logging.getLogger("fusegraph.engines.cudnn")
@@ -29,10 +30,13 @@ def _path(key: str) -> Path:
 def load(key: str) -> bytes | None:
     if not cache_enabled():
         return None
+    path = _path(key)
     try:
-        return _path(key).read_bytes()
+        data = path.read_bytes()
     except OSError:
         return None
+    cache_limit.touch(path)
+    return data
 
 
 def save(key: str, data: bytes) -> None:
@@ -48,6 +52,8 @@ def save(key: str, data: bytes) -> None:
         os.replace(tmp, path)
     except OSError as exc:
         log.warning("could not store the cuDNN plan in %s: %s", path, exc)
+        return
+    cache_limit.enforce(keep=[path])
 
 
 def forget(key: str) -> None:

@@ -11,9 +11,10 @@ Concurrency and limits: :meth:`ModuleCache.compile_once` holds a per-key file lo
 (``<root>/iree/<key[:2]>/.<key>.lock``) around "look up, else compile and store", so N
 processes asking for one key compile it once. Every file is fsynced before the rename, and
 a process killed mid-write leaves only a ``.tmp-*`` directory (never loaded; swept after an
-hour). The entries' total size is capped (``limits.json``'s ``max_bytes``, default
-:data:`DEFAULT_MAX_BYTES`; ``fusegraph cache limit``): after each store the least recently
-used entries (directory mtime, touched on every hit) are removed. A location that cannot
+hour). The cache's total size is capped (``limits.json``'s ``max_bytes``, default
+:data:`DEFAULT_MAX_BYTES`; ``fusegraph cache limit``), these entries together with every
+other store's artifacts (``runtime/cache_limit.py``): after each store the least recently
+used artifacts (mtime, touched on every hit) are removed. A location that cannot
 be written (read-only, full, a file) gives one :class:`CacheUnavailableWarning` and the
 engine runs uncached.
 
@@ -40,14 +41,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fusegraph.runtime import cache_limit
 from fusegraph.runtime.cache_dir import (
     CacheUnavailableWarning,
     cache_enabled,
     cache_root,
     ensure_dir,
     file_lock,
-    read_table,
-    update_table,
     warn_unavailable,
 )
 
@@ -57,8 +57,8 @@ SCHEMA = 1
 MANIFEST = "manifest.json"
 VMFB = "module.vmfb"
 MEMORY_ENTRIES = 256
-LIMITS = "limits.json"
-DEFAULT_MAX_BYTES = 2 * 1024**3
+LIMITS = cache_limit.LIMITS
+DEFAULT_MAX_BYTES = cache_limit.DEFAULT_MAX_BYTES
 STALE_TMP_S = 3600.0
 
 __all__ = ["CacheCorruptionWarning", "CacheEntry", "CacheUnavailableWarning", "ModuleCache", "clear_memory"]
@@ -236,70 +236,37 @@ class ModuleCache:
 
     # ---- size limit ------------------------------------------------------------------------
     def limit(self) -> int:
-        """The most bytes the entries may take (``limits.json``, else the default)."""
-        value = read_table(self.root / LIMITS).get("max_bytes", DEFAULT_MAX_BYTES)
-        return int(value) if isinstance(value, int) and value >= 0 else DEFAULT_MAX_BYTES
+        """The most bytes the cache's artifacts may take, these entries among them
+        (``runtime/cache_limit.py``: one limit for every store)."""
+        return cache_limit.limit(self.root)
 
     def set_limit(self, max_bytes: int | None) -> None:
         """Sets (None: resets to the default) the size limit and evicts down to it."""
         if max_bytes is not None and max_bytes < 0:
             raise ValueError(f"a cache size limit must be >= 0 bytes, not {max_bytes}")
-
-        def change(t: dict[str, Any]) -> None:
-            if max_bytes is None:
-                t.pop("max_bytes", None)
-            else:
-                t["max_bytes"] = int(max_bytes)
-
-        update_table(self.root / LIMITS, change)
+        cache_limit.set_limit(max_bytes, self.root)
         self.evict()
 
     def evict(self, keep: str | None = None) -> int:
-        """Removes least recently used entries until the total is within :meth:`limit`
-        (never ``keep``, the entry just stored), and temporary directories older than an
-        hour (left by killed writers); returns how many entries went."""
+        """Removes temporary directories older than an hour (left by killed writers), then
+        the least recently used artifacts of every store until the cache is within
+        :meth:`limit` (never ``keep``, the entry just stored); returns how many went."""
         root = self.entries_root
-        if not root.is_dir():
-            return 0
-        limit = self.limit()
-        removed = 0
-        try:
-            with file_lock(root / ".evict.lock"):
-                now = time.time()
-                sized: list[tuple[float, int, Path]] = []
-                for d in root.glob("*/*"):
-                    try:
-                        st = d.stat()
-                        if not d.is_dir():
-                            continue
-                        if d.name.startswith((".tmp-", ".trash-")):
-                            if now - st.st_mtime > STALE_TMP_S:
-                                _remove_tree(d)
-                            continue
-                        size = sum(p.stat().st_size for p in d.iterdir() if p.is_file())
-                    except OSError:
-                        continue
-                    sized.append((st.st_mtime, size, d))
-                total = sum(s for _, s, _ in sized)
-                for _, size, d in sorted(sized, key=lambda x: x[0]):
-                    if total <= limit:
-                        break
-                    if d.name == keep:
-                        continue
-                    trash = d.with_name(f".trash-{d.name[:12]}-{os.getpid()}-{time.monotonic_ns()}")
-                    try:
-                        os.rename(d, trash)
-                    except OSError:
-                        continue
-                    _remove_tree(trash)
-                    _MEMORY.drop(d.name)
-                    total -= size
-                    removed += 1
-        except OSError as exc:
-            log.info("could not evict from %s: %s", root, exc)
-        if removed:
-            log.info("evicted %d least recently used IREE cache entr%s (limit %d bytes)", removed, "y" if removed == 1 else "ies", limit)
-        return removed
+        if root.is_dir():
+            now = time.time()
+            for d in root.glob("*/.*"):
+                try:
+                    if d.is_dir() and d.name.startswith((".tmp-", ".trash-")) and now - d.stat().st_mtime > STALE_TMP_S:
+                        _remove_tree(d)
+                except OSError:
+                    continue
+
+        def forget(a: cache_limit.Artifact) -> None:
+            if a.store == "iree":
+                _MEMORY.drop(a.path.name)
+
+        keep_paths = [self.entry_dir(keep)] if keep else []
+        return len(cache_limit.enforce(self.root, keep=keep_paths, removed_hook=forget))
 
     # ---- management ------------------------------------------------------------------------
     def list_entries(self) -> list[dict[str, Any]]:

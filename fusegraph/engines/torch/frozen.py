@@ -55,6 +55,7 @@ from fusegraph.engines.torch.function import _graph_function
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.ops import CONVOLUTIONS, OpKind
 from fusegraph.graph.tensor import TensorAttr
+from fusegraph.runtime import cache_limit
 from fusegraph.runtime.cache_dir import cache_enabled, cache_root, ensure_dir
 from fusegraph.runtime.handle import Handle
 
@@ -210,10 +211,12 @@ def cached_package(key: str) -> Callable[..., Sequence[Tensor]] | None:
     if not cache_enabled() or not path.is_file():
         return None
     try:
-        return load_package(path)
+        call = load_package(path)
     except Exception as exc:  # a truncated or foreign file: compiled again
         log.info("AOTInductor package %s unusable (%s); compiling again", path, exc)
         return None
+    cache_limit.touch(path)
+    return call
 
 
 def compile_aoti(module: Any, example: Sequence[Tensor], key: str) -> Callable[..., Sequence[Tensor]]:
@@ -231,6 +234,8 @@ def compile_aoti(module: Any, example: Sequence[Tensor], key: str) -> Callable[.
                 target = root / f"{key}.pt2"
             except OSError as exc:
                 log.info("could not keep the AOTInductor package in %s: %s", root, exc)
+            else:
+                cache_limit.enforce(keep=[target])
         return load_package(target)
 
 
