@@ -723,9 +723,16 @@ def test_fuzz_batchnorm_mean_of_saturated_values_errs_by_its_conditioning(engine
     u = 2.0**-23
     err = abs(float(np.asarray(got["mean"], np.float64).item()) - float(ref["mean"].item()))
     assert err <= 2 * u * float(np.mean(np.abs(t64))), f"{engine}: mean off by {err:.3g}"
-    for name in ("y", "inv_var"):
-        a, b = np.asarray(got[name], np.float64), ref[name]
-        assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b), f"{engine}: {name}"
+    # inv_var = 1/sqrt(var + eps) is well conditioned (eps bounds it). y = scale * (t - mean) *
+    # inv_var + bias inherits the cancellation in t - mean when both t saturate alike (a full
+    # suite run drew such inputs: rel err 2.6e-4): each element may err by the rounding of t
+    # (~u |t|, twice) times |scale| inv_var, and by f32 rounding of y itself. Over 2,000 seeds
+    # torch used at most 0.19 of this bound, IREE (300 seeds) 0.17.
+    a, b = np.asarray(got["inv_var"], np.float64), ref["inv_var"]
+    assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b), f"{engine}: inv_var"
+    a, b = np.asarray(got["y"], np.float64), ref["y"]
+    allowed = abs(float(inputs["scale"].item())) * float(ref["inv_var"].item()) * 4 * u * float(np.abs(t64).max())
+    assert np.all(np.abs(a - b) <= allowed + 1e-5 * np.abs(b)), f"{engine}: y off by {np.abs(a - b).max():.3g}"
 
 
 def _matvec_of_elementwise_matrix(case: str) -> fg.Graph:
