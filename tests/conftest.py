@@ -65,6 +65,15 @@ def iree_cache_dir(monkeypatch: pytest.MonkeyPatch, shared_cache: Path) -> Path:
     return shared_cache
 
 
+@pytest.fixture
+def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache directory of the test's own, caching on (modules opt in with
+    ``pytestmark = pytest.mark.usefixtures("own_cache")``)."""
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FUSEGRAPH_CACHE", raising=False)
+    return tmp_path
+
+
 @pytest.fixture(autouse=True)
 def _steady_machine_load(monkeypatch: pytest.MonkeyPatch) -> None:
     """Whole-model runner verdicts are keyed by the machine's load class, read from the load

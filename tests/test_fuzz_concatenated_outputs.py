@@ -9,29 +9,15 @@ Compared with the float64 reference; torch runs the same graphs as a control."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from reference_checks import agrees_with_reference
 
 import fusegraph as fg
 from fusegraph.dtypes import DataType
-from fusegraph.reference.inputs import random_inputs
-from fusegraph.select.autotune import compare, tolerance
 
+pytestmark = pytest.mark.usefixtures("own_cache")
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("FUSEGRAPH_CACHE", raising=False)
-
-
-def _agrees(g: fg.Graph, engine: str, rng: np.random.Generator) -> None:
-    inputs = random_inputs(g, rng)
-    ref = g.execute(dict(inputs), engine="reference")
-    got = g.execute(dict(inputs), engine=engine)
-    err, why = compare(g, got, ref)
-    assert err <= tolerance(g), f"{engine}: rel err {err:.3g} > {tolerance(g):g} {why}"
 
 
 def _graph(reader: str, output: bool) -> fg.Graph:
@@ -53,8 +39,8 @@ def _graph(reader: str, output: bool) -> fg.Graph:
 @pytest.mark.parametrize("output", [True, False], ids=["output", "virtual"])
 @pytest.mark.parametrize("reader", ["relu", "batchnorm"])
 def test_fuzz_iree_concatenated_output(reader: str, output: bool, rng: np.random.Generator) -> None:
-    _agrees(_graph(reader, output), "iree", rng)
+    agrees_with_reference(_graph(reader, output), "iree", rng)
 
 
 def test_fuzz_concatenated_output_on_torch(rng: np.random.Generator) -> None:
-    _agrees(_graph("batchnorm", True), "torch", rng)
+    agrees_with_reference(_graph("batchnorm", True), "torch", rng)

@@ -11,26 +11,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reference_checks import agrees_with_reference
 
 import fusegraph as fg
 from fusegraph.dtypes import DataType
 from fusegraph.reference.inputs import random_inputs
 from fusegraph.select.autotune import compare, tolerance
 
+pytestmark = pytest.mark.usefixtures("own_cache")
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("FUSEGRAPH_CACHE", raising=False)
-
-
-def _agrees(g: fg.Graph, engine: str, rng: np.random.Generator) -> None:
-    g.validate()
-    inputs = random_inputs(g, rng)
-    ref = g.execute(dict(inputs), engine="reference")
-    got = g.execute(dict(inputs), engine=engine)
-    err, why = compare(g, got, ref)
-    assert err <= tolerance(g), f"{engine}: rel err {err:.3g} > {tolerance(g):g} {why}"
 
 
 # Was a strict xfail (ExecutionError "hal.buffer_view.create OUT_OF_RANGE; buffer view byte length
@@ -43,7 +32,7 @@ def test_fuzz_iree_f64_output_of_a_computed_op(rng: np.random.Generator) -> None
     g = fg.Graph(name="fuzz_f64_abs")
     x = g.tensor("x", [3], data_type=DataType.DOUBLE)
     g.abs(x).set_data_type(DataType.DOUBLE).set_output(True)
-    _agrees(g, "iree", rng)
+    agrees_with_reference(g, "iree", rng)
 
 
 @pytest.mark.parametrize("compute", [None, DataType.DOUBLE], ids=["undeclared", "f64"])
@@ -55,7 +44,7 @@ def test_fuzz_iree_f64_graph_agrees_at_f64_tolerance(compute: DataType | None, r
     g.softmax(m, axis=-1).set_name("s").set_output(True)
     p = g.pow(g.add(g.abs(m), g.scalar(0.5)), g.exp(g.tensor("e", [1, 1, 5])))
     g.reduction(g.log(p), fg.ReductionMode.SUM, axes=[1]).set_name("r").set_output(True)
-    _agrees(g, "iree", rng)
+    agrees_with_reference(g, "iree", rng)
 
 
 def aligned_read_only(values: np.ndarray, alignment: int = 4096) -> np.ndarray:
@@ -86,7 +75,7 @@ def test_fuzz_torch_input_broadcast_on_every_axis(rng: np.random.Generator) -> N
     g = fg.Graph(name="fuzz_all_broadcast", io_data_type=DataType.FLOAT)
     x = g.tensor("x", [3, 4], [0, 0])
     g.neg(x).set_name("y").set_output(True)
-    _agrees(g, "torch", rng)
+    agrees_with_reference(g, "torch", rng)
 
 
 # Was a strict xfail (CompileError: "'tensor.cast' op operand type 'tensor<5x2x3x4xf32>' and result
@@ -98,7 +87,7 @@ def test_fuzz_iree_backward_op_with_broadcast_dy_into_reduction(mode: str, rng: 
     g = fg.Graph(name="fuzz_bwd_bcast", io_data_type=DataType.FLOAT)
     dy, x = g.tensor("dy", [1, 2, 1, 4]), g.tensor("x", [5, 2, 3, 4])
     g.reduction(getattr(g, mode)(dy, x), fg.ReductionMode.SUM, axes=[1, 2, 3]).set_name("y").set_output(True)
-    _agrees(g, "iree", rng)
+    agrees_with_reference(g, "iree", rng)
 
 
 @pytest.mark.parametrize("reader", ["sum", "avg", "layernorm", "sum_of_stride0_view"])
@@ -117,7 +106,7 @@ def test_fuzz_iree_product_with_broadcast_operand_into_a_sum(reader: str, rng: n
         mode = fg.ReductionMode.AVG if reader == "avg" else fg.ReductionMode.SUM
         y = g.reduction(p, mode, axes=[1, 2, 3])
     y.set_name("y").set_output(True)
-    _agrees(g, "iree", rng)
+    agrees_with_reference(g, "iree", rng)
 
 
 @pytest.mark.parametrize("engine", ["torch", "reference"])
@@ -125,7 +114,7 @@ def test_fuzz_backward_op_with_broadcast_dy_into_reduction_other_engines(engine:
     g = fg.Graph(name="fuzz_bwd_bcast", io_data_type=DataType.FLOAT)
     dy, x = g.tensor("dy", [1, 2, 1, 4]), g.tensor("x", [5, 2, 3, 4])
     g.reduction(g.gelu_backward(dy, x), fg.ReductionMode.SUM, axes=[1, 2, 3]).set_name("y").set_output(True)
-    _agrees(g, engine, rng)
+    agrees_with_reference(g, engine, rng)
 
 
 BF16_MATMUL = """
@@ -199,7 +188,7 @@ def _window_graph(op: str, xd: list[int], win: list[int], stride: list[int], pad
 def test_fuzz_iree_window_op_with_unit_output_and_leftover_input(
     op: str, xd: list[int], win: list[int], stride: list[int], pad: list[int], rng: np.random.Generator
 ) -> None:
-    _agrees(_window_graph(op, xd, win, stride, pad), "iree", rng)
+    agrees_with_reference(_window_graph(op, xd, win, stride, pad), "iree", rng)
 
 
 @pytest.mark.parametrize("case", ["grouped", "nchw_option", "conv_1d_nchw_option"])
@@ -232,7 +221,7 @@ def test_fuzz_iree_conv_with_unit_output_through_torch_convolution(case: str, rn
 def test_fuzz_window_op_with_unit_output_other_engines(
     engine: str, op: str, xd: list[int], win: list[int], stride: list[int], pad: list[int], rng: np.random.Generator
 ) -> None:
-    _agrees(_window_graph(op, xd, win, stride, pad), engine, rng)
+    agrees_with_reference(_window_graph(op, xd, win, stride, pad), engine, rng)
 
 
 # Was a strict xfail ("'func.func' op failed on workgroup distribution verification"): the
@@ -242,7 +231,7 @@ def test_fuzz_iree_wgrad_of_a_computed_output(rng: np.random.Generator) -> None:
     x = g.sin(g.tensor("x", [5, 1, 3, 2], [3, 3, 1, 15])).set_name("sx").set_output(True)
     dy = g.tensor("dy", [5, 1, 1, 2], [1, 5, 10, 5])
     g.conv_wgrad(x, dy, padding=[0, 0]).set_dim([1, 1, 3, 1]).set_name("dw").set_output(True)
-    _agrees(g, "iree", rng)
+    agrees_with_reference(g, "iree", rng)
 
 
 def test_fuzz_wgrad_of_a_computed_output_on_torch(rng: np.random.Generator) -> None:
@@ -250,7 +239,7 @@ def test_fuzz_wgrad_of_a_computed_output_on_torch(rng: np.random.Generator) -> N
     x = g.sin(g.tensor("x", [5, 1, 3, 2], [3, 3, 1, 15])).set_name("sx").set_output(True)
     dy = g.tensor("dy", [5, 1, 1, 2], [1, 5, 10, 5])
     g.conv_wgrad(x, dy, padding=[0, 0]).set_dim([1, 1, 3, 1]).set_name("dw").set_output(True)
-    _agrees(g, "torch", rng)
+    agrees_with_reference(g, "torch", rng)
 
 
 def _matmul_of_reshaped_matmul(case: str, io: DataType) -> fg.Graph:
@@ -275,7 +264,7 @@ def _matmul_of_reshaped_matmul(case: str, io: DataType) -> fg.Graph:
 @pytest.mark.parametrize("io", [DataType.FLOAT, DataType.HALF], ids=["f32", "f16"])
 @pytest.mark.parametrize("case", ["broadcast_batch", "reshape", "reshape_tanh"])
 def test_fuzz_iree_matmul_of_a_reshaped_matmul_result(case: str, io: DataType, rng: np.random.Generator) -> None:
-    _agrees(_matmul_of_reshaped_matmul(case, io), "iree", rng)
+    agrees_with_reference(_matmul_of_reshaped_matmul(case, io), "iree", rng)
 
 
 def _product_graph(squash: str) -> fg.Graph:
@@ -291,7 +280,7 @@ def _product_graph(squash: str) -> fg.Graph:
 
 @pytest.mark.parametrize("engine", ["iree", "torch"])
 def test_fuzz_product_of_many_values_agrees(engine: str, rng: np.random.Generator) -> None:
-    _agrees(_product_graph("exp"), engine, rng)
+    agrees_with_reference(_product_graph("exp"), engine, rng)
 
 
 def test_fuzz_iree_flushes_subnormal_results_to_zero() -> None:
@@ -334,7 +323,7 @@ def _output_read_by(reader: str, io: DataType) -> fg.Graph:
 @pytest.mark.parametrize("io", [DataType.FLOAT, DataType.HALF], ids=["f32", "f16"])
 @pytest.mark.parametrize("reader", ["softmax_after_batchnorm", "softmax"])
 def test_fuzz_iree_output_read_by_a_reduction_root(reader: str, io: DataType, rng: np.random.Generator) -> None:
-    _agrees(_output_read_by(reader, io), "iree", rng)
+    agrees_with_reference(_output_read_by(reader, io), "iree", rng)
 
 
 def _norm_then_matvec(case: str) -> fg.Graph:
@@ -357,7 +346,7 @@ def _norm_then_matvec(case: str) -> fg.Graph:
 # engines/iree/lower_matmul.py: such a matvec's A operand computed from a norm/reduction is fenced.
 @pytest.mark.parametrize("case", ["layernorm", "rmsnorm", "f32_io_f16_weight"])
 def test_fuzz_iree_matvec_with_narrow_weight_after_a_norm(case: str, rng: np.random.Generator) -> None:
-    _agrees(_norm_then_matvec(case), "iree", rng)
+    agrees_with_reference(_norm_then_matvec(case), "iree", rng)
 
 
 def _broadcast_value_read_by_two(case: str) -> fg.Graph:
@@ -404,12 +393,12 @@ def _broadcast_value_read_by_two(case: str) -> fg.Graph:
     "tanh_softmaxes",
 ])
 def test_fuzz_iree_broadcast_value_read_by_two_reducers(case: str, rng: np.random.Generator) -> None:
-    _agrees(_broadcast_value_read_by_two(case), "iree", rng)
+    agrees_with_reference(_broadcast_value_read_by_two(case), "iree", rng)
 
 
 @pytest.mark.parametrize("engine", ["torch", "reference"])
 def test_fuzz_broadcast_value_read_by_two_reducers_other_engines(engine: str, rng: np.random.Generator) -> None:
-    _agrees(_broadcast_value_read_by_two("matmul_norms_f16"), engine, rng)
+    agrees_with_reference(_broadcast_value_read_by_two("matmul_norms_f16"), engine, rng)
 
 
 def _rmsnorm_then_sum(reader: str) -> fg.Graph:
@@ -442,7 +431,7 @@ def _rmsnorm_then_sum(reader: str) -> fg.Graph:
 # product), so the reader fences it.
 @pytest.mark.parametrize("reader", ["layernorm", "avg", "wgrad_chain"])
 def test_fuzz_iree_rmsnorm_with_broadcast_scale_into_a_sum(reader: str, rng: np.random.Generator) -> None:
-    _agrees(_rmsnorm_then_sum(reader), "iree", rng)
+    agrees_with_reference(_rmsnorm_then_sum(reader), "iree", rng)
 
 
 def _convolution_of_broadcast(case: str) -> fg.Graph:
@@ -481,7 +470,7 @@ def _convolution_of_broadcast(case: str) -> fg.Graph:
 @pytest.mark.parametrize("case", ["wgrad_seed_2314104", "wgrad_1x1", "wgrad_of_broadcast_dy", "dgrad",
                                   "fprop_1x1", "fprop_3x3", "fprop_batch"])
 def test_fuzz_iree_convolution_of_a_broadcast_input(case: str, rng: np.random.Generator) -> None:
-    _agrees(_convolution_of_broadcast(case), "iree", rng)
+    agrees_with_reference(_convolution_of_broadcast(case), "iree", rng)
 
 
 # The module the emitter wrote for wgrad_1x1 before the fix (the expansion fused into the
@@ -622,7 +611,7 @@ def test_fuzz_iree_lone_reduction_beside_a_packed_operand(case: str, rng: np.ran
 
 
 def test_fuzz_lone_reduction_beside_a_packed_operand_on_torch(rng: np.random.Generator) -> None:
-    _agrees(_lone_reduction_beside_a_packed_operand("seed_24718"), "torch", rng)
+    agrees_with_reference(_lone_reduction_beside_a_packed_operand("seed_24718"), "torch", rng)
 
 
 # Was a CompileError for a pure data-movement graph (fuzz seed 1018: x[7] -> slice [6:7] ->
@@ -649,7 +638,7 @@ def test_fuzz_iree_one_element_slice_viewed_to_more_unit_axes(
     r = g.reshape(g.slice(g.tensor("x", xd), starts, ends, steps), yd).set_name("y").set_output(True)
     z = {"reshape": lambda: g.reshape(r, yd), "neg": lambda: g.neg(r), "add": lambda: g.add(r, r)}[reader]()
     z.set_name("z").set_output(True)
-    _agrees(g, "iree", rng)
+    agrees_with_reference(g, "iree", rng)
 
 
 def _layernorm_statistics_beside_a_softmax(case: str) -> fg.Graph:
@@ -692,11 +681,11 @@ def _layernorm_statistics_beside_a_softmax(case: str) -> fg.Graph:
     "layernorm_tanh_softmax",
 ])
 def test_fuzz_iree_layernorm_statistics_beside_a_softmax(case: str, rng: np.random.Generator) -> None:
-    _agrees(_layernorm_statistics_beside_a_softmax(case), "iree", rng)
+    agrees_with_reference(_layernorm_statistics_beside_a_softmax(case), "iree", rng)
 
 
 def test_fuzz_layernorm_statistics_beside_a_softmax_on_torch(rng: np.random.Generator) -> None:
-    _agrees(_layernorm_statistics_beside_a_softmax("seed_817"), "torch", rng)
+    agrees_with_reference(_layernorm_statistics_beside_a_softmax("seed_817"), "torch", rng)
 
 
 # Not a bug (fuzz seed 1112, 4 shrink variants: log_softmax -> wgrad -> tanh -> batchnorm with

@@ -10,29 +10,15 @@ before) stay in as the case the rule leaves alone."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from reference_checks import agrees_with_reference
 
 import fusegraph as fg
 from fusegraph.dtypes import DataType
-from fusegraph.reference.inputs import random_inputs
-from fusegraph.select.autotune import compare, tolerance
 
+pytestmark = pytest.mark.usefixtures("own_cache")
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("FUSEGRAPH_CACHE", raising=False)
-
-
-def _agrees(g: fg.Graph, engine: str, rng: np.random.Generator) -> None:
-    inputs = random_inputs(g, rng)
-    ref = g.execute(dict(inputs), engine="reference")
-    got = g.execute(dict(inputs), engine=engine)
-    err, why = compare(g, got, ref)
-    assert err <= tolerance(g), f"{engine}: rel err {err:.3g} > {tolerance(g):g} {why}"
 
 
 def _graph(case: str) -> fg.Graph:
@@ -69,9 +55,9 @@ CASES = ["layernorm", "layernorm_floor", "layernorm_two_groups", "layernorm_2d",
 
 @pytest.mark.parametrize("case", CASES)
 def test_fuzz_iree_one_group_norm_into_a_matmul(case: str, rng: np.random.Generator) -> None:
-    _agrees(_graph(case), "iree", rng)
+    agrees_with_reference(_graph(case), "iree", rng)
 
 
 @pytest.mark.parametrize("case", ["layernorm", "rmsnorm", "batchnorm_conv"])
 def test_fuzz_one_group_norm_into_a_matmul_on_torch(case: str, rng: np.random.Generator) -> None:
-    _agrees(_graph(case), "torch", rng)
+    agrees_with_reference(_graph(case), "torch", rng)

@@ -8,29 +8,15 @@ float64 reference; torch runs the same graphs as a control."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
+from reference_checks import agrees_with_reference
 
 import fusegraph as fg
 from fusegraph.dtypes import DataType
-from fusegraph.reference.inputs import random_inputs
-from fusegraph.select.autotune import compare, tolerance
 
+pytestmark = pytest.mark.usefixtures("own_cache")
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("FUSEGRAPH_CACHE", raising=False)
-
-
-def _agrees(g: fg.Graph, engine: str, rng: np.random.Generator) -> None:
-    inputs = random_inputs(g, rng)
-    ref = g.execute(dict(inputs), engine="reference")
-    got = g.execute(dict(inputs), engine=engine)
-    err, why = compare(g, got, ref)
-    assert err <= tolerance(g), f"{engine}: rel err {err:.3g} > {tolerance(g):g} {why}"
 
 
 def _graph(where: str, shape: list[int], strides: list[int] | None, axis: int, stats: bool) -> fg.Graph:
@@ -61,7 +47,7 @@ CASES = {
 @pytest.mark.parametrize("engine", ["iree", "torch"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_batchnorm_statistics_beside_a_softmax(case: str, engine: str, rng: np.random.Generator) -> None:
-    _agrees(_graph(*CASES[case]), engine, rng)
+    agrees_with_reference(_graph(*CASES[case]), engine, rng)
 
 
 def _shared(case: str) -> fg.Graph:
@@ -84,7 +70,7 @@ def _shared(case: str) -> fg.Graph:
 @pytest.mark.parametrize("engine", ["iree", "torch"])
 @pytest.mark.parametrize("case", ["seed288016661", "same_axis", "through_tanh", "second_alone", "other_axis_first"])
 def test_softmax_read_by_a_softmax_and_another_op(case: str, engine: str, rng: np.random.Generator) -> None:
-    _agrees(_shared(case), engine, rng)
+    agrees_with_reference(_shared(case), engine, rng)
 
 
 def _gelu_bwd_shared(case: str) -> fg.Graph:
@@ -107,4 +93,4 @@ def _gelu_bwd_shared(case: str) -> fg.Graph:
 @pytest.mark.parametrize("case", ["seed3308340", "sin", "row_major", "softmax_alone"])
 def test_value_read_by_a_softmax_and_another_op(case: str, engine: str, rng: np.random.Generator) -> None:
     """seed3308340 and sin failed before on IREE; row_major and softmax_alone are controls."""
-    _agrees(_gelu_bwd_shared(case), engine, rng)
+    agrees_with_reference(_gelu_bwd_shared(case), engine, rng)
