@@ -28,11 +28,13 @@ def cast_to(values: np.ndarray, dt: DataType) -> np.ndarray:
 def run_reference(graph: Any, inputs: dict[str, np.ndarray], *, materialize: bool = False) -> dict[str, np.ndarray]:
     """Float64 values of every graph output (not yet cast), by name.
 
-    ``materialize``: a graph output that another node also reads is rounded to its own
-    dtype before that node reads it -- what an engine computes when it stores the tensor
-    and reads it back. The exact answer (the default) keeps it in float64, and where the
-    reader cancels (the average of a bfloat16 layernorm output whose values sum to ~0) the
-    two differ by far more than any tolerance; an engine is right if it matches either."""
+    ``materialize``: every computed tensor that a node reads -- a graph output, or a
+    virtual tensor -- is rounded to its own dtype before that node reads it: what an engine
+    computes when it stores the tensor at its declared type and reads it back. The exact
+    answer (the default) keeps it in float64, and where the reader cancels (the average of
+    a bfloat16 layernorm output whose values sum to ~0; the batch-norm mean of a bfloat16
+    dgrad result) the two differ by far more than any tolerance; an engine is right if it
+    matches either."""
     env: dict[int, np.ndarray] = {}
     for t in graph.tensors:
         if t.is_scalar:
@@ -49,14 +51,14 @@ def run_reference(graph: Any, inputs: dict[str, np.ndarray], *, materialize: boo
             raise ExecutionError(f"reference {node.kind.value} failed: {exc}", node=node.name) from exc
         for port, value in outs.items():
             t = node.outputs[port]
-            if id(t) in read and t.is_output and t.dtype != DataType.DOUBLE:
+            if id(t) in read and t.dtype != DataType.DOUBLE:
                 value = as_float64(cast_to(value, t.dtype))
             # Intermediates stay in float64 otherwise: the reference is the exact answer.
             env[id(t)] = value
     return {t.name: env[id(t)] for t in graph.outputs()}
 
 
-def reads_an_output(graph: Any) -> bool:
-    """Whether a node reads a graph output (where ``materialize`` changes the answer)."""
-    outs = {id(t) for t in graph.outputs()}
-    return any(id(t) in outs for n in graph.nodes for t in n.inputs.values())
+def reads_a_rounded_value(graph: Any) -> bool:
+    """Whether a node reads a computed tensor narrower than float64 (where ``materialize``
+    can change the answer)."""
+    return any(t.producer is not None and t.dtype != DataType.DOUBLE for n in graph.nodes for t in n.inputs.values())

@@ -35,7 +35,7 @@ from fusegraph.engines.base import EngineConfig, ExecutionPlan
 from fusegraph.engines.registry import Registry, active_registry
 from fusegraph.errors import FusegraphError, UnsupportedError
 from fusegraph.graph.graph import Graph
-from fusegraph.reference.executor import cast_to, reads_an_output, run_reference
+from fusegraph.reference.executor import cast_to, reads_a_rounded_value, run_reference
 from fusegraph.reference.inputs import random_inputs
 from fusegraph.runtime import progress as signs_of_life
 from fusegraph.runtime.handle import Handle, as_handle
@@ -150,10 +150,10 @@ def compare(graph: Graph, outputs: Mapping[str, Any], reference: Mapping[str, np
 
 class Answers:
     """The float64 answers a plan's outputs are checked against: the exact one, and -- only
-    where a node reads a graph output and the exact check fails -- the one with that output
-    rounded to its own dtype before it is read (``run_reference(materialize=True)``: what an
-    engine that stores the tensor and reads it back computes). A plan is right if it
-    matches either; the worse answer's error is not the plan's."""
+    where a node reads a computed tensor and the exact check fails -- the one with every
+    such tensor rounded to its own dtype before it is read (``run_reference(materialize=True)``:
+    what an engine that stores the tensors at their declared types computes). A plan is
+    right if it matches either; the worse answer's error is not the plan's."""
 
     def __init__(self, graph: Graph, inputs: Mapping[str, np.ndarray], *, cast: bool = False) -> None:
         """``cast``: the answers rounded to each output's dtype, as the reference engine
@@ -170,7 +170,7 @@ class Answers:
 
     def error(self, outputs: Mapping[str, Any], tol: float) -> tuple[float, str]:
         err, why = compare(self.graph, outputs, self.exact)
-        if err <= tol or not reads_an_output(self.graph):
+        if err <= tol or not reads_a_rounded_value(self.graph):
             return err, why
         if self._materialized is None:
             self._materialized = self._run(materialize=True)
