@@ -278,6 +278,22 @@ class FusionGuards:
             for n in self.graph.nodes
         )
 
+    def attention_operand_from_a_contraction(self, t: TensorAttr) -> bool:
+        """Whether an attention's query or key ``t`` is computed by a matmul or a convolution,
+        through elementwise ops and views only.
+
+        iree-compile 3.13 compiled such graphs and returned wrong numbers: a matmul whose
+        weight is broadcast over the batch (a[1,2,5,2] @ w[1,1,2,7], the projection of every
+        transformer) feeding the query or the key of an attention gave relative errors of
+        0.07-0.7 against the reference; with the weight not broadcast, or feeding the value,
+        it was exact (fuzz seed 11681 of a local run on commit 66a0ea2: sdpa -> matmul ->
+        tanh -> sdpa, minimized). The attention reads a fenced operand
+        (tests/test_fuzz_attention_operands.py)."""
+        return any(
+            (n := self.producer(u)) is not None and n.kind in _CONTRACTIONS
+            for u in self._tensors_through_elementwise(t, up=True)
+        )
+
     def concatenates_an_output(self, t: TensorAttr) -> bool:
         """Whether a concatenation's operand ``t`` is a graph output.
 

@@ -119,6 +119,8 @@ def lower_sdpa(ctx: Lowering, node: Node) -> None:
     qt, kt, vt, ot = node.inputs["q"], node.inputs["k"], node.inputs["v"], node.outputs["o"]
     ct = ctx.compute_type(node, qt.dtype)
     q, k, v = (ctx.cast(ctx.get(t, identity(4), full=True), ct) for t in (qt, kt, vt))
+    # a query or key computed by a matmul came out wrong unfenced (FusionGuards says when)
+    q, k = (ctx.fence(x) if ctx.attention_operand_from_a_contraction(t) else x for t, x in ((qt, q), (kt, k)))
     # h_k and h_v each divide h_q (cuDNN keeps them separate): each is repeated on its own
     k = _repeat_heads(ctx, k, qt.shape[1] // kt.shape[1])
     v = _repeat_heads(ctx, v, qt.shape[1] // vt.shape[1])
