@@ -116,7 +116,7 @@ def cycles(engine: str, count: int, distinct: bool = False, device: str = "cpu")
     t0 = time.perf_counter()
     for i in tqdm(range(count), desc=f"{engine} cycles", mininterval=5, file=sys.stderr):
         g = gpu_graph(engine, i, distinct) if gpu else make_graph(i, distinct)
-        plan = g.build(device, engine=engine) if gpu else g.build(engine=engine)
+        plan = g.build(device, engine=engine)
         ins = random_inputs(g, rng)
         out = plan.execute(plan.stage(ins) if gpu else ins)
         if i % 500 == 0:
@@ -157,7 +157,7 @@ def threads(engine: str, n_threads: int = 8, per_thread: int = 200, device: str 
 
     gpu = device != "cpu"
     g = gpu_graph(engine, 0) if gpu else make_graph(0)
-    plan = g.build(device, engine=engine) if gpu else g.build(engine=engine)
+    plan = g.build(device, engine=engine)
     rng = np.random.default_rng(1)
     cases = []
     for _ in range(n_threads):

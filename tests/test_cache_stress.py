@@ -22,7 +22,7 @@ import pytest
 
 from fusegraph.engines.iree import cache as cache_mod
 from fusegraph.engines.iree.cache import CacheEntry, ModuleCache
-from fusegraph.runtime import cache_dir
+from fusegraph.runtime import cache_dir, cache_limit
 from fusegraph.runtime.cache_dir import (
     CacheUnavailableWarning,
     read_table,
@@ -390,7 +390,7 @@ def test_size_limit_evicts_least_recently_used(tmp_path: Path) -> None:
     cache.set_limit(450_000)  # lowering the limit evicts at once
     assert {e["key"] for e in cache.list_entries()} == {keys[0], keys[4]}
     cache.set_limit(None)
-    assert cache.limit() == cache_mod.DEFAULT_MAX_BYTES
+    assert cache.limit() == cache_limit.DEFAULT_MAX_BYTES
 
 
 def test_an_entry_larger_than_the_limit_is_kept_until_the_next_store(tmp_path: Path) -> None:
@@ -419,4 +419,4 @@ def test_cache_limit_cli_shows_and_sets(tmp_path: Path, monkeypatch: pytest.Monk
     assert main(["cache", "info"]) == 0
     assert "size limit" in capsys.readouterr().out
     assert main(["cache", "limit", "default"]) == 0
-    assert ModuleCache(tmp_path).limit() == cache_mod.DEFAULT_MAX_BYTES
+    assert ModuleCache(tmp_path).limit() == cache_limit.DEFAULT_MAX_BYTES

@@ -68,8 +68,10 @@ def limit(root: Path | None = None) -> int:
     return int(value) if isinstance(value, int) and value >= 0 else DEFAULT_MAX_BYTES
 
 
-def set_limit(max_bytes: int | None, root: Path | None = None) -> int:
-    """Sets (None: back to the default) the limit, evicts down to it; returns how many went."""
+def set_limit(max_bytes: int | None, root: Path | None = None,
+              removed_hook: Callable[[Artifact], None] | None = None) -> int:
+    """Sets (None: back to the default) the limit, evicts down to it; returns how many went
+    (``removed_hook`` sees each)."""
     if max_bytes is not None and max_bytes < 0:
         raise ValueError(f"a cache size limit must be >= 0 bytes, not {max_bytes}")
 
@@ -81,7 +83,7 @@ def set_limit(max_bytes: int | None, root: Path | None = None) -> int:
 
     root = root or cache_root()
     update_table(root / LIMITS, change)
-    return len(enforce(root))
+    return len(enforce(root, removed_hook=removed_hook))
 
 
 def artifacts(root: Path | None = None) -> list[Artifact]:

@@ -7,13 +7,11 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from fusegraph.runtime import cache_limit
-from fusegraph.runtime.cache_dir import cache_enabled, cache_root
+from fusegraph.runtime.cache_dir import atomic_write_bytes, cache_enabled, cache_root
 
 log = logging.getLogger("fusegraph.engines.cudnn")
 
@@ -45,11 +43,7 @@ def save(key: str, data: bytes) -> None:
         return
     path = _path(key)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".plan-")
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
+        atomic_write_bytes(path, data)
     except OSError as exc:
         log.warning("could not store the cuDNN plan in %s: %s", path, exc)
         return

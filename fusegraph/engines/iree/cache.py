@@ -12,7 +12,7 @@ Concurrency and limits: :meth:`ModuleCache.compile_once` holds a per-key file lo
 processes asking for one key compile it once. Every file is fsynced before the rename, and
 a process killed mid-write leaves only a ``.tmp-*`` directory (never loaded; swept after an
 hour). The cache's total size is capped (``limits.json``'s ``max_bytes``, default
-:data:`DEFAULT_MAX_BYTES`; ``fusegraph cache limit``), these entries together with every
+``runtime/cache_limit.DEFAULT_MAX_BYTES``; ``fusegraph cache limit``), these entries together with every
 other store's artifacts (``runtime/cache_limit.py``): after each store the least recently
 used artifacts (mtime, touched on every hit) are removed. A location that cannot
 be written (read-only, full, a file) gives one :class:`CacheUnavailableWarning` and the
@@ -57,8 +57,6 @@ SCHEMA = 1
 MANIFEST = "manifest.json"
 VMFB = "module.vmfb"
 MEMORY_ENTRIES = 256
-LIMITS = cache_limit.LIMITS
-DEFAULT_MAX_BYTES = cache_limit.DEFAULT_MAX_BYTES
 STALE_TMP_S = 3600.0
 
 __all__ = ["CacheCorruptionWarning", "CacheEntry", "CacheUnavailableWarning", "ModuleCache", "clear_memory"]
@@ -242,10 +240,7 @@ class ModuleCache:
 
     def set_limit(self, max_bytes: int | None) -> None:
         """Sets (None: resets to the default) the size limit and evicts down to it."""
-        if max_bytes is not None and max_bytes < 0:
-            raise ValueError(f"a cache size limit must be >= 0 bytes, not {max_bytes}")
-        cache_limit.set_limit(max_bytes, self.root)
-        self.evict()
+        cache_limit.set_limit(max_bytes, self.root, removed_hook=_forget_evicted)
 
     def evict(self, keep: str | None = None) -> int:
         """Removes temporary directories older than an hour (left by killed writers), then
@@ -261,12 +256,8 @@ class ModuleCache:
                 except OSError:
                     continue
 
-        def forget(a: cache_limit.Artifact) -> None:
-            if a.store == "iree":
-                _MEMORY.drop(a.path.name)
-
         keep_paths = [self.entry_dir(keep)] if keep else []
-        return len(cache_limit.enforce(self.root, keep=keep_paths, removed_hook=forget))
+        return len(cache_limit.enforce(self.root, keep=keep_paths, removed_hook=_forget_evicted))
 
     # ---- management ------------------------------------------------------------------------
     def list_entries(self) -> list[dict[str, Any]]:
@@ -320,6 +311,12 @@ class ModuleCache:
             "max_bytes": self.limit(),
             "memory_entries": len(_MEMORY),
         }
+
+
+def _forget_evicted(a: cache_limit.Artifact) -> None:
+    """An IREE entry evicted from disk leaves the in-memory layer too."""
+    if a.store == "iree":
+        _MEMORY.drop(a.path.name)
 
 
 class _Corrupt(Exception):

@@ -44,6 +44,7 @@ _ELEMENTWISE = frozenset({
 })
 
 _ARITHMETIC = frozenset({OpKind.POINTWISE, OpKind.BATCHNORM_INFERENCE})
+_SOFTMAX = frozenset({OpKind.SOFTMAX})
 
 
 class FusionGuards:
@@ -133,17 +134,7 @@ class FusionGuards:
     def _elementwise_sources(self, t: TensorAttr) -> frozenset[int]:
         """Ids of ``t`` and of the tensors it is computed from through elementwise ops and
         views only (what IREE may fuse into one dispatch with whatever reads ``t``)."""
-        seen: dict[int, None] = {}
-        todo = [t]
-        while todo:
-            u = todo.pop()
-            if u.is_scalar or id(u) in seen:
-                continue
-            seen[id(u)] = None
-            node = self.producer(u)
-            if node is not None and node.kind in _ELEMENTWISE:
-                todo.extend(node.inputs.values())
-        return frozenset(seen)
+        return frozenset(id(u) for u in self._tensors_through_elementwise(t, up=True))
 
     def shares_a_packed_operand(self, t: TensorAttr, kept: Sequence[int]) -> bool:
         """Whether a node reducing ``t`` to one value (every logical axis but ``kept`` summed,
@@ -178,10 +169,7 @@ class FusionGuards:
         batch norm), perhaps through views: work IREE fuses into the dispatch of whatever
         reads ``t``. Views of graph inputs alone, and casts (which IREE clones into each
         reader), are not."""
-        return any(
-            (n := self.producer(u)) is not None and n.kind in _ARITHMETIC
-            for u in self._tensors_through_elementwise(t, up=True)
-        )
+        return self._made_by(t, _ARITHMETIC)
 
     def beside_a_softmax(self, x: TensorAttr, y: TensorAttr) -> tuple[bool, bool]:
         """Whether a layer (or batch) norm's input ``x`` is computed from a softmax, and
@@ -200,16 +188,7 @@ class FusionGuards:
         softmax's rows (fuzz seed 31895: x[1,7,1,3] -> softmax over W -> batch norm).
         lower_norm fences the side that holds the softmax (tests/test_fuzz_regressions.py
         test_fuzz_iree_layernorm_statistics_beside_a_softmax, tests/test_fuzz_softmax_neighbours.py)."""
-        after = any(
-            (n := self.producer(u)) is not None and n.kind == OpKind.SOFTMAX
-            for u in self._tensors_through_elementwise(x, up=True)
-        )
-        before = any(
-            n.kind == OpKind.SOFTMAX
-            for u in self._tensors_through_elementwise(y, up=False)
-            for n in self.graph.nodes if any(v is u for v in n.inputs.values())
-        )
-        return after, before
+        return self._made_by(x, _SOFTMAX), self._read_by(y, _SOFTMAX)
 
     def shared_with_a_softmax(self, t: TensorAttr) -> bool:
         """Whether ``t`` is read by a softmax (through elementwise ops and views) and by at
@@ -223,18 +202,28 @@ class FusionGuards:
         value concatenated into an output). With either reader alone it compiled. ``set``
         fences ``t``: it is materialized for the other reader anyway, so the fence costs the
         softmax one read of it (tests/test_fuzz_softmax_neighbours.py)."""
+        return len(self._readers_of(t)) >= 2 and self._read_by(t, _SOFTMAX)
+
+    def _readers_of(self, t: TensorAttr) -> list[Node]:
+        """The nodes reading ``t`` (each once)."""
         if self._readers is None:
             self._readers = {}
             for n in self.graph.nodes:
                 for v in {id(v): v for v in n.inputs.values()}.values():
                     self._readers.setdefault(id(v), []).append(n)
-        readers = self._readers
-        if len(readers.get(id(t), ())) < 2:
-            return False
+        return self._readers.get(id(t), [])
+
+    def _made_by(self, t: TensorAttr, kinds: frozenset[OpKind]) -> bool:
+        """Whether a node of ``kinds`` computes ``t`` through elementwise ops and views only."""
         return any(
-            n.kind == OpKind.SOFTMAX
-            for u in self._tensors_through_elementwise(t, up=False)
-            for n in readers.get(id(u), ())
+            (n := self.producer(u)) is not None and n.kind in kinds
+            for u in self._tensors_through_elementwise(t, up=True)
+        )
+
+    def _read_by(self, t: TensorAttr, kinds: frozenset[OpKind]) -> bool:
+        """Whether a node of ``kinds`` reads ``t``, or what elementwise ops and views make of it."""
+        return any(
+            n.kind in kinds for u in self._tensors_through_elementwise(t, up=False) for n in self._readers_of(u)
         )
 
     def _tensors_through_elementwise(self, t: TensorAttr, *, up: bool) -> list[TensorAttr]:
@@ -252,8 +241,7 @@ class FusionGuards:
                 if node is not None and node.kind in _ELEMENTWISE:
                     todo.extend(node.inputs.values())
             else:
-                todo.extend(o for n in self.graph.nodes if n.kind in _ELEMENTWISE
-                            and any(v is u for v in n.inputs.values()) for o in n.outputs.values())
+                todo.extend(o for n in self._readers_of(u) if n.kind in _ELEMENTWISE for o in n.outputs.values())
         return list(seen.values())
 
     def one_group_into_a_contraction(self, x: TensorAttr, y: TensorAttr, kept: int) -> bool:
@@ -272,11 +260,7 @@ class FusionGuards:
         (tests/test_fuzz_single_group_norms.py)."""
         if x.shape[kept] != 1:
             return False
-        downstream = {id(u) for u in self._tensors_through_elementwise(y, up=False)}
-        return any(
-            n.kind in _CONTRACTIONS and any(id(v) in downstream for v in n.inputs.values())
-            for n in self.graph.nodes
-        )
+        return self._read_by(y, _CONTRACTIONS)
 
     def attention_operand_from_a_contraction(self, t: TensorAttr) -> bool:
         """Whether an attention's query or key ``t`` is computed by a matmul or a convolution,
@@ -289,10 +273,7 @@ class FusionGuards:
         it was exact (fuzz seed 11681 of a local run on commit 66a0ea2: sdpa -> matmul ->
         tanh -> sdpa, minimized). The attention reads a fenced operand
         (tests/test_fuzz_attention_operands.py)."""
-        return any(
-            (n := self.producer(u)) is not None and n.kind in _CONTRACTIONS
-            for u in self._tensors_through_elementwise(t, up=True)
-        )
+        return self._made_by(t, _CONTRACTIONS)
 
     def concatenates_an_output(self, t: TensorAttr) -> bool:
         """Whether a concatenation's operand ``t`` is a graph output.
