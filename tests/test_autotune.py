@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from engine_fakes import FakeEngine, chain_graph, conv_graph, registry_with, rel_error
+from engine_fakes import FakeEngine, FakePlan, chain_graph, conv_graph, registry_with, rel_error
 
 import fusegraph as fg
 from fusegraph import HeurMode
 from fusegraph.cli import main as cli_main
-from fusegraph.engines.base import EngineConfig, Knob
+from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob
 from fusegraph.engines.registry import using
 from fusegraph.errors import UnsupportedError
 from fusegraph.reference.inputs import random_inputs
@@ -60,7 +63,7 @@ def test_autotune_picks_the_fastest_plan_that_matches(cache_dir: Path) -> None:
     assert fast is not None and slow is not None and fast < slow
     assert all(m.runs >= 3 for m in res.measurements if m.status == "ok")
     runs = {str(m.config): m.runs for m in res.measurements}
-    assert runs["iree"] == 6 < runs["torch[speed=fast]"]  # 10x slower: out of the race after 2 rounds
+    assert runs["iree"] == 3 < runs["torch[speed=fast]"]  # 10x slower: out of the race after 3 rounds of 1
     assert res.persisted and (cache_dir / "tuning" / "tuning.json").exists()
     assert g.plans[("*", CPU)] is res.plan  # execute now uses the winner
 
@@ -404,3 +407,78 @@ def test_autotune_keeps_the_knobs_a_graph_uses() -> None:
     ln.validate()
     names = _knob_names(ln)
     assert "norm_variance" in names and "data_tiling" not in names and "round_intermediates" not in names, names
+
+
+# ---- steady-state timing (issue 25 item 5) -------------------------------------------------------
+class _ColdStartPlan(FakePlan):
+    """Its first ``cold`` calls are slow (a thread pool starting, primitives being created)."""
+
+    def __init__(self, *args: Any, cold: int, cold_s: float) -> None:
+        super().__init__(*args)
+        self.cold, self.cold_s, self.n = cold, cold_s, 0
+
+    def execute(self, variant_pack: Any) -> dict[str, Any]:
+        self.n += 1
+        if self.n <= self.cold:
+            time.sleep(self.cold_s)
+        return super().execute(variant_pack)
+
+
+class _ColdStartEngine(FakeEngine):
+    def build(self, graph: fg.Graph, handle: fg.Handle, config: EngineConfig | None = None) -> ExecutionPlan:
+        self.builds += 1
+        return _ColdStartPlan(graph, handle, config or EngineConfig(self.name), self, cold=8, cold_s=0.03)
+
+
+def test_slow_first_calls_are_not_the_plans_speed() -> None:
+    """Issue 25's bug: the tuner counted torch's first calls as its speed and kept a steadily
+    slower engine. Here "torch" takes 30 ms for its first 8 calls, then 1 ms; "iree" 3 ms
+    every call: the tuner must warm torch up and choose it."""
+    iree = FakeEngine("iree", delay=0.003)
+    torch = _ColdStartEngine("torch", delay=0.001)
+    with using(registry_with(iree, torch)):
+        res = chain_graph().autotune(handle=CPU, budget_s=10, repeats=5, progress=False, persist=False)
+    assert res.best.engine == "torch"
+    m = next(m for m in res.measurements if m.config.engine == "torch")
+    assert "first call" in m.detail and "warm-up" in m.detail
+
+
+def _gemm_bias_gelu() -> fg.Graph:
+    """The issue's graph: 256x512 @ 512x512 + bias, GELU, f32."""
+    g = fg.Graph("gemm_bias_gelu", io_data_type=fg.DataType.FLOAT, compute_data_type=fg.DataType.FLOAT)
+    a = g.tensor("a", [1, 256, 512])
+    w = g.tensor("w", [1, 512, 512])
+    b = g.tensor("b", [1, 1, 512])
+    y = g.gelu(g.bias(g.matmul(a, w, name="mm"), b, name="bias"), name="gelu")
+    y.set_output(True).set_name("y")
+    return g.validate()
+
+
+@pytest.mark.slow
+def test_tuned_gemm_bias_gelu_is_never_the_slower_of_the_untuned_pick() -> None:
+    """On the real CPU engines: the decision is consistent with the tuner's own (steady,
+    interleaved) measurements -- the stored choice is the untuned pick or measured faster
+    than it, within the tie margin of the fastest -- and later builds use it. Decisions
+    and structure only; no wall-clock assert."""
+    from fusegraph.engines.registry import active_registry
+
+    reg = active_registry()
+    have = {e.name for e in reg.available_engines()} & {"iree", "torch"}
+    if len(have) < 2:
+        pytest.skip(f"needs both the iree and torch engines on CPU; available here: {sorted(have)}")
+    g = _gemm_bias_gelu()
+
+    def spelled_out(c: EngineConfig) -> EngineConfig:  # every knob named: defaults filled in
+        knobs = reg.get(c.engine).knobs(g, CPU)
+        return EngineConfig(c.engine, tuple(sorted((k.name, c.get(k.name, k.default)) for k in knobs)))
+
+    untuned = spelled_out(g.build(CPU, use_tuned=False).config)
+    res = g.autotune(handle=CPU, budget_s=8, engines=["iree", "torch"], max_configs_per_engine=2, progress=False)
+    ok = {spelled_out(m.config): m for m in res.measurements if m.status == "ok" and m.median_ms is not None}
+    assert untuned in ok, f"the untuned pick {untuned} was not timed: {res}"
+    chosen = ok[spelled_out(res.best)]
+    fastest = min(m.median_ms or math.inf for m in ok.values())
+    assert (chosen.median_ms or math.inf) <= fastest * 1.02, res
+    assert spelled_out(res.best) == untuned or (chosen.median_ms or math.inf) < (ok[untuned].median_ms or 0.0), res
+    assert all("warm-up" in m.detail for m in ok.values())
+    assert fg.Graph.from_json(g.to_json()).build(CPU).config == res.best  # the database is used

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +43,7 @@ from fusegraph.select import api
 from fusegraph.select.device_id import device_id
 from fusegraph.select.modes import HeurMode
 from fusegraph.select.partition import to_host
+from fusegraph.select.timing import MIN_WARMUP_CALLS, Timing, time_candidates
 from fusegraph.select.tuning_db import (
     Measurement,
     TuningDB,
@@ -63,7 +63,6 @@ TOLERANCE: dict[DataType, float] = {
     DataType.FP8_E4M3: 1.5e-1,
     DataType.FP8_E5M2: 2.5e-1,
 }
-BLOCK = 3  # timed runs per plan per round
 
 
 @dataclass
@@ -93,6 +92,9 @@ class TuningResult:
 
 
 def format_entry(entry: TuningEntry) -> str:
+    """The star marks the chosen config. When the chosen one is not the fastest, both rows
+    say so: the choice was within the tie margin of the fastest and earlier in the
+    heuristic's order (between times that differ by noise, the faster sample is luck)."""
     lines = [
         f"graph {entry.graph_name or '?'} [{entry.graph_key[:16]}] on {entry.device}: chose {entry.chosen}"
         f" (tuned in {entry.elapsed_s:.1f}s)"
@@ -100,17 +102,27 @@ def format_entry(entry: TuningEntry) -> str:
     ok = [m for m in entry.measurements if m.status == "ok" and m.median_ms is not None]
     best = min((m.median_ms for m in ok if m.median_ms is not None), default=None)
     fastest = min(ok, key=lambda m: m.median_ms or math.inf, default=None)
-    for m in sorted(entry.measurements, key=lambda m: (m.status != "ok", m.median_ms or math.inf)):
-        # The star marks the fastest measurement; the chosen config is named when it is another.
-        mark = "*" if m is fastest else " "
-        chosen = "  <- chosen" if m.config == entry.chosen and m is not fastest else ""
+    chosen_is_fastest = fastest is not None and fastest.config == entry.chosen
+    skipped = [m for m in entry.measurements if m.status == "skipped"]
+    shown = [m for m in entry.measurements if m.status != "skipped"]
+    for m in sorted(shown, key=lambda m: (m.status != "ok", m.median_ms or math.inf)):
+        is_chosen = m.config == entry.chosen
+        mark = "*" if is_chosen else " "
+        note = ""
+        if is_chosen and not chosen_is_fastest and m.median_ms is not None and best:
+            note = (f"  <- chosen: {100 * (m.median_ms / best - 1):.1f}% over the fastest, within the tie margin,"
+                    " and earlier in the heuristic's order")
+        elif m is fastest and not chosen_is_fastest:
+            note = "  <- fastest (within the tie margin of the chosen)"
         if m.status == "ok" and m.median_ms is not None and best:
             lines.append(
                 f" {mark} {m.median_ms:10.4f} ms  x{m.median_ms / best:6.2f}  {m.config}"
-                f"  (n={m.runs}, build {m.build_s or 0:.2f}s, err {m.rel_error:.1e}){chosen}"
+                f"  (n={m.runs}, build {m.build_s or 0:.2f}s, err {m.rel_error:.1e}){note}"
             )
         else:
             lines.append(f" {mark} {'-':>10s}            {m.config}  [{m.status}] {m.detail[:120]}")
+    if skipped:  # one line, not one per config: what was not built is not a measurement
+        lines.append(f"   {len(skipped)} more config{'s' if len(skipped) > 1 else ''} not built: {skipped[0].detail}")
     return "\n".join(lines)
 
 
@@ -296,15 +308,18 @@ def autotune(
             ready[cfg] = got
     bar.close()
 
-    # Phase 2: time the correct plans in interleaved rounds, so that load spikes and clock
-    # drift hit every contender alike; plans clearly out of the race (median > 2x the best)
-    # stop being timed once each has a few samples.
-    samples = _time_interleaved(ready, t_start + budget_s, warmup, repeats, progress, graph.name)
-    for cfg, times in samples.items():
+    # Phase 2: time the correct plans with the shared routine: each warmed to a steady state
+    # first (a thread pool starting or a primitive cache filling is not the plan's speed),
+    # then interleaved rounds, so that load spikes and clock drift hit every contender alike.
+    timings = _time_plans(ready, budget_s - (time.perf_counter() - t_start), warmup, repeats, progress, graph.name)
+    for cfg, t in timings.items():
         m = measurements[cfg]
-        m.median_ms = statistics.median(times) * 1e3
-        m.min_ms = min(times) * 1e3
-        m.runs = len(times)
+        m.median_ms, m.min_ms, m.runs = t.median_ms, t.min_ms, t.rounds * t.per_round
+        m.detail = (f"{t.rounds} rounds of {t.per_round}; warm-up {t.warmup_calls} calls"
+                    f"{'' if t.steady else ' (not steady)'}, first call {t.first_call_ms:.3g} ms")
+    for cfg in ready.keys() - timings.keys():
+        m = measurements[cfg]
+        m.status, m.detail = "run_failed", "failed while timing (see the log)"
     measurements_list = list(measurements.values())
     plans = {cfg: p for cfg, (p, _) in ready.items()}
 
@@ -383,54 +398,65 @@ def _build_and_check(
     return Measurement(cfg, "ok", build_s=build_s, rel_error=err), (plan, staged)
 
 
-def _time_interleaved(
+def _time_plans(
     ready: Mapping[EngineConfig, tuple[ExecutionPlan, Mapping[str, Any]]],
-    deadline: float,
+    budget_s: float,
     warmup: int,
     repeats: int,
     progress: bool | None,
     name: str,
-) -> dict[EngineConfig, list[float]]:
-    """Seconds per run of each plan: round-robin rounds (per plan: one untimed run, then
-    BLOCK timed runs back to back) until ``repeats`` samples each or the deadline (every
-    plan gets at least two rounds). A plan that fails while timing is dropped."""
+) -> dict[EngineConfig, Timing]:
+    """Each plan's steady-state time through the shared routine (select/timing.py): warmed
+    until its calls stop getting faster, then interleaved rounds until ``repeats`` rounds
+    or ``budget_s`` (every plan gets at least three rounds; a plan over twice the best stops
+    being timed after those). A plan that fails while timing is dropped, with a warning."""
     from tqdm.auto import tqdm
 
-    samples: dict[EngineConfig, list[float]] = {cfg: [] for cfg in ready}
-    live = dict(ready)
-    for cfg, (plan, staged) in list(live.items()):
+    keys = {str(cfg): cfg for cfg in ready}
+    calls = {k: _caller(*ready[cfg]) for k, cfg in keys.items()}
+    plans = [p for p, _ in ready.values()]
+    syncs = [getattr(p, "synchronize", None) for p in plans]
+    sync_fns = [s for s in syncs if callable(s)]
+
+    def sync() -> None:
+        for s in sync_fns:
+            s()
+
+    def failed(key: str, exc: Exception) -> None:
+        if not isinstance(exc, _TimingFailure):
+            raise exc
+        log.warning("%s failed while timing: %s", key, exc)
+
+    # Warm-up may take at most a third of what is left, shared by the plans, within 0.05-2 s each.
+    warmup_s = min(2.0, max(0.05, budget_s / 3 / max(1, len(ready))))
+    bar = tqdm(total=repeats, desc=f"tuning {name}: timing", unit="round", leave=False, **_bar_options(progress))
+    try:
+        got = time_candidates(
+            calls,
+            sync=sync if sync_fns else None,
+            warmup_s=warmup_s,
+            min_warmup=max(MIN_WARMUP_CALLS, warmup),
+            min_rounds=min(3, repeats),
+            max_rounds=max(repeats, 1),
+            budget_s=max(budget_s, 0.0),
+            drop_slower_than=2.0,
+            on_error=failed,
+            on_round=lambda done, planned: bar.update(1),
+        )
+    finally:
+        bar.close()
+    return {keys[k]: t for k, t in got.items()}
+
+
+def _caller(plan: ExecutionPlan, staged: Mapping[str, Any]) -> Callable[[], object]:
+    def call() -> object:
         try:
-            for _ in range(max(0, warmup - 1)):
-                plan.execute(staged)
-            _sync(plan)
+            return plan.execute(staged)
         except (FusegraphError, ValueError, RuntimeError) as exc:
-            log.warning("%s failed while warming up: %s", cfg, exc)
-            del live[cfg], samples[cfg]
-    bar = tqdm(total=repeats, desc=f"tuning {name}: timing", unit="run", leave=False, **_bar_options(progress))
-    rounds = 0
-    while live:
-        for cfg, (plan, staged) in list(live.items()):
-            try:
-                plan.execute(staged)  # untimed: absorbs the switch from the previous plan
-                _sync(plan)
-                for _ in range(BLOCK):
-                    t0 = time.perf_counter()
-                    plan.execute(staged)
-                    _sync(plan)
-                    samples[cfg].append(time.perf_counter() - t0)
-            except (FusegraphError, ValueError, RuntimeError) as exc:
-                log.warning("%s failed while timing: %s", cfg, exc)
-                del live[cfg], samples[cfg]
-        rounds += 1
-        bar.update(BLOCK)
-        done = min((len(samples[c]) for c in live), default=repeats)
-        if done >= repeats or (rounds >= 2 and time.perf_counter() > deadline):
-            break
-        if rounds >= 2:
-            medians = {c: statistics.median(samples[c]) for c in live}
-            best = min(medians.values(), default=0.0)
-            for c, med in medians.items():
-                if med > 2.0 * best and len(live) > 1:
-                    del live[c]  # out of the race; its samples so far stand
-    bar.close()
-    return samples
+            raise _TimingFailure(f"{type(exc).__name__}: {exc}") from exc
+
+    return call
+
+
+class _TimingFailure(Exception):
+    """A plan's error while timing (anything else propagates)."""

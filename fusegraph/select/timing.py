@@ -94,6 +94,7 @@ def time_candidates(
     *,
     sync: Callable[[], None] | None = None,
     warmup_s: float = 1.0,
+    min_warmup: int = MIN_WARMUP_CALLS,
     min_rounds: int = 5,
     per_round: int | None = None,
     budget_s: float | None = None,
@@ -107,8 +108,8 @@ def time_candidates(
     """Times every candidate (a no-argument callable) as the module docstring says.
 
     ``warmup_s``: the most time one candidate's warm-up may take (it stops sooner once
-    steady; it always makes at least MIN_WARMUP_CALLS calls). ``steady=False`` skips the
-    steadiness test: just the MIN_WARMUP_CALLS calls. ``min_rounds``: rounds always run.
+    steady; it always makes at least ``min_warmup`` calls). ``steady=False`` skips the
+    steadiness test: just the ``min_warmup`` calls. ``min_rounds``: rounds always run.
     ``per_round``: calls per timed block; None sizes each candidate's block from its
     warm-up to last about TARGET_BLOCK_S. ``budget_s``: the whole call's wall time, warm-up
     included; rounds continue past ``min_rounds`` until it is spent (or ``max_rounds``);
@@ -127,7 +128,7 @@ def time_candidates(
     warm: dict[str, _Warmup] = {}
     for name, fn in list(live.items()):
         try:
-            warm[name] = _warm_up(fn, sync, warmup_s if steady else 0.0, steady, clock)
+            warm[name] = _warm_up(fn, sync, warmup_s if steady else 0.0, steady, max(1, min_warmup), clock)
         except Exception as exc:
             if on_error is None:
                 raise
@@ -190,6 +191,7 @@ def _warm_up(
     sync: Callable[[], None] | None,
     warmup_s: float,
     check: bool,
+    min_calls: int,
     clock: Callable[[], float],
 ) -> _Warmup:
     """Calls ``fn`` until the median of its last STEADY_WINDOW calls no longer falls below
@@ -197,7 +199,7 @@ def _warm_up(
     times: list[float] = []
     t_begin = clock()
     is_steady = not check
-    while len(times) < MAX_WARMUP_CALLS:
+    while len(times) < max(MAX_WARMUP_CALLS, min_calls):
         if sync is not None:
             sync()
         t0 = clock()
@@ -206,7 +208,7 @@ def _warm_up(
             sync()
         t1 = clock()
         times.append((t1 - t0) * 1e3)
-        if len(times) < MIN_WARMUP_CALLS:
+        if len(times) < min_calls:
             continue
         if not check:
             break
