@@ -32,7 +32,7 @@ PKG = ROOT / "fusegraph"
 
 # The layer order (docs/DESIGN.md "Layers"): a module may import its own layer and those
 # below it. Keys are the first component under fusegraph/ (a subpackage or a top module).
-LAYERS: dict[str, int] = {
+LAYERS: dict[str, float] = {
     "dtypes": 0,
     "errors": 0,
     "graph": 1,
@@ -40,7 +40,9 @@ LAYERS: dict[str, int] = {
     "runtime": 3,
     "engines": 4,
     "select": 5,
+    "regions": 5.5,  # the region choice both front doors share (onnx/, torch/)
     "onnx": 6,
+    "torch": 6,  # fusegraph/torch/: the PyTorch front door
     "demo": 7,
     "commands": 7,
     "cli": 7,

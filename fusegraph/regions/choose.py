@@ -1,0 +1,127 @@
+"""Each candidate region's verdict: can fusegraph build it (else refused, with the
+engines' reasons), and -- with the floor on -- is its plan faster than the incumbent
+(verdict cache first, then measurement; regions/measure.py); with the floor off every
+region fusegraph can build is claimed unmeasured. Front doors call ``choose`` with their
+incumbent and their regions' example inputs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fusegraph.engines.base import ExecutionPlan
+from fusegraph.errors import FusegraphError
+from fusegraph.regions.incumbent import Incumbent
+from fusegraph.regions.measure import MARGIN, Timer, measure
+from fusegraph.regions.split import Region
+from fusegraph.regions.verdicts import Verdict, VerdictStore, verdict_key
+from fusegraph.runtime.handle import Handle
+
+log = logging.getLogger("fusegraph.regions")
+
+
+@dataclass
+class Choice:
+    """A region, its verdict, and fusegraph's plan for it where fusegraph runs it."""
+
+    region: Region
+    verdict: Verdict
+    plan: ExecutionPlan | None = None
+
+    @property
+    def claimed(self) -> bool:
+        return self.verdict.fusegraph and self.plan is not None
+
+
+@dataclass
+class Chooser:
+    """The settings of one front door's choice: its device, its incumbent, the floor, the
+    engine asked for (None: selection's heuristics), where verdicts live."""
+
+    handle: Handle
+    incumbent: Incumbent
+    floor: bool = True
+    engine: str | None = None
+    margin: float = MARGIN
+    store: VerdictStore | None = None
+    sync: Callable[[], None] | None = None
+    timer: Timer | None = None
+    timing_options: Mapping[str, Any] = field(default_factory=dict)
+    build_options: Mapping[str, Any] = field(default_factory=dict)
+    _versions: dict[str, str] | None = None
+
+    def versions(self) -> dict[str, str]:
+        if self._versions is None:
+            from fusegraph.engines.registry import REGISTRY
+            from fusegraph.select.tuning_db import engine_versions
+
+            self._versions = engine_versions(REGISTRY.available_engines())
+        return self._versions
+
+    def key(self, region: Region) -> str:
+        from fusegraph.select.device_id import device_id
+
+        settings = {"engine": self.engine or "auto", "margin": self.margin, **dict(self.build_options)}
+        return verdict_key(region.key, device_id(self.handle), self.incumbent.name, self.versions(), settings)
+
+    def build(self, region: Region) -> ExecutionPlan | Verdict:
+        """fusegraph's plan for the region, or the refusal saying why there is none."""
+        try:
+            plan: ExecutionPlan = region.graph.build(handle=self.handle, engine=self.engine, **self.build_options)
+        except FusegraphError as exc:
+            return Verdict(False, "refused", f"{type(exc).__name__}: {exc}", incumbent=self.incumbent.name)
+        return plan
+
+    def choose(self, region: Region, inputs: Callable[[Region], Mapping[str, Any]] | None = None) -> Choice:
+        built = self.build(region)
+        if isinstance(built, Verdict):
+            return Choice(region, built)
+        engine = str(built.config)
+        if not self.floor:
+            return Choice(region, Verdict(True, "claimed", "the floor is off: claimed without measuring",
+                                          engine, incumbent=self.incumbent.name), built)
+        key = self.key(region)
+        cached = self.store.lookup(key) if self.store is not None else None
+        if cached is not None:
+            return Choice(region, cached, built if cached.fusegraph else None)
+        if inputs is None:
+            raise ValueError("the floor is on: choose() needs the region's example inputs to measure")
+        pack = dict(inputs(region))
+        verdict = measure(
+            lambda: built.execute(pack),
+            self.incumbent.runnable(region, pack),
+            incumbent=self.incumbent.name,
+            engine=engine,
+            margin=self.margin,
+            sync=self.sync,
+            timer=self.timer,
+            **dict(self.timing_options),
+        )
+        log.info("region %d (%s): %s", region.index, region.pattern, verdict.describe())
+        if self.store is not None:
+            self.store.record(key, verdict)
+        return Choice(region, verdict, built if verdict.fusegraph else None)
+
+    def choose_all(
+        self, regions: Sequence[Region], inputs: Callable[[Region], Mapping[str, Any]] | None = None
+    ) -> list[Choice]:
+        """Every region's choice; regions with one content key are measured once."""
+        by_key: dict[str, Verdict] = {}
+        out: list[Choice] = []
+        for region in regions:
+            seen = by_key.get(region.key)
+            if seen is not None and seen.source in ("measured", "cached"):
+                plan = None
+                if seen.fusegraph:
+                    built = self.build(region)
+                    plan = built if isinstance(built, ExecutionPlan) else None
+                out.append(Choice(region, seen, plan))
+                continue
+            choice = self.choose(region, inputs)
+            by_key[region.key] = choice.verdict
+            out.append(choice)
+        if self.store is not None:
+            self.store.flush()
+        return out

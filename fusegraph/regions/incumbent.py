@@ -1,0 +1,62 @@
+"""The incumbent: what a front door would run for a region if fusegraph did not claim
+it, as something the measurer can time next to fusegraph's plan. Each front door brings
+its own: on the GPU the ONNX provider's is the same nodes op by op on PyTorch (here:
+``TorchOpByOp``, the region's subgraph on the torch engine, eager, uncaptured), on the
+CPU ONNX Runtime (in onnx/, which owns ONNX Runtime); ``torch.compile``'s is Inductor's
+code for the same ATen region (in fusegraph/torch/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from fusegraph.regions.split import Region
+from fusegraph.runtime.handle import Handle
+
+
+@runtime_checkable
+class Incumbent(Protocol):
+    """``name`` keys the verdict (a verdict against ONNX Runtime is no verdict against
+    Inductor); ``runnable`` gives a no-argument call running the region on ``inputs``
+    (its subgraph's inputs by name: in0, in1, ...), ready to be timed."""
+
+    name: str
+
+    def runnable(self, region: Region, inputs: Mapping[str, Any]) -> Callable[[], object]: ...
+
+
+@dataclass(frozen=True)
+class CallableIncumbent:
+    """An incumbent from a function ``make(region, inputs) -> call`` (tests, and front
+    doors whose incumbent is a plain callable)."""
+
+    name: str
+    make: Callable[[Region, Mapping[str, Any]], Callable[[], object]]
+
+    def runnable(self, region: Region, inputs: Mapping[str, Any]) -> Callable[[], object]:
+        return self.make(region, inputs)
+
+
+class TorchOpByOp:
+    """The region's nodes run one by one on PyTorch, as the torch engine runs a graph
+    eagerly (no compile, no CUDA graph, no oneDNN fused steps' weight packing): what the
+    ONNX provider did on the GPU before regions, so the bar fusegraph's engines must clear."""
+
+    name = "torch.eager"
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+
+    def runnable(self, region: Region, inputs: Mapping[str, Any]) -> Callable[[], object]:
+        from fusegraph.engines.base import EngineConfig
+        from fusegraph.engines.registry import REGISTRY
+
+        engine = REGISTRY.get("torch")
+        config = EngineConfig("torch", (("compile", False), ("cuda_graph", False)))
+        known = {k.name for k in engine.knobs(region.graph, self.handle)}
+        config = EngineConfig("torch", tuple(kv for kv in config.knobs if kv[0] in known))
+        plan = engine.build(region.graph, self.handle, config)
+        pack = dict(inputs)
+        return lambda: plan.execute(pack)

@@ -1,0 +1,85 @@
+"""A region's nodes cut out of their graph as a standalone, validated Graph, its tensors
+and nodes renamed canonically (in0.., out0.., v0.., n0..) so that the same computation
+on the same shapes has one content key wherever it occurs: twelve identical transformer
+layers are measured once, and a verdict found for one model serves another."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fusegraph.graph.graph import Graph
+from fusegraph.graph.node import Node
+from fusegraph.graph.serialize import graph_from_dict, graph_to_dict
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A standalone graph and how its tensors map to the parent's."""
+
+    graph: Graph
+    inputs: tuple[str, ...]  # parent tensor names, in the order of in0, in1, ...
+    outputs: tuple[str, ...]  # parent tensor names, in the order of out0, out1, ...
+
+
+def cut(parent: Graph, nodes: Sequence[Node], keep: frozenset[str] | set[str], name: str) -> Cut:
+    """``nodes`` (in topological order) of the validated ``parent`` as a Graph of their
+    own. A tensor they read but do not write becomes an input; one they write that
+    ``keep`` names (read elsewhere, or an output of the parent) becomes an output."""
+    parent.ensure_valid()
+    whole = graph_to_dict(parent)
+    by_name = {e["name"]: e for e in whole["tensors"]}
+    written: dict[str, None] = {}
+    read: dict[str, None] = {}
+    for n in nodes:
+        for t in n.inputs.values():
+            read.setdefault(t.name)
+        for t in n.outputs.values():
+            written.setdefault(t.name)
+    rename: dict[str, str] = {}
+    tensors: list[dict[str, Any]] = []
+    inputs: list[str] = []
+    outputs: list[str] = []
+    for tname in read:
+        if tname in written or tname in rename:
+            continue
+        e = dict(by_name[tname])
+        if "value" in e:  # a scalar constant stays a constant
+            rename[tname] = f"c{len(rename)}"
+        else:
+            rename[tname] = f"in{len(inputs)}"
+            inputs.append(tname)
+            e.update(is_virtual=False, is_output=False, set=["dim", "stride", "data_type"])
+        e["name"] = rename[tname]
+        tensors.append(e)
+    virtual = 0
+    for tname in written:
+        e = dict(by_name[tname])
+        if tname in keep:
+            rename[tname] = f"out{len(outputs)}"
+            outputs.append(tname)
+            e.update(is_virtual=False, is_output=True, set=["dim", "stride", "data_type"])
+        else:
+            rename[tname] = f"v{virtual}"
+            virtual += 1
+            e.update(is_virtual=True, is_output=False)
+        e["name"] = rename[tname]
+        tensors.append(e)
+    node_entries = []
+    wanted = {n.name for n in nodes}
+    index = 0
+    for e in whole["nodes"]:
+        if e["name"] not in wanted:
+            continue
+        node_entries.append({
+            **e,
+            "name": f"n{index}",
+            "inputs": {p: rename[t] for p, t in e["inputs"].items()},
+            "outputs": {p: rename[t] for p, t in e["outputs"].items()},
+        })
+        index += 1
+    d = {**whole, "name": name, "tensors": tensors, "nodes": node_entries}
+    g = graph_from_dict(d)
+    g.validate()
+    return Cut(g, tuple(inputs), tuple(outputs))

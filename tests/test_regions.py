@@ -1,0 +1,232 @@
+"""The region layer (fusegraph/regions/): which regions a graph splits into and under
+which pattern names (golden), cycle safety, one content key for one computation, the
+verdict cache's round trip and keys, the incumbent winning where it is faster (decided
+on a virtual clock: no wall-clock asserts), the region plan's numbers against the float64
+reference, and the report's coverage."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import fusegraph as fg
+from fusegraph.engines.unsupported import UNSUPPORTED
+from fusegraph.graph.ops import DATA_MOVEMENT, OpKind
+from fusegraph.reference.executor import run_reference
+from fusegraph.reference.inputs import random_inputs
+from fusegraph.regions import split
+from fusegraph.regions.choose import Chooser
+from fusegraph.regions.incumbent import CallableIncumbent, TorchOpByOp
+from fusegraph.regions.plan import RegionPlan, fusegraph_step
+from fusegraph.regions.report import Report, rows_for
+from fusegraph.regions.split import Region
+from fusegraph.regions.verdicts import Verdict, VerdictStore, verdict_key
+from fusegraph.select import timing
+
+
+def _model(name: str = "m") -> fg.Graph:
+    """conv + bias + relu -> flatten -> GEMM + bias + GELU -> softmax -> a pointwise chain."""
+    g = fg.Graph(name, io_data_type=fg.DataType.FLOAT)
+    x, w, b = g.tensor("x", [2, 3, 8, 8]), g.tensor("w", [4, 3, 3, 3]), g.tensor("b", [1, 4, 1, 1])
+    y = g.relu(g.add(g.conv_fprop(x, w, padding=[1, 1]), b))
+    r = g.reshape(y, [2, 256])
+    z = g.gelu(g.add(g.matmul(r, g.tensor("w2", [256, 16])), g.tensor("b2", [1, 16])))
+    s = g.softmax(z, axis=1)
+    g.exp(g.mul(s, s)).set_output(True).set_name("out")
+    return g.validate()
+
+
+def test_a_model_splits_along_what_the_engines_fuse() -> None:
+    got = split(_model())
+    assert [(r.pattern, r.nodes) for r in got.regions] == [
+        ("cudnn.conv.bias_act", ("conv_fprop_0", "pointwise_0", "pointwise_1", "reshape_0")),
+        ("cudnn.matmul.bias_act", ("matmul_0", "pointwise_2", "pointwise_3")),
+        ("triton.softmax", ("softmax_0",)),
+        ("triton.pointwise", ("pointwise_4", "pointwise_5")),
+    ]
+    assert got.rejected == ()
+    assert [r.inputs for r in got.regions][:2] == [("x", "w", "b"), ("reshape_0::y", "w2", "b2")]
+    assert got.regions[-1].outputs == ("out",)
+
+
+def test_a_transformer_block_splits_into_norm_gemm_attention() -> None:
+    g = fg.Graph("block", io_data_type=fg.DataType.FLOAT)
+    x = g.tensor("x", [8, 32])
+    h, _, _ = g.layernorm(x, g.tensor("g", [1, 32]), g.tensor("beta", [1, 32]), 1e-5)
+    qkv = g.add(g.matmul(h, g.tensor("wqkv", [32, 96])), g.tensor("bqkv", [1, 96]))
+    q = g.reshape(g.slice(qkv, [0, 0], [8, 32], [1, 1]), [1, 2, 8, 16])
+    k = g.reshape(g.slice(qkv, [0, 32], [8, 64], [1, 1]), [1, 2, 8, 16])
+    v = g.reshape(g.slice(qkv, [0, 64], [8, 96], [1, 1]), [1, 2, 8, 16])
+    o = g.reshape(g.sdpa(q, k, v, causal=True), [8, 32])
+    g.add(o, x).set_output(True).set_name("y")
+    got = split(g.validate())
+    assert [r.pattern for r in got.regions] == [
+        "triton.norm.layernorm", "cudnn.matmul.bias", "cudnn.sdpa", "triton.pointwise",
+    ]
+    assert any("data movement only" in rej.reason for rej in got.rejected)  # slices + reshapes alone
+
+
+def test_no_region_closes_a_cycle_through_another_region_or_outside_code() -> None:
+    g = fg.Graph("cyc", io_data_type=fg.DataType.FLOAT)
+    a, w = g.tensor("a", [4, 4]), g.tensor("w", [4, 4])
+    t = g.matmul(a, w)  # anchor A
+    u = g.matmul(t, w)  # anchor B reads A's output
+    g.add(t, u).set_output(True).set_name("y")  # reading both: joining A would close A -> B -> add
+    got = split(g.validate())
+    assert [r.nodes for r in got.regions] == [("matmul_0",), ("matmul_1", "pointwise_0")]
+    # the same through code outside the graph: ``ext`` is computed from t by someone else
+    h = fg.Graph("opaque", io_data_type=fg.DataType.FLOAT)
+    t2 = h.matmul(h.tensor("a", [4, 4]), h.tensor("w", [4, 4]))
+    h.add(t2, h.tensor("ext", [4, 4])).set_output(True).set_name("y")
+    h.validate()
+    assert [r.nodes for r in split(h).regions] == [("matmul_0", "pointwise_0")]
+    apart = split(h, opaque={"ext": [t2.name]})
+    assert [r.nodes for r in apart.regions] == [("matmul_0",), ("pointwise_0",)]
+
+
+def test_splitting_is_deterministic_and_one_computation_has_one_key() -> None:
+    one, two = split(_model("a")), split(_model("b"))
+    assert [r.key for r in one.regions] == [r.key for r in two.regions]
+    # two identical GEMM + bias layers in one graph: one content key, so measured once
+    g = fg.Graph("twice", io_data_type=fg.DataType.FLOAT)
+    h = g.tensor("x", [4, 8])
+    for i in range(2):
+        h = g.relu(g.add(g.matmul(h, g.tensor(f"w{i}", [8, 8])), g.tensor(f"b{i}", [1, 8])))
+    h.set_output(True).set_name("y")
+    keys = [r.key for r in split(g.validate()).regions]
+    assert len(keys) == 2 and keys[0] == keys[1]
+
+
+# ---- verdicts ----------------------------------------------------------------------------------
+def test_the_verdict_cache_round_trips_and_its_key_sees_everything_a_timing_depends_on(tmp_path: Path) -> None:
+    versions = {"fusegraph": "1", "engine:torch": "2.13.0"}
+    key = verdict_key("abc", "cpu[x]", "inductor", versions)
+    store = VerdictStore(tmp_path)
+    measured = Verdict(True, "measured", "1.40x the incumbent", "torch", 1.0, 1.4, "inductor")
+    store.record(key, measured)
+    store.record(verdict_key("def", "cpu[x]", "inductor", versions), Verdict(True, "claimed", engine="torch"))
+    store.flush()
+    again = VerdictStore(tmp_path)
+    got = again.lookup(key)
+    assert got is not None and got.source == "cached"
+    assert (got.fusegraph, got.fusegraph_ms, got.incumbent_ms, got.why) == (True, 1.0, 1.4, "1.40x the incumbent")
+    assert again.lookup(verdict_key("def", "cpu[x]", "inductor", versions)) is None  # claims are not kept
+    for changed in (
+        verdict_key("abc", "cuda[NVIDIA H200]", "inductor", versions),
+        verdict_key("abc", "cpu[x]", "torch.eager", versions),
+        verdict_key("abc", "cpu[x]", "inductor", {**versions, "lib:torch": "2.14.0"}),
+        verdict_key("abc", "cpu[x]", "inductor", versions, {"margin": 0.1}),
+    ):
+        assert changed != key and again.lookup(changed) is None
+    (tmp_path / "regions-verdicts.json").write_text("{torn")
+    assert VerdictStore(tmp_path).lookup(key) is None  # a torn table counts as empty
+
+
+# ---- choosing ---------------------------------------------------------------------------------
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _virtual(clock: Clock, ms: float, inner: Callable[[], object] | None = None) -> Callable[[], object]:
+    def call() -> object:
+        clock.now += ms / 1e3
+        return inner() if inner is not None else None
+
+    return call
+
+
+def _chooser(clock: Clock, fusegraph_ms: float, incumbent_ms: float, store: VerdictStore | None = None) -> Chooser:
+    def timer(cands: Mapping[str, Callable[[], object]], **kw: Any) -> dict[str, timing.Timing]:
+        wrapped = {**cands, "fusegraph": _virtual(clock, fusegraph_ms, cands["fusegraph"])}
+        return timing.time_candidates(wrapped, clock=clock, steady=False, min_rounds=3, per_round=1, **kw)
+
+    fake = CallableIncumbent("fake", lambda region, inputs: _virtual(clock, incumbent_ms))
+    return Chooser(fg.Handle("cpu"), fake, engine="torch", timer=timer, store=store)
+
+
+def _inputs(rng: np.random.Generator) -> Callable[[Region], dict[str, np.ndarray]]:
+    return lambda region: random_inputs(region.graph, rng)
+
+
+@pytest.mark.parametrize(("incumbent_ms", "winner"), [(1.0, "incumbent"), (1.95, "incumbent"), (5.0, "fusegraph")])
+def test_a_faster_incumbent_keeps_its_region(incumbent_ms: float, winner: str, rng: np.random.Generator, tmp_path: Path) -> None:
+    """fusegraph costs 2 virtual ms a call: an incumbent at 1 ms keeps the region, one at
+    1.95 ms too (inside the margin: a tie goes to the incumbent), one at 5 ms loses it."""
+    store = VerdictStore(tmp_path)
+    regions = split(_model()).regions
+    choices = _chooser(Clock(), 2.0, incumbent_ms, store).choose_all(regions, _inputs(rng))
+    assert all(c.verdict.source == "measured" for c in choices)
+    assert {("fusegraph" if c.claimed else "incumbent") for c in choices} == {winner}
+    assert all(c.verdict.incumbent_ms == pytest.approx(incumbent_ms) for c in choices)
+    # the next front door reads the verdicts back without measuring (a timer that fails)
+    def no_timing(*args: Any, **kw: Any) -> dict[str, timing.Timing]:
+        raise AssertionError("measured again")
+
+    later = _chooser(Clock(), 2.0, incumbent_ms, VerdictStore(tmp_path))
+    later.timer = no_timing
+    again = later.choose_all(regions, _inputs(rng))
+    assert [c.verdict.source for c in again] == ["cached"] * len(regions)
+    assert [c.claimed for c in again] == [c.claimed for c in choices]
+
+
+def test_floor_off_claims_every_region_it_can_build_and_refusals_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(UNSUPPORTED, "torch", {**UNSUPPORTED.get("torch", {}), OpKind.SOFTMAX: "not in this test"})
+    chooser = Chooser(fg.Handle("cpu"), TorchOpByOp(fg.Handle("cpu")), floor=False, engine="torch")
+    got = split(_model())
+    choices = chooser.choose_all(got.regions)
+    verdicts = {c.region.pattern: c.verdict for c in choices}
+    assert verdicts["triton.softmax"].source == "refused" and "not in this test" in verdicts["triton.softmax"].why
+    assert all(v.source == "claimed" and v.fusegraph for p, v in verdicts.items() if p != "triton.softmax")
+    nodes = _model().nodes
+    ops = {n.name: n.kind.value for n in nodes}
+    compute = [n.name for n in nodes if n.kind not in DATA_MOVEMENT]  # the reshape does not count
+    report = Report(tuple(rows_for(got, choices, ops, "torch.eager", compute)))
+    assert report.coverage == pytest.approx(8 / 9)  # all but the softmax
+    assert report.patterns()["cudnn.conv.bias_act"] == 1
+    refused = [r for r in report.rows if not r.fusegraph]
+    assert [r.node for r in refused] == ["softmax_0"] and "not in this test" in refused[0].why
+
+
+def test_a_region_plan_runs_the_model_with_the_chosen_steps(rng: np.random.Generator) -> None:
+    """The claimed regions on fusegraph (torch engine), the others by the incumbent op by op,
+    intermediates passed as torch tensors: the model's output matches the float64 reference."""
+    torch = pytest.importorskip("torch", reason="the region plan passes torch tensors between steps")
+    g = _model()
+    got = split(g)
+    cpu = fg.Handle("cpu")
+    chooser = Chooser(cpu, TorchOpByOp(cpu), floor=False, engine="torch")
+    choices = chooser.choose_all(got.regions)
+    choices[2].plan = None  # the softmax region by the incumbent
+    steps = []
+    for c in choices:
+        ins, outs = c.region.inputs, c.region.outputs
+        if c.plan is not None:
+            steps.append(fusegraph_step(f"r{c.region.index}", c.plan, ins, outs))
+        else:
+            from fusegraph.regions.plan import Step
+
+            names = [f"in{i}" for i in range(len(ins))]
+            region = c.region
+
+            def run(values: Any, region: Region = region, names: list[str] = names) -> list[Any]:
+                call = TorchOpByOp(cpu).runnable(region, dict(zip(names, values, strict=True)))
+                res: Any = call()
+                return [res[f"out{i}"] for i in range(len(region.outputs))]
+
+            steps.append(Step(f"r{c.region.index}", ins, outs, run, "torch.eager"))
+    plan = RegionPlan(steps, ["out"])
+    feed = random_inputs(g, rng)
+    out = plan.execute({k: torch.from_numpy(v) for k, v in feed.items()})["out"]
+    assert isinstance(out, torch.Tensor)
+    want = run_reference(g, feed)["out"]
+    err = float(np.linalg.norm(out.numpy() - want) / np.linalg.norm(want))
+    assert err < 1e-5, err
+    assert plan.capture({k: torch.from_numpy(v) for k, v in feed.items()}) == "not every input is a CUDA tensor"
