@@ -27,6 +27,15 @@ from fusegraph.runtime.handle import Handle
 
 _DL_CUDA = 2
 
+# Plans run without recording gradients (the torch engine under torch.inference_mode): a
+# tensor that wants them would come back detached and fail later in backward() with
+# PyTorch's generic error, so it is refused here, pointing to what can differentiate.
+GRAD_REFUSAL = (
+    "{what} has requires_grad=True, but a fusegraph plan does not record gradients (its result "
+    "would come back detached): train through fusegraph.torch (its autograd functions, or "
+    "torch.compile(model, backend=\"fusegraph\")), or pass tensor.detach() / run under torch.no_grad()"
+)
+
 
 def torch_dtype(torch: Any, dt: DataType) -> Any:
     return {
@@ -79,6 +88,8 @@ class CudaTensorPlan(ExecutionPlan):
                 raise VariantPackError(f"{what} has dtype {value.dtype}, expected {t.dtype.name}", tensor=t.name)
             if value.device != self.device:
                 raise VariantPackError(f"{what} is on {value.device}, the plan runs on {self.device}", tensor=t.name)
+            if value.requires_grad and torch.is_grad_enabled():
+                raise VariantPackError(GRAD_REFUSAL.format(what=what), tensor=t.name)
             if value.stride() != t.strides and not layout.same_strides(t.shape, tuple(value.stride()), t.strides):
                 raise VariantPackError(
                     f"{what} has strides {list(value.stride())}, the tensor declares {t.stride} (the plan reads "

@@ -17,6 +17,7 @@ import numpy as np
 
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan
+from fusegraph.engines.cuda_plan import GRAD_REFUSAL
 from fusegraph.engines.torch import frozen, steps
 from fusegraph.engines.torch import fusion as torch_fusion
 from fusegraph.engines.torch import onednn_graph as torch_onednn_graph
@@ -202,6 +203,8 @@ class TorchPlan(LeanCall, CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
                 raise VariantPackError(f"{what} has dtype {value.dtype}, expected {t.dtype.name}", tensor=t.name)
             if value.device != self.device:
                 raise VariantPackError(f"{what} is on {value.device}, the plan runs on {self.device}", tensor=t.name)
+            if value.requires_grad and torch.is_grad_enabled():
+                raise VariantPackError(GRAD_REFUSAL.format(what=what), tensor=t.name)
             return value
         if _is_buffer(value):
             why = value.layout_mismatch(t.shape, t.strides, t.dtype)

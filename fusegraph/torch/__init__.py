@@ -1,0 +1,38 @@
+"""The PyTorch front door (docs/torch.md).
+
+- autograd functions whose forward and backward are fusegraph graphs:
+  ``conv_bias_act``, ``linear_bias_act``, ``layer_norm``, ``rms_norm``,
+  ``scaled_dot_product_attention`` (functions.py; graphs.py, plans.py);
+- the ``torch.compile`` backend ``"fusegraph"`` (backend.py; aten.py converts ATen
+  graphs, partition.py claims regions through fusegraph/regions/);
+- ``explain(model, *inputs)``: which ATen nodes ran where and why, with ``.coverage``.
+
+Importing this package imports torch (it is the front door to torch); nothing else in
+fusegraph imports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_HOME = {
+    "conv_bias_act": "functions",
+    "linear_bias_act": "functions",
+    "layer_norm": "functions",
+    "rms_norm": "functions",
+    "scaled_dot_product_attention": "functions",
+    "backend": "backend",
+    "explain": "explain",
+    "PLANS": "plans",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOME.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{home}"), name)
+
+
+__all__ = sorted(_HOME)

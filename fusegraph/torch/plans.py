@@ -1,0 +1,98 @@
+"""Built plans, once per signature: the autograd functions and the compiled regions look
+their plan up by a key (the pattern, its graph signature, the device) and build it only
+the first time -- after the first training step no graph is constructed or validated.
+
+The engine: on a GPU, fusegraph's selection picks (cudnn / triton / torch by heuristics
+and the tuning database); on the CPU the torch engine (IREE would compile each new shape
+for seconds), unless ``PLANS.engine`` names one. Plans run with autocast off: their
+dtypes are the graph's, and PyTorch's autocast would otherwise recast the ops of a
+torch-engine plan under them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any
+
+import torch
+
+from fusegraph.dtypes import DataType, as_data_type
+from fusegraph.engines.base import ExecutionPlan
+from fusegraph.graph.graph import Graph
+from fusegraph.runtime.handle import Handle
+from fusegraph.torch.graphs import TSpec
+
+
+def data_type(dtype: torch.dtype) -> DataType:
+    return as_data_type(str(dtype).removeprefix("torch."))
+
+
+def spec(t: torch.Tensor) -> TSpec:
+    return TSpec(tuple(t.shape), tuple(t.stride()), data_type(t.dtype))
+
+
+class PlanCache:
+    """Plans by key (one explicit cache per process: ``PLANS``); ``builds`` counts graphs
+    built, so a test can check that a second step builds none."""
+
+    def __init__(self) -> None:
+        self._plans: dict[Hashable, ExecutionPlan] = {}
+        self._handles: dict[str, Handle] = {}
+        self._lock = threading.Lock()
+        self.builds = 0
+        self.engine: str | None = None  # None: torch on the CPU, selection's choice on a GPU
+
+    def handle(self, device: torch.device) -> Handle:
+        name = "cpu" if device.type == "cpu" else f"{device.type}:{device.index or 0}"
+        h = self._handles.get(name)
+        if h is None:
+            h = self._handles.setdefault(name, Handle(name))
+        return h
+
+    def get(self, key: Hashable, device: torch.device, make: Callable[[], Graph]) -> ExecutionPlan:
+        full = (key, device)
+        plan = self._plans.get(full)
+        if plan is not None:
+            return plan
+        with self._lock:
+            plan = self._plans.get(full)
+            if plan is None:
+                graph = make()
+                handle = self.handle(device)
+                engine = self.engine or ("torch" if device.type == "cpu" else None)
+                plan = graph.build(handle=handle, engine=engine)
+                self._plans[full] = plan
+                self.builds += 1
+        return plan
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+PLANS = PlanCache()
+
+
+def run(plan: ExecutionPlan, feed: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Executes with torch tensors in and out, autocast off around it."""
+    device = next(iter(feed.values())).device.type
+    if torch.is_autocast_enabled(device):
+        with torch.autocast(device, enabled=False):
+            return plan.execute(dict(feed))
+    return plan.execute(dict(feed))
+
+
+@contextlib.contextmanager
+def engine(name: str | None) -> Any:
+    """Builds new plans on ``name`` inside the block (tests, benchmarks)."""
+    before = PLANS.engine
+    PLANS.engine = name
+    try:
+        yield
+    finally:
+        PLANS.engine = before
