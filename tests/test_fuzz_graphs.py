@@ -46,9 +46,17 @@ from fusegraph.graph.ops import NormFwdPhase, PointwiseMode, PoolingMode, Reduct
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.reference.inputs import random_inputs
 from fusegraph.select.autotune import Answers, tolerance
+from fuzz_profiles import MAIN_KINDS, ORDERS, PROFILES, Profile
 
-ENGINES = [e for e in ("torch", "iree") if e in {x.name for x in REGISTRY.available_engines()}]
+# FUSEGRAPH_FUZZ_DEVICE=cuda:0 fuzzes the GPU engines on that GPU (the long run's command
+# is in docs/reliability.md); unset, the CPU engines.
+DEVICE = os.environ.get("FUSEGRAPH_FUZZ_DEVICE") or None
+_AVAILABLE = {x.name for x in REGISTRY.available_engines()}
+CPU_ENGINES = [e for e in ("torch", "iree") if e in _AVAILABLE]
+GPU_ENGINES = ("cudnn", "triton", "torch")
+ENGINES = [e for e in GPU_ENGINES if e in _AVAILABLE] if DEVICE and DEVICE.startswith("cuda") else CPU_ENGINES
 SHORT_EXAMPLES = {"torch": 60, "iree": 24}
+GPU_SHORT_EXAMPLES = {"cudnn": 40, "triton": 40, "torch": 40}
 BOUND = 8.0  # values fed to ops stay within this magnitude (squashed with tanh otherwise)
 
 Draw = Callable[[st.SearchStrategy[Any]], Any]
@@ -94,33 +102,48 @@ class Fuzz:
     ops: list[str] = field(default_factory=list)
     n_inputs: int = 0
     known: set[str] = field(default_factory=set)  # known bugs of the engine, not drawn
+    profile: Profile | None = None  # what the engine under test claims (fuzz_profiles.py)
+    mains: int = 0  # convolutions, matmuls and sdpas drawn so far
 
     # ---- inputs -----------------------------------------------------------------------------
     def input(
-        self, dims: list[int], *, broadcast: bool = True, keep_dims: bool = False, dtype: DataType | None = None
+        self, dims: list[int], *, broadcast: bool = True, keep_dims: bool = False, dtype: DataType | None = None,
+        role: str = "any",
     ) -> Value:
         d = self.draw
         self.n_inputs += 1
         dims = list(dims)
         strides: list[int] | None
-        if broadcast and len(dims) > 0 and d(st.integers(0, 5)) == 0:
+        one_in = self.profile.broadcast_one_in if self.profile else 6
+        if broadcast and len(dims) > 0 and d(st.integers(0, one_in - 1)) == 0:
             # a broadcast input: some axes size 1 (NumPy style) or stride 0 over full dims
             axes = d(st.lists(st.integers(0, len(dims) - 1), min_size=1, max_size=len(dims), unique=True))
             if not keep_dims and d(st.booleans()):
                 dims = [1 if i in axes else x for i, x in enumerate(dims)]
-                strides = list(self._strides(dims))
+                strides = list(self._strides(dims, role))
             else:
                 dense = [1 if i in axes else x for i, x in enumerate(dims)]
-                strides = [0 if i in axes else s for i, s in enumerate(self._strides(dense))]
+                strides = [0 if i in axes else s for i, s in enumerate(self._strides(dense, role))]
         else:
-            strides = list(self._strides(dims))
+            strides = list(self._strides(dims, role))
         t = self.g.tensor(f"in{self.n_inputs}", dims, strides, dtype or self.io)
         flat = frozenset(i for i, (x, s) in enumerate(zip(dims, strides, strict=True)) if s == 0 or x == 1)
         return Value(t, 6.0 if (dtype or self.io).is_integer else 1.5, is_input=True, flat=flat)
 
-    def _strides(self, dims: list[int]) -> tuple[int, ...]:
+    def _strides(self, dims: list[int], role: str = "any") -> tuple[int, ...]:
+        """Packed strides in a random memory order; under a profile, in one of the orders the
+        engine claims for ``role`` except one draw in ``profile.odd``."""
+        p = self.profile
+        if p is not None and len(dims) > 1 and not self.odd():
+            return layout.packed_strides(dims, self.draw(st.sampled_from(p.orders(role, len(dims)))))
         order = self.draw(st.permutations(list(range(len(dims))))) if len(dims) > 1 else list(range(len(dims)))
         return layout.packed_strides(dims, order)
+
+    def odd(self, one_in: int | None = None) -> bool:
+        """Under a profile: whether this draw leaves what the engine claims (1 in profile.odd)."""
+        if self.profile is None:
+            return False
+        return self.draw(st.integers(0, (one_in or self.profile.odd) - 1)) == 0
 
     # ---- helpers ----------------------------------------------------------------------------
     def pick(self, pred: Callable[[Value], bool] = lambda v: True) -> Value | None:
@@ -150,7 +173,7 @@ class Fuzz:
         return v
 
     # ---- ops --------------------------------------------------------------------------------
-    def step(self) -> None:
+    def step(self, first: bool = False) -> None:
         kinds = [
             "unary", "unary", "binary", "binary", "reduction", "softmax", "matmul", "conv",
             "dgrad", "wgrad", "pool", "batchnorm_inference", "batchnorm", "layernorm", "rmsnorm",
@@ -159,7 +182,15 @@ class Fuzz:
         if self.io.is_integer:
             kinds = ["int_unary", "int_binary", "int_binary", "int_reduction", "reshape", "transpose",
                      "concat", "slice", "compare_select"]
+        elif self.profile is not None:
+            p = self.profile
+            kinds = list(p.kinds) if not self.odd(p.odd_kinds) else kinds
+            if first and p.first:
+                kinds = list(p.first)
+            if p.one_main and self.mains and not self.odd(p.odd_kinds):
+                kinds = [k for k in kinds if k not in p.main_kinds] or ["unary"]
         kind = self.draw(st.sampled_from(kinds))
+        self.mains += kind in (self.profile.main_kinds if self.profile else MAIN_KINDS)
         getattr(self, f"op_{kind}")()
 
     # ---- integer graphs: exact arithmetic, values kept far from overflow -------------------
@@ -268,7 +299,10 @@ class Fuzz:
         v = self.pick()
         assert v is not None
         rank = len(v.dims)
-        axes = self.draw(st.lists(st.integers(0, rank - 1), min_size=1, max_size=rank, unique=True))
+        if self.profile is not None and self.profile.trailing_rows and not self.odd():
+            axes = list(range(self.draw(st.integers(min(1, rank - 1), rank - 1)), rank))  # a row kernel's columns
+        else:
+            axes = self.draw(st.lists(st.integers(0, rank - 1), min_size=1, max_size=rank, unique=True))
         mode = self.draw(st.sampled_from(list(ReductionMode)))
         self.ops.append(f"reduce_{mode.value}")
         n = math.prod(v.dims[a] for a in axes)
@@ -292,7 +326,8 @@ class Fuzz:
     def op_softmax(self) -> None:
         v = self.pick()
         assert v is not None
-        axis = self.draw(st.integers(-len(v.dims), len(v.dims) - 1))
+        trailing = self.profile is not None and self.profile.trailing_rows and not self.odd()
+        axis = -1 if trailing else self.draw(st.integers(-len(v.dims), len(v.dims) - 1))
         log = self.draw(st.booleans())
         self.ops.append("log_softmax" if log else "softmax")
         v = self.squash(v)
@@ -308,7 +343,7 @@ class Fuzz:
         batch = v.dims[:-2]
         if batch and self.draw(st.booleans()):
             batch = [1] * len(batch)  # B broadcast over A's batch dims
-        b = self.input([*batch, k, n], broadcast=False)
+        b = self.input([*batch, k, n], broadcast=False, role="matmul")
         a, bb = (v, b)
         self.ops.append("matmul")
         rows_equal = frozenset({len(v.dims) - 2}) & a.flat  # a broadcast row: every row of the product alike
@@ -319,7 +354,7 @@ class Fuzz:
         if v is None or self.draw(st.integers(0, 3)) == 0:
             dims = [self.draw(st.sampled_from([1, 2])), self.draw(st.sampled_from([1, 3, 4, 6]))]
             dims += [self.draw(st.sampled_from([1, 3, 5, 6, 8])) for _ in range(spatial)]
-            v = self.add(self.input(dims))
+            v = self.add(self.input(dims, role="image"))
         return self.squash(v)
 
     def _conv_geometry(self, spatial: list[int], rs: list[int]) -> tuple[list[int], list[int], list[int], list[int]] | None:
@@ -342,7 +377,7 @@ class Fuzz:
         if geo is None:
             return
         pad, stride, dil, _ = geo
-        w = self.input([k, c // groups, *rs], broadcast=False)
+        w = self.input([k, c // groups, *rs], broadcast=False, role="image")
         self.ops.append(f"conv{spatial}d_g{groups}")
         y = self.g.conv_fprop(x.t, w.t, padding=pad, stride=stride, dilation=dil)
         self.add(Value(y, x.bound * 1.5 * (c // groups) * math.prod(rs)))
@@ -357,7 +392,7 @@ class Fuzz:
         spatial = [(o - 1) * s - 2 * p + (r - 1) + 1 for o, s, p, r in zip((ho, wo), stride, pad, rs, strict=True)]
         if any(s_ < 1 for s_ in spatial):
             return
-        w = self.input([k, c, *rs], broadcast=False)
+        w = self.input([k, c, *rs], broadcast=False, role="image")
         self.ops.append("dgrad")
         dx = self.g.conv_dgrad(x.t, w.t, padding=pad, stride=stride, dilation=[1, 1]).set_dim([n, c, *spatial])
         dx.set_data_type(self.io)  # unset, it is inferred only at validate()
@@ -372,7 +407,7 @@ class Fuzz:
         if geo is None:
             return
         pad, stride, dil, out = geo
-        dy = self.input([n, k, *out], broadcast=False)
+        dy = self.input([n, k, *out], broadcast=False, role="image")
         self.ops.append("wgrad")
         dw = self.g.conv_wgrad(x.t, dy.t, padding=pad, stride=stride, dilation=dil).set_dim([k, c, *rs])
         dw.set_data_type(self.io)
@@ -444,7 +479,8 @@ class Fuzz:
         if x is None:
             x = self.add(self.input([3, 4, 8]))
         x = self.squash(x)
-        s = self._stat([x.dims[-1]])
+        full = self.profile is not None and self.profile.full_norm_params and not self.odd()
+        s = self._stat([1, *x.dims[1:]] if full else [x.dims[-1]])
         bias = self._stat(x.dims[1:]) if self.draw(st.booleans()) else None
         phase = self.draw(st.sampled_from(list(NormFwdPhase)))
         self.ops.append(f"rmsnorm_{phase.value}")
@@ -456,18 +492,18 @@ class Fuzz:
     def op_sdpa(self) -> None:
         q = self.pick(lambda w: len(w.dims) == 4)
         if q is None:
-            q = self.add(self.input([self.draw(st.sampled_from([1, 2])), 2, self.draw(st.sampled_from([1, 3, 5])), 4]))
+            q = self.add(self.input([self.draw(st.sampled_from([1, 2])), 2, self.draw(st.sampled_from([1, 3, 5])), 4], role="sdpa"))
         q = self.squash(q, 2.0)
         b, h, sq, d = q.dims
         hk = self.draw(st.sampled_from([x for x in (1, h) if h % x == 0]))
         skv = self.draw(st.sampled_from([1, 3, 4, sq]))
         dv = self.draw(st.sampled_from([2, d]))
-        k = self.input([b, hk, skv, d], broadcast=False)
-        v = self.input([b, hk, skv, dv], broadcast=False)
+        k = self.input([b, hk, skv, d], broadcast=False, role="sdpa")
+        v = self.input([b, hk, skv, dv], broadcast=False, role="sdpa")
         causal = self.draw(st.booleans())
         mask = None
         if not causal and self.draw(st.booleans()):
-            mask = self.input([1, 1, sq, skv], broadcast=False)
+            mask = self.input([1, 1, sq, skv], broadcast=False, role="sdpa")
         self.ops.append("sdpa" + ("_causal" if causal else "") + ("_mask" if mask else ""))
         scale = self.draw(st.sampled_from([None, 0.5]))
         o = self.g.sdpa(q.t, k.t, v.t, attn_scale=scale, causal=causal, mask=mask.t if mask else None)
@@ -576,18 +612,19 @@ IO_TYPES = [DataType.FLOAT, DataType.FLOAT, DataType.HALF, DataType.BFLOAT16, Da
 KNOWN: dict[str, set[str]] = {}
 
 
-def draw_graph(draw: Draw, engine: str = "") -> tuple[fg.Graph, list[str]]:
-    """A random valid graph (validated) and the ops it holds."""
+def draw_graph(draw: Draw, engine: str = "", profile: Profile | None = None) -> tuple[fg.Graph, list[str]]:
+    """A random valid graph (validated) and the ops it holds; under ``profile``, mostly one
+    that the profiled engine claims (fuzz_profiles.py)."""
     known = KNOWN.get(engine, set())
-    io = draw(st.sampled_from(IO_TYPES))
+    io = draw(st.sampled_from(profile.io_types if profile is not None else IO_TYPES))
     inter = DataType.INT32 if io.is_integer else DataType.FLOAT
     compute = {DataType.DOUBLE: DataType.DOUBLE, DataType.INT32: DataType.INT32}.get(io, DataType.FLOAT)
     g = fg.Graph(name="fuzz", io_data_type=io, intermediate_data_type=inter, compute_data_type=compute)
-    f = Fuzz(draw, g, io, known=known)
+    f = Fuzz(draw, g, io, known=known, profile=profile)
     rank = draw(st.integers(1, 4))
     f.add(f.input(f._dims(rank), broadcast=False))
-    for _ in range(draw(st.integers(1, 6))):
-        f.step()
+    for i in range(draw(st.integers(1, 6))):
+        f.step(first=i == 0)
     last = f.pool[-1]
     if last.is_input:  # nothing computed: at least one op
         f.op_int_unary() if io.is_integer else f.op_unary()
@@ -616,7 +653,7 @@ class Stats:
 STATS = Stats()
 
 
-def run_and_compare(g: fg.Graph, engine: str, seed: int) -> tuple[str, str]:
+def run_and_compare(g: fg.Graph, engine: str, seed: int, device: str | None = None) -> tuple[str, str]:
     """("ok" | "unsupported" | "mismatch", detail) of one graph on one engine."""
     rng = np.random.default_rng(seed)
     inputs = random_inputs(g, rng)
@@ -626,7 +663,7 @@ def run_and_compare(g: fg.Graph, engine: str, seed: int) -> tuple[str, str]:
         if not np.all(np.isfinite(np.asarray(arr, dtype=np.float64))):
             raise AssertionError(f"the fuzzer drew a graph whose reference output '{name}' is not finite:\n{g.to_json(indent=1)}")
     try:
-        got = g.execute(dict(inputs), engine=engine)
+        got = g.execute(dict(inputs), engine=engine, handle=device)
     except UnsupportedError as exc:
         return "unsupported", str(exc)
     tol = tolerance(g)
@@ -636,10 +673,10 @@ def run_and_compare(g: fg.Graph, engine: str, seed: int) -> tuple[str, str]:
     return "ok", ""
 
 
-def _check(engine: str, data: st.DataObject, seed: int) -> None:
+def _check(engine: str, data: st.DataObject, seed: int, device: str | None = None) -> None:
     keep = os.environ.get("FUSEGRAPH_FUZZ_KEEP_GOING")
     try:
-        g, ops = draw_graph(data.draw, engine)
+        g, ops = draw_graph(data.draw, engine, PROFILES.get(engine) if device else None)
     except fg.ValidationError as exc:  # the generator or validate() is wrong: a finding too
         if not keep:
             raise
@@ -650,9 +687,10 @@ def _check(engine: str, data: st.DataObject, seed: int) -> None:
     if keep:  # the graph being run, left behind should an engine take the process down
         Path(keep + ".current.json").write_text(json.dumps({"engine": engine, "seed": seed, "graph": json.loads(g.to_json())}))
     try:
-        status, detail = run_and_compare(g, engine, seed)
+        status, detail = run_and_compare(g, engine, seed, device)
     except Exception as exc:  # an engine that crashes on a valid graph is a finding too
-        status, detail = "mismatch", f"raised {type(exc).__name__}: {str(exc)[:500]}"
+        typed = "" if isinstance(exc, fg.FusegraphError) else "untyped "
+        status, detail = "mismatch", f"raised {typed}{type(exc).__name__}: {str(exc)[:500]}"
     STATS.graphs[engine] += 1
     STATS.ops.update(ops)
     if keep:  # one line per graph: a long run's count survives the process being killed
@@ -694,12 +732,12 @@ def _examples(engine: str) -> int:
     return int(env) if env else SHORT_EXAMPLES[engine]
 
 
-def _fuzz_test(engine: str, examples: int, derandomize: bool = False) -> Callable[[], None]:
+def _fuzz_test(engine: str, examples: int, derandomize: bool = False, device: str | None = None) -> Callable[[], None]:
     @settings(max_examples=examples, deadline=None, print_blob=True, derandomize=derandomize,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
     @given(data=st.data(), seed=st.integers(0, 2**32 - 1))
     def test(data: st.DataObject, seed: int) -> None:
-        _check(engine, data, seed)
+        _check(engine, data, seed, device)
 
     return test  # type: ignore[no-any-return]
 
@@ -719,7 +757,18 @@ def test_fuzz_long(engine: str, request: pytest.FixtureRequest) -> None:
     """``pytest -m fuzz``: FUSEGRAPH_FUZZ_EXAMPLES graphs (default 2000) per engine."""
     if "fuzz" not in (request.config.getoption("-m") or ""):
         pytest.skip("the long fuzz runs only when selected: pytest -m fuzz")
-    _fuzz_test(engine, int(os.environ.get("FUSEGRAPH_FUZZ_EXAMPLES", "2000")))()
+    _fuzz_test(engine, int(os.environ.get("FUSEGRAPH_FUZZ_EXAMPLES", "2000")), device=DEVICE)()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", GPU_ENGINES)
+def test_fuzz_gpu_short(engine: str) -> None:
+    """On the GPU machine (pytest -m gpu): a few dozen graphs each GPU engine claims
+    (fuzz_profiles.py), on cuda:0, vs the reference; derandomized like the CPU short run."""
+    if engine not in _AVAILABLE:
+        pytest.fail(f"the {engine} engine is not available on this GPU machine: "
+                    f"{REGISTRY.get(engine).available().reason}")
+    _fuzz_test(engine, GPU_SHORT_EXAMPLES[engine], derandomize=True, device="cuda:0")()
 
 
 def test_engines_to_fuzz_are_present() -> None:

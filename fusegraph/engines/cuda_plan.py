@@ -19,7 +19,7 @@ import numpy as np
 
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan
-from fusegraph.errors import VariantPackError
+from fusegraph.errors import ExecutionError, FusegraphError, VariantPackError
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.tensor import TensorAttr
@@ -119,9 +119,9 @@ class CudaTensorPlan(ExecutionPlan):
             host = torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
         else:
             host = torch.from_numpy(np.ascontiguousarray(arr))
-        dev = torch.empty_strided(t.shape, t.strides, dtype=self._tdt[t.name], device=self.device)
-        dev.copy_(host)
-        return dev
+        from fusegraph.engines.torch.convert import copy_strided
+
+        return copy_strided(torch.empty_strided(t.shape, t.strides, dtype=self._tdt[t.name], device=self.device), host)
 
     def _from_buffer(self, buf: Any, t: TensorAttr) -> Any:
         from fusegraph.runtime.iree_hal import runtime_for
@@ -155,10 +155,16 @@ class CudaTensorPlan(ExecutionPlan):
         self._torch.cuda.synchronize(self.device)
 
     def execute(self, variant_pack: Mapping[Any, Any]) -> dict[str, Any]:
-        fast = self._execute_fast(variant_pack) if type(variant_pack) is dict else None
-        if fast is not None:
-            return fast
-        return self._execute_general(variant_pack)
+        try:
+            fast = self._execute_fast(variant_pack) if type(variant_pack) is dict else None
+            if fast is not None:
+                return fast
+            return self._execute_general(variant_pack)
+        except FusegraphError:
+            raise
+        except Exception as exc:  # whatever torch or the library raised: typed, naming graph and engine
+            raise ExecutionError(f"{self.config.engine} plan for graph '{self.graph.name}' failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc
 
     def _execute_fast(self, pack: dict[Any, Any]) -> dict[str, Any] | None:
         """Torch CUDA tensors keyed by name, in the declared layouts, outputs not given:

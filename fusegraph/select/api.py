@@ -486,6 +486,40 @@ def _first_plan(graph: Graph, h: Handle, registry: Registry, asked: dict[str, Su
     )
 
 
+def fall_back(graph: Graph, handle: Handle, failed: ExecutionPlan, error: BaseException,
+              registry: Registry | None = None) -> ExecutionPlan | None:
+    """The plan of the next candidate after ``failed``, an engine that accepted the graph and
+    then failed it at execution: the caller did not pin an engine, so the selection moves on
+    (the failure is kept in the candidate's ``error`` for ``explain``-style reports). None
+    when the selection was pinned or no other candidate builds."""
+    registry = registry or active_registry()
+    sel = graph._selection
+    if not isinstance(sel, Selection) or sel.strict:
+        return None
+    bad = failed.config.engine
+    for c in sel.candidates:
+        if c.plan is failed:
+            c.plan, c.error = None, f"execution failed: {type(error).__name__}: {error}"
+    for c in sel.candidates:
+        name = c.config.engine
+        if name in (bad, PARTITION) or c.error:
+            continue
+        if c.support is None:
+            c.support = _engine_support(registry, name, graph, handle)
+        if not c.support:
+            continue
+        try:
+            c.plan = c.plan or build_candidate(graph, handle, c.config, registry)
+        except (FusegraphError, ValueError, RuntimeError, OSError) as exc:
+            c.error = f"{type(exc).__name__}: {exc}"
+            continue
+        log.warning("graph '%s': %s failed at execution (%s); falling back to %s", graph.name, bad, error, c.config)
+        sel.plans = [c.plan]
+        graph.plans[("*", handle)] = c.plan
+        return c.plan
+    return None
+
+
 def load_plan(data: bytes, handle: Handle | str | None = None, registry: Registry | None = None) -> ExecutionPlan:
     """A plan from ``ExecutionPlan.serialize()`` bytes: JSON ones name their engine (whose
     ``load_plan`` rebuilds it); IREE artifacts go to ``fusegraph.engines.iree.load_artifact``."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fusegraph.errors import ExecutionError
 from fusegraph.graph.graph import Graph
 from fusegraph.runtime.handle import Handle, as_handle
 from fusegraph.select import api
@@ -28,7 +29,13 @@ class SelectPlanner:
         plan = graph.plans.get((engine or "*", h))
         if plan is None:
             plan = api.build(graph, h, engine=engine)
-        result: dict[str, Any] = plan.execute(variant_pack)
+        try:
+            result: dict[str, Any] = plan.execute(variant_pack)
+        except ExecutionError as exc:  # the engine accepted the graph, then failed it
+            nxt = api.fall_back(graph, h, plan, exc) if engine is None else None
+            if nxt is None:
+                raise
+            result = nxt.execute(variant_pack)
         return result
 
     def build(self, graph: Graph, handle: Handle | str | None, engine: str | None, **options: Any) -> Any:

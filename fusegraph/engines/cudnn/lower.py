@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusegraph.dtypes import DataType
+from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import (
@@ -134,13 +135,69 @@ def _graph_rank(graph: Graph) -> tuple[int, bool]:
     return max(4, r), False
 
 
-def _describe(t: TensorAttr, rank: int, trailing: bool) -> Described:
-    dims, strides = list(t.shape), list(t.strides)
+def _describe(t: TensorAttr, rank: int, trailing: bool, natural: int, order: tuple[int, ...] | None = None,
+              channels: int | None = None) -> Described:
+    """Dims and strides at cuDNN's rank. A tensor of lower rank than the graph's ``natural``
+    one aligns right, as NumPy broadcasting (and the reference) align it; then unit dims are
+    prepended, or appended for norm graphs (``trailing``). A batchnorm's per-channel ``[C]``
+    tensor (``channels``: the rank of its x) is described as ``[1, C, 1, ...]``. A packed
+    tensor (``order``: its memory order, outermost first, size-1 axes in their canonical
+    place) gets strides recomputed from that order, so that a size-1 axis never carries a
+    stride that ties with a real one: cuDNN reads a layout from the stride order."""
+    dims = list(t.shape)
+    strides = list(layout.packed_strides(dims, order) if order is not None else t.strides)
+    if channels is not None and len(dims) == 1:
+        dims, strides = [1, dims[0], *[1] * (channels - 2)], [dims[0], 1, *[1] * (channels - 2)]
     extent = max((d * s for d, s in zip(dims, strides, strict=True)), default=1) or 1
+    lead = max(0, natural - len(dims))
+    dims, strides = [1] * lead + dims, [extent] * lead + strides
     if trailing:
         return Described(tuple(dims + [1] * (rank - len(dims))), tuple(strides + [1] * (rank - len(dims))))
     pad = rank - len(dims)
     return Described(tuple([1] * pad + dims), tuple([extent] * pad + strides))
+
+
+# The memory orders (outermost first) cuDNN's engines read correctly. The GPU fuzz run on the
+# H200 (docs/reliability.md) found cuDNN 9.19 returning wrong numbers, silently, for packed
+# tensors in other stride orders: a neg over a CNHW tensor (rel err 1.44), convolutions,
+# dgrads and wgrads whose activations or filters were laid out e.g. HWNC (0.6-1.8).
+LAYOUTS: dict[str, Callable[[int], tuple[int, ...]]] = {
+    "row-major": lambda r: tuple(range(r)),
+    "channels-last": lambda r: (0, *range(2, r), 1),
+    "transposed": lambda r: (*range(r - 2), r - 1, r - 2),  # a matmul operand, cuBLAS-style
+    "heads-interleaved": lambda r: (0, 2, 1, 3) if r == 4 else tuple(range(r)),  # attention's [b, s, h, d]
+}
+
+
+def layout_order(t: TensorAttr, allowed: tuple[str, ...]) -> tuple[int, ...] | str:
+    """The memory order of ``t`` among the ``allowed`` layouts (size-1 axes placed where the
+    layout puts them), or why ``t`` is in none of them."""
+    dims, strides = t.shape, t.strides
+    if any(strides[a] == 0 for a in range(len(dims)) if dims[a] > 1):
+        return f"tensor '{t.name}' {list(dims)} has an expanded (stride-0) axis; cuDNN is given packed tensors only"
+    if not layout.is_packed(dims, strides):
+        return f"tensor '{t.name}' {list(dims)} strides {list(strides)} are not packed (gaps or overlap)"
+    if len(dims) < 2:
+        return tuple(range(len(dims)))
+    have = [a for a in layout.stride_order(dims, strides) if dims[a] > 1]
+    for name in allowed:
+        order = LAYOUTS[name](len(dims))
+        if [a for a in order if dims[a] > 1] == have:
+            return order
+    return (f"tensor '{t.name}' {list(dims)} strides {list(strides)}: cuDNN reads only "
+            f"{' or '.join(allowed)} layouts correctly (other stride orders gave wrong numbers)")
+
+
+def allowed_layouts(graph: Graph, t: TensorAttr) -> tuple[str, ...]:
+    """Which layouts ``t`` may have, by the nodes that read or write it."""
+    kinds = {n.kind for n in graph.nodes if any(x is t for x in (*n.inputs.values(), *n.outputs.values()))}
+    if OpKind.MATMUL in kinds:
+        return ("row-major", "transposed")
+    if OpKind.SDPA in kinds:
+        return ("row-major", "heads-interleaved")
+    if len(t.shape) >= 3:
+        return ("row-major", "channels-last")
+    return ("row-major",)
 
 
 def _reason(node: Node, why: str) -> Refused:
@@ -174,13 +231,81 @@ def _check_node(node: Node) -> None:
             raise _reason(node, "epsilon must be a constant (graph.scalar) for cuDNN, not a tensor fed at run time")
 
 
+# The ports each lowering below reads and writes; a node using any other (an optional port
+# the op table gained) is refused rather than run with that port ignored.
+PORTS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
+    OpKind.BATCHNORM: (frozenset({"x", "scale", "bias", "epsilon"}), frozenset({"y", "mean", "inv_var"})),
+    OpKind.LAYERNORM: (frozenset({"x", "scale", "bias", "epsilon"}), frozenset({"y", "mean", "inv_var"})),
+    OpKind.RMSNORM: (frozenset({"x", "scale", "bias", "epsilon"}), frozenset({"y", "inv_rms"})),
+    OpKind.SDPA: (frozenset({"q", "k", "v", "mask"}), frozenset({"o"})),
+}
+
+# Operations that make one cuDNN graph's main kernel (the rest fuse into its prologue/epilogue).
+MAIN_OPS = frozenset({OpKind.CONV_FPROP, OpKind.CONV_DGRAD, OpKind.CONV_WGRAD, OpKind.MATMUL, OpKind.SDPA})
+
+
+def _check_graph(graph: Graph) -> None:
+    """Refusals about the graph as a whole (after every node passed _check_node)."""
+    main = [n for n in graph.nodes if n.kind in MAIN_OPS]
+    if len(main) > 1:
+        names = ", ".join(f"'{n.name}' ({n.kind.value})" for n in main)
+        raise Refused(
+            f"{names}: a cuDNN graph here holds at most one convolution, matmul or sdpa (its main "
+            "kernel); graphs holding a matmul and a convolution killed the process (SIGSEGV) in "
+            "cuDNN on the H200 -- the graph is split instead"
+        )
+    for node in graph.nodes:
+        x = node.inputs.get("x")
+        if node.kind in (OpKind.LAYERNORM, OpKind.RMSNORM) and x is not None:
+            want = (1, *x.shape[1:])
+            for port in ("scale", "bias"):
+                t = node.inputs.get(port)
+                if t is not None and (1,) * (len(x.shape) - len(t.shape)) + t.shape != want:
+                    raise _reason(node, f"{port} {list(t.shape)} is broadcast: cuDNN's {node.kind.value} reads one value "
+                                        f"per normalized element ({list(want)}), and a broadcast {port} gave wrong numbers")
+        if node.kind == OpKind.BATCHNORM and x is not None:
+            want = (1, x.shape[1], *[1] * (len(x.shape) - 2))
+            for port in ("scale", "bias"):
+                t = node.inputs[port]
+                if t.shape not in (want, (x.shape[1],)):
+                    raise _reason(node, f"{port} {list(t.shape)}: cuDNN's batchnorm takes per-channel tensors shaped "
+                                        f"[{x.shape[1]}] or {list(want)}")
+        handled = PORTS.get(node.kind)
+        if handled is not None:
+            extra = sorted((set(node.inputs) - handled[0]) | (set(node.outputs) - handled[1]))
+            if extra:
+                raise _reason(node, f"port(s) {extra} have no cuDNN lowering here")
+
+
+def _per_channel(graph: Graph) -> dict[str, int]:
+    """A batchnorm's [C] tensors -> the rank of its x (see _describe)."""
+    out: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.kind == OpKind.BATCHNORM:
+            for port in ("scale", "bias"):
+                t = node.inputs[port]
+                if len(t.shape) == 1:
+                    out[t.name] = len(node.inputs["x"].shape)
+    return out
+
+
 def binding(graph: Graph) -> Binding:
     """Decides the outside of the cuDNN graph; raises Refused with the reason."""
     graph.ensure_valid()
     for node in graph.nodes:
         _check_node(node)
+    _check_graph(graph)
     rank, trailing = _graph_rank(graph)
-    described = {t.name: _describe(t, rank, trailing) for t in graph.tensors if not t.is_scalar and t.data_type is not None and t.dim}
+    natural = max((len(t.shape) for t in graph.tensors if not t.is_scalar), default=1)
+    channels = _per_channel(graph)
+    described: dict[str, Described] = {}
+    for t in graph.tensors:
+        if t.is_scalar or t.data_type is None or not t.dim:
+            continue
+        order = layout_order(t, allowed_layouts(graph, t))
+        if isinstance(order, str):
+            raise Refused(order)
+        described[t.name] = _describe(t, rank, trailing, natural, order, channels.get(t.name))
     uids: dict[str, int] = {}
     for t in [*graph.inputs(), *graph.outputs()]:
         uids.setdefault(t.name, len(uids) + 1)

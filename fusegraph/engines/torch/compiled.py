@@ -18,7 +18,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fusegraph.engines.torch.convert import Tensor, _torch
+from fusegraph.engines.torch.convert import Tensor, _torch, copy_strided
 from fusegraph.errors import CompileError
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
@@ -90,4 +90,4 @@ def as_declared(t: TensorAttr, value: Tensor, strides: tuple[int, ...]) -> Tenso
     """``value`` in ``strides`` (compiled_strides of ``t``): itself when they match, else a copy."""
     if layout.same_strides(t.shape, value.stride(), strides):
         return value
-    return _torch().empty_strided(t.shape, strides, dtype=value.dtype, device=value.device).copy_(value)
+    return copy_strided(_torch().empty_strided(t.shape, strides, dtype=value.dtype, device=value.device), value)

@@ -15,6 +15,7 @@ from fusegraph.engines.torch.convert import (
     Tensor,
     _is_buffer,
     buffer_to_torch,
+    copy_strided,
     from_numpy,
     torch_dtype,
 )
@@ -98,7 +99,7 @@ class CudaGraphs:
         assert self._graph is not None
         graph, static_in, static_out = self._graph
         for name, value in values:
-            static_in[name].copy_(value)
+            copy_strided(static_in[name], value)
         graph.replay()
         return static_out
 
@@ -111,7 +112,7 @@ class CudaGraphs:
                 static_in[t.name] = b[1]
                 continue
             buf = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=self.device)
-            buf.copy_(self._to_device(t, pack.inputs[t.name]))
+            copy_strided(buf, self._to_device(t, pack.inputs[t.name]))
             static_in[t.name] = buf
         try:
             side = torch.cuda.Stream(self.device)

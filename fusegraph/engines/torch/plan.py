@@ -31,6 +31,7 @@ from fusegraph.engines.torch.convert import (
     _torch,
     _torch_device,
     buffer_to_torch,
+    copy_strided,
     from_numpy,
     to_numpy_into,
     torch_dtype,
@@ -225,7 +226,7 @@ class TorchPlan(LeanCall, CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
         if isinstance(value, np.ndarray):
             x = from_numpy(value, t.dtype)
             if not layout.same_strides(t.shape, x.stride(), t.strides):  # laid out by torch (threaded), not by NumPy
-                return self._torch.empty_strided(t.shape, t.strides, dtype=x.dtype, device=self.device).copy_(x)
+                return copy_strided(self._torch.empty_strided(t.shape, t.strides, dtype=x.dtype, device=self.device), x)
             return x.to(self.device, non_blocking=False) if self.device.type != "cpu" else x
         if _is_buffer(value):
             return buffer_to_torch(value, t)
@@ -437,7 +438,7 @@ class TorchPlan(LeanCall, CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
                 return None
             x = torch.from_numpy(v)
             if v.strides != byte_strides:  # laid out by torch (threaded), not by NumPy
-                x = torch.empty_strided(shape, strides, dtype=tdtype).copy_(x)
+                x = copy_strided(torch.empty_strided(shape, strides, dtype=tdtype), x)
             xs.append(x)
         try:
             with torch.inference_mode():
