@@ -211,8 +211,11 @@ def test_round_intermediates_knob() -> None:
 
 # ---- tables, options, errors -------------------------------------------------------------------
 def test_every_op_and_mode_has_a_lowering() -> None:
-    assert set(LOWER) == set(OpKind)
-    assert set(POINTWISE_LOWER) == set(PointwiseMode)
+    from fusegraph.engines.unsupported import UNSUPPORTED
+
+    declared = set(UNSUPPORTED["iree"])  # the backward ops IREE declares it does not run yet
+    assert set(LOWER) | (declared & set(OpKind)) == set(OpKind)
+    assert set(POINTWISE_LOWER) | (declared & set(PointwiseMode)) == set(PointwiseMode)
 
 
 def test_emit_knobs_match_options() -> None:

@@ -20,6 +20,7 @@ from onnx import NodeProto, TensorProto, helper, numpy_helper
 import fusegraph as fg
 from fusegraph import DataType, NormFwdPhase, OpKind, PoolingMode, ReductionMode
 from fusegraph import PointwiseMode as PM
+from fusegraph.graph.ops import BACKWARD
 
 F16, BF16, F32, F64 = DataType.HALF, DataType.BFLOAT16, DataType.FLOAT, DataType.DOUBLE
 I8, I32, I64, BOOL = DataType.INT8, DataType.INT32, DataType.INT64, DataType.BOOLEAN
@@ -548,7 +549,9 @@ def test_activation_backward_vs_torch_autograd(mode: PM, dt: DataType, rng: np.r
 
 
 def test_every_pointwise_mode_is_tested() -> None:
-    tested = {c.mode for c in PW_CASES} | set(BWD)
+    # the activation backward modes with parameters: tests/test_backward_ops.py (against torch.autograd)
+    elsewhere = {PM.ELU_BWD, PM.GELU_APPROX_TANH_BWD, PM.SOFTPLUS_BWD, PM.SWISH_BWD}
+    tested = {c.mode for c in PW_CASES} | set(BWD) | elsewhere
     assert tested == set(PM), f"untested pointwise modes: {sorted(m.name for m in set(PM) - tested)}"
 
 
@@ -965,6 +968,7 @@ def test_every_op_kind_is_tested() -> None:
         OpKind.TRANSPOSE: test_transpose_vs_onnxruntime,
         OpKind.CONCATENATE: test_concatenate_vs_onnxruntime,
         OpKind.SLICE: test_slice_vs_onnxruntime,
+        **dict.fromkeys(BACKWARD, "tests/test_backward_ops.py (against torch.autograd)"),
     }
     assert set(tested) == set(OpKind), f"untested: {set(OpKind) - set(tested)}"
     assert set(POOL_ONNX) == set(PoolingMode)

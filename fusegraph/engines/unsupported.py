@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fusegraph.graph.ops import OpKind, PointwiseAttrs, PointwiseMode
+from fusegraph.graph.ops import BACKWARD, OpKind, PointwiseAttrs, PointwiseMode
 
 if TYPE_CHECKING:
     from fusegraph.graph.graph import Graph
@@ -26,17 +26,59 @@ _ROW_KERNEL_ONLY = (
     "reductions); other ops go to cudnn or torch"
 )
 
-# engine -> op or pointwise mode -> why the engine does not run it. The reference, IREE and
-# torch engines implement the whole table; the cudnn engine answers from cuDNN itself
-# (engines/cudnn/lower.py); triton is a row-kernel generator by design.
+_NEW_BACKWARD_MODES = (
+    PointwiseMode.ELU_BWD,
+    PointwiseMode.GELU_APPROX_TANH_BWD,
+    PointwiseMode.SOFTPLUS_BWD,
+    PointwiseMode.SWISH_BWD,
+)
+_NOT_EMITTED = "not emitted for IREE yet (the reference and torch engines run it)"
+_NOT_WIRED = (
+    "not wired to cuDNN's frontend yet in engines/cudnn/lower.py (the reference and torch engines run it)"
+)
+_DROPOUT_RNG = (
+    "fusegraph's dropout mask is its own Philox stream (reference/dropout.py); cuDNN draws its "
+    "own, so its masks would differ"
+)
+
+# engine -> op or pointwise mode -> why the engine does not run it. The reference and torch
+# engines implement the whole table; the cudnn engine answers from cuDNN itself
+# (engines/cudnn/lower.py) and lists here only the ops added since; triton is a row-kernel
+# generator by design.
 UNSUPPORTED: dict[str, dict[Op, str]] = {
     "reference": {},
-    "iree": {},
+    "iree": {
+        **{k: _NOT_EMITTED for k in BACKWARD},
+        **{m: _NOT_EMITTED for m in _NEW_BACKWARD_MODES},
+    },
     "torch": {},
     "triton": {
-        k: _ROW_KERNEL_ONLY
-        for k in OpKind
-        if k not in (OpKind.POINTWISE, OpKind.SOFTMAX, OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.REDUCTION)
+        **{
+            k: _ROW_KERNEL_ONLY
+            for k in OpKind
+            if k not in (OpKind.POINTWISE, OpKind.SOFTMAX, OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.REDUCTION)
+        },
+        **{m: "no Triton expression for this mode yet (engines/triton/codegen.py)" for m in _NEW_BACKWARD_MODES},
+    },
+    "cudnn": {
+        **{k: _NOT_WIRED for k in BACKWARD},
+        **{m: _NOT_WIRED for m in _NEW_BACKWARD_MODES},
+    },
+}
+
+# engine -> (op, optional port) -> why the engine does not run that op with that port
+# connected: features added to an op the engine runs (a node using one is refused the same
+# way as a declared op; without this the engine would ignore the port).
+UNSUPPORTED_PORTS: dict[str, dict[tuple[OpKind, str], str]] = {
+    "iree": {
+        (OpKind.SDPA, "stats"): _NOT_EMITTED,
+        (OpKind.SDPA, "seed"): _NOT_EMITTED,
+        (OpKind.BATCHNORM, "in_running_mean"): _NOT_EMITTED,
+    },
+    "cudnn": {
+        (OpKind.SDPA, "stats"): _NOT_WIRED,
+        (OpKind.SDPA, "seed"): _DROPOUT_RNG,
+        (OpKind.BATCHNORM, "in_running_mean"): _NOT_WIRED,
     },
 }
 
@@ -44,11 +86,16 @@ UNSUPPORTED: dict[str, dict[Op, str]] = {
 def declared_unsupported(engine: str, graph: Graph) -> str | None:
     """The first node of ``graph`` that ``engine`` declares it cannot run, as a reason."""
     table = UNSUPPORTED.get(engine)
-    if not table:
+    ports = UNSUPPORTED_PORTS.get(engine)
+    if not table and not ports:
         return None
     for node in graph.nodes:
         op: Op = node.attrs.mode if isinstance(node.attrs, PointwiseAttrs) else node.kind
-        why = table.get(op)
+        why = table.get(op) if table else None
         if why is not None:
             return f"node '{node.name}' ({op.value}): {why}"
+        for port in (*node.inputs, *node.outputs):
+            why = ports.get((node.kind, port)) if ports else None
+            if why is not None:
+                return f"node '{node.name}' ({op.value} with '{port}'): {why}"
     return None

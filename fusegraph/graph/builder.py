@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 from fusegraph.dtypes import DataType
 from fusegraph.errors import ValidationError
@@ -37,6 +37,7 @@ from fusegraph.graph.tensor import Scalar, TensorAttr
 
 Ints = Sequence[int]
 Epsilon = float | TensorAttr
+Dropout = tuple[float, TensorAttr, TensorAttr]
 
 
 def _name_of(t: Any) -> str | None:
@@ -230,6 +231,7 @@ class GraphBuilder:
         ins = {"x": input, "scale": scale, "bias": bias, "mean": mean, "var": var, "epsilon": self._eps(epsilon, name)}
         return self._add_node(OpKind.BATCHNORM_INFERENCE, attrs, ins, name).outputs["y"]
 
+    @overload
     def batchnorm(
         self,
         input: TensorAttr,
@@ -237,14 +239,78 @@ class GraphBuilder:
         bias: TensorAttr,
         epsilon: Epsilon = 1e-5,
         *,
+        in_running_mean: None = None,
+        in_running_var: None = None,
+        momentum: Epsilon | None = None,
         compute_data_type: Any = None,
         name: str | None = None,
-    ) -> tuple[TensorAttr, TensorAttr, TensorAttr]:
-        """Training batchnorm over (N, spatial): returns (y, saved_mean, saved_inv_var)."""
+    ) -> tuple[TensorAttr, TensorAttr, TensorAttr]: ...
+
+    @overload
+    def batchnorm(
+        self,
+        input: TensorAttr,
+        scale: TensorAttr,
+        bias: TensorAttr,
+        epsilon: Epsilon = 1e-5,
+        *,
+        in_running_mean: TensorAttr,
+        in_running_var: TensorAttr,
+        momentum: Epsilon | None = None,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> tuple[TensorAttr, TensorAttr, TensorAttr, TensorAttr, TensorAttr]: ...
+
+    def batchnorm(
+        self,
+        input: TensorAttr,
+        scale: TensorAttr,
+        bias: TensorAttr,
+        epsilon: Epsilon = 1e-5,
+        *,
+        in_running_mean: TensorAttr | None = None,
+        in_running_var: TensorAttr | None = None,
+        momentum: Epsilon | None = None,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> tuple[TensorAttr, ...]:
+        """Training batchnorm over (N, spatial): returns (y, saved_mean, saved_inv_var), and
+        with the running statistics given (cuDNN's ``in_running_mean``, ``in_running_var``,
+        ``momentum``, default 0.1) also (next_running_mean, next_running_var):
+        ``next = (1 - momentum) * running + momentum * batch``, the batch variance unbiased
+        (divided by count - 1) as PyTorch and cuDNN keep it."""
         attrs = NormAttrs(NormFwdPhase.TRAINING, self._compute_default(compute_data_type))
-        ins = {"x": input, "scale": scale, "bias": bias, "epsilon": self._eps(epsilon, name)}
-        o = self._add_node(OpKind.BATCHNORM, attrs, ins, name).outputs
-        return o["y"], o["mean"], o["inv_var"]
+        ins: dict[str, TensorAttr | None] = {
+            "x": input, "scale": scale, "bias": bias, "epsilon": self._eps(epsilon, name)
+        }
+        ports = ["y", "mean", "inv_var"]
+        if (in_running_mean is None) != (in_running_var is None):
+            raise ValidationError(
+                "batchnorm: give in_running_mean and in_running_var together", node=name,
+                tensor=_name_of(in_running_mean or in_running_var),
+            )
+        if in_running_mean is not None:
+            ins |= {
+                "in_running_mean": in_running_mean,
+                "in_running_var": in_running_var,
+                "momentum": self._momentum(0.1 if momentum is None else momentum, name),
+            }
+            ports += ["next_running_mean", "next_running_var"]
+        elif momentum is not None:
+            raise ValidationError("batchnorm: momentum without running statistics", node=name)
+        o = self._add_node(OpKind.BATCHNORM, attrs, ins, name, outputs=ports).outputs
+        return tuple(o[p] for p in ports)
+
+    def _momentum(self, momentum: Epsilon, node: str | None) -> TensorAttr:
+        if isinstance(momentum, TensorAttr):
+            return momentum
+        try:
+            value = float(momentum)
+        except (TypeError, ValueError):
+            raise ValidationError(f"momentum must be a number, got {momentum!r}", node=node) from None
+        if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+            raise ValidationError(f"momentum must be in [0, 1], got {value}", node=node)
+        return self.scalar(value, DataType.FLOAT)
 
     def layernorm(
         self,
@@ -310,6 +376,7 @@ class GraphBuilder:
         )
         return self._add_node(OpKind.POOLING, attrs, {"x": input}, name).outputs["y"]
 
+    @overload
     def sdpa(
         self,
         q: TensorAttr,
@@ -319,16 +386,90 @@ class GraphBuilder:
         causal: bool = False,
         mask: TensorAttr | None = None,
         *,
+        generate_stats: Literal[False] = False,
+        dropout: Dropout | None = None,
         compute_data_type: Any = None,
         name: str | None = None,
-    ) -> TensorAttr:
-        """softmax(q kᵀ · scale + mask) v on [batch, heads, seq, dim]; k/v heads may divide q's."""
-        attrs = SdpaAttrs(
+    ) -> TensorAttr: ...
+
+    @overload
+    def sdpa(
+        self,
+        q: TensorAttr,
+        k: TensorAttr,
+        v: TensorAttr,
+        attn_scale: float | None = None,
+        causal: bool = False,
+        mask: TensorAttr | None = None,
+        *,
+        generate_stats: Literal[True],
+        dropout: Dropout | None = None,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> tuple[TensorAttr, TensorAttr]: ...
+
+    def sdpa(
+        self,
+        q: TensorAttr,
+        k: TensorAttr,
+        v: TensorAttr,
+        attn_scale: float | None = None,
+        causal: bool = False,
+        mask: TensorAttr | None = None,
+        *,
+        generate_stats: bool = False,
+        dropout: Dropout | None = None,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> TensorAttr | tuple[TensorAttr, TensorAttr]:
+        """softmax(q kᵀ · scale + mask) v on [batch, heads, seq, dim]; k/v heads may divide q's.
+
+        ``generate_stats=True`` (cuDNN's name) also returns the statistics the backward
+        reads: the log-sum-exp of each query row's scaled, masked scores, [b, h, s_q, 1].
+        ``dropout=(probability, seed, offset)`` drops probabilities after the softmax and
+        scales the kept ones by 1 / (1 - probability); the mask is reference/dropout.py's
+        Philox stream of (seed, offset), the same on every engine that runs it.
+        """
+        attrs = self._sdpa_attrs(attn_scale, causal, dropout, compute_data_type, name)
+        ins = {"q": q, "k": k, "v": v, "mask": mask, **self._rng(dropout, name)}
+        ports = ("o", "stats") if generate_stats else ("o",)
+        o = self._add_node(OpKind.SDPA, attrs, ins, name, outputs=ports).outputs
+        return (o["o"], o["stats"]) if generate_stats else o["o"]
+
+    def _sdpa_attrs(
+        self, attn_scale: float | None, causal: bool, dropout: Dropout | None, compute_data_type: Any, name: str | None
+    ) -> SdpaAttrs:
+        p = 0.0
+        if dropout is not None:
+            if not isinstance(dropout, tuple | list) or len(dropout) != 3:
+                raise ValidationError(
+                    f"dropout must be (probability, seed tensor, offset tensor), got {dropout!r}", node=name
+                )
+            try:
+                p = float(dropout[0])
+            except (TypeError, ValueError):
+                raise ValidationError(f"dropout probability must be a number, got {dropout[0]!r}", node=name) from None
+            if not (math.isfinite(p) and 0.0 <= p < 1.0):
+                raise ValidationError(f"dropout probability must be in [0, 1), got {p}", node=name)
+        return SdpaAttrs(
             None if attn_scale is None else float(attn_scale),
             bool(causal),
             self._compute_default(compute_data_type),
+            dropout_probability=p,
         )
-        return self._add_node(OpKind.SDPA, attrs, {"q": q, "k": k, "v": v, "mask": mask}, name).outputs["o"]
+
+    def _rng(self, dropout: Dropout | None, name: str | None) -> dict[str, TensorAttr | None]:
+        if dropout is None:
+            return {}
+        seed, offset = dropout[1], dropout[2]
+        for what, t in (("seed", seed), ("offset", offset)):
+            if not isinstance(t, TensorAttr):
+                raise ValidationError(
+                    f"dropout {what} must be a tensor (an INT64 graph input or g.scalar(value, INT64)), "
+                    f"got {type(t).__name__}",
+                    node=name,
+                )
+        return {"seed": seed, "offset": offset}
 
     def softmax(
         self, input: TensorAttr, axis: int = -1, log: bool = False, *, name: str | None = None

@@ -240,3 +240,17 @@ class PointwiseBuilder:
 
     def sigmoid_backward(self, loss: TensorAttr, input: TensorAttr, name: str | None = None) -> TensorAttr:
         return self._pw(PointwiseMode.SIGMOID_BWD, loss, input, name=name)
+
+    def elu_backward(self, loss: TensorAttr, input: TensorAttr, alpha: float = 1.0, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.ELU_BWD, loss, input, name=name, elu_alpha=alpha)
+
+    def gelu_approx_tanh_backward(self, loss: TensorAttr, input: TensorAttr, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.GELU_APPROX_TANH_BWD, loss, input, name=name)
+
+    def softplus_backward(
+        self, loss: TensorAttr, input: TensorAttr, beta: float = 1.0, name: str | None = None
+    ) -> TensorAttr:
+        return self._pw(PointwiseMode.SOFTPLUS_BWD, loss, input, name=name, softplus_beta=beta)
+
+    def swish_backward(self, loss: TensorAttr, input: TensorAttr, beta: float = 1.0, name: str | None = None) -> TensorAttr:
+        return self._pw(PointwiseMode.SWISH_BWD, loss, input, name=name, swish_beta=beta)

@@ -20,8 +20,9 @@ from fusegraph.dtypes import DataType, as_data_type
 from fusegraph.errors import ValidationError
 from fusegraph.graph import layout
 from fusegraph.graph.builder import GraphBuilder
+from fusegraph.graph.builder_backward import BackwardBuilder
 from fusegraph.graph.builder_pointwise import PointwiseBuilder
-from fusegraph.graph.infer import INFER, INHERIT_LAYOUT
+from fusegraph.graph.infer import INFER, INHERIT_LAYOUT, LAYOUT_SOURCE
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import OPS, OpAttrs, OpKind
 from fusegraph.graph.seam import PlanMethods
@@ -32,7 +33,7 @@ log = logging.getLogger("fusegraph.graph")
 Ints = Sequence[int]
 
 
-class Graph(GraphBuilder, PointwiseBuilder, PlanMethods):
+class Graph(GraphBuilder, BackwardBuilder, PointwiseBuilder, PlanMethods):
     """A graph of tensor operations; see the README for a walk-through."""
 
     def __init__(
@@ -239,14 +240,30 @@ class Graph(GraphBuilder, PointwiseBuilder, PlanMethods):
         if not t.dtype_set:
             t._infer(data_type=self._default_dtype(t, dt))
         if not t.stride_set:
-            t._infer(stride=self._output_strides(node, dims))
+            t._infer(stride=self._output_strides(node, t, dims))
         self._check_tensor(t, is_input=False)
 
-    def _output_strides(self, node: Node, dims: tuple[int, ...]) -> tuple[int, ...]:
-        if node.kind in INHERIT_LAYOUT:
-            for src in node.inputs.values():
-                if len(src.dim) == len(dims) and not src.is_scalar and all(s > 0 for s in src.stride):
-                    return layout.packed_strides(dims, layout.stride_order(src.dim, src.stride))
+    def _output_strides(self, node: Node, t: TensorAttr, dims: tuple[int, ...]) -> tuple[int, ...]:
+        """Strides of an output the user left unset. A pointwise output of its input's dims
+        takes that input's strides as they are, gaps included (cuDNN frontend's rule: a
+        rotary embedding of a slice of a packed QKV tensor writes into the same slice of
+        another); other outputs are packed, in their source's memory order where the op
+        keeps layouts (INHERIT_LAYOUT), else row-major."""
+        sources = list(node.inputs.values())
+        port = next((p for p, o in node.outputs.items() if o is t), "")
+        if node.kind in LAYOUT_SOURCE and port in LAYOUT_SOURCE[node.kind]:
+            sources = [node.inputs[LAYOUT_SOURCE[node.kind][port]]]
+        elif node.kind not in INHERIT_LAYOUT:
+            return layout.packed_strides(dims)
+        if node.kind == OpKind.POINTWISE:
+            for src in sources:
+                if src.is_scalar or tuple(src.dim) != dims or layout.is_packed(src.dim, src.stride):
+                    continue
+                if not layout.self_overlapping(src.dim, src.stride):
+                    return tuple(src.stride)  # a strided view: the output is one alike
+        for src in sources:
+            if len(src.dim) == len(dims) and not src.is_scalar and all(s > 0 for s in src.stride):
+                return layout.packed_strides(dims, layout.stride_order(src.dim, src.stride))
         return layout.packed_strides(dims)
 
     def _check_tensor(self, t: TensorAttr, *, is_input: bool) -> None:

@@ -365,6 +365,10 @@ def infer_batchnorm_inference(node: Node) -> Proposal:
     return {"y": (x.shape, x.dtype)}
 
 
+_RUNNING = ("in_running_mean", "in_running_var", "momentum")
+_NEXT_RUNNING = ("next_running_mean", "next_running_var")
+
+
 def infer_batchnorm(node: Node) -> Proposal:
     x = node.inputs["x"]
     _norm_input(node, x, min_rank=2)
@@ -373,7 +377,30 @@ def infer_batchnorm(node: Node) -> Proposal:
     _epsilon(node)
     stats = (1, x.shape[1]) + (1,) * (len(x.shape) - 2)
     sdt = _stats_dtype(x.dtype)
-    return {"y": (x.shape, x.dtype), "mean": (stats, sdt), "inv_var": (stats, sdt)}
+    out: Proposal = {"y": (x.shape, x.dtype), "mean": (stats, sdt), "inv_var": (stats, sdt)}
+    given = [p for p in _RUNNING if p in node.inputs]
+    made = [p for p in _NEXT_RUNNING if p in node.outputs]
+    if given and (len(given) != len(_RUNNING) or len(made) != len(_NEXT_RUNNING)):
+        raise _fail(
+            node,
+            "running statistics need in_running_mean, in_running_var and momentum together "
+            f"(got {given}) and produce next_running_mean and next_running_var (got {made})",
+        )
+    if made and not given:
+        raise _fail(node, f"{made} need the inputs in_running_mean, in_running_var and momentum")
+    if given:
+        if math.prod(x.shape) // x.shape[1] < 2:
+            raise _fail(node, "running statistics need more than one value per channel (the variance is unbiased)", x)
+        for p, q in zip(("in_running_mean", "in_running_var"), _NEXT_RUNNING, strict=True):
+            t = node.inputs[p]
+            _per_channel(node, t, x)
+            out[q] = (t.shape, t.dtype)
+        m = node.inputs["momentum"]
+        if math.prod(m.shape) != 1 or not m.dtype.is_float:
+            raise _fail(node, f"momentum must be one floating-point value, got {list(m.shape)} {m.dtype.name}", m)
+        if isinstance(m.value, int | float) and not (math.isfinite(m.value) and 0.0 <= m.value <= 1.0):
+            raise _fail(node, f"momentum must be in [0, 1], got {m.value}", m)
+    return out
 
 
 def _norm_input(node: Node, x: TensorAttr, min_rank: int) -> None:
@@ -453,6 +480,38 @@ def infer_pooling(node: Node) -> Proposal:
 
 
 def infer_sdpa(node: Node) -> Proposal:
+    dims, dt = attention_operands(node)
+    out: Proposal = {"o": (dims, dt)}
+    if "stats" in node.outputs:
+        q = node.inputs["q"]
+        out["stats"] = ((*q.shape[:3], 1), _stats_dtype(dt))
+    return out
+
+
+def _dropout(node: Node) -> None:
+    """cuDNN's (probability, seed, offset): the seed and offset are one integer each, read
+    by the host-independent Philox stream of reference/dropout.py, so they must be graph
+    inputs or constants (a computed seed would make the mask depend on rounding)."""
+    assert isinstance(node.attrs, SdpaAttrs)
+    p = node.attrs.dropout_probability
+    if not (math.isfinite(p) and 0.0 <= p < 1.0):
+        raise _fail(node, f"dropout probability must be in [0, 1), got {p}")
+    ports = [x for x in ("seed", "offset") if x in node.inputs]
+    if p > 0.0 and len(ports) != 2:
+        raise _fail(node, f"dropout probability {p} needs both a seed and an offset tensor (got {ports or 'neither'})")
+    if ports and len(ports) != 2:
+        raise _fail(node, f"dropout needs both a seed and an offset tensor (got only {ports})")
+    for x in ports:
+        t = node.inputs[x]
+        if math.prod(t.shape) != 1 or t.dtype not in (DataType.INT64, DataType.INT32):
+            raise _fail(node, f"dropout {x} must be one INT64 (or INT32) value, got {list(t.shape)} {t.dtype.name}", t)
+        if t.producer is not None:
+            raise _fail(node, f"dropout {x} must be a graph input or a constant, not computed by '{t.producer}'", t)
+
+
+def attention_operands(node: Node) -> tuple[Dims, DataType]:
+    """Checks the q, k, v, mask and dropout of an attention node (forward or backward);
+    returns the dims and type of its output ``o``."""
     q, k, v = node.inputs["q"], node.inputs["k"], node.inputs["v"]
     assert isinstance(node.attrs, SdpaAttrs)
     for t in (q, k, v):
@@ -482,7 +541,8 @@ def infer_sdpa(node: Node) -> Proposal:
             raise _fail(node, f"mask dims {list(m.shape)} do not broadcast to {list(full)}", m)
         if m.dtype != DataType.BOOLEAN and not m.dtype.is_float:
             raise _fail(node, f"mask must be BOOLEAN (keep) or floating-point (additive), got {m.dtype.name}", m)
-    return {"o": ((b, h, sq, v.shape[3]), dt)}
+    _dropout(node)
+    return (b, h, sq, v.shape[3]), dt
 
 
 def infer_softmax(node: Node) -> Proposal:
@@ -577,6 +637,11 @@ INFER: dict[OpKind, Callable[[Node], Proposal]] = {
     OpKind.SLICE: infer_slice,
 }
 
+# The backward ops' inference lives in its own module, which reads the helpers above.
+from fusegraph.graph.infer_backward import BACKWARD_INFER  # noqa: E402
+
+INFER.update(BACKWARD_INFER)
+
 # Output strides: ops whose outputs follow the memory order of their first input.
 INHERIT_LAYOUT = frozenset(
     {
@@ -593,5 +658,14 @@ INHERIT_LAYOUT = frozenset(
         OpKind.SOFTMAX,
         OpKind.CONCATENATE,
         OpKind.SLICE,
+        OpKind.BATCHNORM_BACKWARD,
+        OpKind.LAYERNORM_BACKWARD,
+        OpKind.RMSNORM_BACKWARD,
     }
 )
+
+# Outputs whose layout follows one named input: a gradient is laid out as what it is the
+# gradient of (dq as q: a BSHD query gets a BSHD dq).
+LAYOUT_SOURCE: dict[OpKind, dict[str, str]] = {
+    OpKind.SDPA_BACKWARD: {"dq": "q", "dk": "k", "dv": "v"},
+}

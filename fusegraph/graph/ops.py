@@ -33,6 +33,11 @@ class OpKind(enum.Enum):
     TRANSPOSE = "transpose"
     CONCATENATE = "concatenate"
     SLICE = "slice"
+    # backward (training) ops, in cuDNN frontend's terms
+    BATCHNORM_BACKWARD = "batchnorm_backward"
+    LAYERNORM_BACKWARD = "layernorm_backward"
+    RMSNORM_BACKWARD = "rmsnorm_backward"
+    SDPA_BACKWARD = "sdpa_backward"
 
 
 class PointwiseMode(enum.Enum):
@@ -85,6 +90,10 @@ class PointwiseMode(enum.Enum):
     GELU_BWD = "gelu_bwd"
     TANH_BWD = "tanh_bwd"
     SIGMOID_BWD = "sigmoid_bwd"
+    ELU_BWD = "elu_bwd"
+    GELU_APPROX_TANH_BWD = "gelu_approx_tanh_bwd"
+    SOFTPLUS_BWD = "softplus_bwd"
+    SWISH_BWD = "swish_bwd"
 
 
 @dataclass(frozen=True)
@@ -150,6 +159,10 @@ POINTWISE: dict[PointwiseMode, PointwiseSpec] = {
     PointwiseMode.GELU_BWD: PointwiseSpec(2, inputs="float"),
     PointwiseMode.TANH_BWD: PointwiseSpec(2, inputs="float"),
     PointwiseMode.SIGMOID_BWD: PointwiseSpec(2, inputs="float"),
+    PointwiseMode.ELU_BWD: PointwiseSpec(2, params=(("elu_alpha", 1.0),), inputs="float"),
+    PointwiseMode.GELU_APPROX_TANH_BWD: PointwiseSpec(2, inputs="float"),
+    PointwiseMode.SOFTPLUS_BWD: PointwiseSpec(2, params=(("softplus_beta", 1.0),), inputs="float"),
+    PointwiseMode.SWISH_BWD: PointwiseSpec(2, params=(("swish_beta", 1.0),), inputs="float"),
 }
 
 POINTWISE_UNARY = frozenset(m for m, s in POINTWISE.items() if s.arity == 1)
@@ -157,9 +170,11 @@ POINTWISE_BINARY = frozenset(m for m, s in POINTWISE.items() if s.arity == 2)
 POINTWISE_COMPARE = frozenset(
     m for m, s in POINTWISE.items() if s.output == "bool" and s.inputs != "bool"
 )
+# Activation backward: (dy, x) -> dy * f'(x), x being the forward's input.
 POINTWISE_BACKWARD = frozenset(
     {PointwiseMode.RELU_BWD, PointwiseMode.GELU_BWD, PointwiseMode.TANH_BWD,
-     PointwiseMode.SIGMOID_BWD}
+     PointwiseMode.SIGMOID_BWD, PointwiseMode.ELU_BWD, PointwiseMode.GELU_APPROX_TANH_BWD,
+     PointwiseMode.SOFTPLUS_BWD, PointwiseMode.SWISH_BWD}
 )
 
 
@@ -189,6 +204,10 @@ CONVOLUTIONS = frozenset({OpKind.CONV_FPROP, OpKind.CONV_DGRAD, OpKind.CONV_WGRA
 NORMS = frozenset(
     {OpKind.BATCHNORM_INFERENCE, OpKind.BATCHNORM, OpKind.LAYERNORM, OpKind.RMSNORM}
 )
+NORM_BACKWARD = frozenset(
+    {OpKind.BATCHNORM_BACKWARD, OpKind.LAYERNORM_BACKWARD, OpKind.RMSNORM_BACKWARD}
+)
+BACKWARD = NORM_BACKWARD | {OpKind.SDPA_BACKWARD}
 DATA_MOVEMENT = frozenset(
     {OpKind.RESHAPE, OpKind.TRANSPOSE, OpKind.CONCATENATE, OpKind.SLICE}
 )
@@ -237,6 +256,11 @@ class NormAttrs:
 
 
 @dataclass(frozen=True)
+class NormBwdAttrs:
+    compute_data_type: DataType | None = None
+
+
+@dataclass(frozen=True)
 class PoolingAttrs:
     mode: PoolingMode
     window: tuple[int, ...]
@@ -248,9 +272,15 @@ class PoolingAttrs:
 
 @dataclass(frozen=True)
 class SdpaAttrs:
+    """Attention, forward and backward. ``dropout_probability`` > 0 needs the ``seed`` and
+    ``offset`` inputs (the mask is fusegraph's Philox stream: reference/dropout.py)."""
+
     attn_scale: float | None = None
     causal: bool = False
     compute_data_type: DataType | None = None
+    # Added after format version 1 was fixed: left out of the JSON (and so of the graph's
+    # key) at its default, so graphs without dropout keep their keys.
+    dropout_probability: float = field(default=0.0, metadata={"omit_if_default": True})
 
 
 @dataclass(frozen=True)
@@ -288,6 +318,7 @@ OpAttrs = (
     | PointwiseAttrs
     | ReductionAttrs
     | NormAttrs
+    | NormBwdAttrs
     | PoolingAttrs
     | SdpaAttrs
     | SoftmaxAttrs
@@ -322,7 +353,11 @@ OPS: dict[OpKind, OpSpec] = {
         ("x", "scale", "bias", "mean", "var", "epsilon"), ("y",), NormAttrs
     ),
     OpKind.BATCHNORM: OpSpec(
-        ("x", "scale", "bias", "epsilon"), ("y", "mean", "inv_var"), NormAttrs
+        ("x", "scale", "bias", "epsilon", "in_running_mean", "in_running_var", "momentum"),
+        ("y", "mean", "inv_var", "next_running_mean", "next_running_var"),
+        NormAttrs,
+        optional_inputs=frozenset({"in_running_mean", "in_running_var", "momentum"}),
+        optional_outputs=frozenset({"next_running_mean", "next_running_var"}),
     ),
     OpKind.LAYERNORM: OpSpec(
         ("x", "scale", "bias", "epsilon"),
@@ -339,11 +374,33 @@ OPS: dict[OpKind, OpSpec] = {
     ),
     OpKind.POOLING: OpSpec(("x",), ("y",), PoolingAttrs),
     OpKind.SDPA: OpSpec(
-        ("q", "k", "v", "mask"), ("o",), SdpaAttrs, optional_inputs=frozenset({"mask"})
+        ("q", "k", "v", "mask", "seed", "offset"),
+        ("o", "stats"),
+        SdpaAttrs,
+        optional_inputs=frozenset({"mask", "seed", "offset"}),
+        optional_outputs=frozenset({"stats"}),
     ),
     OpKind.SOFTMAX: OpSpec(("x",), ("y",), SoftmaxAttrs),
     OpKind.RESHAPE: OpSpec(("x",), ("y",), ReshapeAttrs),
     OpKind.TRANSPOSE: OpSpec(("x",), ("y",), TransposeAttrs),
     OpKind.CONCATENATE: OpSpec(("x*",), ("y",), ConcatAttrs),
     OpKind.SLICE: OpSpec(("x",), ("y",), SliceAttrs),
+    OpKind.BATCHNORM_BACKWARD: OpSpec(
+        ("dy", "x", "scale", "mean", "inv_var"), ("dx", "dscale", "dbias"), NormBwdAttrs
+    ),
+    OpKind.LAYERNORM_BACKWARD: OpSpec(
+        ("dy", "x", "scale", "mean", "inv_var"), ("dx", "dscale", "dbias"), NormBwdAttrs
+    ),
+    OpKind.RMSNORM_BACKWARD: OpSpec(
+        ("dy", "x", "scale", "inv_rms"),
+        ("dx", "dscale", "dbias"),
+        NormBwdAttrs,
+        optional_outputs=frozenset({"dbias"}),
+    ),
+    OpKind.SDPA_BACKWARD: OpSpec(
+        ("q", "k", "v", "o", "do", "stats", "mask", "seed", "offset"),
+        ("dq", "dk", "dv"),
+        SdpaAttrs,
+        optional_inputs=frozenset({"mask", "seed", "offset"}),
+    ),
 }

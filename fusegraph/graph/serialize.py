@@ -70,7 +70,11 @@ def graph_to_dict(g: Any, *, with_name: bool = True) -> dict[str, Any]:
         tensors.append(entry)
     nodes = []
     for n in g.nodes:
-        attrs = {f.name: _enc(getattr(n.attrs, f.name)) for f in dataclasses.fields(n.attrs)}
+        attrs = {
+            f.name: _enc(getattr(n.attrs, f.name))
+            for f in dataclasses.fields(n.attrs)
+            if not (f.metadata.get("omit_if_default") and getattr(n.attrs, f.name) == f.default)
+        }
         nodes.append(
             {
                 "name": n.name,

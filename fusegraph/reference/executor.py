@@ -10,6 +10,9 @@ from fusegraph.dtypes import DataType
 from fusegraph.errors import ExecutionError
 from fusegraph.reference.ops import REFERENCE
 
+# Ports read as the integers given, not as float64 (validation makes them graph inputs or constants).
+EXACT_PORTS = frozenset({"seed", "offset"})
+
 
 def as_float64(arr: np.ndarray) -> np.ndarray:
     if arr.dtype == np.bool_:
@@ -36,15 +39,21 @@ def run_reference(graph: Any, inputs: dict[str, np.ndarray], *, materialize: boo
     dgrad result) the two differ by far more than any tolerance; an engine is right if it
     matches either."""
     env: dict[int, np.ndarray] = {}
+    exact: dict[int, np.ndarray] = {}  # integer inputs as given: a dropout seed is 64 bits
     for t in graph.tensors:
         if t.is_scalar:
             # The constant as its declared type holds it (an engine sees no more than that).
-            env[id(t)] = as_float64(np.full((1,), t.value, dtype=t.dtype.numpy))
+            held = np.full((1,), t.value, dtype=t.dtype.numpy)
         elif t.name in inputs:
-            env[id(t)] = as_float64(inputs[t.name])
+            held = np.asarray(inputs[t.name])
+        else:
+            continue
+        env[id(t)] = as_float64(held)
+        if held.dtype.kind in "iu":
+            exact[id(t)] = held
     read = {id(t) for n in graph.nodes for t in n.inputs.values()} if materialize else set()
     for node in graph.topological_order():
-        ins = {p: env[id(t)] for p, t in node.inputs.items()}
+        ins = {p: exact[id(t)] if p in EXACT_PORTS and id(t) in exact else env[id(t)] for p, t in node.inputs.items()}
         try:
             outs = REFERENCE[node.kind](node, ins)
         except Exception as exc:  # a bug or a numeric domain error: say where

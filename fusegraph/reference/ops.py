@@ -26,11 +26,12 @@ from fusegraph.graph.ops import (
     PoolingMode,
     ReductionAttrs,
     ReductionMode,
-    SdpaAttrs,
     SliceAttrs,
     SoftmaxAttrs,
     TransposeAttrs,
 )
+from fusegraph.reference.attention import _softmax, sdpa, sdpa_backward
+from fusegraph.reference.backward import NORM_BACKWARD
 
 Arr = np.ndarray
 Arrays = dict[str, Arr]
@@ -128,6 +129,18 @@ def _gelu_grad(x: Arr) -> Arr:
     return cdf + x * pdf  # type: ignore[no-any-return]
 
 
+def _gelu_tanh_grad(x: Arr) -> Arr:
+    """d/dx of 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3)."""
+    t = np.tanh(_C * (x + 0.044715 * x**3))
+    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * _C * (1.0 + 3 * 0.044715 * x * x)  # type: ignore[no-any-return]
+
+
+def _swish_grad(x: Arr, beta: float) -> Arr:
+    """d/dx of x sigmoid(beta x)."""
+    s = _sigmoid(beta * x)
+    return s + beta * x * s * (1.0 - s)  # type: ignore[no-any-return]
+
+
 def _int_div(a: Arr, b: Arr) -> Arr:
     return np.asarray(np.trunc(a / b))
 
@@ -181,6 +194,10 @@ POINTWISE_FNS: dict[PointwiseMode, Pointwise] = {
     M.GELU_BWD: lambda dy, x, c, p: dy * _gelu_grad(x),
     M.TANH_BWD: lambda dy, x, c, p: dy * (1.0 - np.tanh(x) ** 2),
     M.SIGMOID_BWD: lambda dy, x, c, p: dy * _sigmoid(x) * (1.0 - _sigmoid(x)),
+    M.ELU_BWD: lambda dy, x, c, p: dy * np.where(x > 0, 1.0, p.param("elu_alpha") * np.exp(np.minimum(x, 0.0))),
+    M.GELU_APPROX_TANH_BWD: lambda dy, x, c, p: dy * _gelu_tanh_grad(x),
+    M.SOFTPLUS_BWD: lambda dy, x, c, p: dy * _sigmoid(p.param("softplus_beta") * x),
+    M.SWISH_BWD: lambda dy, x, c, p: dy * _swish_grad(x, p.param("swish_beta")),
 }
 
 
@@ -239,7 +256,15 @@ def batchnorm(node: Node, ins: Arrays) -> Arrays:
     var = ((x - mean) ** 2).mean(axis=axes, keepdims=True)
     inv = 1.0 / np.sqrt(var + eps)
     y = (x - mean) * inv * _channel(ins["scale"], r) + _channel(ins["bias"], r)
-    return {"y": y, "mean": mean, "inv_var": inv}
+    out = {"y": y, "mean": mean, "inv_var": inv}
+    if "in_running_mean" in ins:
+        # cuDNN's and PyTorch's update: the running variance takes the unbiased batch variance
+        m = float(ins["momentum"].reshape(-1)[0])
+        count = x.size // x.shape[1]
+        rm, rv = ins["in_running_mean"], ins["in_running_var"]
+        out["next_running_mean"] = (1.0 - m) * rm + m * mean.reshape(rm.shape)
+        out["next_running_var"] = (1.0 - m) * rv + m * (var * count / (count - 1)).reshape(rv.shape)
+    return out
 
 
 def layernorm(node: Node, ins: Arrays) -> Arrays:
@@ -296,33 +321,6 @@ def pooling(node: Node, ins: Arrays) -> Arrays:
     return {"y": acc}
 
 
-def _softmax(s: Arr, axis: int) -> Arr:
-    m = np.max(s, axis=axis, keepdims=True)
-    e = np.exp(s - m)
-    return e / e.sum(axis=axis, keepdims=True)  # type: ignore[no-any-return]
-
-
-def sdpa(node: Node, ins: Arrays) -> Arrays:
-    q, k, v = ins["q"], ins["k"], ins["v"]
-    attrs = node.attrs
-    assert isinstance(attrs, SdpaAttrs)
-    # h_k and h_v each divide h_q: query head i reads key head i // (h_q / h_k) and value
-    # head i // (h_q / h_v) (cuDNN's separate h_k, h_v; grouped-query attention)
-    k = np.repeat(k, q.shape[1] // k.shape[1], axis=1)
-    v = np.repeat(v, q.shape[1] // v.shape[1], axis=1)
-    scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * scale
-    if "mask" in ins:
-        m = ins["mask"]
-        s = np.where(m, s, -np.inf) if m.dtype == np.bool_ else s + m
-    if attrs.causal:
-        sq, skv = s.shape[-2:]
-        s = np.where(np.tril(np.ones((sq, skv), dtype=bool)), s, -np.inf)
-    with np.errstate(invalid="ignore"):
-        p = _softmax(s, -1)
-    return {"o": np.matmul(p, v)}
-
-
 def softmax(node: Node, ins: Arrays) -> Arrays:
     attrs = node.attrs
     assert isinstance(attrs, SoftmaxAttrs)
@@ -374,4 +372,6 @@ REFERENCE: dict[OpKind, Callable[[Node, Arrays], Arrays]] = {
     OpKind.TRANSPOSE: transpose,
     OpKind.CONCATENATE: concatenate,
     OpKind.SLICE: slice_,
+    OpKind.SDPA_BACKWARD: sdpa_backward,
+    **NORM_BACKWARD,
 }

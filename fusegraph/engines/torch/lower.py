@@ -1,7 +1,8 @@
 """The torch engine's op table: one lowering per OpKind (``LOWER``), each a function of the
 plan's context, the node and its input tensors, returning the node's outputs by port.
 Convolutions, matmul, reductions and data movement live here; pointwise nodes in
-``lower_pointwise``, norms, pooling and attention in ``lower_nn``."""
+``lower_pointwise``, norms, pooling and attention in ``lower_nn``, the backward ops in
+``lower_backward``."""
 
 from __future__ import annotations
 
@@ -15,6 +16,12 @@ from fusegraph.engines.torch.context import (
     _operands,
 )
 from fusegraph.engines.torch.convert import Tensor, _torch, torch_dtype
+from fusegraph.engines.torch.lower_backward import (
+    _lower_batchnorm_backward,
+    _lower_layernorm_backward,
+    _lower_rmsnorm_backward,
+    _lower_sdpa_backward,
+)
 from fusegraph.engines.torch.lower_nn import (
     _lower_bn_inference,
     _lower_bn_training,
@@ -188,4 +195,8 @@ LOWER: dict[OpKind, Lowering] = {
     OpKind.TRANSPOSE: _lower_transpose,
     OpKind.CONCATENATE: _lower_concat,
     OpKind.SLICE: _lower_slice,
+    OpKind.BATCHNORM_BACKWARD: _lower_batchnorm_backward,
+    OpKind.LAYERNORM_BACKWARD: _lower_layernorm_backward,
+    OpKind.RMSNORM_BACKWARD: _lower_rmsnorm_backward,
+    OpKind.SDPA_BACKWARD: _lower_sdpa_backward,
 }

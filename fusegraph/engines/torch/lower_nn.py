@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 from fusegraph.engines.torch.context import _F, _Ctx, _operands, _pad_list
 from fusegraph.engines.torch.convert import Tensor, _torch
+from fusegraph.engines.torch.lower_backward import lower_sdpa_explicit
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import PoolingAttrs, PoolingMode, SdpaAttrs, SoftmaxAttrs
 
@@ -37,7 +38,15 @@ def _lower_bn_training(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[st
     bias = _channel_vec(ctx.cast_in(node, ins["bias"])).to(x.dtype)
     y, mean, inv = torch.native_batch_norm(x, scale, bias, None, None, True, 0.0, _eps_value(node, ins))
     stats = node.outputs["mean"].shape
-    return {"y": y, "mean": mean.reshape(stats), "inv_var": inv.reshape(stats)}
+    out = {"y": y, "mean": mean.reshape(stats), "inv_var": inv.reshape(stats)}
+    if "in_running_mean" in ins:
+        # (1 - m) * running + m * batch, the batch variance unbiased (reference/ops.py)
+        m = ctx.cast_in(node, ins["momentum"]).reshape(())
+        var = x.var(dim=[0, *range(2, x.dim())], correction=1)  # not from inv_var: eps would cancel
+        for src, dst, batch in (("in_running_mean", "next_running_mean", mean), ("in_running_var", "next_running_var", var)):
+            r = ctx.cast_in(node, ins[src])
+            out[dst] = (1.0 - m) * r + m * batch.to(r.dtype).reshape(r.shape)
+    return out
 
 
 def _feature(t: Tensor, x: Tensor) -> Tensor:
@@ -139,6 +148,8 @@ def _lower_sdpa(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, Tens
     torch = _torch()
     attrs = node.attrs
     assert isinstance(attrs, SdpaAttrs)
+    if "stats" in node.outputs or attrs.dropout_probability > 0.0:
+        return lower_sdpa_explicit(ctx, node, ins)
     q, k, v = _operands(ctx, node, ins, ("q", "k", "v"))
     mask = ins.get("mask")
     sq, skv = q.shape[-2], k.shape[-2]

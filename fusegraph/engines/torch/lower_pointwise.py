@@ -25,6 +25,11 @@ def _relu(x: Tensor, p: PointwiseAttrs) -> Tensor:
     return torch.where(x <= lower, below, x if math.isinf(upper) else torch.clamp(x, max=upper))
 
 
+def _swish_grad(x: Tensor, beta: float) -> Tensor:
+    s = _torch().sigmoid(beta * x)
+    return s + beta * x * s * (1.0 - s)
+
+
 def _pointwise_table() -> dict[PointwiseMode, Callable[[Tensor, Tensor, Tensor, PointwiseAttrs], Tensor]]:
     torch = _torch()
     F = _F()
@@ -76,6 +81,12 @@ def _pointwise_table() -> dict[PointwiseMode, Callable[[Tensor, Tensor, Tensor, 
         M.GELU_BWD: lambda dy, x, c, p: torch.ops.aten.gelu_backward(*torch.broadcast_tensors(dy, x)),
         M.TANH_BWD: lambda dy, x, c, p: dy * (1.0 - torch.tanh(x) ** 2),
         M.SIGMOID_BWD: lambda dy, x, c, p: dy * torch.sigmoid(x) * (1.0 - torch.sigmoid(x)),
+        M.ELU_BWD: lambda dy, x, c, p: torch.where(x > 0, dy, dy * p.param("elu_alpha") * torch.exp(torch.clamp(x, max=0.0))),
+        M.GELU_APPROX_TANH_BWD: lambda dy, x, c, p: torch.ops.aten.gelu_backward(
+            *torch.broadcast_tensors(dy, x), approximate="tanh"
+        ),
+        M.SOFTPLUS_BWD: lambda dy, x, c, p: dy * torch.sigmoid(p.param("softplus_beta") * x),
+        M.SWISH_BWD: lambda dy, x, c, p: dy * _swish_grad(x, p.param("swish_beta")),
     }
 
 
