@@ -33,7 +33,7 @@ def rel_err(out: Any, ref: Any) -> float:
     assert np.isfinite(r).all(), "the autograd result itself is not finite"
     if not np.isfinite(o).all():
         return float("inf")  # NaN never passes
-    return float(np.linalg.norm(o - r) / max(np.linalg.norm(r), 1e-300))
+    return float(np.linalg.norm(o - r)) / max(float(np.linalg.norm(r)), 1e-300)
 
 
 def check(got: dict[str, Any], want: dict[str, Any], tol: float, what: str) -> None:
@@ -207,3 +207,27 @@ def test_bias_gradient_of_a_bias_relu_epilogue_is_a_sum_of_dy(engine: str, rng: 
     got = execute(g, {"z": z, "bias": bias, "dy": dy}, engine)
     _, (gz, gb) = autograd(lambda z, b: torch.relu(z + b), [z, bias], dy)
     check(got, {dz.name: gz, dbias.name: gb}, 1e-12, f"bias gradient {engine}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", (F32, DataType.BFLOAT16), ids=lambda d: d.name)
+def test_norm_backward_on_cuda_matches_the_reference(dt: DataType, rng: np.random.Generator) -> None:
+    """The torch lowerings on the GPU (f32; bf16 operands computed in f32) against the reference."""
+    xs = (64, 256)
+    x = rng.standard_normal(xs).astype(dt.numpy)
+    s, b, dy = (rng.standard_normal(sh).astype(dt.numpy) for sh in ((256,), (256,), xs))
+    g = fg.Graph(io_data_type=dt, compute_data_type=F32)
+    xt, st, bt, dyt = (g.tensor(n, a.shape) for n, a in (("x", x), ("s", s), ("b", b), ("dy", dy)))
+    _, mean, inv = g.layernorm(xt, st, bt, 1e-5, phase=fg.NormFwdPhase.TRAINING)
+    _, inv_rms = g.rmsnorm(xt, st, 1e-5, phase=fg.NormFwdPhase.TRAINING)
+    assert mean is not None and inv is not None and inv_rms is not None
+    outs = [*g.layernorm_backward(dyt, xt, st, mean, inv), *g.rmsnorm_backward(dyt, xt, st, inv_rms)[:2]]
+    for t in outs:
+        t.set_output(True)
+    feeds = {"x": x, "s": s, "b": b, "dy": dy}
+    ref = g.execute(dict(feeds), engine="reference")
+    got = g.execute(dict(feeds), engine="torch", handle=fg.Handle("cuda:0"))
+    tol = 1e-4 if dt == F32 else 2e-2
+    for t in outs:
+        err = rel_err(np.asarray(got[t.name]), ref[t.name])
+        assert err <= tol, f"cuda {t.name} rel err {err:.3g}"
