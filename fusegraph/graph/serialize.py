@@ -10,7 +10,10 @@ Format ``fusegraph.graph`` version 1::
                 "inputs": {port: tensor name}, "outputs": {port: tensor name}}]}
 
 Enums are stored by value, DataTypes by name value ("half"...), non-finite floats as the
-strings "inf", "-inf", "nan". The key hashes this form without the graph's own name.
+strings "inf", "-inf", "nan". An attribute field marked ``omit_if_default`` (one added after
+version 1 was fixed, e.g. SdpaAttrs.dropout_probability) is left out at its default, and a
+missing field reads as its default, so older documents and keys stay valid. The key hashes
+this form without the graph's own name.
 """
 
 from __future__ import annotations
