@@ -1,9 +1,12 @@
 """The `fusegraph` command line; each subcommand lives in ``fusegraph/commands/<name>.py``
 and exposes ``register(subparsers)`` setting ``fn`` on its parser.
 
-A user mistake (a missing file, an unknown engine, a malformed option, a device that is not
-there) ends in one line on stderr and a non-zero exit; ``-v`` adds the traceback. A closed
-pipe (``fusegraph demo | head -1``) ends quietly.
+Exit status, the same for every subcommand: 0 done; 2 a command line that cannot be acted
+on as written -- a malformed or unknown option, a missing or unreadable or corrupt input
+file, an unknown engine, a device that is not there, a graph that does not validate; 1 the
+work began and failed -- a compile or execution error, no engine able to run the graph, a
+check or verification that found a mismatch. Either ends in one line on stderr; ``-v`` adds
+the traceback. A closed pipe (``fusegraph demo | head -1``) ends quietly.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import sys
 import traceback
 
 # One line per subcommand module, in the order `fusegraph --help` lists them.
-COMMANDS = ["demo", "engines", "tune", "cache", "run"]
+COMMANDS = ["demo", "engines", "tune", "cache", "run", "bench"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,12 +63,30 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fusegraph: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as exc:  # a subcommand's one-line refusal of its arguments
+        if not isinstance(exc.code, str):
+            raise
+        print(exc.code, file=sys.stderr)
+        return USAGE
     except (FusegraphError, OSError, ValueError, KeyError) as exc:
         if args.verbose:
             traceback.print_exc()
         kind = "" if isinstance(exc, FusegraphError) else f"{type(exc).__name__}: "
-        print(f"fusegraph {args.command}: error: {kind}{exc}", file=sys.stderr)
-        return 2
+        text = str(exc)
+        prefix = f"fusegraph {args.command}: "
+        print(text if text.startswith(prefix) else f"{prefix}error: {kind}{text}", file=sys.stderr)
+        return exit_status(exc)
+
+
+USAGE = 2  # argparse's own status for a malformed command line
+FAILED = 1
+
+
+def exit_status(exc: BaseException) -> int:
+    """2 for what the user asked being unusable as written, 1 for work that failed."""
+    from fusegraph.errors import CompileError, ExecutionError, UnsupportedError
+
+    return FAILED if isinstance(exc, (CompileError, ExecutionError, UnsupportedError)) else USAGE
 
 
 if __name__ == "__main__":

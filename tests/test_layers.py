@@ -45,6 +45,7 @@ LAYERS: dict[str, float] = {
     "torch": 6,  # fusegraph/torch/: the PyTorch front door
     "demo": 7,
     "commands": 7,
+    "bench": 7,  # fusegraph/bench/: the `fusegraph bench` driver's modules
     "cli": 7,
     "__main__": 7,
     "__init__": 7,  # fusegraph/__init__.py: the re-exports

@@ -191,14 +191,16 @@ class Answers:
 
 
 # ---- timing ----------------------------------------------------------------------------------
-def _bar_options(progress: bool | None) -> dict[str, Any]:
+def bar_options(progress: bool | None) -> dict[str, Any]:
     """tqdm options: ``progress=None`` draws only where fusegraph's progress lines are on (a
     terminal, not ``--quiet``; runtime/progress.py) and after about a second, as they do;
     True always, at once; False never."""
     if progress is None:
         return {"disable": not signs_of_life.enabled(), "delay": signs_of_life.DELAY_S}
     return {"disable": not progress}
-def _stage(plan: ExecutionPlan, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
+
+
+def stage_inputs(plan: ExecutionPlan, inputs: Mapping[str, Any]) -> Mapping[str, Any]:
     """Inputs already on the plan's device, so that timing excludes host transfers: the
     plan's own ``stage`` when it has one, else fusegraph Buffers on GPU handles."""
     stage = getattr(plan, "stage", None)
@@ -295,7 +297,7 @@ def autotune(
     ready: dict[EngineConfig, tuple[ExecutionPlan, Mapping[str, Any]]] = {}
     staged_by_kind: dict[type, Mapping[str, Any]] = {}
     build_budget = 0.6 * budget_s
-    bar = tqdm(cands, desc=f"tuning {graph.name}: build+check", unit="cfg", leave=False, **_bar_options(progress))
+    bar = tqdm(cands, desc=f"tuning {graph.name}: build+check", unit="cfg", leave=False, **bar_options(progress))
     for cand in bar:
         cfg = cand.config
         bar.set_postfix_str(str(cfg)[:40])
@@ -380,7 +382,7 @@ def _build_and_check(
         # plans of one class take the same staged values: stage once, not once per config
         staged = staged_by_kind.get(type(plan))
         if staged is None:
-            staged = staged_by_kind[type(plan)] = _stage(plan, inputs)
+            staged = staged_by_kind[type(plan)] = stage_inputs(plan, inputs)
         try:
             first = plan.execute(staged)
         except (FusegraphError, ValueError, RuntimeError, TypeError):
@@ -429,7 +431,7 @@ def _time_plans(
 
     # Warm-up may take at most a third of what is left, shared by the plans, within 0.05-2 s each.
     warmup_s = min(2.0, max(0.05, budget_s / 3 / max(1, len(ready))))
-    bar = tqdm(total=repeats, desc=f"tuning {name}: timing", unit="round", leave=False, **_bar_options(progress))
+    bar = tqdm(total=repeats, desc=f"tuning {name}: timing", unit="round", leave=False, **bar_options(progress))
     try:
         got = time_candidates(
             calls,
