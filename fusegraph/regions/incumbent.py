@@ -22,7 +22,8 @@ class Incumbent(Protocol):
     Inductor); ``runnable`` gives a no-argument call running the region on ``inputs``
     (its subgraph's inputs by name: in0, in1, ...), ready to be timed."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def runnable(self, region: Region, inputs: Mapping[str, Any]) -> Callable[[], object]: ...
 

@@ -96,6 +96,8 @@ def pattern_name(nodes: Iterable[Node]) -> str:
             return "triton.reduction"
         return CHAIN_FAMILY
     family = ANCHOR_FAMILY[anchors[0].kind]
+    if {OpKind.CONV_DGRAD, OpKind.CONV_WGRAD} <= {a.kind for a in anchors}:
+        family = "cudnn.conv.backward"  # dgrad, wgrad (and the bias gradient) of one dy
     if anchors[0].kind in NORMS or anchors[0].kind in (OpKind.SOFTMAX, OpKind.SDPA, OpKind.POOLING):
         return family + (".act" if any(m in _ACTIVATIONS for m in modes) else "")
     parts = []

@@ -131,10 +131,14 @@ def _kahn(preds: Sequence[dict[int, None]], rank: Sequence[float]) -> list[int]:
     return order
 
 
-def split(graph: Graph, *, opaque: Mapping[str, Sequence[str]] | None = None) -> Split:
+def split(
+    graph: Graph, *, opaque: Mapping[str, Sequence[str]] | None = None, atoms: Mapping[str, str] | None = None
+) -> Split:
     """Candidate regions of the validated ``graph``. ``opaque`` maps a graph input that
     code outside the graph computes to the graph tensors that code reads (directly or
-    not): the torch front door passes the ATen nodes fusegraph does not convert this way."""
+    not): the torch front door passes the ATen nodes fusegraph does not convert this way.
+    ``atoms`` names, for nodes that must stay together (the graph nodes one ATen node
+    became), a group: a node joins or starts a region with its whole group, or not at all."""
     graph.ensure_valid()
     graph.topological_order()  # raises on a cycle inside the graph
     dag = _Dag(graph, opaque or {})
@@ -142,14 +146,36 @@ def split(graph: Graph, *, opaque: Mapping[str, Sequence[str]] | None = None) ->
     members: list[int] = []  # region number -> bitset of node positions
     kinds: list[str] = []  # "anchor" or "chain"
 
-    def new_region(i: int, kind: str) -> None:
-        owner[i] = len(members)
-        members.append(1 << i)
-        kinds.append(kind)
+    group_of: dict[str, list[int]] = {}
+    for i, n in enumerate(dag.order):
+        if n is not None and atoms and n.name in atoms:
+            group_of.setdefault(atoms[n.name], []).append(i)
 
-    def join(r: int, i: int) -> None:
-        owner[i] = r
-        members[r] |= 1 << i
+    def group(i: int) -> list[int]:
+        n = dag.order[i]
+        assert n is not None
+        mates = group_of.get(atoms[n.name], [i]) if atoms and n.name in atoms else [i]
+        return [j for j in mates if j not in owner]
+
+    def new_region(i: int, kind: str) -> None:
+        members.append(0)
+        kinds.append(kind)
+        for j in group(i):
+            owner[j] = len(members) - 1
+            members[-1] |= 1 << j
+
+    def join(r: int, i: int) -> bool:
+        """Adds ``i`` and its group to region ``r`` if the region stays convex."""
+        bits = members[r]
+        todo = group(i)
+        for j in todo:
+            if not dag.can_join(bits, j):
+                return False
+            bits |= 1 << j
+        for j in todo:
+            owner[j] = r
+        members[r] = bits
+        return True
 
     # 1. anchors and their epilogues
     for i, n in enumerate(dag.order):
@@ -159,16 +185,16 @@ def split(graph: Graph, *, opaque: Mapping[str, Sequence[str]] | None = None) ->
         if n.kind not in pattern.EPILOGUE_ANCHORS:
             continue
         r = owner[i]
-        frontier = [i]
+        frontier = [j for j in range(len(dag.order)) if (members[r] >> j) & 1]
         while frontier:
             j = frontier.pop(0)
             for c in dag.consumers[j]:
                 node = dag.order[c]
                 if node is None or c in owner or not pattern.joins_epilogue(node):
                     continue
-                if dag.can_join(members[r], c):
-                    join(r, c)
-                    frontier.append(c)
+                before = members[r]
+                if join(r, c):
+                    frontier += [k for k in range(len(dag.order)) if ((members[r] & ~before) >> k) & 1]
     # 2. what is left: pointwise / reduction / movement chains
     for i, n in enumerate(dag.order):
         if n is None or i in owner or not pattern.joins_chain(n):
@@ -176,8 +202,7 @@ def split(graph: Graph, *, opaque: Mapping[str, Sequence[str]] | None = None) ->
         placed = False
         for p in dag.preds[i]:
             home = owner.get(p)
-            if home is not None and kinds[home] == "chain" and dag.can_join(members[home], i):
-                join(home, i)
+            if home is not None and kinds[home] == "chain" and join(home, i):
                 placed = True
                 break
         if not placed:

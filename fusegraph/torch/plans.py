@@ -62,7 +62,7 @@ class PlanCache:
                 graph = make()
                 handle = self.handle(device)
                 engine = self.engine or ("torch" if device.type == "cpu" else None)
-                plan = graph.build(handle=handle, engine=engine)
+                plan = graph.build(handle=handle, engine=engine, **_options(graph, handle, engine))
                 self._plans[full] = plan
                 self.builds += 1
         return plan
@@ -78,13 +78,31 @@ class PlanCache:
 PLANS = PlanCache()
 
 
+def _options(graph: Graph, handle: Handle, engine: str | None) -> dict[str, Any]:
+    """The torch engine's compiled CPU path waits for bound weights, which the front door
+    never binds (its weights change every step): off, so plans take the lean call."""
+    if engine != "torch" or handle.device.is_gpu:
+        return {}
+    from fusegraph.engines.registry import REGISTRY
+
+    knobs = {k.name for k in REGISTRY.get("torch").knobs(graph, handle)}
+    return {"config": {"engine": "torch", "knobs": {"cpu_compile": "off"}}} if "cpu_compile" in knobs else {}
+
+
 def run(plan: ExecutionPlan, feed: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Executes with torch tensors in and out, autocast off around it."""
     device = next(iter(feed.values())).device.type
     if torch.is_autocast_enabled(device):
         with torch.autocast(device, enabled=False):
-            return plan.execute(dict(feed))
-    return plan.execute(dict(feed))
+            out = plan.execute(dict(feed))
+    else:
+        out = plan.execute(dict(feed))
+    # A plan that ran under torch.inference_mode (the torch engine's general path, its
+    # CUDA-graph replays) returns inference tensors, which autograd may not save.
+    for name, t in out.items():
+        if t.is_inference():
+            out[name] = t.clone()
+    return out
 
 
 @contextlib.contextmanager

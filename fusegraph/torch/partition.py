@@ -1,0 +1,304 @@
+"""One ATen graph (AOTAutograd's forward or backward) partitioned: converted to a fusegraph
+graph (aten.py), split into regions by the region layer, each region's verdict taken
+against the incumbent (Inductor's code for the same ATen nodes, or with the floor off none),
+and each claimed region's ATen nodes replaced in place by one call of the custom op
+``fusegraph::region`` (runtime.py). Deterministic: nodes are visited in graph order and
+regions in the order the region layer gives them. Returns the report rows for every
+ATen node: where it runs and why.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from fusegraph.errors import FusegraphError
+from fusegraph.regions import Region, split
+from fusegraph.regions.choose import Choice, Chooser
+from fusegraph.regions.incumbent import CallableIncumbent
+from fusegraph.regions.measure import MARGIN
+from fusegraph.regions.report import Row
+from fusegraph.regions.verdicts import VerdictStore
+from fusegraph.torch import aten, runtime
+from fusegraph.torch.plans import PLANS
+
+log = logging.getLogger("fusegraph.torch")
+
+# ATen ops that move or alias data: not compute, so not counted in coverage
+NOT_COMPUTE = frozenset({
+    "getitem", "view", "_unsafe_view", "reshape", "t", "transpose", "permute", "expand", "detach", "alias",
+    "unsqueeze", "squeeze", "as_strided", "_to_copy", "clone", "slice", "select", "split", "contiguous",
+})
+
+
+@dataclass(frozen=True)
+class Options:
+    """The backend's ``options``: ``floor`` (measure each region against the incumbent; off
+    claims every region fusegraph can build), ``incumbent`` ("inductor" or "eager": the
+    region's ATen nodes as PyTorch runs them), ``rest`` (what compiles the unclaimed nodes:
+    "inductor" or "eager"), ``engine`` (None: selection's choice on a GPU, torch on the CPU),
+    ``margin`` (how much faster fusegraph must be), ``warmup_s`` (timing's warm-up bound)."""
+
+    floor: bool = True
+    incumbent: str = "inductor"
+    rest: str = "inductor"
+    engine: str | None = None
+    margin: float = MARGIN
+    warmup_s: float = 0.3
+
+    @staticmethod
+    def of(options: Mapping[str, Any] | None) -> Options:
+        given = dict(options or {})
+        known = set(Options.__dataclass_fields__)
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(f"fusegraph backend: unknown options {unknown} (it takes {sorted(known)})")
+        opts = Options(**given)
+        if opts.incumbent not in ("inductor", "eager") or opts.rest not in ("inductor", "eager"):
+            raise ValueError("fusegraph backend: incumbent and rest are 'inductor' or 'eager'")
+        return opts
+
+
+def op_name(n: torch.fx.Node) -> str:
+    t = n.target
+    if t is operator.getitem:
+        return "getitem"
+    schema = getattr(t, "_schema", None)
+    return f"aten.{schema.name.split('::')[-1]}" if schema is not None else str(getattr(t, "__name__", t))
+
+
+def is_compute(n: torch.fx.Node) -> bool:
+    return op_name(n).removeprefix("aten.") not in NOT_COMPUTE
+
+
+def _key_of(n: torch.fx.Node) -> aten.Key:
+    if n.op == "call_function" and n.target is operator.getitem:
+        src = n.args[0]
+        assert isinstance(src, torch.fx.Node)
+        idx: Any = n.args[1]
+        return (src.name, int(idx))
+    return (n.name, None)
+
+
+def partition(gm: torch.fx.GraphModule, opts: Options, phase: str) -> list[Row]:
+    """Rewrites ``gm`` in place (claimed regions -> ``fusegraph::region`` calls); the rows
+    say where every ATen node runs."""
+    rest = "inductor" if opts.rest == "inductor" else "torch.eager"
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    conv = aten.convert(gm.graph, f"{phase}")
+    why: dict[str, str] = dict(conv.refused)
+    region_of: dict[str, tuple[Choice, str]] = {}
+    if conv.graph.nodes:
+        try:
+            conv.graph.validate()
+            regions = split(conv.graph, opaque=conv.opaque, atoms=conv.atoms)
+        except FusegraphError as exc:
+            regions = None
+            for name in conv.converted:
+                why[name] = f"the converted graph did not validate: {exc}"
+        if regions is not None:
+            for rej in regions.rejected:
+                for gnode in rej.nodes:
+                    why.setdefault(conv.atoms[gnode], rej.reason)
+            device = _device(gm)
+            by_name = {n.name: n for n in nodes}
+            fx_of = {r.index: _fx_nodes(r, conv, by_name) for r in regions.regions}
+            choices = _chooser(opts, device).choose_all(regions.regions, _inputs(device)) if regions.regions else []
+            replaced: dict[aten.Key, torch.fx.Node] = {}
+            for choice in choices:
+                fx_names = fx_of[choice.region.index]
+                for name in fx_names:
+                    region_of[name] = (choice, "")
+                if choice.claimed:
+                    try:
+                        _replace(gm, choice.region, fx_names, conv, replaced)
+                    except Exception as exc:  # never worse than not claiming
+                        log.warning("region %d (%s) not claimed: %s", choice.region.index, choice.region.pattern, exc)
+                        for name in fx_names:
+                            region_of[name] = (choice, f"rewrite failed: {exc}")
+            if any(c.claimed for c in choices):
+                _sort(gm)
+                gm.recompile()
+    rows = []
+    base = next(_REGION_BLOCKS) * 10_000  # region numbers unique across the graphs of a report
+    for n in nodes:
+        if n.target is operator.getitem:
+            continue
+        found = region_of.get(n.name)
+        if found is not None:
+            choice, failed = found
+            claimed = choice.claimed and not failed
+            where = f"fusegraph:{choice.verdict.engine}" if claimed else rest
+            rows.append(Row(f"{phase}:{n.name}", op_name(n), where, base + choice.region.index, choice.region.pattern,
+                            failed or choice.verdict.describe(), is_compute(n)))
+        else:
+            rows.append(Row(f"{phase}:{n.name}", op_name(n), rest, None, "", why.get(n.name, "not converted"),
+                            is_compute(n)))
+    return rows
+
+
+def _device(gm: torch.fx.GraphModule) -> torch.device:
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            return v.device
+    return torch.device("cpu")
+
+
+def _chooser(opts: Options, device: torch.device) -> Chooser:
+    handle = PLANS.handle(device)
+    engine = opts.engine or PLANS.engine or ("torch" if device.type == "cpu" else None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    incumbent = CallableIncumbent(opts.incumbent, lambda region, inputs: _incumbent_call(region, inputs, opts))
+    return Chooser(handle, incumbent, floor=opts.floor, engine=engine, margin=opts.margin,
+                   store=VerdictStore() if opts.floor else None, sync=sync,
+                   timing_options={"warmup_s": opts.warmup_s})
+
+
+_REGION_BLOCKS = itertools.count()
+_SUBS: dict[str, torch.fx.GraphModule] = {}  # region content key -> its ATen nodes, for the incumbent
+
+
+def _incumbent_call(region: Region, inputs: Mapping[str, Any], opts: Options) -> Callable[[], object]:
+    sub = _SUBS[region.key]
+    args = [inputs[f"in{i}"] for i in range(len(region.inputs))]
+    for n in [n for n in sub.graph.nodes if n.op == "placeholder"][len(args):]:  # operands nothing reads
+        v = n.meta["val"]
+        args.append(torch.zeros(tuple(int(d) for d in v.shape), dtype=v.dtype, device=v.device))
+    if opts.incumbent == "eager":
+        return lambda: sub(*args)
+    from torch._inductor import compile as inductor_compile
+
+    compiled = inductor_compile(sub, args)
+    return lambda: compiled(*args)
+
+
+def _inputs(device: torch.device) -> Callable[[Region], dict[str, torch.Tensor]]:
+    """Random inputs for a region's graph (fresh data; the layout each input is declared with)."""
+
+    def make(region: Region) -> dict[str, torch.Tensor]:
+        from fusegraph.engines.torch.convert import torch_dtype
+
+        out = {}
+        for t in region.graph.inputs():
+            x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=device)
+            out[t.name] = x.normal_() if x.is_floating_point() else x.zero_()
+        return out
+
+    return make
+
+
+def _fx_nodes(region: Region, conv: aten.Converted, by_name: Mapping[str, torch.fx.Node]) -> list[str]:
+    names = {conv.atoms[g] for g in region.nodes}
+    for name in list(names):
+        for user in by_name[name].users:
+            if user.op == "call_function" and user.target is operator.getitem:
+                names.add(user.name)
+    ordered = [n for n in by_name if n in names]
+    _SUBS.setdefault(region.key, _submodule(region, conv, by_name, ordered)[0])
+    return ordered
+
+
+def _submodule(region: Region, conv: aten.Converted, by_name: Mapping[str, torch.fx.Node], names: Sequence[str],
+               replaced: Mapping[aten.Key, torch.fx.Node] | None = None,
+               ) -> tuple[torch.fx.GraphModule, list[torch.fx.Node], list[torch.fx.Node]]:
+    """The region's ATen nodes as a GraphModule: its placeholders are the region's inputs in
+    the order of the region graph's in0, in1, ... (so one module serves the incumbent and the
+    runner), its output the values read outside the region. Returns it, the outer nodes
+    feeding it and the outer nodes it replaces."""
+    inside = set(names)
+    key_of_tensor = {t: k for k, t in conv.values.items()} | conv.inputs
+    producers = {_key_of(n): n for n in by_name.values()}
+    for n in list(by_name.values()):
+        for a in n.all_input_nodes:
+            producers.setdefault(_key_of(a), a)
+    producers.update(replaced or {})  # values an earlier claimed region now computes
+    g = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    feeds: list[torch.fx.Node] = []
+    for i, tname in enumerate(region.inputs):
+        outer = producers[key_of_tensor[tname]]
+        ph = g.placeholder(f"in{i}")
+        ph.meta = dict(outer.meta)
+        env[outer] = ph
+        feeds.append(outer)
+    extra = 0
+    for name in names:  # operands the nodes take but the region's graph does not read
+        for a in by_name[name].all_input_nodes:  # (a weight whose gradient is not asked for)
+            if a.name not in inside and a not in env:
+                a = replaced.get(_key_of(a), a) if replaced else a
+                if a in env:
+                    continue
+                ph = g.placeholder(f"unused{extra}")
+                ph.meta = dict(a.meta)
+                env[a] = ph
+                feeds.append(a)
+                extra += 1
+    for name in names:
+        n = by_name[name]
+        env[n] = g.node_copy(n, lambda a: env[a])
+    leaving = [by_name[name] for name in names
+               if any(u.name not in inside for u in by_name[name].users)
+               and not (isinstance(by_name[name].meta.get("val"), tuple | list))]
+    g.output(tuple(env[n] for n in leaving))
+    return torch.fx.GraphModule(torch.nn.Module(), g), feeds, leaving
+
+
+def _replace(gm: torch.fx.GraphModule, region: Region, names: Sequence[str], conv: aten.Converted,
+             replaced: dict[aten.Key, torch.fx.Node]) -> None:
+    by_name = {n.name: n for n in gm.graph.nodes if n.op == "call_function"}
+    sub, feeds, leaving = _submodule(region, conv, by_name, names, replaced)
+    key = runtime.register(sub, region.key)
+    last = by_name[names[-1]]
+    with gm.graph.inserting_after(last):
+        call = gm.graph.call_function(torch.ops.fusegraph.region.default, (key, list(feeds)))
+    call.meta["val"] = [n.meta.get("val") for n in leaving]
+    outs: list[torch.fx.Node] = []
+    for i, n in enumerate(leaving):
+        with gm.graph.inserting_after(call if not outs else outs[-1]):
+            item = gm.graph.call_function(operator.getitem, (call, i))
+        item.meta = dict(n.meta)
+        outs.append(item)
+    inside = set(names)
+    for n, item in zip(leaving, outs, strict=True):
+        replaced[_key_of(n)] = item
+        for user in list(n.users):
+            if user.name not in inside and user is not call:
+                user.replace_input_with(n, item)
+    for name in reversed(names):
+        gm.graph.erase_node(by_name[name])
+
+
+def _sort(gm: torch.fx.GraphModule) -> None:
+    """Stable topological order (a region's call sits after its last node, and a node that
+    read an earlier result of the region may have come before it)."""
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [(index[n], n.name) for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    by_name = {n.name: n for n in nodes}
+    order = []
+    while ready:
+        _, name = heapq.heappop(ready)
+        n = by_name[name]
+        order.append(n)
+        for u in n.users:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (index[u], u.name))
+    if len(order) != len(nodes):
+        raise FusegraphError("the rewritten ATen graph has a cycle")
+    new = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in order:
+        env[n] = new.node_copy(n, lambda a: env[a])
+    gm.graph = new

@@ -1,0 +1,136 @@
+"""Claimed regions at run time: the custom op ``fusegraph::region`` that a rewritten ATen
+graph calls in place of a region's nodes, and the runner behind each key, which builds
+fusegraph's plan for every input signature it meets (one plan per size seen under
+``mark_dynamic``; PLANS builds each graph once) and hands back results laid out as
+PyTorch's own ops would have laid them out (the compiled code around it was planned for
+those strides).
+
+The op's fake implementation runs the region's original ATen nodes on fake tensors, so
+shapes, strides and symbolic sizes are PyTorch's. It is tagged cudagraph-unsafe: under
+``mode="reduce-overhead"`` Inductor captures the code around it and runs the region
+between captures (fusegraph's GPU plans capture and replay themselves).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+from fusegraph.engines.base import ExecutionPlan
+from fusegraph.torch import aten
+from fusegraph.torch.plans import PLANS, run
+
+log = logging.getLogger("fusegraph.torch")
+
+Signature = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.device], ...]
+
+
+@dataclass
+class _Bound:
+    plan: ExecutionPlan | None  # None: the region runs its ATen nodes (why says why)
+    feed: list[tuple[str, int]]  # graph input name, index of the runner's input
+    outputs: list[tuple[str, tuple[int, ...]]]  # graph output name, the strides PyTorch gives it
+    why: str = ""
+
+
+class RegionRunner:
+    """One claimed region: its ATen nodes as a GraphModule (placeholders: the region's
+    inputs; output: its results) and its plans by input signature."""
+
+    def __init__(self, key: str, sub: torch.fx.GraphModule) -> None:
+        self.key = key
+        self.sub = sub
+        self._bound: dict[Signature, _Bound] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        sig: Signature = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in inputs)
+        b = self._bound.get(sig)
+        if b is None:
+            with self._lock:
+                b = self._bound.get(sig) or self._prepare(sig, inputs)
+                self._bound[sig] = b
+        if b.plan is None:
+            return _unaliased(list(self.sub(*inputs)), inputs)
+        res = run(b.plan, {name: inputs[i] for name, i in b.feed})
+        outs = []
+        for name, stride in b.outputs:
+            t = res[name]
+            if tuple(t.stride()) != stride and t.numel() > 1:
+                t = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
+            outs.append(t)
+        return _unaliased(outs, inputs)
+
+    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        return list(self.sub(*inputs))
+
+    def _prepare(self, sig: Signature, inputs: list[torch.Tensor]) -> _Bound:
+        """Converts the region's ATen nodes for this signature and builds the plan."""
+        try:
+            from torch._subclasses.fake_tensor import FakeTensorMode
+
+            mode = FakeTensorMode()
+            fakes = [mode.from_tensor(t) for t in inputs]
+            FakeTensorProp(self.sub, mode).propagate(*fakes)
+            conv = aten.convert(self.sub.graph, f"region.{self.key}")
+            if conv.refused:
+                name, why = next(iter(conv.refused.items()))
+                raise aten.Refused(f"{name}: {why}")
+            out_node = next(n for n in self.sub.graph.nodes if n.op == "output")
+            results = list(out_node.args[0])
+            names = []
+            for r in results:
+                key: aten.Key = (r.name, None)
+                if r.op == "call_function" and r.target.__name__ == "getitem":
+                    key = (r.args[0].name, int(r.args[1]))
+                tname = conv.values[key]
+                conv.graph.tensor_by_name(tname).set_output(True)
+                names.append((tname, tuple(int(s) for s in r.meta["val"].stride())))
+            graph = conv.graph.validate()
+            placeholders = {n.name: i for i, n in enumerate(n for n in self.sub.graph.nodes if n.op == "placeholder")}
+            feed = [(t, placeholders[k[0]]) for t, k in conv.inputs.items()]
+            plan = PLANS.get(("region", graph.key()), inputs[0].device, lambda: graph)
+            return _Bound(plan, feed, names)
+        except Exception as exc:  # the region runs its own ATen nodes: slower, never wrong
+            why = f"{type(exc).__name__}: {exc}"
+            log.warning("region %s: running its ATen nodes (%s)", self.key, why)
+            return _Bound(None, [], [], why)
+
+
+def _unaliased(outs: list[torch.Tensor], inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """A custom op's results may alias neither its inputs nor each other: such a result is
+    copied (a region returning a value and a view of it pays one copy)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs}
+    fixed = []
+    for o in outs:
+        ptr = o.untyped_storage().data_ptr()
+        if ptr in seen:
+            o = o.clone()
+            ptr = o.untyped_storage().data_ptr()
+        seen.add(ptr)
+        fixed.append(o)
+    return fixed
+
+
+RUNNERS: dict[str, RegionRunner] = {}  # key -> runner: the explicit registry the op looks in
+
+
+@torch.library.custom_op("fusegraph::region", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def region(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return RUNNERS[key](inputs)
+
+
+@region.register_fake
+def _region_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [o.clone() for o in RUNNERS[key].fake(inputs)]
+
+
+def register(sub: torch.fx.GraphModule, content: str) -> str:
+    key = f"r{len(RUNNERS)}.{content[:12]}"
+    RUNNERS[key] = RegionRunner(key, sub)
+    return key
