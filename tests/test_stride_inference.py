@@ -39,7 +39,7 @@ def _query_slice(qkv: np.ndarray) -> np.ndarray:
     return qkv[:, :, 0].transpose(0, 2, 1, 3)
 
 
-@pytest.mark.parametrize("engine", ("reference", "torch"))
+@pytest.mark.parametrize("engine", ("reference", "torch", "iree"))
 def test_rope_writes_into_the_query_slice_of_a_packed_qkv(engine: str, rng: np.random.Generator) -> None:
     if engine == "torch":
         pytest.importorskip("torch", reason="the torch engine needs PyTorch")
