@@ -34,8 +34,9 @@ def _lower_layernorm_backward(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> 
     dy, x, scale, mean, inv = _floats(ctx, node, ins, ("dy", "x", "scale", "mean", "inv_var"))
     feat = tuple(x.shape[1:])
     w = scale.reshape(scale.shape[1:] if scale.dim() == x.dim() else scale.shape).expand(feat).contiguous()
+    # the bias argument only asks for dbias (its values are not read)
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-        dy.contiguous(), x.contiguous(), list(feat), mean, inv, w, w, [True, True, True]
+        dy.contiguous(), x.contiguous(), list(feat), mean.contiguous(), inv.contiguous(), w, w, [True, True, True]
     )
     shape = node.inputs["scale"].shape
     return {"dx": dx, "dscale": _sum_to(dw, shape), "dbias": _sum_to(db, shape)}
