@@ -189,3 +189,22 @@ def test_the_plan_refuses_a_declared_op_with_its_reason() -> None:
     g = _norms_graph()
     with pytest.raises(fg.UnsupportedError, match="not emitted for IREE"):
         g.build(engine="iree")
+
+
+def test_attention_statistics_stay_float_in_a_half_graph() -> None:
+    """cuDNN keeps the log-sum-exp FLOAT: in f16 it would cost the backward its accuracy."""
+    g = fg.Graph(io_data_type=DataType.HALF, intermediate_data_type=DataType.HALF)
+    q = g.tensor("q", [1, 2, 3, 4])
+    o, st = g.sdpa(q, q, q, generate_stats=True)
+    o.set_output(True)
+    g.validate()
+    assert o.dtype == DataType.HALF and st.dtype == F32  # virtual or not
+    st.set_output(True)
+    g.validate()
+    assert st.dtype == F32
+    g2 = fg.Graph(io_data_type=DataType.HALF)
+    q2 = g2.tensor("q", [1, 2, 3, 4])
+    _, st2 = g2.sdpa(q2, q2, q2, generate_stats=True)
+    st2.set_data_type(DataType.HALF).set_output(True)  # stated types win
+    g2.validate()
+    assert st2.dtype == DataType.HALF

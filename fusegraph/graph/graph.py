@@ -32,6 +32,11 @@ log = logging.getLogger("fusegraph.graph")
 
 Ints = Sequence[int]
 
+# Output ports whose inferred type is the op's own, never the graph's I/O or intermediate
+# type: attention's log-sum-exp statistics in f16/bf16 would cost the backward its accuracy
+# (cuDNN keeps them FLOAT).
+OWN_TYPE_PORTS = {OpKind.SDPA: "stats"}
+
 
 class Graph(GraphBuilder, BackwardBuilder, PointwiseBuilder, PlanMethods):
     """A graph of tensor operations; see the README for a walk-through."""
@@ -179,10 +184,11 @@ class Graph(GraphBuilder, BackwardBuilder, PointwiseBuilder, PlanMethods):
             if not t.dim_set:
                 t._infer(dim=dims)
             if not t.dtype_set:
-                t._infer(data_type=self._default_dtype(t, dt))
+                t._infer(data_type=self._default_dtype(t, dt, node))
 
-    def _default_dtype(self, t: TensorAttr, proposed: DataType) -> DataType:
-        if not proposed.is_float:
+    def _default_dtype(self, t: TensorAttr, proposed: DataType, node: Node | None = None) -> DataType:
+        own = node is not None and node.outputs.get(OWN_TYPE_PORTS.get(node.kind, "")) is t
+        if not proposed.is_float or own:
             return proposed
         chosen = self.intermediate_data_type if t.is_virtual else self.io_data_type
         return chosen or proposed
@@ -238,7 +244,7 @@ class Graph(GraphBuilder, BackwardBuilder, PointwiseBuilder, PlanMethods):
             )
         t._infer(dim=dims)
         if not t.dtype_set:
-            t._infer(data_type=self._default_dtype(t, dt))
+            t._infer(data_type=self._default_dtype(t, dt, node))
         if not t.stride_set:
             t._infer(stride=self._output_strides(node, t, dims))
         self._check_tensor(t, is_input=False)
