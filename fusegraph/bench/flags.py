@@ -17,6 +17,7 @@ line's values are every line's defaults.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -278,9 +279,12 @@ def line_parser() -> Parser:
 
 def split_line(line: str) -> list[str] | None:
     """A file line's arguments: None for blank lines and ``#`` comments; a leading program
-    name (``MIOpenDriver``, ``./bin/MIOpenDriver``, ``fusegraph bench``) is dropped."""
+    name (``MIOpenDriver``, ``./bin/MIOpenDriver``, ``fusegraph bench``) is dropped. A comment
+    is a word that starts with ``#`` and the rest of the line (``-#``, MIOpen's depth
+    stride, is a flag)."""
+    line = re.sub(r"(^|\s)#.*$", "", line)
     try:
-        tokens = shlex.split(line, comments=True)
+        tokens = shlex.split(line)
     except ValueError as exc:
         raise UsageError(f"cannot split the line: {exc}") from None
     if not tokens:

@@ -90,8 +90,9 @@ def table(res: CaseResult) -> str:
         work.append(f"{c.bytes / 1e6:.3g} MB moved")
     lines = [f"{c.name}  ({res.device_name}; {', '.join(work) or 'no work model'}; {res.elapsed_s:.1f}s)"]
     bases = list(res.baseline_ms())
+    show_peak = any(v is not None for v in peak(res.device_name, c.dtype))
     head = f"  {'contender':<20s} {'engine / config':<34s} {'median ms':>10s} {'min ms':>9s} {'n':>6s} "
-    head += f"{'TFLOP/s' if c.flops else 'GB/s':>8s} {'%peak':>6s}"
+    head += f"{'TFLOP/s' if c.flops else 'GB/s':>8s}" + (f" {'%peak':>6s}" if show_peak else "")
     head += "".join(f" {'vs ' + b:>10s}" for b in bases)
     head += "  verify" if any(r.rel_error is not None for r in res.rows) else ""
     lines.append(head)
@@ -104,8 +105,9 @@ def table(res: CaseResult) -> str:
         rate = m.get("tflops") if c.flops else m.get("gbps")
         frac = m.get("peak_fraction")
         line = (f" {mark}{r.contender:<20s} {cfg:<34s} {_fmt(m.get('median_ms'), '10.4f')} {_fmt(m.get('min_ms'), '9.4f')}"
-                f" {(r.timing.rounds * r.timing.per_round) if r.timing else 0:>6d} {_fmt(rate, '8.3f')}"
-                f" {_fmt(None if frac is None else 100 * frac, '5.1f')}{'%' if frac is not None else ' '}")
+                f" {(r.timing.rounds * r.timing.per_round) if r.timing else 0:>6d} {_fmt(rate, '8.3f')}")
+        if show_peak:
+            line += f" {_fmt(None if frac is None else 100 * frac, '5.1f')}{'%' if frac is not None else ' '}"
         for b in bases:
             s = m.get(f"speedup_vs_{b}")
             line += f" {('x' + format(s, '.2f')) if s is not None else '-':>10s}"

@@ -105,6 +105,17 @@ def _spelled_out(graph: Any, h: Handle, c: EngineConfig) -> tuple[str, tuple[tup
     return c.engine, tuple(sorted((k.name, c.get(k.name, k.default)) for k in knobs))
 
 
+def short_config(graph: Any, h: Handle, c: EngineConfig) -> str:
+    """The config with only the knobs that differ from the engine's defaults: ``iree``,
+    ``torch[compile=True]`` -- what a user would type to pin it."""
+    try:
+        defaults = {k.name: k.default for k in active_registry().get(c.engine).knobs(graph, h)}
+    except Exception:
+        return str(c)
+    # a knob the engine does not offer for this graph does not touch it either
+    return str(EngineConfig(c.engine, tuple((k, v) for k, v in c.knobs if k in defaults and defaults[k] != v)))
+
+
 def _one_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split())
     return f"{type(exc).__name__}: {text[:300]}" if text else type(exc).__name__
@@ -172,7 +183,7 @@ def _gpu_sync(device: str) -> Callable[[], None] | None:
 
 def _plan_contender(row: Row, plan: ExecutionPlan, host: Mapping[str, np.ndarray]) -> _Contender:
     staged = stage_inputs(plan, host)
-    row.config = str(plan.config)
+    row.config = short_config(plan.graph, plan.handle, plan.config)
     sync = getattr(plan, "synchronize", None)
     return _Contender(row, lambda: plan.execute(staged), sync if callable(sync) else None, plan)
 
@@ -289,15 +300,8 @@ def _time(case: Case, opts: Options, ready: Sequence[_Contender], gpu_sync: Call
           res: CaseResult) -> dict[str, Timing]:
     from tqdm.auto import tqdm
 
-    syncs = [c.sync for c in ready if c.sync is not None]
-    if gpu_sync is not None:
-        syncs.append(gpu_sync)
-    unique = list(dict.fromkeys(syncs))
-
-    def sync() -> None:
-        for s in unique:
-            s()
-
+    # each contender waits for its own device work: a plan's synchronize, else the GPU's
+    syncs = {c.row.contender: c.sync or gpu_sync for c in ready}
     def failed(name: str, exc: Exception) -> None:
         for c in ready:
             if c.row.contender == name:
@@ -308,7 +312,7 @@ def _time(case: Case, opts: Options, ready: Sequence[_Contender], gpu_sync: Call
     try:
         return time_candidates(
             {c.row.contender: c.fn for c in ready},
-            sync=sync if unique else None,
+            sync=syncs,
             warmup_s=opts.warmup,
             min_rounds=opts.rounds,
             budget_s=opts.budget,

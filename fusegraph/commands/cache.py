@@ -41,6 +41,7 @@ PARTS: tuple[Part, ...] = (
     Part("cudnn", "cudnn", "cuDNN engine: serialized execution plans"),
     Part("registry", "registry", "engine plugin scan"),
     Part("bench-models", "bench-models", "benchmarks/bench_models.py: exported ONNX models"),
+    Part("regions", "regions-verdicts.json", "region choice: which side won each region (fusegraph.regions)"),
 )
 SETTINGS = ("limits.json",)  # kept by clear: the user's size limit
 
@@ -68,6 +69,8 @@ def register(sub: Any) -> None:
         "plans, AOTInductor packages, tier modules, OpenVINO models; least recently used evicted first)"
     )
     lim.add_argument("size", nargs="?", help="e.g. 500M, 2G, 100000 (bytes) or 'default'")
+    lim.add_argument("--yes", action="store_true",
+                     help="a limit below what the compiled artifacts use now evicts them at once: say yes to it")
     lim.set_defaults(fn=_limit)
 
 
@@ -237,8 +240,23 @@ def _limit(args: argparse.Namespace) -> int:
     cache = _cache()
     if args.size is not None:
         try:
-            cache.set_limit(None if args.size.strip().lower() == "default" else parse_size(args.size))
+            new = None if args.size.strip().lower() == "default" else parse_size(args.size)
         except (argparse.ArgumentTypeError, ValueError) as exc:
+            print(f"fusegraph cache limit: {exc}", file=sys.stderr)
+            return 2
+        if new is not None and not args.yes:
+            from fusegraph.runtime import cache_limit
+
+            used = sum(cache_limit.usage(cache.root).values())
+            if used > new:  # eviction cannot be undone: it is asked for, not done in passing
+                print(f"fusegraph cache limit: {args.size} is below what the compiled artifacts use now "
+                      f"({used / 1e6:.2f} MB): setting it evicts "
+                      f"{'every one of them' if new == 0 else 'the least recently used until they fit'}; "
+                      "pass --yes to do it", file=sys.stderr)
+                return 2
+        try:
+            cache.set_limit(new)
+        except ValueError as exc:
             print(f"fusegraph cache limit: {exc}", file=sys.stderr)
             return 2
     info = cache.info()

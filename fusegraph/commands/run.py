@@ -2,7 +2,9 @@
 
 Prints the partition summary (``--report`` for every subgraph and every unclaimed node with
 its reason), the error against ONNX Runtime with ``--check``, and the median latency over
-``--repeat`` runs after a warm-up. Inputs are random unless given with ``--input NAME=FILE.npy``.
+``--repeat`` runs after a warm-up; ``--compare ort`` times ONNX Runtime's own CPU session on
+the same inputs beside it (select/timing.py: both warmed to a steady state, interleaved,
+medians). Inputs are random unless given with ``--input NAME=FILE.npy``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ def register(sub: Any) -> None:
                    help="a FusegraphExecutionProvider option (repeatable), e.g. min_subgraph_size=3")
     p.add_argument("--check", action="store_true", help="compare every output with ONNX Runtime's")
     p.add_argument("--repeat", type=positive_int, default=10, help="timed runs after one warm-up (default 10)")
+    p.add_argument("--compare", choices=["ort"], default=None,
+                   help="ort: time ONNX Runtime's CPU session on the same inputs, interleaved, and print both")
     p.add_argument("--report", action="store_true", help="print the whole partition report")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of the random inputs")
     p.set_defaults(fn=_run)
@@ -145,6 +149,8 @@ def _run(args: argparse.Namespace) -> int:
         times.append((time.perf_counter() - t) * 1e3)
     print(f"latency: median {statistics.median(times):.3f} ms over {len(times)} runs "
           f"(min {min(times):.3f}, max {max(times):.3f})")
+    if args.compare == "ort":
+        _compare_ort(args, sess, feed)
     sess.measure_memory = True
     sess.run(None, feed)
     print(f"memory: process peak resident {_peak_rss_mib():.1f} MiB; extra during one warm run "
@@ -167,6 +173,24 @@ def _run(args: argparse.Namespace) -> int:
                   + ("  <-- MISMATCH" if bad else ""))
             status |= int(bad)
     return status
+
+
+def _compare_ort(args: argparse.Namespace, sess: Any, feed: dict[str, Any]) -> None:
+    """fusegraph's session and ONNX Runtime's plain CPU session, timed together."""
+    import onnxruntime as ort
+
+    from fusegraph.select.timing import ratio, time_candidates
+
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    plain = ort.InferenceSession(args.model, opts, providers=["CPUExecutionProvider"])
+    got = time_candidates(
+        {"fusegraph": lambda: sess.run(None, feed), "onnxruntime": lambda: plain.run(None, feed)},
+        min_rounds=max(args.repeat, 3), per_round=1,
+    )
+    fg_t, ort_t = got["fusegraph"], got["onnxruntime"]
+    print(f"vs ONNX Runtime (CPU, interleaved, steady state, {fg_t.rounds} rounds): fusegraph {fg_t.median_ms:.3f} ms, "
+          f"ONNX Runtime {ort_t.median_ms:.3f} ms: fusegraph takes x{ratio(fg_t, ort_t):.2f} of ONNX Runtime's time")
 
 
 def _peak_rss_mib() -> float:

@@ -416,13 +416,7 @@ def _time_plans(
 
     keys = {str(cfg): cfg for cfg in ready}
     calls = {k: _caller(*ready[cfg]) for k, cfg in keys.items()}
-    plans = [p for p, _ in ready.values()]
-    syncs = [getattr(p, "synchronize", None) for p in plans]
-    sync_fns = [s for s in syncs if callable(s)]
-
-    def sync() -> None:
-        for s in sync_fns:
-            s()
+    syncs = {k: getattr(ready[cfg][0], "synchronize", None) for k, cfg in keys.items()}
 
     def failed(key: str, exc: Exception) -> None:
         if not isinstance(exc, _TimingFailure):
@@ -435,7 +429,7 @@ def _time_plans(
     try:
         got = time_candidates(
             calls,
-            sync=sync if sync_fns else None,
+            sync={k: s for k, s in syncs.items() if callable(s)},
             warmup_s=warmup_s,
             min_warmup=max(MIN_WARMUP_CALLS, warmup),
             min_rounds=min(3, repeats),

@@ -92,7 +92,7 @@ def fastest(timings: Mapping[str, Timing], order: Sequence[str] | None = None, *
 def time_candidates(
     candidates: Mapping[str, Callable[[], object]],
     *,
-    sync: Callable[[], None] | None = None,
+    sync: Callable[[], None] | Mapping[str, Callable[[], None] | None] | None = None,
     warmup_s: float = 1.0,
     min_warmup: int = MIN_WARMUP_CALLS,
     min_rounds: int = 5,
@@ -107,7 +107,9 @@ def time_candidates(
 ) -> dict[str, Timing]:
     """Times every candidate (a no-argument callable) as the module docstring says.
 
-    ``warmup_s``: the most time one candidate's warm-up may take (it stops sooner once
+    ``sync``: one function for all, or one per candidate name (a plan's own
+    ``synchronize``); it is called inside the timed span, so it should wait for the device
+    and do nothing else. ``warmup_s``: the most time one candidate's warm-up may take (it stops sooner once
     steady; it always makes at least ``min_warmup`` calls). ``steady=False`` skips the
     steadiness test: just the ``min_warmup`` calls. ``min_rounds``: rounds always run.
     ``per_round``: calls per timed block; None sizes each candidate's block from its
@@ -122,19 +124,22 @@ def time_candidates(
         raise ValueError(f"min_rounds must be at least 1, got {min_rounds}")
     if per_round is not None and per_round < 1:
         raise ValueError(f"per_round must be at least 1 (or None for automatic), got {per_round}")
+    syncs: dict[str, Callable[[], None] | None] = (
+        {n: sync.get(n) for n in candidates} if isinstance(sync, Mapping) else dict.fromkeys(candidates, sync)
+    )
     t_start = clock()
     deadline = math.inf if budget_s is None else t_start + budget_s
     live: dict[str, Callable[[], object]] = dict(candidates)
     warm: dict[str, _Warmup] = {}
     for name, fn in list(live.items()):
         try:
-            warm[name] = _warm_up(fn, sync, warmup_s if steady else 0.0, steady, max(1, min_warmup), clock)
+            warm[name] = _warm_up(fn, syncs[name], warmup_s if steady else 0.0, steady, max(1, min_warmup), clock)
         except Exception as exc:
             if on_error is None:
                 raise
             on_error(name, exc)
             del live[name]
-    blocks = {name: per_round or _block_size(warm[name].last_ms) for name in live}
+    blocks = {name: per_round or _block_size(warm[name].fast_ms) for name in live}
     samples: dict[str, list[float]] = {name: [] for name in live}
     timed = dict(live)  # still being timed (drop_slower_than may retire some)
     planned = min_rounds if budget_s is None else max(min_rounds, max_rounds)
@@ -146,16 +151,17 @@ def time_candidates(
             call = timed.get(name)
             if call is None:
                 continue
+            wait = syncs[name]
             try:
                 call()  # untimed: absorbs the switch from the previous candidate
-                if sync is not None:
-                    sync()
+                if wait is not None:
+                    wait()
                 block = blocks[name]
                 t0 = clock()
                 for _ in range(block):
                     call()
-                if sync is not None:
-                    sync()
+                if wait is not None:
+                    wait()
                 samples[name].append((clock() - t0) * 1e3 / block)
             except Exception as exc:
                 if on_error is None:
@@ -182,7 +188,7 @@ class _Warmup:
     calls: int
     total_ms: float
     first_ms: float
-    last_ms: float  # the median of the last window: the best guess of a steady call
+    fast_ms: float  # the fastest of the last window: a steady call, load spikes aside
     steady: bool
 
 
@@ -220,8 +226,7 @@ def _warm_up(
                 break
         if t1 - t_begin >= warmup_s:
             break
-    last_ms = statistics.median(times[-STEADY_WINDOW:])
-    return _Warmup(len(times), sum(times), times[0], last_ms, is_steady)
+    return _Warmup(len(times), sum(times), times[0], min(times[-STEADY_WINDOW:]), is_steady)
 
 
 def _block_size(call_ms: float) -> int:
