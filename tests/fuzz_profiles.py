@@ -48,6 +48,7 @@ class Profile:
     broadcast_one_in: int = 6  # one input in this many is a broadcast (stride-0 or size-1) view
     first: tuple[str, ...] = ()  # the op families of the first step, where they must come first
     full_norm_params: bool = False  # norm scales and biases one value per normalized element
+    live_only: bool = False  # every computed value that no node reads is read out (no dead branch)
 
     def orders(self, role: str, rank: int) -> list[tuple[int, ...]]:
         names = self.layouts.get(role) or self.layouts.get("any") or ("row-major",)
@@ -74,6 +75,7 @@ PROFILES: dict[str, Profile] = {
         one_main=True,
         broadcast_one_in=12,
         full_norm_params=True,
+        live_only=True,
     ),
     # Triton row kernels: softmax, norms and reductions over trailing dims with their
     # pointwise neighbours, on row-major tensors.

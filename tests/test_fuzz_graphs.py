@@ -351,7 +351,8 @@ class Fuzz:
 
     def _image(self, spatial: int = 2) -> Value:
         v = self.pick(lambda w: len(w.dims) == 2 + spatial and all(x >= 1 for x in w.dims[2:]))
-        if v is None or self.draw(st.integers(0, 3)) == 0:
+        fresh = not (self.profile is not None and self.profile.live_only) and self.draw(st.integers(0, 3)) == 0
+        if v is None or fresh:
             dims = [self.draw(st.sampled_from([1, 2])), self.draw(st.sampled_from([1, 3, 4, 6]))]
             dims += [self.draw(st.sampled_from([1, 3, 5, 6, 8])) for _ in range(spatial)]
             v = self.add(self.input(dims, role="image"))
@@ -454,7 +455,7 @@ class Fuzz:
         s, b = self._stat([c]), self._stat([c])
         self.ops.append("batchnorm")
         y, mean, inv_var = self.g.batchnorm(x.t, s.t, b.t, epsilon=1e-3)
-        if self.draw(st.booleans()):
+        if (self.profile is not None and self.profile.live_only) or self.draw(st.booleans()):
             mean.set_output(True)
             inv_var.set_output(True)
         n = math.prod(x.dims) // c
@@ -469,7 +470,8 @@ class Fuzz:
         phase = self.draw(st.sampled_from(list(NormFwdPhase)))
         self.ops.append(f"layernorm_{phase.value}")
         y, mean, inv_var = self.g.layernorm(x.t, s.t, b.t, epsilon=1e-5, phase=phase)
-        if phase == NormFwdPhase.TRAINING and mean is not None and inv_var is not None and self.draw(st.booleans()):
+        live = self.profile is not None and self.profile.live_only
+        if phase == NormFwdPhase.TRAINING and mean is not None and inv_var is not None and (live or self.draw(st.booleans())):
             mean.set_output(True)
             inv_var.set_output(True)
         self.add(Value(y, 1.5 * math.sqrt(math.prod(x.dims[1:])) + 1.5))
@@ -485,7 +487,7 @@ class Fuzz:
         phase = self.draw(st.sampled_from(list(NormFwdPhase)))
         self.ops.append(f"rmsnorm_{phase.value}")
         y, inv = self.g.rmsnorm(x.t, s.t, epsilon=1e-5, phase=phase, bias=bias.t if bias else None)
-        if inv is not None and self.draw(st.booleans()):
+        if inv is not None and ((self.profile is not None and self.profile.live_only) or self.draw(st.booleans())):
             inv.set_output(True)
         self.add(Value(y, 1.5 * math.sqrt(math.prod(x.dims[1:])) + 1.5))
 
@@ -633,6 +635,9 @@ def draw_graph(draw: Draw, engine: str = "", profile: Profile | None = None) -> 
     computed = [v for v in f.pool[:-1] if not v.is_input and not v.t.is_output]
     if computed and draw(st.booleans()):
         outs.append(draw(st.sampled_from(computed)))  # a DAG: an intermediate also read out
+    if profile is not None and profile.live_only:
+        read = {t.name for n in g.nodes for t in n.inputs.values()}
+        outs += [v for v in computed if v.t.name not in read and v not in outs]
     for v in outs:
         v.t.set_output(True)
         if len(v.t.dim) > 1 and draw(st.booleans()):
@@ -695,7 +700,8 @@ def _check(engine: str, data: st.DataObject, seed: int, device: str | None = Non
     STATS.ops.update(ops)
     if keep:  # one line per graph: a long run's count survives the process being killed
         with open(keep + ".log", "a") as fh:
-            fh.write(f"{engine} {status} {seed} {'+'.join(ops)}\n")
+            why = " " + " ".join(detail.split())[:200] if status == "unsupported" else ""
+            fh.write(f"{engine} {status} {seed} {'+'.join(ops)}{why}\n")
     if STATS.graphs[engine] % 250 == 0:  # progress of a long run (visible with -s)
         print(f"fuzz {engine}: {STATS.graphs[engine]} graphs, {STATS.unsupported[engine]} unsupported, "
               f"{STATS.mismatches[engine]} mismatches", flush=True)

@@ -188,9 +188,14 @@ def layout_order(t: TensorAttr, allowed: tuple[str, ...]) -> tuple[int, ...] | s
             f"{' or '.join(allowed)} layouts correctly (other stride orders gave wrong numbers)")
 
 
-def allowed_layouts(graph: Graph, t: TensorAttr) -> tuple[str, ...]:
-    """Which layouts ``t`` may have, by the nodes that read or write it."""
+def allowed_layouts(graph: Graph, t: TensorAttr, rank: int, trailing: bool) -> tuple[str, ...]:
+    """Which layouts ``t`` may have, by the nodes that read or write it (``rank``: cuDNN's)."""
     kinds = {n.kind for n in graph.nodes if any(x is t for x in (*n.inputs.values(), *n.outputs.values()))}
+    if kinds & {OpKind.LAYERNORM, OpKind.RMSNORM} or (trailing and len(t.shape) < rank):
+        # layer/RMS norms over a channels-last x (scale row-major) gave wrong numbers, as did
+        # channels-last tensors of norm graphs of rank < 4, whose appended unit dims tie
+        # with the channel's stride of 1
+        return ("row-major",)
     if OpKind.MATMUL in kinds:
         return ("row-major", "transposed")
     if OpKind.SDPA in kinds:
@@ -254,8 +259,22 @@ def _check_graph(graph: Graph) -> None:
             "kernel); graphs holding a matmul and a convolution killed the process (SIGSEGV) in "
             "cuDNN on the H200 -- the graph is split instead"
         )
+    _check_flow(graph)
     for node in graph.nodes:
         x = node.inputs.get("x")
+        if node.kind == OpKind.MATMUL and all(t.dtype in (DataType.FLOAT, DataType.DOUBLE) for t in node.inputs.values()):
+            raise _reason(node, "cuDNN 9.19's matmul engines round float32 operands to TF32 on every plan (rel err "
+                                "2.5e-4 on 7x2x7, 64^3 and 256x512x256 products, H200): float32 matmuls stay with cuBLAS")
+        if node.kind == OpKind.BATCHNORM_INFERENCE:
+            computed = [p for p in ("scale", "bias", "mean", "var") if node.inputs[p].is_virtual]
+            if computed:
+                raise _reason(node, f"{computed} computed in the graph: the per-channel scale and shift cuDNN is given are "
+                                    "prepared from graph inputs")
+        if getattr(node.attrs, "phase", None) == NormFwdPhase.TRAINING or node.kind == OpKind.BATCHNORM:
+            unread = [p for p, t in node.outputs.items() if p != "y" and not t.is_output]
+            if unread:
+                raise _reason(node, f"training-phase statistics {unread} are not graph outputs: cuDNN writes them and "
+                                    "needs their memory (CUDNN_STATUS_BAD_PARAM_NULL_POINTER otherwise)")
         if node.kind in (OpKind.LAYERNORM, OpKind.RMSNORM) and x is not None:
             want = (1, *x.shape[1:])
             for port in ("scale", "bias"):
@@ -277,6 +296,33 @@ def _check_graph(graph: Graph) -> None:
                 raise _reason(node, f"port(s) {extra} have no cuDNN lowering here")
 
 
+def _check_flow(graph: Graph) -> None:
+    """Every node's result reaches a graph output, and the graph is one piece: on the H200,
+    cuDNN graphs with a dead branch (a virtual result no node reads) or two unconnected
+    computations made its kernels read or write stray memory -- wrong numbers, NaNs, or an
+    illegal/misaligned address that poisons the CUDA context."""
+    live = {t.name for t in graph.outputs()}
+    for node in reversed(graph.topological_order()):
+        if any(t.name in live for t in node.outputs.values()):
+            live.update(t.name for t in node.inputs.values())
+        else:
+            raise _reason(node, "its result reaches no graph output (a dead branch); cuDNN is given live nodes only")
+    parent: dict[str, str] = {}
+
+    def root(a: str) -> str:
+        while parent.get(a, a) != a:
+            a = parent[a]
+        return a
+
+    for node in graph.nodes:
+        names = [t.name for t in (*node.inputs.values(), *node.outputs.values()) if not t.is_scalar]
+        for other in names[1:]:
+            parent[root(other)] = root(names[0])
+    pieces = {root(t.name) for n in graph.nodes for t in n.outputs.values()}
+    if len(pieces) > 1:
+        raise Refused(f"graph '{graph.name}' is {len(pieces)} unconnected computations; cuDNN is given one at a time")
+
+
 def _per_channel(graph: Graph) -> dict[str, int]:
     """A batchnorm's [C] tensors -> the rank of its x (see _describe)."""
     out: dict[str, int] = {}
@@ -294,15 +340,15 @@ def binding(graph: Graph) -> Binding:
     graph.ensure_valid()
     for node in graph.nodes:
         _check_node(node)
-    _check_graph(graph)
     rank, trailing = _graph_rank(graph)
+    _check_graph(graph)
     natural = max((len(t.shape) for t in graph.tensors if not t.is_scalar), default=1)
     channels = _per_channel(graph)
     described: dict[str, Described] = {}
     for t in graph.tensors:
         if t.is_scalar or t.data_type is None or not t.dim:
             continue
-        order = layout_order(t, allowed_layouts(graph, t))
+        order = layout_order(t, allowed_layouts(graph, t, rank, trailing))
         if isinstance(order, str):
             raise Refused(order)
         described[t.name] = _describe(t, rank, trailing, natural, order, channels.get(t.name))
