@@ -37,7 +37,8 @@ def run_one(rec: dict[str, object], device: str) -> tuple[str, str]:
 
 def main() -> None:
     path, first, device = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    records = json.loads(open(path).read())
+    with open(path) as fh:
+        records = json.load(fh)
     for i in range(first, len(records)):
         print(f"START {i}", flush=True)
         status, detail = run_one(records[i], device)

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fuzz_profiles import MAIN_KINDS, PROFILES, Profile
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -46,7 +47,6 @@ from fusegraph.graph.ops import NormFwdPhase, PointwiseMode, PoolingMode, Reduct
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.reference.inputs import random_inputs
 from fusegraph.select.autotune import Answers, tolerance
-from fuzz_profiles import MAIN_KINDS, ORDERS, PROFILES, Profile
 
 # FUSEGRAPH_FUZZ_DEVICE=cuda:0 fuzzes the GPU engines on that GPU (the long run's command
 # is in docs/reliability.md); unset, the CPU engines.
