@@ -39,8 +39,9 @@ from fusegraph import DataType as DT
 from fusegraph import HeurMode
 from fusegraph.engines.base import EngineConfig, ExecutionPlan
 from fusegraph.select import api
-from fusegraph.select.autotune import _stage, _sync, autotune, random_inputs
+from fusegraph.select.autotune import autotune, random_inputs, stage_inputs
 from fusegraph.select.heuristics import features, matching_rule
+from fusegraph.select.timing import time_candidates
 
 Builder = Callable[[], fg.Graph]
 
@@ -194,24 +195,16 @@ def heuristic_choice(g: fg.Graph, h: fg.Handle) -> list[EngineConfig]:
 
 
 def retime(plans: dict[str, ExecutionPlan], inputs: dict[str, Any], rounds: int, per_round: int, stat: str) -> dict[str, float]:
-    """Interleaved rounds of each plan (so drift and load hit all alike); ms per plan, as the
-    median (default) or the minimum (robust on a machine shared with other work)."""
-    staged = {k: _stage(p, inputs) for k, p in plans.items()}
-    samples: dict[str, list[float]] = {k: [] for k in plans}
-    for k, p in plans.items():  # warm-up
-        p.execute(staged[k])
-        _sync(p)
-    for _ in range(rounds):
-        for k, p in plans.items():
-            p.execute(staged[k])  # untimed: absorbs the switch from the previous plan
-            _sync(p)
-            for _ in range(per_round):
-                t0 = time.perf_counter()
-                p.execute(staged[k])
-                _sync(p)
-                samples[k].append(time.perf_counter() - t0)
-    pick = statistics.median if stat == "median" else min
-    return {k: pick(v) * 1e3 for k, v in samples.items()}
+    """Each plan warmed to a steady state, then interleaved rounds (so drift and load hit all
+    alike) -- fusegraph/select/timing.py, the routine autotune and `fusegraph bench` use; ms
+    per plan, as the median (default) or the minimum (robust on a machine shared with other
+    work)."""
+    staged = {k: stage_inputs(p, inputs) for k, p in plans.items()}
+    calls = {k: (lambda p=p, s=staged[k]: p.execute(s)) for k, p in plans.items()}
+    syncs = {k: getattr(p, "synchronize", None) for k, p in plans.items()}
+    got = time_candidates(calls, sync={k: s for k, s in syncs.items() if callable(s)},
+                          min_rounds=rounds, per_round=per_round)
+    return {k: (t.median_ms if stat == "median" else t.min_ms) for k, t in got.items()}
 
 
 def bench_graph(build: Builder, h: fg.Handle, args: argparse.Namespace) -> Row:

@@ -1,8 +1,11 @@
 """fusegraph on an NVIDIA GPU, side by side with what people call today (issue 11).
 
-Each graph is timed in one process, all contenders interleaved (rounds of: one untimed
-call, then timed calls, each contender in turn), with CUDA events around every call and
-the median reported, after a warm-up that keeps compilation and plan building out:
+Each graph is timed in one process by fusegraph's one timing routine
+(fusegraph/select/timing.py, the same as `fusegraph bench` and autotune): every contender
+warmed until its calls stop getting faster, then interleaved rounds (per round and
+contender: one untimed call, then ``--per-round`` calls between two device synchronizes,
+the order rotating each round), the median over rounds of the time per call reported; a
+first call before that keeps compilation and plan building out:
 
   fusegraph   the plan ``g.build(handle)`` picks (heuristics, untuned)
   tuned       the fastest of fusegraph's candidate configs (cudnn plan indices and
@@ -247,46 +250,17 @@ def cases(group: str) -> list[Case]:
 
 # ---- contenders ----------------------------------------------------------------------------------
 def device_inputs(g: fg.Graph, rng: np.random.Generator) -> dict[str, Any]:
-    import torch
+    from fusegraph.bench.baselines import device_inputs as make
 
-    from fusegraph.engines.cuda_plan import torch_dtype
-
-    out = {}
-    for t in g.inputs():
-        dt = torch_dtype(torch, t.dtype)
-        x = torch.empty_strided(t.shape, t.strides, dtype=dt, device="cuda")
-        x.copy_(torch.from_numpy(rng.uniform(-1, 1, t.shape).astype(np.float32)).to(dt))
-        out[t.name] = x
-    return out
+    return make(g, rng, "cuda")
 
 
 def direct_cudnn(g: fg.Graph, dev: dict[str, Any]) -> Callable[[], Any]:
-    """cuDNN's frontend as a user calls it: build with its heuristic, execute a uid pack."""
-    import torch
+    """cuDNN's frontend as a user calls it (fusegraph/bench/baselines.py, `fusegraph bench
+    --compare cudnn`'s): build with its heuristic, execute a uid pack."""
+    from fusegraph.bench.baselines import cudnn_direct
 
-    from fusegraph.engines.cudnn import lower
-    from fusegraph.engines.cudnn.engine import CudnnEngine
-
-    eng = CudnnEngine()
-    cudnn, _ = eng._load()
-    h = eng.cudnn_handle(0)
-    b = lower.binding(g)
-    if b.preps:
-        raise RuntimeError("batchnorm preps are not part of the direct baseline")
-    cg = lower.lower(g, b, cudnn, h)
-    cg.build([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
-    ws = torch.empty(max(1, cg.get_workspace_size()), dtype=torch.uint8, device="cuda")
-    pack: dict[int, Any] = {b.uids[n]: v for n, v in dev.items()}
-    for t in g.outputs():
-        from fusegraph.engines.cuda_plan import torch_dtype
-
-        pack[b.uids[t.name]] = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(torch, t.dtype), device="cuda")
-    for uid, (value, dt) in b.scalars.items():
-        from fusegraph.engines.cuda_plan import torch_dtype
-
-        pack[uid] = torch.full([1] * b.rank, value, dtype=torch_dtype(torch, dt))
-    cudnn.set_stream(handle=h, stream=torch.cuda.current_stream().cuda_stream)
-    return lambda: cg.execute(pack, ws, handle=h)
+    return cudnn_direct(g, dev, "cuda:0")
 
 
 def candidate_configs(case: Case) -> list[EngineConfig]:
@@ -317,24 +291,15 @@ def candidate_configs(case: Case) -> list[EngineConfig]:
 
 
 def time_all(fns: dict[str, Callable[[], Any]], rounds: int, per_round: int) -> dict[str, list[float]]:
+    """Milliseconds per call of each contender, one sample per round, by the shared routine
+    (each round starts at another contender: the first after a synchronize ran measurably
+    slower on short kernels, and must not always be the same one)."""
     import torch
 
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    names = list(fns)
-    for i in range(rounds):
-        # each round starts at another contender: the first after a synchronize ran
-        # measurably slower on short kernels (idle GPU), and must not always be the same one
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            fn = fns[name]
-            fn()  # untimed: absorbs the switch from the previous contender
-            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(per_round)]
-            for s, e in evs:
-                s.record()
-                fn()
-                e.record()
-            torch.cuda.synchronize()
-            times[name] += [s.elapsed_time(e) for s, e in evs]
-    return times
+    from fusegraph.select.timing import time_candidates
+
+    got = time_candidates(fns, sync=torch.cuda.synchronize, min_rounds=rounds, per_round=per_round)
+    return {name: list(t.samples) for name, t in got.items()}
 
 
 def host_us_per_call(fn: Callable[[], Any], n: int = 2000) -> float:
@@ -405,8 +370,9 @@ def run_case(case: Case, rounds: int, per_round: int, rng: np.random.Generator) 
     add("cudnn", lambda: direct_cudnn(g, dev))
     times = time_all(fns, rounds, per_round)
     for name, ts in times.items():
-        ts.sort()
-        res["results"][name] = {"median_ms": statistics.median(ts), "p10_ms": ts[len(ts) // 10], "p90_ms": ts[(9 * len(ts)) // 10], "n": len(ts)}
+        ts.sort()  # one sample per round: the time per call of its block
+        res["results"][name] = {"median_ms": statistics.median(ts), "p10_ms": ts[len(ts) // 10],
+                                "p90_ms": ts[(9 * len(ts)) // 10], "rounds": len(ts), "n": len(ts) * per_round}
     for name, why in errors.items():
         res["results"][name] = {"error": why}
     res["picked"] = picked.get("config")
@@ -654,7 +620,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--group", default="issue", choices=["issue", "extra", "all", "none"])
     ap.add_argument("--only", default="", help="comma-separated substrings of case names")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=10, help="timed rounds per contender (one sample each)")
     ap.add_argument("--per-round", type=int, default=30)
     ap.add_argument("--json", default="")
     ap.add_argument("--png", default="")
