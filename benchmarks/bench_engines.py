@@ -194,7 +194,7 @@ def heuristic_choice(g: fg.Graph, h: fg.Handle) -> list[EngineConfig]:
     return [c.config for c in g._selection.candidates] if cands else []
 
 
-def retime(plans: dict[str, ExecutionPlan], inputs: dict[str, Any], rounds: int, per_round: int, stat: str) -> dict[str, float]:
+def retime(plans: dict[str, ExecutionPlan], inputs: dict[str, Any], rounds: int, stat: str) -> dict[str, float]:
     """Each plan warmed to a steady state, then interleaved rounds (so drift and load hit all
     alike) -- fusegraph/select/timing.py, the routine autotune and `fusegraph bench` use; ms
     per plan, as the median (default) or the minimum (robust on a machine shared with other
@@ -203,7 +203,7 @@ def retime(plans: dict[str, ExecutionPlan], inputs: dict[str, Any], rounds: int,
     calls = {k: (lambda p=p, s=staged[k]: p.execute(s)) for k, p in plans.items()}
     syncs = {k: getattr(p, "synchronize", None) for k, p in plans.items()}
     got = time_candidates(calls, sync={k: s for k, s in syncs.items() if callable(s)},
-                          min_rounds=rounds, per_round=per_round)
+                          min_rounds=rounds)  # blocks sized to ~2 ms each
     return {k: (t.median_ms if stat == "median" else t.min_ms) for k, t in got.items()}
 
 
@@ -246,7 +246,7 @@ def bench_graph(build: Builder, h: fg.Handle, args: argparse.Namespace) -> Row:
             built[cfg] = api.build_candidate(g, h, cfg)
         plans[k] = built[cfg]
     inputs = random_inputs(g)
-    row.retimed = retime(plans, inputs, args.rounds, max(1, args.repeats // args.rounds), args.stat)
+    row.retimed = retime(plans, inputs, args.rounds, args.stat)
     if "heuristic" not in row.retimed:
         row.retimed["heuristic"] = math.inf  # the heuristic picked a plan that failed
     return row
