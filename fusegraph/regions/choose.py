@@ -50,6 +50,7 @@ class Chooser:
     timer: Timer | None = None
     timing_options: Mapping[str, Any] = field(default_factory=dict)
     build_options: Mapping[str, Any] = field(default_factory=dict)
+    builder: Callable[[Region], ExecutionPlan] | None = None  # the front door's own build (its plan cache)
     _versions: dict[str, str] | None = None
 
     def versions(self) -> dict[str, str]:
@@ -69,7 +70,10 @@ class Chooser:
     def build(self, region: Region) -> ExecutionPlan | Verdict:
         """fusegraph's plan for the region, or the refusal saying why there is none."""
         try:
-            plan: ExecutionPlan = region.graph.build(handle=self.handle, engine=self.engine, **self.build_options)
+            plan: ExecutionPlan = (
+                self.builder(region) if self.builder is not None
+                else region.graph.build(handle=self.handle, engine=self.engine, **self.build_options)
+            )
         except FusegraphError as exc:
             return Verdict(False, "refused", f"{type(exc).__name__}: {exc}", incumbent=self.incumbent.name)
         return plan

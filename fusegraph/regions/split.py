@@ -168,6 +168,8 @@ def split(
         """Adds ``i`` and its group to region ``r`` if the region stays convex."""
         bits = members[r]
         todo = group(i)
+        if len(todo) > 1 and any(pattern.is_anchor(dag.order[j]) for j in todo):  # type: ignore[arg-type]
+            return False  # a group holding an anchor starts its own region
         for j in todo:
             if not dag.can_join(bits, j):
                 return False

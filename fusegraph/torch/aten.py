@@ -36,6 +36,11 @@ class Refused(Exception):
     """This ATen node is not converted (the message says why)."""
 
 
+def hint(v: Any) -> int:
+    """An int, or a symbolic size's hint (the size of the example it was traced with)."""
+    return _int(v)
+
+
 def _int(v: Any) -> int:
     if isinstance(v, int):
         return v
@@ -419,6 +424,18 @@ def _transpose(c: Ctx, n: torch.fx.Node) -> TensorAttr:
         perm = list(range(rank))
         perm[a], perm[b] = perm[b], perm[a]
     return c.g.transpose(c.value(_args(n)[0]), perm)
+
+
+@converts(aten.select.int)
+def _select(c: Ctx, n: torch.fx.Node) -> TensorAttr:
+    x, dim, index = _args(n)
+    shape = _shape(meta(x))
+    d = int(dim) % len(shape)
+    i = int(index) % shape[d]
+    starts = [0] * len(shape)
+    ends = list(shape)
+    starts[d], ends[d] = i, i + 1
+    return _reshape(c, c.g.slice(c.value(x), starts, ends, [1] * len(shape)), _shape(meta(n)))
 
 
 @converts(aten._to_copy.default)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from fusegraph.engines.base import ExecutionPlan
 from fusegraph.errors import FusegraphError
 from fusegraph.regions import Region, split
 from fusegraph.regions.choose import Choice, Chooser
@@ -27,7 +28,7 @@ from fusegraph.regions.incumbent import CallableIncumbent
 from fusegraph.regions.measure import MARGIN
 from fusegraph.regions.report import Row
 from fusegraph.regions.verdicts import VerdictStore
-from fusegraph.torch import aten, runtime
+from fusegraph.torch import aten, plans, runtime
 from fusegraph.torch.plans import PLANS
 
 log = logging.getLogger("fusegraph.torch")
@@ -158,9 +159,13 @@ def _chooser(opts: Options, device: torch.device) -> Chooser:
     engine = opts.engine or PLANS.engine or ("torch" if device.type == "cpu" else None)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     incumbent = CallableIncumbent(opts.incumbent, lambda region, inputs: _incumbent_call(region, inputs, opts))
+    def build(region: Region) -> ExecutionPlan:
+        with plans.engine(engine):
+            return PLANS.get(("region", region.key), device, lambda: region.graph)
+
     return Chooser(handle, incumbent, floor=opts.floor, engine=engine, margin=opts.margin,
                    store=VerdictStore() if opts.floor else None, sync=sync,
-                   timing_options={"warmup_s": opts.warmup_s})
+                   timing_options={"warmup_s": opts.warmup_s}, builder=build)
 
 
 _REGION_BLOCKS = itertools.count()
@@ -172,7 +177,10 @@ def _incumbent_call(region: Region, inputs: Mapping[str, Any], opts: Options) ->
     args = [inputs[f"in{i}"] for i in range(len(region.inputs))]
     for n in [n for n in sub.graph.nodes if n.op == "placeholder"][len(args):]:  # operands nothing reads
         v = n.meta["val"]
-        args.append(torch.zeros(tuple(int(d) for d in v.shape), dtype=v.dtype, device=v.device))
+        if isinstance(v, torch.Tensor):
+            args.append(torch.zeros(tuple(aten.hint(d) for d in v.shape), dtype=v.dtype, device=v.device))
+        else:
+            args.append(aten.hint(v))
     if opts.incumbent == "eager":
         return lambda: sub(*args)
     from torch._inductor import compile as inductor_compile
@@ -230,18 +238,19 @@ def _submodule(region: Region, conv: aten.Converted, by_name: Mapping[str, torch
         ph.meta = dict(outer.meta)
         env[outer] = ph
         feeds.append(outer)
-    extra = 0
-    for name in names:  # operands the nodes take but the region's graph does not read
-        for a in by_name[name].all_input_nodes:  # (a weight whose gradient is not asked for)
+    extra: list[torch.fx.Node] = []
+    for name in names:  # operands the nodes take but the region's graph does not read: a weight
+        for a in by_name[name].all_input_nodes:  # whose gradient is not asked for, a symbolic size
             if a.name not in inside and a not in env:
                 a = replaced.get(_key_of(a), a) if replaced else a
-                if a in env:
-                    continue
-                ph = g.placeholder(f"unused{extra}")
-                ph.meta = dict(a.meta)
-                env[a] = ph
-                feeds.append(a)
-                extra += 1
+                if a not in env and a not in extra:
+                    extra.append(a)
+    extra.sort(key=lambda a: not isinstance(a.meta.get("val"), torch.Tensor))  # tensors, then sizes
+    for i, a in enumerate(extra):
+        ph = g.placeholder(f"extra{i}")
+        ph.meta = dict(a.meta)
+        env[a] = ph
+        feeds.append(a)
     for name in names:
         n = by_name[name]
         env[n] = g.node_copy(n, lambda a: env[a])
@@ -258,8 +267,10 @@ def _replace(gm: torch.fx.GraphModule, region: Region, names: Sequence[str], con
     sub, feeds, leaving = _submodule(region, conv, by_name, names, replaced)
     key = runtime.register(sub, region.key)
     last = by_name[names[-1]]
+    tensors = [f for f in feeds if isinstance(f.meta.get("val"), torch.Tensor)]
+    sizes = [f for f in feeds if not isinstance(f.meta.get("val"), torch.Tensor)]
     with gm.graph.inserting_after(last):
-        call = gm.graph.call_function(torch.ops.fusegraph.region.default, (key, list(feeds)))
+        call = gm.graph.call_function(torch.ops.fusegraph.region.default, (key, tensors, sizes))
     call.meta["val"] = [n.meta.get("val") for n in leaving]
     outs: list[torch.fx.Node] = []
     for i, n in enumerate(leaving):

@@ -22,6 +22,7 @@ import torch.fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fusegraph.engines.base import ExecutionPlan
+from fusegraph.errors import FusegraphError
 from fusegraph.torch import aten
 from fusegraph.torch.plans import PLANS, run
 
@@ -48,16 +49,21 @@ class RegionRunner:
         self._bound: dict[Signature, _Bound] = {}
         self._lock = threading.Lock()
 
-    def __call__(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def __call__(self, inputs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
         sig: Signature = tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device) for t in inputs)
         b = self._bound.get(sig)
         if b is None:
             with self._lock:
-                b = self._bound.get(sig) or self._prepare(sig, inputs)
+                b = self._bound.get(sig) or self._prepare(sig, inputs, sizes)
                 self._bound[sig] = b
         if b.plan is None:
-            return _unaliased(list(self.sub(*inputs)), inputs)
-        res = run(b.plan, {name: inputs[i] for name, i in b.feed})
+            return _unaliased(list(self.sub(*inputs, *sizes)), inputs)
+        try:
+            res = run(b.plan, {name: inputs[i] for name, i in b.feed})
+        except FusegraphError as exc:  # from now on this signature runs its ATen nodes
+            log.warning("region %s: fusegraph's plan failed, running its ATen nodes (%s)", self.key, exc)
+            self._bound[sig] = _Bound(None, [], [], f"{type(exc).__name__}: {exc}")
+            return _unaliased(list(self.sub(*inputs, *sizes)), inputs)
         outs = []
         for name, stride in b.outputs:
             t = res[name]
@@ -66,17 +72,17 @@ class RegionRunner:
             outs.append(t)
         return _unaliased(outs, inputs)
 
-    def fake(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        return list(self.sub(*inputs))
+    def fake(self, inputs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+        return list(self.sub(*inputs, *sizes))
 
-    def _prepare(self, sig: Signature, inputs: list[torch.Tensor]) -> _Bound:
+    def _prepare(self, sig: Signature, inputs: list[torch.Tensor], sizes: list[int]) -> _Bound:
         """Converts the region's ATen nodes for this signature and builds the plan."""
         try:
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             mode = FakeTensorMode()
             fakes = [mode.from_tensor(t) for t in inputs]
-            FakeTensorProp(self.sub, mode).propagate(*fakes)
+            FakeTensorProp(self.sub, mode).propagate(*fakes, *sizes)
             conv = aten.convert(self.sub.graph, f"region.{self.key}")
             if conv.refused:
                 name, why = next(iter(conv.refused.items()))
@@ -121,13 +127,13 @@ RUNNERS: dict[str, RegionRunner] = {}  # key -> runner: the explicit registry th
 
 
 @torch.library.custom_op("fusegraph::region", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
-def region(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return RUNNERS[key](inputs)
+def region(key: str, inputs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+    return RUNNERS[key](inputs, sizes)
 
 
 @region.register_fake
-def _region_fake(key: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    return [o.clone() for o in RUNNERS[key].fake(inputs)]
+def _region_fake(key: str, inputs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
+    return [o.clone() for o in RUNNERS[key].fake(inputs, sizes)]
 
 
 def register(sub: torch.fx.GraphModule, content: str) -> str:
