@@ -66,9 +66,8 @@ def _lower_batchnorm_backward(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> 
 
 
 # ---- attention ----------------------------------------------------------------------------
-def _scores(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
-    """(q, k and v repeated to q's heads, scaled masked scores, scale) in the compute type."""
-    torch = _torch()
+def _qkv(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, float]:
+    """(q, k and v repeated to q's heads, scale) in the compute type."""
     attrs = node.attrs
     assert isinstance(attrs, SdpaAttrs)
     q, k, v = _floats(ctx, node, ins, ("q", "k", "v"))
@@ -76,6 +75,15 @@ def _scores(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> tuple[Tensor, Tens
     k = k.repeat_interleave(hq // k.shape[1], dim=1) if k.shape[1] != hq else k
     v = v.repeat_interleave(hq // v.shape[1], dim=1) if v.shape[1] != hq else v
     scale = attrs.attn_scale if attrs.attn_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return q, k, v, scale
+
+
+def _scores(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, float]:
+    """(q, k and v repeated to q's heads, scaled masked scores, scale) in the compute type."""
+    torch = _torch()
+    attrs = node.attrs
+    assert isinstance(attrs, SdpaAttrs)
+    q, k, v, scale = _qkv(ctx, node, ins)
     s = torch.matmul(q, k.transpose(-1, -2)) * scale
     mask = ins.get("mask")
     if mask is not None:
@@ -97,10 +105,50 @@ def _dropout_factor(node: Node, ins: dict[str, Tensor], like: Tensor) -> Tensor 
     return keep.to(like.dtype) * (1.0 / (1.0 - p))
 
 
-def lower_sdpa_explicit(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, Tensor]:
-    """Attention as its matmuls and a softmax: where the statistics or dropout are asked for
-    (torch's fused kernels return neither through a public, device-agnostic call)."""
+def _cpu_fused(ctx: _Ctx, node: Node) -> bool:
+    """Whether torch's fused CPU attention (flash attention for the CPU, which returns the
+    log-sum-exp and has a backward taking it) runs this node: on the CPU, without dropout
+    (its dropout is its own stream, not reference/dropout.py's), v's head dim q's. Its causal
+    mask is top-left aligned, as fusegraph's."""
+    attrs = node.attrs
+    assert isinstance(attrs, SdpaAttrs)
+    same_dim = node.inputs["v"].shape[3] == node.inputs["q"].shape[3]
+    return not ctx.gpu and attrs.dropout_probability <= 0.0 and same_dim
+
+
+def _fused_mask(node: Node, ins: dict[str, Tensor], like: Tensor) -> tuple[Tensor | None, bool]:
+    """The mask and causal flag for torch's fused kernel: with a mask, causality joins it."""
     torch = _torch()
+    attrs = node.attrs
+    assert isinstance(attrs, SdpaAttrs)
+    mask = ins.get("mask")
+    if mask is None:
+        return None, attrs.causal
+    if mask.dtype == torch.bool:  # the fused CPU kernel takes additive masks of q's type only
+        mask = torch.zeros(mask.shape, dtype=like.dtype, device=like.device).masked_fill(~mask, -math.inf)
+    mask = mask.to(like.dtype)
+    if attrs.causal:
+        sq, skv = like.shape[-2], ins["k"].shape[-2]
+        keep = torch.ones((sq, skv), dtype=torch.bool, device=like.device).tril()
+        mask = mask.masked_fill(~keep, -math.inf)
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)), False  # of the scores' rank
+
+
+def lower_sdpa_explicit(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Attention where the statistics or dropout are asked for: torch's fused CPU kernel
+    where it applies (_cpu_fused), else its matmuls and a softmax (torch's fused GPU kernels
+    return neither through a public, device-agnostic call)."""
+    torch = _torch()
+    if _cpu_fused(ctx, node):
+        q, k, v, scale = _qkv(ctx, node, ins)
+        mask, causal = _fused_mask(node, ins, q)
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+        )
+        out = {"o": o}
+        if "stats" in node.outputs:
+            out["stats"] = lse.unsqueeze(-1)
+        return out
     _, _, v, s, _ = _scores(ctx, node, ins)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     p = torch.exp(s - lse)
@@ -120,6 +168,15 @@ def _lower_sdpa_backward(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[
     """dq, dk, dv with the probabilities rebuilt from the saved log-sum-exp (P = exp(S - lse))
     and the row term from the saved output (rowsum(dO * O)), as flash attention does."""
     torch = _torch()
+    hk, hv = node.inputs["k"].shape[1], node.inputs["v"].shape[1]
+    if _cpu_fused(ctx, node):
+        q, k, v, scale = _qkv(ctx, node, ins)
+        do, o, stats = _floats(ctx, node, ins, ("do", "o", "stats"))
+        mask, causal = _fused_mask(node, ins, q)
+        dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            do, q, k, v, o, stats.reshape(stats.shape[:-1]), 0.0, causal, attn_mask=mask, scale=scale
+        )
+        return {"dq": dq, "dk": _group_sum(dk, hk), "dv": _group_sum(dv, hv)}
     q, k, v, s, scale = _scores(ctx, node, ins)
     do, o, stats = _floats(ctx, node, ins, ("do", "o", "stats"))
     p = torch.exp(s - stats.to(s.dtype))
@@ -132,5 +189,4 @@ def _lower_sdpa_backward(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[
     ds = p * (dp - (do * o).sum(dim=-1, keepdim=True))
     dq = torch.matmul(ds, k) * scale
     dk = torch.matmul(ds.transpose(-1, -2), q) * scale
-    hk, hv = node.inputs["k"].shape[1], node.inputs["v"].shape[1]
     return {"dq": dq, "dk": _group_sum(dk, hk), "dv": _group_sum(dv, hv)}
