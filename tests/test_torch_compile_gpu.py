@@ -1,0 +1,135 @@
+"""The PyTorch front door on an NVIDIA GPU (run on the GPU machine: pytest -m gpu): the
+autograd functions' gradients (float64 gradcheck on CUDA; selection picks the engine), the
+backend on a conv net (channels-last, bf16 autocast) and a transformer block against eager,
+mode="reduce-overhead", dynamic batch, and the typed refusal of a CUDA plan given a tensor
+that wants gradients. Speed is measured by benchmarks/bench_torch.py, never asserted here."""
+
+from __future__ import annotations
+
+import copy
+from functools import partial
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the PyTorch front door needs torch")
+
+import torch.nn.functional as F  # noqa: E402
+
+from fusegraph.torch import functions as fgf  # noqa: E402
+from fusegraph.torch.backend import fusegraph_backend  # noqa: E402
+from fusegraph.torch.explain import explain  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+CLAIM_ALL = {"floor": False}
+
+
+def _rel(a: Any, b: Any) -> float:
+    assert not torch.isnan(a).any()
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+
+
+def _models() -> dict[str, Any]:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_torch_compile import Block, ConvNet
+
+    return {"conv": ConvNet, "block": Block}
+
+
+@pytest.fixture
+def cuda() -> Any:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return torch.device("cuda")
+
+
+def test_autograd_functions_gradcheck_on_cuda(cuda: Any) -> None:
+    d = dict(dtype=torch.float64, device=cuda, requires_grad=True)
+    x, w, b = torch.randn(2, 3, 6, 6, **d), torch.randn(4, 3, 3, 3, **d), torch.randn(4, **d)
+    assert torch.autograd.gradcheck(lambda x, w, b: fgf.conv_bias_act(x, w, b, 1, 1, 1, "relu"), (x, w, b))
+    xl, wl, bl = torch.randn(5, 7, **d), torch.randn(3, 7, **d), torch.randn(3, **d)
+    assert torch.autograd.gradcheck(lambda x, w, b: fgf.linear_bias_act(x, w, b, "gelu"), (xl, wl, bl))
+    xn, g = torch.randn(4, 16, **d), torch.randn(16, **d)
+    assert torch.autograd.gradcheck(lambda x, g: fgf.rms_norm(x, [16], g, 1e-6), (xn, g))
+    q, k, v = (torch.randn(1, 2, 8, 4, **d) for _ in range(3))
+    assert torch.autograd.gradcheck(lambda q, k, v: fgf.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_functions_match_pytorch_on_cuda(cuda: Any, dtype: Any) -> None:
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    x = torch.randn(8, 16, 32, 32, device=cuda, dtype=dtype).to(memory_format=torch.channels_last)
+    w = torch.randn(32, 16, 3, 3, device=cuda, dtype=dtype).to(memory_format=torch.channels_last)
+    b = torch.randn(32, device=cuda, dtype=dtype)
+    assert _rel(fgf.conv_bias_act(x, w, b, 1, 1, 1, "relu"), F.relu(F.conv2d(x, w, b, 1, 1))) < tol
+    q, k, v = (torch.randn(2, 8, 256, 64, device=cuda, dtype=dtype) for _ in range(3))
+    assert _rel(fgf.scaled_dot_product_attention(q, k, v, is_causal=True),
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)) < tol
+    xn, g = torch.randn(64, 1024, device=cuda, dtype=dtype), torch.randn(1024, device=cuda, dtype=dtype)
+    assert _rel(fgf.rms_norm(xn, [1024], g, 1e-6), F.rms_norm(xn, [1024], g, 1e-6)) < tol
+
+
+@pytest.mark.parametrize("name", ["conv", "block"])
+def test_backend_matches_eager_on_cuda(cuda: Any, name: str) -> None:
+    make = _models()[name]
+    eager = make().to(cuda)
+    twin = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, backend=partial(fusegraph_backend, options=CLAIM_ALL))
+    x = torch.randn((4, 3, 8, 8) if name == "conv" else (2, 16, 32), device=cuda)
+    want, got = eager(x), compiled(x)
+    assert _rel(got, want) < 1e-4
+    want.square().sum().backward()
+    got.square().sum().backward()
+    for (pname, p), q in zip(eager.named_parameters(), twin.parameters(), strict=True):
+        assert _rel(q.grad, p.grad) < 1e-3, pname
+
+
+def test_bf16_channels_last_training_step_and_report(cuda: Any) -> None:
+    make = _models()["conv"]
+    eager = make().to(cuda).to(memory_format=torch.channels_last)
+    twin = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, backend=partial(fusegraph_backend, options=CLAIM_ALL))
+    x = torch.randn(8, 3, 8, 8, device=cuda).to(memory_format=torch.channels_last)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        want, got = eager(x), compiled(x)
+    assert _rel(got.float(), want.float()) < 3e-2
+    got.float().sum().backward()
+    assert all(p.grad is not None for p in twin.parameters())
+    report = explain(make().to(cuda), x)
+    assert report.coverage > 0.5, report.summary()
+
+
+def test_reduce_overhead_and_dynamic_batch(cuda: Any) -> None:
+    make = _models()["block"]
+    eager = make().to(cuda)
+    twin = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, backend=partial(fusegraph_backend, mode="reduce-overhead", options=CLAIM_ALL))
+    with torch.no_grad():
+        for _ in range(3):  # cudagraph trees record, then replay
+            x = torch.randn(2, 16, 32, device=cuda)
+            assert _rel(compiled(x), eager(x)) < 1e-4
+    torch._dynamo.reset()
+    dyn = torch.compile(copy.deepcopy(eager), backend=partial(fusegraph_backend, options=CLAIM_ALL))
+    for batch in (2, 3, 5):
+        x = torch.randn(batch, 16, 32, device=cuda)
+        torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            assert _rel(dyn(x), eager(x)) < 1e-4
+
+
+def test_a_cuda_plan_refuses_a_tensor_that_wants_gradients(cuda: Any) -> None:
+    import fusegraph as fg
+    from fusegraph.errors import VariantPackError
+
+    g = fg.Graph("relu", io_data_type=fg.DataType.FLOAT)
+    g.relu(g.tensor("x", [64, 64])).set_output(True).set_name("y")
+    plan = g.build(handle=fg.Handle("cuda:0"))
+    with pytest.raises(VariantPackError, match="requires_grad=True"):
+        plan.execute({"x": torch.randn(64, 64, device=cuda, requires_grad=True)})
