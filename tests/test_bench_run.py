@@ -146,3 +146,19 @@ def test_exit_statuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     with using(registry_with(wrong)):
         assert main(["-q", "bench", "softmax", "-X", "4x8", "--engine", "wrong", "--verify", *FAST]) == 1
     assert "MISMATCH" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_gpu_conv_every_engine_and_baseline(tmp_path: Path) -> None:
+    """On the GPU machine: a small fused conv on every engine beside eager, torch.compile and
+    cuDNN's frontend, each checked against the float64 reference."""
+    rc, doc, rows = _bench(tmp_path, "conv", "-n", "2", "-c", "16", "-H", "8", "-W", "8", "-k", "16", "-p", "1", "-q",
+                           "1", "-F", "1", "-b", "1", "--activation", "relu", "--dtype", "f16", "--in_layout", "NHWC",
+                           "--fil_layout", "NHWC", "--out_layout", "NHWC", "--device", "cuda:0", "--engine", "all",
+                           "--compare", "eager,compile,cudnn,ort", "--verify")
+    assert rc == 0, rows
+    ok = _verified(doc, "half")
+    assert {"fusegraph[cudnn]", "fusegraph[torch]", "eager", "cudnn"} <= {r["contender"] for r in ok}
+    by = {r["contender"]: r for r in rows}
+    assert by["ort"]["status"] == "refused"  # ONNX Runtime here is the CPU build
+    assert all(r["device"].startswith("cuda[") for r in rows)
