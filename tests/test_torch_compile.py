@@ -178,3 +178,25 @@ def test_the_backend_is_registered_by_name_and_checks_its_options() -> None:
     assert _rel(f(x), model(x)) < 1e-5
     with pytest.raises(ValueError, match="unknown options"):
         fusegraph_backend(torch.fx.symbolic_trace(model), [x], options={"flor": False})
+
+
+def test_a_value_read_through_unconverted_code_splits_regions() -> None:
+    """The layer norm's mean goes through an op fusegraph does not convert (cumsum) and comes
+    back into an add of the norm's output: the add may not join the norm's region (it would
+    close a cycle through the cumsum). Found by a GPT whose backward did this."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusegraph.regions import split
+    from fusegraph.torch import aten
+
+    def f(x: Any, w: Any, b: Any) -> Any:
+        y, mean, _ = torch.ops.aten.native_layer_norm(x, [8], w, b, 1e-5)
+        return y + torch.ops.aten.cumsum(mean, 0)
+
+    gm = make_fx(f, tracing_mode="fake")(torch.randn(4, 8), torch.randn(8), torch.randn(8))
+    conv = aten.convert(gm.graph)
+    assert any("cumsum" in why for why in conv.refused.values())
+    regions = split(conv.graph.validate(), opaque=conv.opaque, atoms=conv.atoms).regions
+    norm = next(r for r in regions if r.pattern.startswith("triton.norm"))
+    assert not any(conv.atoms[n] == "add" for n in norm.nodes)
+    assert any(conv.atoms[n] == "add" for r in regions for n in r.nodes)  # in a region of its own

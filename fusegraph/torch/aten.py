@@ -456,8 +456,10 @@ def convert(graph: torch.fx.Graph, name: str = "aten") -> Converted:
     deps: dict[str, set[str]] = {}  # FX node -> graph tensors it reads through unconverted code
     for n in graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
-            if n.op == "call_function":  # getitem: the tuple's item
-                deps[n.name] = deps.get(_args(n)[0].name, set())
+            if n.op == "call_function":  # getitem: the tuple's item (a graph tensor where converted)
+                src, idx = _args(n)
+                item = out.values.get((src.name, int(idx)))
+                deps[n.name] = {item} if item is not None else deps.get(src.name, set())
             continue
         fn = CONVERTERS.get(n.target)
         before = len(out.graph.nodes)

@@ -120,6 +120,7 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str) -> list[Row]:
                     region_of[name] = (choice, "")
                 if choice.claimed:
                     try:
+                        _check_convex(gm, fx_names)
                         _replace(gm, choice.region, fx_names, conv, replaced)
                     except Exception as exc:  # never worse than not claiming
                         log.warning("region %d (%s) not claimed: %s", choice.region.index, choice.region.pattern, exc)
@@ -286,6 +287,27 @@ def _replace(gm: torch.fx.GraphModule, region: Region, names: Sequence[str], con
                 user.replace_input_with(n, item)
     for name in reversed(names):
         gm.graph.erase_node(by_name[name])
+
+
+def _check_convex(gm: torch.fx.GraphModule, names: Sequence[str]) -> None:
+    """No path leaves the region's ATen nodes and comes back (the region layer checked its
+    own graph; this checks the one that will run, so a converter's missed dependency can
+    cost a claim but never a broken graph)."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    wanted = set(names)
+    inside = {n for n in gm.graph.nodes if n.name in wanted}
+    last = max(order[n] for n in inside)
+    seen: set[torch.fx.Node] = set()
+    todo = [u for n in inside for u in n.users if u not in inside]
+    while todo:
+        u = todo.pop()
+        if u in seen or order[u] > last:
+            continue
+        seen.add(u)
+        for w in u.users:
+            if w in inside:
+                raise FusegraphError(f"its ATen nodes are not convex: a path leaves through '{u.name}' and comes back")
+            todo.append(w)
 
 
 def _sort(gm: torch.fx.GraphModule) -> None:
