@@ -154,7 +154,24 @@ def test_the_floor_measures_each_region_against_the_incumbent(tmp_path: Any, mon
     assert _rel(compiled(x), eager(x)) < 1e-5
 
 
-def test_the_rest_compiled_by_inductor() -> None:
+def test_the_rest_compiled_by_inductor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Layer norms made unbuildable for the torch engine stay unclaimed: Inductor gets them
+    decomposed (as it would without fusegraph), never as whole-op fallbacks."""
+    from torch._inductor import compile_fx as inductor
+
+    from fusegraph.engines.unsupported import UNSUPPORTED
+    from fusegraph.graph.ops import OpKind
+
+    refused = {k: "not in this test" for k in (OpKind.LAYERNORM, getattr(OpKind, "LAYERNORM_BACKWARD", OpKind.LAYERNORM))}
+    monkeypatch.setitem(UNSUPPORTED, "torch", {**UNSUPPORTED.get("torch", {}), **refused})
+    seen: list[set[str]] = []
+    real = inductor.compile_fx_inner
+
+    def spy(gm: Any, inputs: Any, **kw: Any) -> Any:
+        seen.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return real(gm, inputs, **kw)
+
+    monkeypatch.setattr(inductor, "compile_fx_inner", spy)
     eager, twin = _twins(Block)
     compiled = _compiled(twin, rest="inductor")
     x = torch.randn(2, 8, 32)
@@ -163,6 +180,9 @@ def test_the_rest_compiled_by_inductor() -> None:
     want.sum().backward()
     got.sum().backward()
     assert _rel(twin.fc1.weight.grad, eager.fc1.weight.grad) < 1e-4
+    assert _rel(twin.ln1.weight.grad, eager.ln1.weight.grad) < 1e-4
+    assert len(seen) == 2 and all("fusegraph.region.default" in s for s in seen)  # forward, backward
+    assert not any("layer_norm" in t for s in seen for t in s), seen
 
 
 def test_the_backend_is_registered_by_name_and_checks_its_options() -> None:

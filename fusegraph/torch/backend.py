@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import itertools
+import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,8 @@ import torch.fx
 from fusegraph.regions.report import Row
 from fusegraph.torch import aten
 from fusegraph.torch.partition import Options, partition
+
+log = logging.getLogger("fusegraph.torch")
 
 _ROWS: contextvars.ContextVar[list[Row] | None] = contextvars.ContextVar("fusegraph_torch_rows", default=None)
 _COUNTER = itertools.count()
@@ -61,6 +64,32 @@ def _keep_whole() -> dict[Any, Any]:
     return {op: fn for op, fn in select_decomp_table().items() if op not in aten.CONVERTERS}
 
 
+def _decompose_rest(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> torch.fx.GraphModule:
+    """The ops kept whole for fusegraph that it did not claim, decomposed as Inductor would
+    have (so Inductor fuses them instead of calling them as fallbacks). Re-traced on the
+    graph's fake inputs; a graph with symbolic sizes keeps them whole (a fallback, never
+    wrong)."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    table = select_decomp_table()
+    left = {n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in aten.CONVERTERS}
+    needed = {op: table[op] for op in left if op in table}
+    if not needed or any(not isinstance(x, torch.Tensor) for x in inputs):
+        return gm
+    from torch._guards import detect_fake_mode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    mode = detect_fake_mode(inputs)
+    try:
+        with mode if mode is not None else contextlib.nullcontext():
+            traced: torch.fx.GraphModule = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=needed)(*inputs)
+    except Exception as exc:  # keep them whole
+        log.info("unclaimed ops kept whole for Inductor (%s: %s)", type(exc).__name__, exc)
+        return gm
+    traced.meta.update(gm.meta)
+    return traced
+
+
 def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                       options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     opts = Options.of(options)
@@ -69,7 +98,7 @@ def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *
 
         def inner(graph: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
             _claim(graph, opts, _kind(graph))
-            return compile_fx_inner(graph, inputs, **kwargs)
+            return compile_fx_inner(_decompose_rest(graph, inputs), inputs, **kwargs)
 
         patches = {"triton.cudagraphs": True} if mode in ("reduce-overhead", "max-autotune") else None
         compiled: Callable[..., Any] = compile_fx(gm, example_inputs, inner_compile=inner,  # type: ignore[assignment]
