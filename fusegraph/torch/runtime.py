@@ -137,6 +137,11 @@ def _region_fake(key: str, inputs: list[torch.Tensor], sizes: list[int]) -> list
 
 
 def register(sub: torch.fx.GraphModule, content: str) -> str:
-    key = f"r{len(RUNNERS)}.{content[:12]}"
-    RUNNERS[key] = RegionRunner(key, sub)
+    """The region's key: its content key and its ATen code, nothing that depends on this
+    process's history -- Inductor's on-disk cache may hand a later process compiled code
+    holding the key, which must then name the same computation."""
+    import hashlib
+
+    key = f"{content[:16]}.{hashlib.sha256(sub.code.encode()).hexdigest()[:12]}"
+    RUNNERS.setdefault(key, RegionRunner(key, sub))
     return key
