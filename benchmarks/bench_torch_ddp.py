@@ -1,0 +1,102 @@
+"""torch.compile(backend="fusegraph") under PyTorch's own DistributedDataParallel (or FSDP2's
+fully_shard): the same few training steps under eager, Inductor and fusegraph, each wrapped
+the same way, losses compared with eager's and step times printed side by side (medians of
+the timed steps after warm-up, every variant in one process group). No distributed code of
+fusegraph's own: DDP's optimizer splits the graph at bucket boundaries and hands each piece
+to the backend.
+
+    torchrun --nproc-per-node 2 benchmarks/bench_torch_ddp.py              # 2 GPUs, DDP
+    torchrun --nproc-per-node 2 benchmarks/bench_torch_ddp.py --fsdp       # FSDP2
+    torchrun --nproc-per-node 2 benchmarks/bench_torch_ddp.py --cpu --quick   # gloo, agreement only
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_torch import GPT
+
+from fusegraph.torch.backend import fusegraph_backend
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--fsdp", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--variants", default="eager,inductor,fusegraph")
+    args = ap.parse_args()
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo" if args.cpu else "nccl")
+    device = torch.device("cpu") if args.cpu else torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    d, heads, layers, vocab, b, s = (32, 4, 2, 64, 2, 16) if args.quick else (768, 12, 4, 8192, 8, 1024)
+    torch.manual_seed(0)
+    base = GPT(d, heads, layers, vocab).to(device)
+    g = torch.Generator().manual_seed(rank + 1)
+    steps = 5 if args.quick else args.steps
+    data = [(torch.randint(0, vocab, (b, s), generator=g).to(device),
+             torch.randint(0, vocab, (b * s,), generator=g).to(device)) for _ in range(steps)]
+    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else (
+        lambda: torch.autocast("cpu", enabled=False))
+    results: dict[str, tuple[list[float], list[float]]] = {}
+    for variant in args.variants.split(","):
+        torch._dynamo.reset()
+        model = copy.deepcopy(base)
+        if args.fsdp:
+            from torch.distributed.fsdp import fully_shard
+
+            for blk in model.blocks:
+                fully_shard(blk)
+            wrapped: Any = fully_shard(model)
+        else:
+            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        if variant == "inductor":
+            wrapped = torch.compile(wrapped)
+        elif variant == "fusegraph":
+            wrapped = torch.compile(wrapped, backend=partial(fusegraph_backend, options={"floor": False}))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses, times = [], []
+        for ids, y in data:
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            with amp():
+                loss = F.cross_entropy(wrapped(ids).flatten(0, -2).float(), y)
+            loss.backward()
+            opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times.append((time.perf_counter() - t0) * 1e3)
+            losses.append(float(loss.detach()))
+        results[variant] = (losses, times)
+    ok = True
+    if rank == 0:
+        ref = results.get("eager", next(iter(results.values())))[0]
+        tol = 3e-2 if device.type == "cuda" else 1e-4
+        for variant, (losses, times) in results.items():
+            worst = max(abs(a - r) / max(abs(r), 1e-6) for a, r in zip(losses, ref, strict=True))
+            ok = ok and worst <= tol
+            timed = times[2:] if len(times) > 4 else times
+            print(f"{variant:<10} losses {' '.join(f'{x:.4f}' for x in losses[:5])}  worst rel {worst:.1e}  "
+                  f"step {statistics.median(timed):8.2f} ms (median of {len(timed)})")
+    dist.destroy_process_group()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
