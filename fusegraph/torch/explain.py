@@ -20,20 +20,22 @@ def explain(model: Any, *example_inputs: Any, options: Mapping[str, Any] | None 
     """``options`` as the backend takes them (default: the floor off, so the report says what
     fusegraph can claim; pass ``{"floor": True}`` for what it would keep). ``backward``: run
     the backward too (default: where gradients are enabled and something requires them)."""
-    import torch._dynamo
-
     opts = {"floor": False, **dict(options or {})}
 
     def compiler(gm: torch.fx.GraphModule, inputs: Any) -> Any:
         return fusegraph_backend(gm, inputs, options=opts)
 
-    torch._dynamo.reset()
+    # a backend of its own: Dynamo compiles afresh for it and leaves the caller's compiled
+    # functions (and their caches) alone
     compiled: Any = torch.compile(model, backend=compiler)
     with collecting() as rows:
         out = compiled(*example_inputs)
         tensors = [t for t in (out if isinstance(out, tuple | list) else [out]) if isinstance(t, torch.Tensor)]
         wants = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
         if backward if backward is not None else wants:
+            params = list(model.parameters()) if isinstance(model, torch.nn.Module) else []
+            kept = [p.grad for p in params]  # the caller's gradients come back untouched
             sum(t.float().sum() for t in tensors if t.requires_grad).backward()  # type: ignore[union-attr]
-    torch._dynamo.reset()
+            for p, g in zip(params, kept, strict=True):
+                p.grad = g
     return Report(tuple(rows))
