@@ -25,8 +25,15 @@ from fusegraph.runtime.handle import Handle
 from fusegraph.torch.graphs import TSpec
 
 
+_TYPES: dict[torch.dtype, DataType] = {}
+
+
 def data_type(dtype: torch.dtype) -> DataType:
-    return as_data_type(str(dtype).removeprefix("torch."))
+    """fusegraph's DataType of a torch dtype (memoized: it is on every call's path)."""
+    dt = _TYPES.get(dtype)
+    if dt is None:
+        dt = _TYPES.setdefault(dtype, as_data_type(str(dtype).removeprefix("torch.")))
+    return dt
 
 
 def spec(t: torch.Tensor) -> TSpec:
