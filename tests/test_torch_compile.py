@@ -220,3 +220,40 @@ def test_a_value_read_through_unconverted_code_splits_regions() -> None:
     norm = next(r for r in regions if r.pattern.startswith("triton.norm"))
     assert not any(conv.atoms[n] == "add" for n in norm.nodes)
     assert any(conv.atoms[n] == "add" for r in regions for n in r.nodes)  # in a region of its own
+
+
+@pytest.mark.parametrize("which", ["flash", "efficient", "cudnn"])
+def test_cuda_attention_forward_and_backward_convert(which: str) -> None:
+    """The CUDA attention ops (traced on fake CUDA tensors: no GPU needed) become sdpa with
+    statistics and sdpa_backward; their RNG-state and debug results become zeros (no dropout
+    reads them), so a training step's attention can be claimed forward and backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusegraph.regions import split
+    from fusegraph.torch import aten as conv_aten
+
+    a = torch.ops.aten
+
+    def f(q: Any, k: Any, v: Any, do: Any) -> Any:
+        if which == "flash":
+            o, lse, cq, ck, mq, mk, seed, off, _ = a._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)
+            grads = a._scaled_dot_product_flash_attention_backward(do, q, k, v, o, lse, cq, ck, mq, mk, 0.0, True, seed, off)
+        elif which == "efficient":
+            o, lse, seed, off = a._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)
+            grads = a._scaled_dot_product_efficient_attention_backward(
+                do, q, k, v, None, o, lse, seed, off, 0.0, [True, True, True, False], True)[:3]
+        else:
+            o, lse, cq, ck, mq, mk, seed, off, _ = a._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False)
+            grads = a._scaled_dot_product_cudnn_attention_backward(do, q, k, v, o, lse, seed, off, None, cq, ck, mq, mk, 0.0, True)
+        return o, *grads
+
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 64, 16, device="cuda", dtype=torch.bfloat16)
+    gm = make_fx(f, tracing_mode="fake")(q, q, q, q)
+    conv = conv_aten.convert(gm.graph)
+    attention = [n.name for n in gm.graph.nodes if "attention" in str(n.target)]
+    assert len(attention) == 2 and not any(n in conv.refused for n in attention), conv.refused
+    assert conv.constants  # the RNG state
+    regions = split(conv.graph.validate(), opaque=conv.opaque, atoms=conv.atoms).regions
+    assert [r.pattern for r in regions] == ["cudnn.sdpa", "cudnn.sdpa_backward"]

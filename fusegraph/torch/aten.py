@@ -73,6 +73,18 @@ def _stride(v: Any) -> list[int]:
     return [_int(s) for s in v.stride()]
 
 
+@dataclass(frozen=True)
+class Zeros:
+    """A result no computation needs but a signature returns (attention's RNG state without
+    dropout, its debug mask): the runner hands back zeros of this shape and dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+Result = TensorAttr | Zeros | None
+
+
 @dataclass
 class Converted:
     graph: Graph
@@ -82,6 +94,7 @@ class Converted:
     refused: dict[str, str] = field(default_factory=dict)  # FX node -> why not converted
     opaque: dict[str, list[str]] = field(default_factory=dict)  # graph input -> graph tensors it depends on
     converted: list[str] = field(default_factory=list)  # FX nodes converted, in order
+    constants: dict[Key, Zeros] = field(default_factory=dict)  # FX values the runner fills with zeros
 
 
 class Ctx:
@@ -120,7 +133,7 @@ class Ctx:
             raise Refused(f"scalar operand {v!r} is not a number")
         return self.g.scalar(float(v), like.dtype)
 
-    def done(self, node: torch.fx.Node, result: TensorAttr | Sequence[TensorAttr | None]) -> None:
+    def done(self, node: torch.fx.Node, result: TensorAttr | Sequence[Result]) -> None:
         """Records the node's results, each set to the dtype its meta value has."""
         v = meta(node)
         if isinstance(result, TensorAttr):
@@ -128,7 +141,9 @@ class Ctx:
             self.out.values[(node.name, None)] = result.name
             return
         for i, r in enumerate(result):
-            if r is not None:
+            if isinstance(r, Zeros):
+                self.out.constants[(node.name, i)] = r
+            elif r is not None:
                 self._tensors[(node.name, i)] = _typed(r, v[i])
                 self.out.values[(node.name, i)] = r.name
 
@@ -140,7 +155,7 @@ def _typed(t: TensorAttr, v: Any) -> TensorAttr:
     return t
 
 
-Converter = Callable[[Ctx, torch.fx.Node], TensorAttr | Sequence[TensorAttr | None]]
+Converter = Callable[[Ctx, torch.fx.Node], TensorAttr | Sequence[Result]]
 CONVERTERS: dict[Any, Converter] = {}
 
 
@@ -255,12 +270,6 @@ def _sdpa_args(n: torch.fx.Node, dropout_at: int, causal_at: int) -> tuple[bool,
     return bool(causal), (float(scale) if scale is not None else None)
 
 
-def _only_used(n: torch.fx.Node, indices: set[int]) -> None:
-    for user in n.users:
-        if not (user.op == "call_function" and user.target is operator.getitem and user.args[1] in indices):
-            raise Refused("attention whose extra outputs (RNG state, debug) are read")
-
-
 @converts(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def _sdpa_cpu(c: Ctx, n: torch.fx.Node) -> list[TensorAttr | None]:
     causal, scale = _sdpa_args(n, 3, 4)
@@ -278,25 +287,92 @@ def _sdpa_cpu_bwd(c: Ctx, n: torch.fx.Node) -> list[TensorAttr | None]:
     return [dq, dk, dv]
 
 
-@converts(aten._scaled_dot_product_efficient_attention.default)
-def _sdpa_efficient(c: Ctx, n: torch.fx.Node) -> list[TensorAttr | None]:
-    _only_used(n, {0})  # training reads the RNG state outputs: left to PyTorch
-    if _args(n)[3] is not None:
-        raise Refused("attention with a bias")
-    causal, scale = _sdpa_args(n, 5, 6)
-    q, k, v = (c.value(a) for a in _args(n)[:3])
-    return [c.g.sdpa(q, k, v, scale, causal), None, None, None]
+# The CUDA attention ops, forward and backward, by their signatures: where dropout, the
+# causal flag and a bias sit, which results are the log-sum-exp and which only RNG state
+# or debug output (zeros where there is no dropout: nothing reads them then).
+@dataclass(frozen=True)
+class _Attn:
+    dropout: int
+    causal: int
+    bias: int | None
+    lse: int
+    zeros: tuple[int, ...]
 
 
-@converts(aten._scaled_dot_product_flash_attention.default, aten._scaled_dot_product_cudnn_attention.default)
-def _sdpa_cuda(c: Ctx, n: torch.fx.Node) -> list[TensorAttr | None]:
-    _only_used(n, {0})
-    if n.target is aten._scaled_dot_product_cudnn_attention.default and _args(n)[3] is not None:
+_ATTENTION: dict[Any, _Attn] = {
+    aten._scaled_dot_product_flash_attention.default: _Attn(3, 4, None, 1, (6, 7, 8)),
+    aten._scaled_dot_product_efficient_attention.default: _Attn(5, 6, 3, 1, (2, 3)),
+    aten._scaled_dot_product_cudnn_attention.default: _Attn(5, 6, 3, 1, (6, 7, 8)),
+}
+
+
+def _attention_flags(n: torch.fx.Node, dropout: int, causal: int, bias: int | None) -> tuple[bool, float | None]:
+    args = _args(n)
+    if bias is not None and len(args) > bias and args[bias] is not None:
         raise Refused("attention with a bias")
-    at = (4, 5) if n.target is aten._scaled_dot_product_cudnn_attention.default else (3, 4)
-    causal, scale = _sdpa_args(n, *at)
-    q, k, v = (c.value(a) for a in _args(n)[:3])
-    return [c.g.sdpa(q, k, v, scale, causal)] + [None] * (len(meta(n)) - 1)
+    if len(args) > dropout and args[dropout]:
+        raise Refused("attention with dropout")
+    scale: Any = n.kwargs.get("scale")
+    return bool(args[causal]) if len(args) > causal else False, (float(scale) if scale is not None else None)
+
+
+def _lse_shape(q: Any) -> list[int]:
+    return _shape(q)[:-1]
+
+
+@converts(*_ATTENTION)
+def _sdpa_cuda(c: Ctx, n: torch.fx.Node) -> list[Result]:
+    spec = _ATTENTION[n.target]
+    causal, scale = _attention_flags(n, spec.dropout, spec.causal, spec.bias)
+    v = meta(n)
+    lse = v[spec.lse]
+    q, k, vv = (c.value(a) for a in _args(n)[:3])
+    if lse is None or lse.numel() == 0:  # no statistics asked for (inference)
+        o = c.g.sdpa(q, k, vv, scale, causal)
+        stats_out: Result = None
+    else:
+        want = _shape(lse)
+        if math.prod(want) != math.prod(_lse_shape(meta(_args(n)[0]))):
+            raise Refused(f"attention statistics laid out as {want} (padded), not one per query row")
+        o, stats = c.g.sdpa(q, k, vv, scale, causal, generate_stats=True)
+        stats_out = _reshape(c, stats, want)
+    out: list[Result] = [None] * len(v)
+    out[0], out[spec.lse] = o, stats_out
+    for i in spec.zeros:
+        x = v[i]
+        if isinstance(x, torch.Tensor):
+            out[i] = Zeros(tuple(_shape(x)), x.dtype)
+    for user in n.users:  # what else is read must be a size (max_q, max_k) or nothing
+        idx = user.args[1] if user.target is operator.getitem else None
+        if idx is None or (idx not in (0, spec.lse, *spec.zeros) and isinstance(v[idx], torch.Tensor)):
+            raise Refused(f"attention result {idx} is read")
+    return out
+
+
+# backward ops: positions of (dO, q, k, v, o, lse), dropout, causal, bias
+_ATTENTION_BWD: dict[Any, tuple[tuple[int, ...], int, int, int | None]] = {
+    aten._scaled_dot_product_flash_attention_backward.default: ((0, 1, 2, 3, 4, 5), 10, 11, None),
+    aten._scaled_dot_product_efficient_attention_backward.default: ((0, 1, 2, 3, 5, 6), 9, 11, 4),
+    aten._scaled_dot_product_cudnn_attention_backward.default: ((0, 1, 2, 3, 4, 5), 13, 14, 8),
+}
+
+
+@converts(*_ATTENTION_BWD)
+def _sdpa_cuda_bwd(c: Ctx, n: torch.fx.Node) -> list[Result]:
+    where, dropout, causal, bias = _ATTENTION_BWD[n.target]
+    flags_causal, scale = _attention_flags(n, dropout, causal, bias)
+    args = _args(n)
+    do, q, k, v, o, lse = (args[i] for i in where)
+    rows = _lse_shape(meta(q))
+    if math.prod(_shape(meta(lse))) != math.prod(rows):
+        raise Refused("attention statistics laid out padded, not one per query row")
+    stats = _reshape(c, c.value(lse), [*rows, 1])
+    dq, dk, dv = c.g.sdpa_backward(c.value(q), c.value(k), c.value(v), c.value(o), c.value(do), stats, scale,
+                                   flags_causal)
+    out: list[Result] = [dq, dk, dv]
+    if n.target is aten._scaled_dot_product_efficient_attention_backward.default:
+        out.append(None)  # the bias gradient (no bias)
+    return out
 
 
 # ---- pointwise ------------------------------------------------------------------------------------------------
@@ -503,13 +579,13 @@ def _prune(out: Converted) -> None:
     g._touch()
 
 
-def _check_dims(n: torch.fx.Node, result: TensorAttr | Sequence[TensorAttr | None]) -> None:
+def _check_dims(n: torch.fx.Node, result: TensorAttr | Sequence[Result]) -> None:
     """Each result has the dims PyTorch's meta value has (shape inference ran as the nodes
     were added): a converter that got a shape wrong is caught here, not in validate()."""
     v = meta(n)
     pairs = [(result, v)] if isinstance(result, TensorAttr) else list(zip(result, v, strict=False))
     for t, m in pairs:
-        if t is None:
+        if t is None or isinstance(t, Zeros):
             continue
         if not t.dim_set and t._dim is None:
             raise Refused("its result's dims could not be inferred")
@@ -534,6 +610,8 @@ def _mark_outputs(graph: torch.fx.Graph, out: Converted) -> None:
 
 
 def _float_results(n: torch.fx.Node) -> bool:
+    if n.target in _ATTENTION:  # sizes and RNG state besides (handled by its converter)
+        return True
     v = n.meta.get("val")
     vals = v if isinstance(v, list | tuple) else [v]
     return all(x is None or (isinstance(x, torch.Tensor) and x.dtype in _FLOATS) for x in vals)

@@ -257,7 +257,7 @@ def _submodule(region: Region, conv: aten.Converted, by_name: Mapping[str, torch
         env[n] = g.node_copy(n, lambda a: env[a])
     leaving = [by_name[name] for name in names
                if any(u.name not in inside for u in by_name[name].users)
-               and not (isinstance(by_name[name].meta.get("val"), tuple | list))]
+               and isinstance(by_name[name].meta.get("val"), torch.Tensor)]
     g.output(tuple(env[n] for n in leaving))
     return torch.fx.GraphModule(torch.nn.Module(), g), feeds, leaving
 
@@ -280,6 +280,16 @@ def _replace(gm: torch.fx.GraphModule, region: Region, names: Sequence[str], con
         item.meta = dict(n.meta)
         outs.append(item)
     inside = set(names)
+    for name in names:  # results that are no tensor (attention's max_q, an undefined cum_seq):
+        n = by_name[name]  # their readers get the value itself
+        v = n.meta.get("val", ...)
+        if n in leaving or isinstance(v, tuple | list) or not any(u.name not in inside for u in n.users):
+            continue
+        if not (v is None or type(v) is int):
+            raise FusegraphError(f"ATen node '{name}' returns {type(v).__name__}, which a region cannot hand back")
+        for user in list(n.users):
+            if user.name not in inside:
+                user.replace_input_with(n, v)  # type: ignore[arg-type]
     for n, item in zip(leaving, outs, strict=True):
         replaced[_key_of(n)] = item
         for user in list(n.users):

@@ -24,7 +24,6 @@ from fusegraph.graph.graph import Graph
 from fusegraph.runtime.handle import Handle
 from fusegraph.torch.graphs import TSpec
 
-
 _TYPES: dict[torch.dtype, DataType] = {}
 
 

@@ -35,7 +35,7 @@ Signature = tuple[tuple[tuple[int, ...], tuple[int, ...], torch.dtype, torch.dev
 class _Bound:
     plan: ExecutionPlan | None  # None: the region runs its ATen nodes (why says why)
     feed: list[tuple[str, int]]  # graph input name, index of the runner's input
-    outputs: list[tuple[str, tuple[int, ...]]]  # graph output name, the strides PyTorch gives it
+    outputs: list[tuple[str | aten.Zeros, tuple[int, ...]]]  # graph output (or zeros), PyTorch's strides
     why: str = ""
 
 
@@ -65,7 +65,11 @@ class RegionRunner:
             self._bound[sig] = _Bound(None, [], [], f"{type(exc).__name__}: {exc}")
             return _unaliased(list(self.sub(*inputs, *sizes)), inputs)
         outs = []
+        device = inputs[0].device
         for name, stride in b.outputs:
+            if isinstance(name, aten.Zeros):
+                outs.append(torch.zeros(name.shape, dtype=name.dtype, device=device))
+                continue
             t = res[name]
             if tuple(t.stride()) != stride and t.numel() > 1:
                 t = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
@@ -89,14 +93,18 @@ class RegionRunner:
                 raise aten.Refused(f"{name}: {why}")
             out_node = next(n for n in self.sub.graph.nodes if n.op == "output")
             results = list(out_node.args[0])
-            names = []
+            names: list[tuple[str | aten.Zeros, tuple[int, ...]]] = []
             for r in results:
                 key: aten.Key = (r.name, None)
                 if r.op == "call_function" and r.target.__name__ == "getitem":
                     key = (r.args[0].name, int(r.args[1]))
+                stride = tuple(int(s) for s in r.meta["val"].stride())
+                if key in conv.constants:
+                    names.append((conv.constants[key], stride))
+                    continue
                 tname = conv.values[key]
                 conv.graph.tensor_by_name(tname).set_output(True)
-                names.append((tname, tuple(int(s) for s in r.meta["val"].stride())))
+                names.append((tname, stride))
             graph = conv.graph.validate()
             placeholders = {n.name: i for i, n in enumerate(n for n in self.sub.graph.nodes if n.op == "placeholder")}
             feed = [(t, placeholders[k[0]]) for t, k in conv.inputs.items()]
