@@ -86,7 +86,8 @@ def test_expanded_inputs_reach_the_device(i: int) -> None:
     import numpy as np
     import torch
 
-    from fusegraph.engines.torch.convert import copy_strided, from_numpy
+    from fusegraph.engines.expanded_copy import copy_strided
+    from fusegraph.engines.torch.convert import from_numpy
     from fusegraph.reference.inputs import random_inputs
 
     g = _graph(RECORDS[i])

@@ -19,6 +19,7 @@ import numpy as np
 
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan
+from fusegraph.engines.expanded_copy import copy_strided
 from fusegraph.errors import ExecutionError, FusegraphError, VariantPackError
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
@@ -119,8 +120,6 @@ class CudaTensorPlan(ExecutionPlan):
             host = torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
         else:
             host = torch.from_numpy(np.ascontiguousarray(arr))
-        from fusegraph.engines.torch.convert import copy_strided
-
         return copy_strided(torch.empty_strided(t.shape, t.strides, dtype=self._tdt[t.name], device=self.device), host)
 
     def _from_buffer(self, buf: Any, t: TensorAttr) -> Any:

@@ -260,6 +260,7 @@ def _check_graph(graph: Graph) -> None:
             "cuDNN on the H200 -- the graph is split instead"
         )
     _check_flow(graph)
+    _check_epilogues(graph)
     for node in graph.nodes:
         x = node.inputs.get("x")
         if node.kind == OpKind.MATMUL and all(t.dtype in (DataType.FLOAT, DataType.DOUBLE) for t in node.inputs.values()):
@@ -275,6 +276,10 @@ def _check_graph(graph: Graph) -> None:
             if unread:
                 raise _reason(node, f"training-phase statistics {unread} are not graph outputs: cuDNN writes them and "
                                     "needs their memory (CUDNN_STATUS_BAD_PARAM_NULL_POINTER otherwise)")
+            narrow = [p for p, t in node.outputs.items() if p != "y" and t.dtype != DataType.FLOAT]
+            if narrow:
+                raise _reason(node, f"statistics {narrow} are not float32: cuDNN writes its statistics as float32 "
+                                    "(bfloat16 ones read back as garbage, rel err 3e30)")
         if node.kind in (OpKind.LAYERNORM, OpKind.RMSNORM) and x is not None:
             want = (1, *x.shape[1:])
             for port in ("scale", "bias"):
@@ -323,6 +328,66 @@ def _check_flow(graph: Graph) -> None:
         raise Refused(f"graph '{graph.name}' is {len(pieces)} unconnected computations; cuDNN is given one at a time")
 
 
+# Nodes that anchor a cuDNN graph: everything else must be an epilogue reading their result.
+ANCHORS = MAIN_OPS | {OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.BATCHNORM}
+
+
+def _check_epilogues(graph: Graph) -> None:
+    """With a convolution, matmul, sdpa or norm in the graph, every other node computes on
+    its result (an epilogue). On the H200 a pointwise branch beside it -- reading the
+    matmul's or convolution's input and written out as well -- gave wrong numbers and NaNs
+    (270 fuzzed graphs) or a misaligned-address error that poisons the CUDA context."""
+    anchors = [n for n in graph.nodes if n.kind in ANCHORS]
+    if not anchors:
+        return
+    if len(anchors) > 1:
+        names = ", ".join(f"'{n.name}' ({n.kind.value})" for n in anchors)
+        raise Refused(f"{names}: a cuDNN graph here is one convolution, matmul, sdpa or norm with its epilogue")
+    anchor = anchors[0]
+    made = {t.name for t in anchor.outputs.values()}
+    readers: dict[str, int] = {}
+    for node in graph.topological_order():
+        for t in node.inputs.values():
+            if t.name in made:
+                readers[t.name] = readers.get(t.name, 0) + 1
+                if readers[t.name] > 1:
+                    raise _reason(node, f"'{t.name}' is read by two nodes of the epilogue: cuDNN's forked epilogues gave "
+                                        "wrong numbers (rel err 0.08-0.6)")
+        if node is anchor:
+            continue
+        if not any(t.name in made for t in node.inputs.values()):
+            raise _reason(node, f"it does not compute on the result of '{anchor.name}' ({anchor.kind.value}): cuDNN "
+                                "fuses epilogues only, and a branch beside the main operation gave wrong numbers")
+        a = node.attrs
+        if anchor.kind == OpKind.MATMUL and isinstance(a, PointwiseAttrs) and a.mode == M.RELU_FWD and (
+                a.param("relu_lower_clip") != 0.0 or math.isfinite(a.param("relu_upper_clip"))
+                or a.param("relu_lower_clip_slope") != 0.0):
+            raise _reason(node, "a clipped or leaky relu in a matmul's epilogue: cuDNN applied it wrongly (rel err 0.1-0.95)")
+        made.update(t.name for t in node.outputs.values())
+
+
+def _family(graph: Graph) -> tuple[str, set[str]]:
+    """The one layout (row-major or channels-last) that the image-like tensors of the graph
+    share -- those of rank >= 3 not read by a matmul or sdpa -- and their names. On the H200
+    a convolution's epilogue reading or writing tensors of the other layout gave wrong
+    numbers (rel err 0.95-1.4); a tensor whose size-1 axes fit both layouts takes the shared one."""
+    names: set[str] = set()
+    fits = {"row-major", "channels-last"}
+    special = {t.name for n in graph.nodes if n.kind in (OpKind.MATMUL, OpKind.SDPA)
+               for t in (*n.inputs.values(), *n.outputs.values())}
+    for t in graph.tensors:
+        if t.is_scalar or t.data_type is None or len(t.shape) < 3 or t.name in special:
+            continue
+        names.add(t.name)
+        here = {f for f in ("row-major", "channels-last") if isinstance(layout_order(t, (f,)), tuple)}
+        if here:  # unpacked or expanded tensors are refused with their own reason later
+            fits &= here
+    if not fits:
+        raise Refused(f"graph '{graph.name}' mixes NCHW-ordered and channels-last tensors; cuDNN is given one layout "
+                      "per graph (mixed ones gave wrong numbers)")
+    return ("row-major" if "row-major" in fits else "channels-last"), names
+
+
 def _per_channel(graph: Graph) -> dict[str, int]:
     """A batchnorm's [C] tensors -> the rank of its x (see _describe)."""
     out: dict[str, int] = {}
@@ -345,10 +410,14 @@ def binding(graph: Graph) -> Binding:
     natural = max((len(t.shape) for t in graph.tensors if not t.is_scalar), default=1)
     channels = _per_channel(graph)
     described: dict[str, Described] = {}
+    family = _family(graph)
     for t in graph.tensors:
         if t.is_scalar or t.data_type is None or not t.dim:
             continue
-        order = layout_order(t, allowed_layouts(graph, t, rank, trailing))
+        allowed = allowed_layouts(graph, t, rank, trailing)
+        if t.name in family[1]:
+            allowed = tuple(a for a in allowed if a == family[0]) or allowed
+        order = layout_order(t, allowed)
         if isinstance(order, str):
             raise Refused(order)
         described[t.name] = _describe(t, rank, trailing, natural, order, channels.get(t.name))

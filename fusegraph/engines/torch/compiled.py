@@ -18,7 +18,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fusegraph.engines.torch.convert import Tensor, _torch, copy_strided
+from fusegraph.engines.expanded_copy import copy_strided
+from fusegraph.engines.torch.convert import Tensor, _torch
 from fusegraph.errors import CompileError
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph

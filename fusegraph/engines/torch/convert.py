@@ -131,21 +131,6 @@ def from_numpy(arr: np.ndarray, dt: DataType) -> Tensor:
     return t.view(torch_dtype(dt)) if dt in _VIEW_AS else t
 
 
-def copy_strided(dst: Tensor, src: Any) -> Tensor:
-    """``dst.copy_(src)`` for a ``dst`` laid out as a graph declares it, expanded (stride-0)
-    axes included: torch refuses to write into a tensor whose elements share memory ("more
-    than one element of the written-to tensor refers to a single memory location", which the
-    GPU fuzz run hit on every broadcast input copied to the device), so only the first slice
-    along each expanded axis is written -- the one memory location those elements share."""
-    axes = [a for a, (d, s) in enumerate(zip(dst.shape, dst.stride(), strict=True)) if s == 0 and d > 1]
-    if not axes:
-        return dst.copy_(src)
-    index = tuple(slice(0, 1) if a in axes else slice(None) for a in range(dst.dim()))
-    src = src.expand(dst.shape) if hasattr(src, "expand") else src
-    dst[index].copy_(src[index])
-    return dst
-
-
 def to_numpy_into(src: Tensor, dst: np.ndarray, dt: DataType) -> None:
     """Copies a torch tensor (any device) into a numpy array of the tensor's logical shape."""
     from_numpy(dst, dt).copy_(src)

@@ -11,11 +11,11 @@ from typing import Any
 import numpy as np
 
 from fusegraph.engines.cuda_capture import CENSUS, capturing
+from fusegraph.engines.expanded_copy import copy_strided
 from fusegraph.engines.torch.convert import (
     Tensor,
     _is_buffer,
     buffer_to_torch,
-    copy_strided,
     from_numpy,
     torch_dtype,
 )

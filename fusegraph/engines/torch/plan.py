@@ -18,6 +18,7 @@ import numpy as np
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan
 from fusegraph.engines.cuda_plan import GRAD_REFUSAL
+from fusegraph.engines.expanded_copy import copy_strided
 from fusegraph.engines.torch import frozen, steps
 from fusegraph.engines.torch import fusion as torch_fusion
 from fusegraph.engines.torch import onednn_graph as torch_onednn_graph
@@ -31,7 +32,6 @@ from fusegraph.engines.torch.convert import (
     _torch,
     _torch_device,
     buffer_to_torch,
-    copy_strided,
     from_numpy,
     to_numpy_into,
     torch_dtype,
