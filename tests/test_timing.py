@@ -176,3 +176,17 @@ def test_real_clock_smoke() -> None:
     """The default clock: two trivially cheap callables give finite positive medians."""
     got = time_candidates({"a": lambda: sum(range(50)), "b": lambda: None}, warmup_s=0.05, min_rounds=2)
     assert all(t.median_ms > 0 and math.isfinite(t.median_ms) for t in got.values())
+
+
+def test_host_work_is_sampled_per_call_so_stalls_stay_out_of_the_median() -> None:
+    """A multi-threaded library on a busy machine: one call in three is stalled by a
+    scheduler quantum (16 ms). Per-call samples keep the median at the clean 0.5 ms; a
+    synced block's mean (the GPU way) would carry a stall in every block."""
+    clock = Clock()
+    stalled = fake(clock, lambda i: 16.5 if i % 3 == 2 else 0.5)
+    host = time_candidates({"x": stalled}, clock=clock, min_rounds=6, per_round=4, steady=False)["x"]
+    assert len(host.samples) == 6 * 4 and host.rounds == 6
+    assert host.median_ms == pytest.approx(0.5)
+    synced = time_candidates({"x": fake(clock, lambda i: 16.5 if i % 3 == 2 else 0.5)}, sync=lambda: None,
+                             clock=clock, min_rounds=6, per_round=4, steady=False)["x"]
+    assert len(synced.samples) == 6 and synced.median_ms > 4.0

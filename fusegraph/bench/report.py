@@ -20,6 +20,7 @@ from fusegraph.bench.flags import BASELINES
 from fusegraph.bench.runner import CaseResult, Row
 from fusegraph.dtypes import DataType
 
+NOISY = 0.25  # interquartile range over median of the rounds above which a row is flagged
 FORMAT = "fusegraph.bench"
 VERSION = 1
 CSV_FIELDS = (
@@ -113,10 +114,15 @@ def table(res: CaseResult) -> str:
             line += f" {('x' + format(s, '.2f')) if s is not None else '-':>10s}"
         if r.rel_error is not None:
             line += f"  {'ok' if r.status != 'mismatch' else 'MISMATCH'} {r.rel_error:.1e}"
+        if r.timing is not None and r.timing.spread > NOISY:
+            line += f"  noisy (rounds +-{100 * r.timing.spread / 2:.0f}%)"
         lines.append(line)
     for r in res.rows:
         if r.status in ("refused", "failed") and r.timing is None:
             lines.append(f"   {r.status}: {r.contender}: {r.reason}")
+    if any(r.timing is not None and r.timing.spread > NOISY for r in res.rows):
+        lines.append("   note: noisy rows varied between rounds (a busy machine); the min column and more rounds "
+                     "(-i N, --budget S) say more")
     for note in res.notes:
         lines.append(f"   note: {note}")
     return "\n".join(lines)

@@ -11,8 +11,12 @@ order rotating from round to round, so that load spikes on a shared machine and 
 drift hit them all alike. One untimed call precedes each block (it absorbs the switch
 from the previous candidate: caches, another library's thread pool). ``sync`` (e.g.
 ``torch.cuda.synchronize``) is called before and after each timed block, so GPU work is
-counted whole and only once. The reported figure is the median over rounds of each
-round's time per call.
+counted whole and only once, and a sample is the block's time per call. Without a sync
+(host work, which ends when the call returns) every call of a block is its own sample: on
+a machine shared with other work, a thread of a multi-threaded library descheduled for a
+scheduler quantum (milliseconds) stalls the calls it lands in, and the median over calls
+leaves those out where a block's mean would carry them. The reported figure is the median
+of the samples.
 
 Nothing here imports torch or anything above select/; the clock can be replaced (tests
 drive fake candidates on a virtual clock, so no test asserts wall-clock times).
@@ -40,8 +44,9 @@ MAX_PER_ROUND = 1000
 
 @dataclass(frozen=True)
 class Timing:
-    """One candidate's steady-state time. ``samples`` are milliseconds per call, one per
-    round (a block's time divided by its calls), in round order."""
+    """One candidate's steady-state time. ``samples`` are milliseconds per call, in the
+    order taken: one per round (a synced block's time over its calls), or, for host work
+    timed without a sync, one per call."""
 
     name: str
     median_ms: float
@@ -52,14 +57,11 @@ class Timing:
     warmup_ms: float = 0.0  # what the warm-up calls took, all together
     first_call_ms: float = math.nan  # the very first call: what a cold timer would have seen
     steady: bool = True  # False: warm-up ended on its bound with the times still falling
-
-    @property
-    def rounds(self) -> int:
-        return len(self.samples)
+    rounds: int = 0
 
     @property
     def spread(self) -> float:
-        """Interquartile range over the median: how noisy the rounds were (0 = not at all)."""
+        """Interquartile range over the median: how noisy the samples were (0 = not at all)."""
         if len(self.samples) < 4 or self.median_ms <= 0:
             return 0.0
         q = statistics.quantiles(self.samples, n=4)
@@ -141,6 +143,7 @@ def time_candidates(
             del live[name]
     blocks = {name: per_round or _block_size(warm[name].fast_ms) for name in live}
     samples: dict[str, list[float]] = {name: [] for name in live}
+    done = dict.fromkeys(live, 0)  # rounds each candidate was timed in
     timed = dict(live)  # still being timed (drop_slower_than may retire some)
     planned = min_rounds if budget_s is None else max(min_rounds, max_rounds)
     names = list(timed)
@@ -157,12 +160,21 @@ def time_candidates(
                 if wait is not None:
                     wait()
                 block = blocks[name]
-                t0 = clock()
-                for _ in range(block):
-                    call()
-                if wait is not None:
+                if wait is None:  # host work: each call is a sample
+                    got = samples[name]
+                    t0 = clock()
+                    for _ in range(block):
+                        call()
+                        t1 = clock()
+                        got.append((t1 - t0) * 1e3)
+                        t0 = t1
+                else:
+                    t0 = clock()
+                    for _ in range(block):
+                        call()
                     wait()
-                samples[name].append((clock() - t0) * 1e3 / block)
+                    samples[name].append((clock() - t0) * 1e3 / block)
+                done[name] += 1
             except Exception as exc:
                 if on_error is None:
                     raise
@@ -180,7 +192,7 @@ def time_candidates(
                 for c, med in medians.items():
                     if med > drop_slower_than * best:
                         del timed[c]
-    return {name: _timing(name, samples[name], blocks[name], warm[name]) for name in live if samples[name]}
+    return {name: _timing(name, samples[name], blocks[name], done[name], warm[name]) for name in live if samples[name]}
 
 
 @dataclass(frozen=True)
@@ -235,7 +247,7 @@ def _block_size(call_ms: float) -> int:
     return max(1, min(MAX_PER_ROUND, math.ceil(TARGET_BLOCK_S * 1e3 / call_ms)))
 
 
-def _timing(name: str, samples: list[float], per_round: int, w: _Warmup) -> Timing:
+def _timing(name: str, samples: list[float], per_round: int, rounds: int, w: _Warmup) -> Timing:
     return Timing(
         name=name,
         median_ms=statistics.median(samples),
@@ -246,4 +258,5 @@ def _timing(name: str, samples: list[float], per_round: int, w: _Warmup) -> Timi
         warmup_ms=w.total_ms,
         first_call_ms=w.first_ms,
         steady=w.steady,
+        rounds=rounds,
     )
