@@ -6,7 +6,8 @@ first finding. A worker killed by a signal (an engine that took the process down
 graph it was running, which goes to ``crashes.jsonl`` with the signal; the worker is started
 again with a new seed until the time is up. At the end the counts per engine are printed
 (and written to ``summary.json``): graphs drawn, refused, run, correct, wrong numbers,
-raised (typed fusegraph errors and untyped ones apart) and processes killed.
+raised (typed fusegraph errors and untyped ones apart), CUDA errors (a worker whose context
+one poisoned exits and is started afresh) and processes killed.
 
 Example (the GPU machine, 14 workers for 8 minutes)::
 
@@ -70,6 +71,8 @@ def summarize(out: Path, deaths: Counter[str]) -> dict[str, dict[str, int]]:
             detail = str(rec.get("detail", ""))
             if "invalid_graph" in rec:
                 c["invalid graphs"] += 1
+            elif "CUDA error" in detail:
+                c["CUDA errors"] += 1
             elif detail.startswith("raised untyped"):
                 c["raised untyped"] += 1
             elif detail.startswith("raised"):
@@ -81,7 +84,8 @@ def summarize(out: Path, deaths: Counter[str]) -> dict[str, dict[str, int]]:
         ran = c["ok"] + c["mismatch"]
         result[engine] = {"drawn": c["drawn"], "refused": c["unsupported"], "ran": ran, "correct": c["ok"],
                           "wrong numbers": c["wrong numbers"], "raised typed": c["raised typed"],
-                          "raised untyped": c["raised untyped"], "invalid graphs": c["invalid graphs"],
+                          "raised untyped": c["raised untyped"], "CUDA errors": c["CUDA errors"],
+                          "invalid graphs": c["invalid graphs"],
                           "processes killed": deaths[engine]}
     return result
 
@@ -124,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
             w.proc.kill()
     result = summarize(out, deaths)
     (out / "summary.json").write_text(json.dumps(result, indent=1))
-    cols = ["drawn", "refused", "ran", "correct", "wrong numbers", "raised typed", "raised untyped", "processes killed"]
+    cols = ["drawn", "refused", "ran", "correct", "wrong numbers", "raised typed", "raised untyped", "CUDA errors",
+            "processes killed"]
     print("| engine | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for engine, row in result.items():

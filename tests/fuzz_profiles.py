@@ -49,6 +49,8 @@ class Profile:
     first: tuple[str, ...] = ()  # the op families of the first step, where they must come first
     full_norm_params: bool = False  # norm scales and biases one value per normalized element
     live_only: bool = False  # every computed value that no node reads is read out (no dead branch)
+    chain: bool = False  # each op reads the last result (one chain: no forks, no side branches)
+    one_family: bool = False  # one image layout (NCHW-ordered or channels-last) per graph
 
     def orders(self, role: str, rank: int) -> list[tuple[int, ...]]:
         names = self.layouts.get(role) or self.layouts.get("any") or ("row-major",)
@@ -73,9 +75,13 @@ PROFILES: dict[str, Profile] = {
         layouts={"any": ("row-major", "channels-last"), "image": ("row-major", "channels-last"),
                  "matmul": ("row-major", "transposed"), "sdpa": ("row-major", "heads-interleaved")},
         one_main=True,
+        main_kinds=MAIN_KINDS | {"layernorm", "rmsnorm", "batchnorm"},
         broadcast_one_in=12,
         full_norm_params=True,
         live_only=True,
+        chain=True,
+        one_family=True,
+        first=("matmul", "conv", "conv", "dgrad", "wgrad", "sdpa", "layernorm", "rmsnorm", "batchnorm", "unary", "binary"),
     ),
     # Triton row kernels: softmax, norms and reductions over trailing dims with their
     # pointwise neighbours, on row-major tensors.
