@@ -300,8 +300,10 @@ def _time(case: Case, opts: Options, ready: Sequence[_Contender], gpu_sync: Call
           res: CaseResult) -> dict[str, Timing]:
     from tqdm.auto import tqdm
 
-    # each contender waits for its own device work: a plan's synchronize, else the GPU's
-    syncs = {c.row.contender: c.sync or gpu_sync for c in ready}
+    # on a GPU each contender waits for its own device work: a plan's synchronize, else the
+    # GPU's; on the CPU a call is done when it returns (and is sampled alone, select/timing.py)
+    gpu = Handle(opts.device).device.is_gpu
+    syncs = {c.row.contender: (c.sync or gpu_sync) if gpu else None for c in ready}
     def failed(name: str, exc: Exception) -> None:
         for c in ready:
             if c.row.contender == name:

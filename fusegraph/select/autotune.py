@@ -416,7 +416,10 @@ def _time_plans(
 
     keys = {str(cfg): cfg for cfg in ready}
     calls = {k: _caller(*ready[cfg]) for k, cfg in keys.items()}
-    syncs = {k: getattr(ready[cfg][0], "synchronize", None) for k, cfg in keys.items()}
+    # a device's plans wait for it; host plans are done when execute returns (and are then
+    # sampled per call, select/timing.py), whatever no-op synchronize they may have
+    syncs = {k: getattr(ready[cfg][0], "synchronize", None) if ready[cfg][0].handle.device.is_gpu else None
+             for k, cfg in keys.items()}
 
     def failed(key: str, exc: Exception) -> None:
         if not isinstance(exc, _TimingFailure):
