@@ -81,7 +81,7 @@ PROFILES: dict[str, Profile] = {
         live_only=True,
         chain=True,
         one_family=True,
-        first=("matmul", "conv", "conv", "dgrad", "wgrad", "sdpa", "layernorm", "rmsnorm", "batchnorm", "unary", "binary"),
+        first=("matmul", "conv", "conv", "dgrad", "wgrad", "sdpa", "layernorm", "rmsnorm", "batchnorm"),
     ),
     # Triton row kernels: softmax, norms and reductions over trailing dims with their
     # pointwise neighbours, on row-major tensors.

@@ -146,6 +146,12 @@ class Fuzz:
         order = self.draw(st.permutations(list(range(len(dims))))) if len(dims) > 1 else list(range(len(dims)))
         return layout.packed_strides(dims, order)
 
+    def float_stats(self, *stats: TensorAttr) -> None:
+        """Under a profile with full norm parameters: statistics kept as float32, as cuDNN writes them."""
+        if self.profile is not None and self.profile.full_norm_params and not self.odd():
+            for t in stats:
+                t.set_data_type(DataType.FLOAT)
+
     def odd(self, one_in: int | None = None) -> bool:
         """Under a profile: whether this draw leaves what the engine claims (1 in profile.odd)."""
         if self.profile is None:
@@ -468,6 +474,7 @@ class Fuzz:
         if (self.profile is not None and self.profile.live_only) or self.draw(st.booleans()):
             mean.set_output(True)
             inv_var.set_output(True)
+            self.float_stats(mean, inv_var)
         n = math.prod(x.dims) // c
         self.add(Value(y, 1.5 * math.sqrt(n) + 1.5))
 
@@ -484,6 +491,7 @@ class Fuzz:
         if phase == NormFwdPhase.TRAINING and mean is not None and inv_var is not None and (live or self.draw(st.booleans())):
             mean.set_output(True)
             inv_var.set_output(True)
+            self.float_stats(mean, inv_var)
         self.add(Value(y, 1.5 * math.sqrt(math.prod(x.dims[1:])) + 1.5))
 
     def op_rmsnorm(self) -> None:
@@ -499,6 +507,7 @@ class Fuzz:
         y, inv = self.g.rmsnorm(x.t, s.t, epsilon=1e-5, phase=phase, bias=bias.t if bias else None)
         if inv is not None and ((self.profile is not None and self.profile.live_only) or self.draw(st.booleans())):
             inv.set_output(True)
+            self.float_stats(inv)
         self.add(Value(y, 1.5 * math.sqrt(math.prod(x.dims[1:])) + 1.5))
 
     def op_sdpa(self) -> None:
