@@ -115,14 +115,14 @@ def table(res: CaseResult) -> str:
         if r.rel_error is not None:
             line += f"  {'ok' if r.status != 'mismatch' else 'MISMATCH'} {r.rel_error:.1e}"
         if r.timing is not None and r.timing.spread > NOISY:
-            line += f"  noisy (rounds +-{100 * r.timing.spread / 2:.0f}%)"
+            line += f"  noisy (+-{100 * r.timing.spread / 2:.0f}%)"
         lines.append(line)
     for r in res.rows:
         if r.status in ("refused", "failed") and r.timing is None:
             lines.append(f"   {r.status}: {r.contender}: {r.reason}")
     if any(r.timing is not None and r.timing.spread > NOISY for r in res.rows):
-        lines.append("   note: noisy rows varied between rounds (a busy machine); the min column and more rounds "
-                     "(-i N, --budget S) say more")
+        lines.append("   note: noisy: the row's samples spread by more than 25% (interquartile range over median; a "
+                     "busy machine); the min column and more rounds (-i N, --budget S) say more")
     for note in res.notes:
         lines.append(f"   note: {note}")
     return "\n".join(lines)

@@ -247,7 +247,9 @@ def _fusegraph_contenders(case: Case, opts: Options, h: Handle, host: Mapping[st
         except (FusegraphError, ValueError, RuntimeError, OSError) as exc:
             res.rows.append(Row(label, "fusegraph", name, status="failed", reason=_one_line(exc)))
             continue
-        row = Row(label, "fusegraph", name, picked=picked is not None and _spelled_out(g, h, plan.config) == picked)
+        # with --tune the tuned row is the pick; otherwise the engine row auto would use
+        row = Row(label, "fusegraph", name,
+                  picked=not tune and picked is not None and _spelled_out(g, h, plan.config) == picked)
         out.append(_plan_contender(row, plan, host))
 
 
