@@ -171,6 +171,36 @@ def bench(name: str, variants: list[str], device: torch.device, quick: bool, bud
     return result
 
 
+def host_cost(device: torch.device) -> dict[str, float]:
+    """Microseconds per call of each autograd function at a tiny shape (the kernels take
+    next to nothing: what is left is the host's cost), forward and forward + backward,
+    beside the torch.nn.functional calls they replace."""
+    from fusegraph.torch import functions as fgf
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, requires_grad=True)
+
+    x4, w4, b4 = t(1, 4, 4, 4), t(4, 4, 3, 3), t(4)
+    x2, w2, b2 = t(4, 16), t(16, 16), t(16)
+    q, k, v = t(1, 2, 8, 8), t(1, 2, 8, 8), t(1, 2, 8, 8)
+    calls: dict[str, Callable[[], torch.Tensor]] = {
+        "conv_bias_act": lambda: fgf.conv_bias_act(x4, w4, b4, 1, 1, 1, "relu"),
+        "torch conv+relu": lambda: F.relu(F.conv2d(x4, w4, b4, 1, 1)),
+        "linear_bias_act": lambda: fgf.linear_bias_act(x2, w2, b2, "gelu"),
+        "torch linear+gelu": lambda: F.gelu(F.linear(x2, w2, b2)),
+        "layer_norm": lambda: fgf.layer_norm(x2, [16], b2, b2),
+        "torch layer_norm": lambda: F.layer_norm(x2, [16], b2, b2),
+        "attention": lambda: fgf.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "torch attention": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    cands: dict[str, Callable[[], object]] = {}
+    for name, fn in calls.items():
+        cands[f"{name} fwd"] = lambda fn=fn: fn().detach()
+        cands[f"{name} fwd+bwd"] = lambda fn=fn: fn().sum().backward()
+    return {k: v.median_ms * 1e3 for k, v in time_candidates(cands, sync=sync, budget_s=10).items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="convnet,gpt")
@@ -179,8 +209,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=20.0, help="seconds of timing per model and mode")
     ap.add_argument("--quick", action="store_true", help="tiny models, agreement only (CI)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--host", action="store_true", help="the autograd functions' host cost per call, then exit")
     args = ap.parse_args(argv)
     device = torch.device(args.device)
+    if args.host:
+        for name, us in host_cost(device).items():
+            print(f"{name:<28} {us:9.1f} us")
+        return 0
     variants = args.variants.split(",")
     results = [bench(m, variants, device, args.quick, args.budget) for m in args.models.split(",")]
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
