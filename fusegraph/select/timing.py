@@ -200,7 +200,7 @@ class _Warmup:
     calls: int
     total_ms: float
     first_ms: float
-    fast_ms: float  # the fastest of the last window: a steady call, load spikes aside
+    fast_ms: float  # the fastest call: what a block is sized by (a stall must not shrink it to one call)
     steady: bool
 
 
@@ -238,7 +238,7 @@ def _warm_up(
                 break
         if t1 - t_begin >= warmup_s:
             break
-    return _Warmup(len(times), sum(times), times[0], min(times[-STEADY_WINDOW:]), is_steady)
+    return _Warmup(len(times), sum(times), times[0], min(times), is_steady)
 
 
 def _block_size(call_ms: float) -> int:
