@@ -21,7 +21,7 @@ from fusegraph.reference.inputs import random_inputs
 from fusegraph.regions import split
 from fusegraph.regions.choose import Chooser
 from fusegraph.regions.incumbent import CallableIncumbent, TorchOpByOp
-from fusegraph.regions.plan import RegionPlan, fusegraph_step
+from fusegraph.regions.plan import RegionPlan, Step, assemble, fusegraph_step
 from fusegraph.regions.report import Report, rows_for
 from fusegraph.regions.split import Region
 from fusegraph.regions.verdicts import Verdict, VerdictStore, verdict_key
@@ -205,24 +205,18 @@ def test_a_region_plan_runs_the_model_with_the_chosen_steps(rng: np.random.Gener
     chooser = Chooser(cpu, TorchOpByOp(cpu), floor=False, engine="torch")
     choices = chooser.choose_all(got.regions)
     choices[2].plan = None  # the softmax region by the incumbent
-    steps = []
-    for c in choices:
-        ins, outs = c.region.inputs, c.region.outputs
-        if c.plan is not None:
-            steps.append(fusegraph_step(f"r{c.region.index}", c.plan, ins, outs))
-        else:
-            from fusegraph.regions.plan import Step
 
-            names = [f"in{i}" for i in range(len(ins))]
-            region = c.region
+    def op_by_op(region: Region) -> Step:
+        names = [f"in{i}" for i in range(len(region.inputs))]
 
-            def run(values: Any, region: Region = region, names: list[str] = names) -> list[Any]:
-                call = TorchOpByOp(cpu).runnable(region, dict(zip(names, values, strict=True)))
-                res: Any = call()
-                return [res[f"out{i}"] for i in range(len(region.outputs))]
+        def run(values: Any) -> list[Any]:
+            res: Any = TorchOpByOp(cpu).runnable(region, dict(zip(names, values, strict=True)))()
+            return [res[f"out{i}"] for i in range(len(region.outputs))]
 
-            steps.append(Step(f"r{c.region.index}", ins, outs, run, "torch.eager"))
-    plan = RegionPlan(steps, ["out"])
+        return Step(f"r{region.index}", region.inputs, region.outputs, run, "torch.eager")
+
+    plan = assemble(choices, ["out"], op_by_op)
+    assert [s.where for s in plan.steps].count("torch.eager") == 1
     feed = random_inputs(g, rng)
     out = plan.execute({k: torch.from_numpy(v) for k, v in feed.items()})["out"]
     assert isinstance(out, torch.Tensor)

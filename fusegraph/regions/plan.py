@@ -41,6 +41,21 @@ def fusegraph_step(name: str, plan: ExecutionPlan, inputs: Sequence[str], output
     return Step(name, tuple(inputs), tuple(outputs), run, str(plan.config))
 
 
+def assemble(choices: Sequence[Any], outputs: Sequence[str], incumbent: Callable[[Any], Step]) -> RegionPlan:
+    """The plan of a chosen split: each claimed region's fusegraph plan as a step, every
+    other region the step ``incumbent(region)`` gives (the front door's own runner for
+    those nodes), in the split's order (a topological one). ``choices``: regions/choose.py's
+    Choice list."""
+    steps = []
+    for c in choices:
+        r = c.region
+        if c.claimed:
+            steps.append(fusegraph_step(f"r{r.index}", c.plan, r.inputs, r.outputs))
+        else:
+            steps.append(incumbent(r))
+    return RegionPlan(steps, outputs)
+
+
 class RegionPlan:
     """The steps in order; ``execute`` runs them over a dict of named values."""
 
