@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fusegraph.errors import ValidationError
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
+from fusegraph.graph.serialize import graph_to_dict
 from fusegraph.regions import pattern
 from fusegraph.regions.subgraph import cut
 
@@ -214,15 +215,25 @@ def split(
     regions: list[Region] = []
     rejected: list[Rejection] = []
     real = [(i, n) for i, n in enumerate(dag.order) if n is not None]
-    for r, bits in enumerate(members):
-        nodes = [n for i, n in real if (bits >> i) & 1]
+    readers: dict[str, set[int | None]] = {}  # tensor -> the regions of the nodes reading it
+    for i, n in real:
+        for t in _reads(n):
+            readers.setdefault(t, set()).add(owner.get(i))
+    whole = graph_to_dict(graph)  # serialized once: every piece is cut from it
+    in_region: dict[int, list[Node]] = {}
+    for i, n in real:
+        if i in owner:
+            in_region.setdefault(owner[i], []).append(n)
+    for r in range(len(members)):
+        nodes = in_region.get(r, [])
         names = tuple(n.name for n in nodes)
         name = pattern.pattern_name(nodes)
         if name == pattern.MOVEMENT_ONLY:
             rejected.append(Rejection(names, "data movement only (reshape/transpose): nothing to compute or fuse"))
             continue
-        outside = {t for i, n in real if owner.get(i) != r for t in _reads(n)} | set(opaque_reads)
-        piece = cut(graph, nodes, keep | outside, f"{graph.name}.r{len(regions)}")
+        written = [t.name for n in nodes for t in n.outputs.values()]
+        leaves = {t for t in written if t in keep or t in opaque_reads or readers.get(t, set()) - {r}}
+        piece = cut(graph, nodes, leaves, f"{graph.name}.r{len(regions)}", whole)
         regions.append(Region(len(regions), names, name, piece.graph, piece.graph.key(), piece.inputs, piece.outputs))
     leftover = tuple(n.name for i, n in real if i not in owner)
     if leftover:

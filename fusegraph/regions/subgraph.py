@@ -23,12 +23,15 @@ class Cut:
     outputs: tuple[str, ...]  # parent tensor names, in the order of out0, out1, ...
 
 
-def cut(parent: Graph, nodes: Sequence[Node], keep: frozenset[str] | set[str], name: str) -> Cut:
+def cut(parent: Graph, nodes: Sequence[Node], keep: frozenset[str] | set[str], name: str,
+        whole: dict[str, Any] | None = None) -> Cut:
     """``nodes`` (in topological order) of the validated ``parent`` as a Graph of their
     own. A tensor they read but do not write becomes an input; one they write that
-    ``keep`` names (read elsewhere, or an output of the parent) becomes an output."""
+    ``keep`` names (read elsewhere, or an output of the parent) becomes an output.
+    ``whole``: the parent's ``graph_to_dict``, when the caller cuts many pieces of it."""
     parent.ensure_valid()
-    whole = graph_to_dict(parent)
+    if whole is None:
+        whole = graph_to_dict(parent)
     by_name = {e["name"]: e for e in whole["tensors"]}
     written: dict[str, None] = {}
     read: dict[str, None] = {}
