@@ -558,9 +558,9 @@ def convert(graph: torch.fx.Graph, name: str = "aten") -> Converted:
         reads: set[str] = set()
         for a in n.all_input_nodes:
             reads |= deps.get(a.name, set())
-            for key, t in out.values.items():
-                if key[0] == a.name:
-                    reads.add(t)
+            direct = out.values.get((a.name, None))
+            if direct is not None:
+                reads.add(direct)
         deps[n.name] = reads
     _prune(out)
     _mark_outputs(graph, out)
