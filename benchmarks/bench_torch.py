@@ -136,7 +136,7 @@ def bench(name: str, variants: list[str], device: torch.device, quick: bool, bud
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         step = _step(model, fn, opt, x, y, amp)
         t0 = time.perf_counter()
-        first_loss[v] = float(step())
+        first_loss[v] = float(step().detach())
         if sync:
             sync()
         compile_s = time.perf_counter() - t0
