@@ -180,6 +180,8 @@ class CudaTensorPlan(ExecutionPlan):
             v: Any = pack.get(name)
             if type(v) is not tensor or v.dtype is not dt or v.shape != shape or v.stride() != strides or not v.is_cuda or v.get_device() != index:
                 return None
+            if v.requires_grad:  # the general path refuses it where gradients are recorded
+                return None
             inputs[name] = v
         if len(pack) == n_in:
             results = {name: torch.empty_strided(shape, strides, dtype=dt, device=self.device) for name, shape, strides, dt in self._out_spec}
