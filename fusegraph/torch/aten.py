@@ -401,6 +401,8 @@ def _unary(mode: PointwiseMode) -> Converter:
 
 for _op, _mode in ((aten.add.Tensor, PointwiseMode.ADD), (aten.sub.Tensor, PointwiseMode.SUB),
                    (aten.mul.Tensor, PointwiseMode.MUL), (aten.div.Tensor, PointwiseMode.DIV),
+                   (aten.add.Scalar, PointwiseMode.ADD), (aten.sub.Scalar, PointwiseMode.SUB),
+                   (aten.mul.Scalar, PointwiseMode.MUL), (aten.div.Scalar, PointwiseMode.DIV),
                    (aten.maximum.default, PointwiseMode.MAX), (aten.minimum.default, PointwiseMode.MIN)):
     CONVERTERS[_op] = _binary(_mode)
 for _op, _mode in ((aten.relu.default, PointwiseMode.RELU_FWD), (aten.sigmoid.default, PointwiseMode.SIGMOID_FWD),
