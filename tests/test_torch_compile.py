@@ -54,6 +54,18 @@ class Block(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
+class RMSMLP(nn.Module):
+    """Llama-style: RMSNorm (decomposed by PyTorch into pow / mean / rsqrt / mul) then a SiLU MLP."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(d))
+        self.up, self.down = nn.Linear(d, 4 * d, bias=False), nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: Any) -> Any:
+        return x + self.down(F.silu(self.up(F.rms_norm(x, [x.shape[-1]], self.w, 1e-6))))
+
+
 def _rel(a: Any, b: Any) -> float:
     assert not torch.isnan(a).any()
     return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
@@ -69,7 +81,7 @@ def _compiled(model: nn.Module, **options: Any) -> Any:
     return torch.compile(model, backend=partial(fusegraph_backend, options={**CLAIM_ALL, **options}))
 
 
-@pytest.mark.parametrize(("make", "shape"), [(ConvNet, (4, 3, 8, 8)), (Block, (2, 8, 32))])
+@pytest.mark.parametrize(("make", "shape"), [(ConvNet, (4, 3, 8, 8)), (Block, (2, 8, 32)), (RMSMLP, (2, 8, 16))])
 def test_outputs_and_gradients_match_eager(make: Callable[[], nn.Module], shape: tuple[int, ...]) -> None:
     eager, twin = _twins(make)
     compiled = _compiled(twin)
