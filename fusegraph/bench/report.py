@@ -89,7 +89,8 @@ def table(res: CaseResult) -> str:
         work.append(f"{c.flops / 1e9:.3g} GFLOP")
     if c.bytes:
         work.append(f"{c.bytes / 1e6:.3g} MB moved")
-    lines = [f"{c.name}  ({res.device_name}; {', '.join(work) or 'no work model'}; {res.elapsed_s:.1f}s)"]
+    load = "" if res.device.startswith("cuda") else f"; {res.load}" if res.load else ""
+    lines = [f"{c.name}  ({res.device_name}; {', '.join(work) or 'no work model'}; {res.elapsed_s:.1f}s{load})"]
     bases = list(res.baseline_ms())
     show_peak = any(v is not None for v in peak(res.device_name, c.dtype))
     head = f"  {'contender':<20s} {'engine / config':<34s} {'median ms':>10s} {'min ms':>9s} {'n':>6s} "
@@ -161,7 +162,7 @@ def to_json(results: Sequence[CaseResult], argv: Sequence[str]) -> dict[str, Any
             m = row_metrics(res, r)
             m["samples_ms"] = list(r.timing.samples) if r.timing is not None else []
             rows.append({k: v for k, v in m.items() if k not in ("case", "family", "device", "dtype", "command")})
-        cases.append({"name": c.name, "family": c.family, "command": c.command, "device": res.device_name,
+        cases.append({"name": c.name, "family": c.family, "command": c.command, "device": res.device_name, "load": res.load,
                       "dtype": str(c.dtype), "flops": c.flops, "bytes": c.bytes, "elapsed_s": res.elapsed_s,
                       "notes": res.notes, "failed": res.failed, "rows": rows})
     return {"format": FORMAT, "version": VERSION, "argv": list(argv), "environment": environment(), "cases": cases}

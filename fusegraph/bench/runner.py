@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -78,6 +79,7 @@ class CaseResult:
     rows: list[Row] = field(default_factory=list)
     elapsed_s: float = 0.0
     notes: list[str] = field(default_factory=list)
+    load: str = ""  # the machine's load when the case was timed (report.machine_load)
 
     @property
     def failed(self) -> bool:
@@ -153,6 +155,7 @@ def run_case(case: Case, opts: Options) -> CaseResult:
     if opts.dump:
         _dump(case, opts, host, ready)
     timings = _time(case, opts, ready, gpu_sync, res)
+    res.load = machine_load()
     for c in ready:
         c.row.timing = timings.get(c.row.contender)
         if c.row.timing is None and c.row.status == "ok":
@@ -163,6 +166,17 @@ def run_case(case: Case, opts: Options) -> CaseResult:
     res.rows.sort(key=lambda r: (r.status != "ok" and r.status != "mismatch", order.get(r.kind, 2)))
     res.elapsed_s = time.perf_counter() - t0
     return res
+
+
+def machine_load() -> str:
+    """The 1-minute load average over the usable cores: a CPU timing's context (on a shared
+    machine, a multi-threaded library's call waits for a core another process holds)."""
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return f"load {load:.1f} on {cores} cores"
 
 
 def _as_outputs(g: Any, out: Any) -> Mapping[str, Any]:
