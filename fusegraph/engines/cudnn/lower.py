@@ -23,6 +23,7 @@ from fusegraph.graph.node import Node
 from fusegraph.graph.ops import (
     DATA_MOVEMENT,
     NORMS,
+    POINTWISE,
     ConvAttrs,
     NormFwdPhase,
     OpKind,
@@ -114,6 +115,7 @@ class Binding:
     scalars: dict[int, tuple[float | int | bool, DataType]]  # pass-by-value uid -> value
     preps: list[Prep] = field(default_factory=list)
     scalar_uid: dict[str, int] = field(default_factory=dict)  # scalar tensor name -> uid
+    swapped: frozenset[str] = frozenset()  # commutative epilogue nodes given (b, a): see _check_epilogues
 
     def to_json(self) -> dict[str, Any]:
         return {"uids": self.uids}
@@ -249,8 +251,9 @@ PORTS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
 MAIN_OPS = frozenset({OpKind.CONV_FPROP, OpKind.CONV_DGRAD, OpKind.CONV_WGRAD, OpKind.MATMUL, OpKind.SDPA})
 
 
-def _check_graph(graph: Graph) -> None:
-    """Refusals about the graph as a whole (after every node passed _check_node)."""
+def _check_graph(graph: Graph) -> frozenset[str]:
+    """Refusals about the graph as a whole (after every node passed _check_node); returns the
+    epilogue nodes whose operands cuDNN is given swapped."""
     main = [n for n in graph.nodes if n.kind in MAIN_OPS]
     if len(main) > 1:
         names = ", ".join(f"'{n.name}' ({n.kind.value})" for n in main)
@@ -260,7 +263,7 @@ def _check_graph(graph: Graph) -> None:
             "cuDNN on the H200 -- the graph is split instead"
         )
     _check_flow(graph)
-    _check_epilogues(graph)
+    swapped = _check_epilogues(graph)
     for node in graph.nodes:
         x = node.inputs.get("x")
         if node.kind == OpKind.MATMUL and all(t.dtype in (DataType.FLOAT, DataType.DOUBLE) for t in node.inputs.values()):
@@ -299,6 +302,7 @@ def _check_graph(graph: Graph) -> None:
             extra = sorted((set(node.inputs) - handled[0]) | (set(node.outputs) - handled[1]))
             if extra:
                 raise _reason(node, f"port(s) {extra} have no cuDNN lowering here")
+    return swapped
 
 
 def _check_flow(graph: Graph) -> None:
@@ -332,20 +336,21 @@ def _check_flow(graph: Graph) -> None:
 ANCHORS = MAIN_OPS | {OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.BATCHNORM}
 
 
-def _check_epilogues(graph: Graph) -> None:
+def _check_epilogues(graph: Graph) -> frozenset[str]:
     """With a convolution, matmul, sdpa or norm in the graph, every other node computes on
     its result (an epilogue). On the H200 a pointwise branch beside it -- reading the
     matmul's or convolution's input and written out as well -- gave wrong numbers and NaNs
     (270 fuzzed graphs) or a misaligned-address error that poisons the CUDA context."""
     anchors = [n for n in graph.nodes if n.kind in ANCHORS]
     if not anchors:
-        return
+        return frozenset()
     if len(anchors) > 1:
         names = ", ".join(f"'{n.name}' ({n.kind.value})" for n in anchors)
         raise Refused(f"{names}: a cuDNN graph here is one convolution, matmul, sdpa or norm with its epilogue")
     anchor = anchors[0]
     made = {t.name for t in anchor.outputs.values()}
     readers: dict[str, int] = {}
+    swapped: set[str] = set()
     for node in graph.topological_order():
         for t in node.inputs.values():
             if t.name in made:
@@ -359,11 +364,37 @@ def _check_epilogues(graph: Graph) -> None:
             raise _reason(node, f"it does not compute on the result of '{anchor.name}' ({anchor.kind.value}): cuDNN "
                                 "fuses epilogues only, and a branch beside the main operation gave wrong numbers")
         a = node.attrs
-        if anchor.kind == OpKind.MATMUL and isinstance(a, PointwiseAttrs) and a.mode == M.RELU_FWD and (
-                a.param("relu_lower_clip") != 0.0 or math.isfinite(a.param("relu_upper_clip"))
-                or a.param("relu_lower_clip_slope") != 0.0):
-            raise _reason(node, "a clipped or leaky relu in a matmul's epilogue: cuDNN applied it wrongly (rel err 0.1-0.95)")
+        if isinstance(a, PointwiseAttrs):
+            if a.mode == M.RELU_FWD and (a.param("relu_lower_clip") != 0.0 or math.isfinite(a.param("relu_upper_clip"))
+                                         or a.param("relu_lower_clip_slope") != 0.0):
+                raise _reason(node, "a clipped or leaky relu in an epilogue: cuDNN applied it wrongly (rel err 0.1-0.95)")
+            ports = [p for p in ("a", "b", "c") if p in node.inputs]
+            if len(ports) > 1 and node.inputs["a"].name not in made:
+                # On the H200, 291 of 303 wrong epilogues read the main operation's result as a
+                # binary op's second operand; a commutative op is handed over swapped
+                if a.mode not in POINTWISE or not POINTWISE[a.mode].commutative or len(ports) > 2:
+                    raise _reason(node, f"the result of '{anchor.name}' is not its first operand: cuDNN's epilogues "
+                                        "computed such binary ops wrongly (and took the process down after a norm)")
+                swapped.add(node.name)
+            chain = next(t for t in node.inputs.values() if t.name in made)
+            for p in ports:
+                _check_operand(node, node.inputs[p], chain)
         made.update(t.name for t in node.outputs.values())
+    return frozenset(swapped)
+
+
+def _check_operand(node: Node, t: TensorAttr, chain: TensorAttr) -> None:
+    """An epilogue's other operand is the chain's shape, one value per channel or one value:
+    a [1, C, H, W] operand broadcast over the batch of a convolution's result gave wrong
+    numbers (rel err 0.38-0.56, f16, NHWC)."""
+    if t.is_scalar or t is chain:
+        return
+    full = chain.shape
+    dims = (1,) * (len(full) - len(t.shape)) + t.shape
+    per_channel = len(full) >= 2 and all(d == (full[1] if i == 1 else 1) for i, d in enumerate(dims))
+    if dims != full and not per_channel and any(d != 1 for d in dims):
+        raise _reason(node, f"operand '{t.name}' {list(t.shape)} is broadcast against {list(full)} other than per "
+                            "channel; cuDNN's epilogues read such operands wrongly")
 
 
 def _family(graph: Graph) -> tuple[str, set[str]]:
@@ -406,7 +437,7 @@ def binding(graph: Graph) -> Binding:
     for node in graph.nodes:
         _check_node(node)
     rank, trailing = _graph_rank(graph)
-    _check_graph(graph)
+    swapped = _check_graph(graph)
     natural = max((len(t.shape) for t in graph.tensors if not t.is_scalar), default=1)
     channels = _per_channel(graph)
     described: dict[str, Described] = {}
@@ -425,7 +456,7 @@ def binding(graph: Graph) -> Binding:
     for t in [*graph.inputs(), *graph.outputs()]:
         uids.setdefault(t.name, len(uids) + 1)
     next_uid = len(uids) + 1
-    b = Binding(rank, trailing, described, uids, {})
+    b = Binding(rank, trailing, described, uids, {}, swapped=swapped)
     for node in graph.nodes:
         for t in node.inputs.values():
             if t.is_scalar and t.name not in b.scalar_uid:
@@ -580,6 +611,8 @@ def _pointwise(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
     a = node.attrs
     assert isinstance(a, PointwiseAttrs)
     args = [bld.tensor(node.inputs[p]) for p in ("a", "b", "c") if p in node.inputs]
+    if node.name in bld.b.swapped:  # a commutative op given its main-chain operand first
+        args.reverse()
     kw: dict[str, Any] = {"compute_data_type": _cdt(bld, node), "name": _safe(node.name)}
     if a.mode == M.RELU_FWD:
         lower, upper, slope = a.param("relu_lower_clip"), a.param("relu_upper_clip"), a.param("relu_lower_clip_slope")
