@@ -50,8 +50,17 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING - 10 * min(args.verbose, 2)
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    logger = logging.getLogger("fusegraph")
+    before = logger.level
     if args.quiet:  # also turns the progress lines off (fusegraph/runtime/progress.py)
-        logging.getLogger("fusegraph").setLevel(logging.ERROR)
+        logger.setLevel(logging.ERROR)
+    try:
+        return _dispatch(args)
+    finally:  # main() called in-process (tests, embedding programs) leaves the level as it was
+        logger.setLevel(before)
+
+
+def _dispatch(args: argparse.Namespace) -> int:
     from fusegraph.errors import FusegraphError
 
     try:

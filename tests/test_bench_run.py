@@ -26,7 +26,7 @@ FAST = ["-i", "2", "--warmup", "0.05"]
 
 def _bench(tmp_path: Path, *argv: str) -> tuple[int, dict[str, Any], list[dict[str, str]]]:
     js, cs = tmp_path / "out.json", tmp_path / "out.csv"
-    rc = main(["-q", "bench", *argv, *FAST, "--json", str(js), "--csv", str(cs)])
+    rc = main(["bench", *argv, *FAST, "--json", str(js), "--csv", str(cs)])
     doc = json.loads(js.read_text()) if js.exists() else {}
     rows = list(csv.DictReader(cs.open())) if cs.exists() else []
     return rc, doc, rows
@@ -144,7 +144,7 @@ def test_exit_statuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     # a contender whose numbers are wrong is a failed run
     wrong = FakeEngine("wrong", wrong=True)
     with using(registry_with(wrong)):
-        assert main(["-q", "bench", "softmax", "-X", "4x8", "--engine", "wrong", "--verify", *FAST]) == 1
+        assert main(["bench", "softmax", "-X", "4x8", "--engine", "wrong", "--verify", *FAST]) == 1
     assert "MISMATCH" in capsys.readouterr().out
 
 
