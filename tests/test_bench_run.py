@@ -162,3 +162,18 @@ def test_gpu_conv_every_engine_and_baseline(tmp_path: Path) -> None:
     by = {r["contender"]: r for r in rows}
     assert by["ort"]["status"] == "refused"  # ONNX Runtime here is the CPU build
     assert all(r["device"].startswith("cuda[") for r in rows)
+
+
+def test_json_stays_strict_with_an_infinite_error(tmp_path: Path) -> None:
+    """A NaN output's error is infinite: the JSON names it instead of breaking the file."""
+    from fusegraph.bench.cases import cases_of
+    from fusegraph.bench.flags import parse_line
+    from fusegraph.bench.report import write_json
+    from fusegraph.bench.runner import CaseResult, Row
+
+    (case,) = cases_of(parse_line(["softmax", "-X", "2x4"]), "softmax -X 2x4")
+    res = CaseResult(case, "cpu", "cpu[test]", rows=[Row("fusegraph", "fusegraph", "x", status="mismatch",
+                                                         reason="output 'y' has NaN", rel_error=float("inf"))])
+    write_json(str(tmp_path / "o.json"), [res], ["fusegraph", "bench"])
+    (row,) = json.loads((tmp_path / "o.json").read_text())["cases"][0]["rows"]
+    assert row["rel_error"] == "inf" and row["status"] == "mismatch"

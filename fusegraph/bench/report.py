@@ -169,12 +169,19 @@ def to_json(results: Sequence[CaseResult], argv: Sequence[str]) -> dict[str, Any
 
 
 def write_json(path: str, results: Sequence[CaseResult], argv: Sequence[str]) -> None:
-    Path(path).write_text(json.dumps(to_json(results, argv), indent=1, allow_nan=False, default=_no_nan),
+    Path(path).write_text(json.dumps(_finite(to_json(results, argv)), indent=1, allow_nan=False, default=str),
                           encoding="utf-8")
 
 
-def _no_nan(v: Any) -> Any:
-    return str(v)
+def _finite(v: Any) -> Any:
+    """Strict JSON: a non-finite number (an infinite error of a NaN output) as its name."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    if isinstance(v, dict):
+        return {k: _finite(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_finite(x) for x in v]
+    return v
 
 
 def ratios_for_plot(results: Sequence[CaseResult]) -> list[tuple[str, float, str]]:
