@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -362,12 +363,18 @@ def _dump(case: Case, opts: Options, host: Mapping[str, np.ndarray], ready: Sequ
         except Exception as exc:
             kept[c.row.contender] = f"no serialized form: {_one_line(exc)}"
             continue
+        stem = c.row.contender.replace("[", "_").replace("]", "").replace("=", "_")
         if blob:
-            name = f"{c.row.contender.replace('[', '_').replace(']', '').replace('=', '_')}.plan"
-            (d / name).write_bytes(blob)
-            kept[c.row.contender] = name
+            (d / f"{stem}.plan").write_bytes(blob)
+            kept[c.row.contender] = f"{stem}.plan"
         else:
             kept[c.row.contender] = "the engine has no serialized form of its plans"
+        # a compiled module's cache entry (the IREE engine's: MLIR, flags, the iree-compile
+        # command line, dispatch statistics) travels with the dump
+        where = getattr(getattr(c.plan, "entry", None), "path", None)
+        if where is not None and Path(where).is_dir():
+            shutil.copytree(where, d / f"{stem}.cache_entry", dirs_exist_ok=True)
+            kept[f"{c.row.contender} cache entry"] = f"{stem}.cache_entry/"
         if c.plan.config.engine == "iree" and not (d / "iree.mlir").exists():
             try:
                 (d / "iree.mlir").write_text(g.emit_mlir(), encoding="utf-8")
