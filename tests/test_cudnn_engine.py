@@ -273,7 +273,7 @@ def test_matmul_f32_needs_tf32(rng: np.random.Generator) -> None:
     if s:  # a cuDNN with a true float32 matmul engine
         _check(g, rng, TOL[DT.FLOAT])
         return
-    assert "tf32=True" in s.reason, s.reason
+    assert "tf32=True" in s.reason and "TF32" in s.reason, s.reason
     _check_pinned(g, rng, 2e-3, EngineConfig("cudnn", (("tf32", True),)))
 
 

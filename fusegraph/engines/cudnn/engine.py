@@ -220,7 +220,7 @@ class CudnnEngine:
         from fusegraph.engines.cudnn import lower
 
         cudnn, torch = self._load()
-        b = lower.binding(graph)
+        b = lower.binding(graph, tf32=tf32)
         with torch.cuda.device(handle.device.index):
             g = lower.lower(graph, b, cudnn, self.cudnn_handle(handle.device.index))
             g.validate()
@@ -268,8 +268,9 @@ class CudnnEngine:
             raise ValueError(f"cudnn knob 'heur_mode': {mode!r} not in {list(HEUR_MODES)}")
         if str(config.get("cuda_graph", "auto")) not in ("auto", "off"):
             raise ValueError(f"cudnn knob 'cuda_graph': {config.get('cuda_graph')!r} not in ['auto', 'off']")
+        tf32 = bool(config.get("tf32", False))
         dev = self._device_support(handle)
-        why = dev.reason if not dev else lower.refusal(graph)
+        why = dev.reason if not dev else lower.refusal(graph, tf32=tf32)
         if why:
             raise UnsupportedError(f"cudnn cannot run graph '{graph.name}': {why}")
         key = (graph.key(), str(handle.device))
@@ -285,7 +286,6 @@ class CudnnEngine:
             except Exception as exc:  # a stale or foreign plan: build afresh, replace it
                 log.info("stored cuDNN plan for '%s' not used (%s); rebuilding", graph.name, exc)
                 store.forget(skey)
-        tf32 = bool(config.get("tf32", False))
         sup, count = self._verdict(graph, handle)
         if not sup and not tf32:  # the verdict is for plans without TF32; a pinned tf32 is tried
             raise UnsupportedError(f"cudnn cannot run graph '{graph.name}': {sup.reason}")
@@ -303,7 +303,7 @@ class CudnnEngine:
             raise CompileError(f"cuDNN could not build a plan for graph '{graph.name}' ({config}): {_message(exc)}",
                                diagnostic=str(exc)) from exc
         plan = CudnnPlan(graph, handle, config, cudnn=cudnn, torch=torch, cudnn_handle=self.cudnn_handle(handle.device.index),
-                         cudnn_graph=g, binding=lower.binding(graph), plan_name=_plan_name(g),
+                         cudnn_graph=g, binding=lower.binding(graph, tf32=tf32), plan_name=_plan_name(g),
                          gate=self.gate(handle.device.index))
         plan.plan_count = count
         blob = plan.serialize()
@@ -322,7 +322,8 @@ class CudnnEngine:
             g = cudnn.pygraph(handle=h)
             g.deserialize(h, blob)
         plan = CudnnPlan(graph, handle, config, cudnn=cudnn, torch=torch, cudnn_handle=h, cudnn_graph=g,
-                         binding=lower.binding(graph), plan_name=str(head.get("plan_name", "")), loaded=True,
+                         binding=lower.binding(graph, tf32=bool(config.get("tf32", False))),
+                         plan_name=str(head.get("plan_name", "")), loaded=True,
                          gate=self.gate(handle.device.index))
         plan.plan_count = int(head.get("plan_count", 0))
         return plan

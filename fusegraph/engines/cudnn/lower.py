@@ -21,9 +21,9 @@ from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import (
+    CONVOLUTIONS,
     DATA_MOVEMENT,
     NORMS,
-    POINTWISE,
     ConvAttrs,
     NormFwdPhase,
     OpKind,
@@ -115,7 +115,6 @@ class Binding:
     scalars: dict[int, tuple[float | int | bool, DataType]]  # pass-by-value uid -> value
     preps: list[Prep] = field(default_factory=list)
     scalar_uid: dict[str, int] = field(default_factory=dict)  # scalar tensor name -> uid
-    swapped: frozenset[str] = frozenset()  # commutative epilogue nodes given (b, a): see _check_epilogues
 
     def to_json(self) -> dict[str, Any]:
         return {"uids": self.uids}
@@ -251,9 +250,8 @@ PORTS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
 MAIN_OPS = frozenset({OpKind.CONV_FPROP, OpKind.CONV_DGRAD, OpKind.CONV_WGRAD, OpKind.MATMUL, OpKind.SDPA})
 
 
-def _check_graph(graph: Graph) -> frozenset[str]:
-    """Refusals about the graph as a whole (after every node passed _check_node); returns the
-    epilogue nodes whose operands cuDNN is given swapped."""
+def _check_graph(graph: Graph, tf32: bool) -> None:
+    """Refusals about the graph as a whole (after every node passed _check_node)."""
     main = [n for n in graph.nodes if n.kind in MAIN_OPS]
     if len(main) > 1:
         names = ", ".join(f"'{n.name}' ({n.kind.value})" for n in main)
@@ -263,12 +261,26 @@ def _check_graph(graph: Graph) -> frozenset[str]:
             "cuDNN on the H200 -- the graph is split instead"
         )
     _check_flow(graph)
-    swapped = _check_epilogues(graph)
+    _check_epilogues(graph)
+    made = {t.name for n in graph.nodes for t in n.outputs.values()}
     for node in graph.nodes:
         x = node.inputs.get("x")
-        if node.kind == OpKind.MATMUL and all(t.dtype in (DataType.FLOAT, DataType.DOUBLE) for t in node.inputs.values()):
-            raise _reason(node, "cuDNN 9.19's matmul engines round float32 operands to TF32 on every plan (rel err "
-                                "2.5e-4 on 7x2x7, 64^3 and 256x512x256 products, H200): float32 matmuls stay with cuBLAS")
+        ins = node.inputs
+        if (node.kind == OpKind.POINTWISE and "b" in ins and ins["a"].name not in made
+                and any(t.name in made for p, t in ins.items() if p != "a")):
+            raise _reason(node, "it reads a computed value as its second operand and a graph input as its first: "
+                                "cuDNN computed such binary ops wrongly (rel err 0.4-15, H200)")
+        images = [t for p, t in (*ins.items(), *node.outputs.items()) if p in ("x", "dy", "y", "dx")]
+        if node.kind in CONVOLUTIONS and any(all(d == 1 for d in t.shape[2:]) for t in images):
+            raise _reason(node, "a convolution over 1x1 images: cuDNN returned wrong numbers for such degenerate "
+                                "shapes (rel err 1.4-15); they stay with other engines")
+        if node.kind == OpKind.MATMUL and 1 in (ins["a"].shape[-2], ins["a"].shape[-1], ins["b"].shape[-1]):
+            raise _reason(node, "a matmul with a unit M, N or K: cuDNN returned wrong numbers for such degenerate "
+                                "shapes (rel err 0.38); they stay with cuBLAS")
+        if not tf32 and node.kind == OpKind.MATMUL and all(t.dtype in (DataType.FLOAT, DataType.DOUBLE) for t in node.inputs.values()):
+            raise _reason(node, "cuDNN 9.19's matmul engines round float32 operands to TF32 on every plan, those "
+                                "without the tensor-core note too (rel err 2.5e-4 on 7x2x7, 64^3 and 256x512x256 "
+                                "products, H200): float32 matmuls stay with cuBLAS unless knob tf32=True is pinned")
         if node.kind == OpKind.BATCHNORM_INFERENCE:
             computed = [p for p in ("scale", "bias", "mean", "var") if node.inputs[p].is_virtual]
             if computed:
@@ -302,7 +314,6 @@ def _check_graph(graph: Graph) -> frozenset[str]:
             extra = sorted((set(node.inputs) - handled[0]) | (set(node.outputs) - handled[1]))
             if extra:
                 raise _reason(node, f"port(s) {extra} have no cuDNN lowering here")
-    return swapped
 
 
 def _check_flow(graph: Graph) -> None:
@@ -336,21 +347,20 @@ def _check_flow(graph: Graph) -> None:
 ANCHORS = MAIN_OPS | {OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.BATCHNORM}
 
 
-def _check_epilogues(graph: Graph) -> frozenset[str]:
+def _check_epilogues(graph: Graph) -> None:
     """With a convolution, matmul, sdpa or norm in the graph, every other node computes on
     its result (an epilogue). On the H200 a pointwise branch beside it -- reading the
     matmul's or convolution's input and written out as well -- gave wrong numbers and NaNs
     (270 fuzzed graphs) or a misaligned-address error that poisons the CUDA context."""
     anchors = [n for n in graph.nodes if n.kind in ANCHORS]
     if not anchors:
-        return frozenset()
+        return
     if len(anchors) > 1:
         names = ", ".join(f"'{n.name}' ({n.kind.value})" for n in anchors)
         raise Refused(f"{names}: a cuDNN graph here is one convolution, matmul, sdpa or norm with its epilogue")
     anchor = anchors[0]
     made = {t.name for t in anchor.outputs.values()}
     readers: dict[str, int] = {}
-    swapped: set[str] = set()
     for node in graph.topological_order():
         for t in node.inputs.values():
             if t.name in made:
@@ -370,28 +380,27 @@ def _check_epilogues(graph: Graph) -> frozenset[str]:
                 raise _reason(node, "a clipped or leaky relu in an epilogue: cuDNN applied it wrongly (rel err 0.1-0.95)")
             ports = [p for p in ("a", "b", "c") if p in node.inputs]
             if len(ports) > 1 and node.inputs["a"].name not in made:
-                # On the H200, 291 of 303 wrong epilogues read the main operation's result as a
-                # binary op's second operand; a commutative op is handed over swapped
-                if a.mode not in POINTWISE or not POINTWISE[a.mode].commutative or len(ports) > 2:
-                    raise _reason(node, f"the result of '{anchor.name}' is not its first operand: cuDNN's epilogues "
-                                        "computed such binary ops wrongly (and took the process down after a norm)")
-                swapped.add(node.name)
+                # on the H200, 291 of 303 wrong epilogues read the main operation's result as a
+                # binary op's second operand, and so did the epilogues that still failed when a
+                # commutative op was handed over swapped
+                raise _reason(node, f"the result of '{anchor.name}' is not its first operand: cuDNN's epilogues "
+                                    "computed such binary ops wrongly (and took the process down after a norm)")
             chain = next(t for t in node.inputs.values() if t.name in made)
             for p in ports:
-                _check_operand(node, node.inputs[p], chain)
+                _check_operand(node, node.inputs[p], chain, anchor.kind)
         made.update(t.name for t in node.outputs.values())
-    return frozenset(swapped)
 
 
-def _check_operand(node: Node, t: TensorAttr, chain: TensorAttr) -> None:
-    """An epilogue's other operand is the chain's shape, one value per channel or one value:
-    a [1, C, H, W] operand broadcast over the batch of a convolution's result gave wrong
-    numbers (rel err 0.38-0.56, f16, NHWC)."""
+def _check_operand(node: Node, t: TensorAttr, chain: TensorAttr, anchor: OpKind) -> None:
+    """An epilogue's other operand is the chain's shape, one value per channel (a matmul's
+    channels are its columns) or one value: a [1, C, H, W] operand broadcast over the batch
+    of a convolution's result gave wrong numbers (rel err 0.38-0.56, f16, NHWC)."""
     if t.is_scalar or t is chain:
         return
     full = chain.shape
     dims = (1,) * (len(full) - len(t.shape)) + t.shape
-    per_channel = len(full) >= 2 and all(d == (full[1] if i == 1 else 1) for i, d in enumerate(dims))
+    axis = len(full) - 1 if anchor == OpKind.MATMUL else 1
+    per_channel = len(full) >= 2 and all(d == (full[axis] if i == axis else 1) for i, d in enumerate(dims))
     if dims != full and not per_channel and any(d != 1 for d in dims):
         raise _reason(node, f"operand '{t.name}' {list(t.shape)} is broadcast against {list(full)} other than per "
                             "channel; cuDNN's epilogues read such operands wrongly")
@@ -431,13 +440,14 @@ def _per_channel(graph: Graph) -> dict[str, int]:
     return out
 
 
-def binding(graph: Graph) -> Binding:
-    """Decides the outside of the cuDNN graph; raises Refused with the reason."""
+def binding(graph: Graph, *, tf32: bool = False) -> Binding:
+    """Decides the outside of the cuDNN graph; raises Refused with the reason. ``tf32``: the
+    knob pinned, float32 matmuls accepted with TF32's rounding."""
     graph.ensure_valid()
     for node in graph.nodes:
         _check_node(node)
     rank, trailing = _graph_rank(graph)
-    swapped = _check_graph(graph)
+    _check_graph(graph, tf32)
     natural = max((len(t.shape) for t in graph.tensors if not t.is_scalar), default=1)
     channels = _per_channel(graph)
     described: dict[str, Described] = {}
@@ -456,7 +466,7 @@ def binding(graph: Graph) -> Binding:
     for t in [*graph.inputs(), *graph.outputs()]:
         uids.setdefault(t.name, len(uids) + 1)
     next_uid = len(uids) + 1
-    b = Binding(rank, trailing, described, uids, {}, swapped=swapped)
+    b = Binding(rank, trailing, described, uids, {})
     for node in graph.nodes:
         for t in node.inputs.values():
             if t.is_scalar and t.name not in b.scalar_uid:
@@ -480,10 +490,10 @@ def binding(graph: Graph) -> Binding:
     return b
 
 
-def refusal(graph: Graph) -> str | None:
+def refusal(graph: Graph, *, tf32: bool = False) -> str | None:
     """Why cuDNN cannot be given this graph (without asking cuDNN), or None."""
     try:
-        binding(graph)
+        binding(graph, tf32=tf32)
     except Refused as exc:
         return str(exc)
     return None
@@ -611,8 +621,6 @@ def _pointwise(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
     a = node.attrs
     assert isinstance(a, PointwiseAttrs)
     args = [bld.tensor(node.inputs[p]) for p in ("a", "b", "c") if p in node.inputs]
-    if node.name in bld.b.swapped:  # a commutative op given its main-chain operand first
-        args.reverse()
     kw: dict[str, Any] = {"compute_data_type": _cdt(bld, node), "name": _safe(node.name)}
     if a.mode == M.RELU_FWD:
         lower, upper, slope = a.param("relu_lower_clip"), a.param("relu_upper_clip"), a.param("relu_lower_clip_slope")
