@@ -177,3 +177,14 @@ def test_json_stays_strict_with_an_infinite_error(tmp_path: Path) -> None:
     write_json(str(tmp_path / "o.json"), [res], ["fusegraph", "bench"])
     (row,) = json.loads((tmp_path / "o.json").read_text())["cases"][0]["rows"]
     assert row["rel_error"] == "inf" and row["status"] == "mismatch"
+
+
+def test_plot_needs_matplotlib_or_draws_the_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    png = tmp_path / "r.png"
+    rc = main(["bench", "softmax", "-X", "8x16", "--engine", "reference", "--compare", "ort", "--plot", str(png), *FAST])
+    if importlib.util.find_spec("matplotlib") is None:  # said before anything runs
+        assert rc == 2 and "--plot needs matplotlib" in capsys.readouterr().err and not png.exists()
+    else:
+        assert rc == 0 and png.stat().st_size > 0
