@@ -98,7 +98,7 @@ def test_bias_activation_search_and_refusals() -> None:
     assert kinds[0] == OpKind.CONV_FPROP and len(kinds) == 3 and case.tune  # conv, bias, gelu; -s 1 is --tune
     (plain,) = _cases("conv -n 1 -c 4 -H 8 -W 8 -k 4 -p 1 -q 1 -F 1 -b 0 -w 1 -P 0 -S 0 -G 0 -o 0 -V 0 -i 3")
     assert len(plain.graph.nodes) == 1 and not plain.tune
-    for extra, needle in (("-m trans", "-m trans"), ("-d x.bin", "-d/--in_data"), ("-U f16", "-U/--in_cast_type"),
+    for extra, needle in (("-d x.bin", "-d/--in_data"), ("-U f16", "-U/--in_cast_type"),
                           ("-r 1", "--pad_val"), ("-Z 1", "vectorized"), ("-y 9 -p 0", "output would be empty")):
         with pytest.raises(UsageError, match=needle):
             _cases(f"conv -n 1 -c 4 -H 8 -W 8 -k 4 -F 1 {extra}")
@@ -106,6 +106,19 @@ def test_bias_activation_search_and_refusals() -> None:
         _cases("conv -n 1 --nope 3")
     with pytest.raises(UsageError, match="-n/--batchsize: expected an integer >= 1"):
         _cases("conv -n 0")
+
+
+def test_transposed_convolution_as_miopen_defines_it() -> None:
+    """-m trans: input [N, C, ...], filter [C, K/g, ...], output (in - 1) s - 2p + d(f - 1) + 1 + output pad."""
+    (case,) = _cases("conv -m trans -n 2 -c 8 -H 5 -W 6 -k 12 -y 3 -x 3 -p 1 -q 1 -u 2 -v 2 -Y 1 -X 0 -g 2 -F 1 -b 1")
+    g = case.graph
+    assert g.tensor_by_name("x").shape == (2, 8, 5, 6) and g.tensor_by_name("w").shape == (8, 6, 3, 3)
+    assert g.outputs()[0].shape == (2, 12, 10, 11)  # h: 4*2 - 2 + 2 + 1 + 1 = 10; w: 5*2 - 2 + 2 + 1 = 11
+    assert g.nodes[0].kind == OpKind.CONV_DGRAD and case.flops == 2.0 * 2 * 8 * 30 * 6 * 9
+    with pytest.raises(UsageError, match="-m trans -F 2"):
+        _cases("conv -m trans -F 2")
+    with pytest.raises(UsageError, match="output padding"):
+        _cases("conv -m trans -F 1 -u 2 -v 2 -Y 2")
 
 
 def test_matmul_flags() -> None:

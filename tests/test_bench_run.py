@@ -47,13 +47,15 @@ def _verified(doc: dict[str, Any], dtype: str) -> list[dict[str, Any]]:
     [
         ["conv", "-n", "2", "-c", "4", "-H", "8", "-W", "8", "-k", "4", "-p", "1", "-q", "1", "-F", "0", "-b", "1",
          "--activation", "relu", "--in_layout", "NHWC", "--out_layout", "NHWC"],
+        ["conv", "-m", "trans", "-n", "1", "-c", "4", "-H", "5", "-W", "5", "-k", "6", "-p", "1", "-q", "1", "-u", "2",
+         "-v", "2", "-Y", "1", "-X", "1", "-g", "2", "-F", "1", "-b", "1", "--activation", "relu"],
         ["matmul", "-m", "16", "-n", "24", "-k", "8", "--transB", "T", "--bias", "--activation", "gelu"],
         ["layernorm", "-X", "4x6x16"],
         ["rmsnorm", "-X", "8x32", "--activation", "silu"],
         ["softmax", "-n", "2", "-c", "8", "-H", "3", "-W", "3", "-a", "2"],
         ["sdpa", "-b", "1", "--heads", "4", "--heads_kv", "2", "-s", "16", "-d", "16", "--causal", "--dtype", "f32"],
     ],
-    ids=lambda a: a[0],
+    ids=lambda a: a[0] + ("_trans" if "trans" in a else ""),
 )
 def test_each_family_runs_and_matches_the_reference(tmp_path: Path, line: list[str]) -> None:
     pytest.importorskip("torch", reason="the torch engine and the eager baseline need PyTorch")
@@ -62,7 +64,7 @@ def test_each_family_runs_and_matches_the_reference(tmp_path: Path, line: list[s
     assert doc["format"] == FORMAT and doc["environment"]["fusegraph"] == fg.__version__
     ok = _verified(doc, "float")
     assert {r["contender"] for r in ok} == {"fusegraph[torch]", "eager"}
-    assert len(doc["cases"]) == (3 if line[0] == "conv" else 1)  # -F 0: fwd, bwd data, bwd weight
+    assert len(doc["cases"]) == (3 if line[0] == "conv" and "trans" not in line else 1)  # -F 0: fwd, bwd data, bwd weight
     assert list(rows[0]) == list(CSV_FIELDS)
     fg_rows = [r for r in rows if r["contender"] == "fusegraph[torch]"]
     assert fg_rows and all(float(r["speedup_vs_eager"]) > 0 for r in fg_rows)
@@ -136,8 +138,8 @@ def test_exit_statuses(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert main(["bench", "softmax", "--device", "tpu:0"]) == 2
     assert main(["bench"]) == 2
     assert "name a family" in capsys.readouterr().err
-    assert main(["bench", "conv", "-F", "1", "-m", "trans"]) == 2
-    assert "-m trans" in capsys.readouterr().err
+    assert main(["bench", "conv", "-F", "2", "-m", "trans"]) == 2
+    assert "-m trans -F 2" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:  # argparse's own refusal
         main(["bench", "conv", "--no-such-flag"])
     assert e.value.code == 2

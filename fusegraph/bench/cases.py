@@ -189,8 +189,9 @@ def conv_shape(args: argparse.Namespace) -> ConvShape:
 
 
 def _refuse_conv_flags(args: argparse.Namespace) -> None:
-    if args.mode == "trans":
-        raise UsageError("-m trans: transposed convolution is not built by the driver yet (time its -F 2 dual instead)")
+    if args.mode == "trans" and args.forw != 1:
+        raise UsageError(f"-m trans -F {args.forw}: only the transposed forward (-F 1) is built; its backward "
+                         "directions are a convolution's forward and weight gradient (-m conv)")
     for flag, value in (("-d/--in_data", args.in_data), ("-e/--weights", args.weights),
                         ("-D/--dout_data", args.dout_data), ("-a/--in_bias", args.in_bias)):
         if value:
@@ -211,6 +212,10 @@ def _conv_cases(args: argparse.Namespace, command: str) -> list[Case]:
     _refuse_conv_flags(args)
     dtype_name = args.dtype or CONV_ALIASES[args.family] or "f32"
     dt = DTYPES[dtype_name]
+    if args.mode == "trans":
+        case = _trans_case(args, dt, dtype_name, command)
+        case.tune = bool(args.tune or args.search)
+        return [case]
     shape = conv_shape(args)
     out = []
     for direction in DIRECTIONS[args.forw]:
@@ -253,6 +258,64 @@ def _conv_case(s: ConvShape, direction: str, dt: DataType, dtn: str, bias: bool,
         case.no_onnx = "ONNX has no weight-gradient operator"
     else:
         case.onnx = lambda: _onnx().conv_model(s, direction, dt, bias, act)
+    return case
+
+
+def _trans_case(args: argparse.Namespace, dt: DataType, dtn: str, command: str) -> Case:
+    """MIOpen's ``-m trans``: the input [N, C, ...], the filter [C, K/g, ...], the output
+    [N, K, ...] of (in - 1) * stride - 2 * pad + dilation * (filter - 1) + 1 + output pad
+    (``-Y -X -%``): a convolution's data gradient, which is how fusegraph builds it."""
+    three = args.spatial_dim == 3
+    spatial = (args.in_d, args.in_h, args.in_w) if three else (args.in_h, args.in_w)
+    filt = (args.fil_d, args.fil_h, args.fil_w) if three else (args.fil_h, args.fil_w)
+    pad = (args.pad_d, args.pad_h, args.pad_w) if three else (args.pad_h, args.pad_w)
+    stride = (args.conv_stride_d, args.conv_stride_h, args.conv_stride_w) if three else (args.conv_stride_h, args.conv_stride_w)
+    dil = (args.dilation_d, args.dilation_h, args.dilation_w) if three else (args.dilation_h, args.dilation_w)
+    opad = (args.trans_output_pad_d, args.trans_output_pad_h, args.trans_output_pad_w) if three else (
+        args.trans_output_pad_h, args.trans_output_pad_w)
+    n, c, k, g_ = args.batchsize, args.in_channels, args.out_channels, args.group_count
+    if g_ > 1 and (c % g_ or k % g_):
+        raise UsageError(f"-g {g_}: the groups must divide -c {c} and -k {k}")
+    if any(o >= max(s, d) for o, s, d in zip(opad, stride, dil, strict=True)):
+        raise UsageError(f"output padding {list(opad)} must be below the stride {list(stride)} or the dilation {list(dil)}")
+    out = tuple((i - 1) * s - 2 * p + d * (f - 1) + 1 + o
+                for i, s, p, d, f, o in zip(spatial, stride, pad, dil, filt, opad, strict=True))
+    if any(o < 1 for o in out):
+        raise UsageError(f"the output would be empty: {list(out)}")
+    rank = len(spatial) + 2
+    lin, lfil, lout = (_layout(args.in_layout, rank, "--in_layout"), _layout(args.fil_layout, rank, "--fil_layout"),
+                       _layout(args.out_layout, rank, "--out_layout"))
+    x_dims, w_dims, y_dims = [n, c, *spatial], [c, k // g_, *filt], [n, k, *out]
+    bias, act = bool(args.bias), args.activation
+    names = "dhw"[3 - len(spatial):]
+    sp = "".join(f"{a}{v}" for a, v in zip(names, spatial, strict=True))
+    fl = "x".join(map(str, filt))
+    epi = ("_bias" if bias else "") + ("" if act == "none" else f"_{act}")
+    name = f"conv{len(spatial)}d_trans_n{n}c{c}{sp}_k{k}f{fl}_p{'x'.join(map(str, pad))}_s{'x'.join(map(str, stride))}"
+    name += f"{'' if g_ == 1 else f'_g{g_}'}{epi}_{lin if lin == lout else lin + '-' + lout}_{dtn}"
+    g = _new_graph(name, dt)
+    x, w = g.tensor("x", x_dims, strides_for(x_dims, lin)), g.tensor("w", w_dims, strides_for(w_dims, lfil))
+    y = g.conv_dgrad(x, w, padding=list(pad), stride=list(stride), dilation=list(dil), name="trans")
+    y.set_dim(y_dims)
+    if bias or act != "none":
+        y.set_stride(list(strides_for(y_dims, lout)))
+    if bias:
+        y = g.bias(y, g.tensor("b", [1, k] + [1] * len(spatial)), name="bias")
+    y = _activate(g, y, act)
+    y.set_name("y").set_output(True).set_stride(list(strides_for(y_dims, lout)))
+    g.validate()
+    flops = 2.0 * n * c * math.prod(spatial) * (k // g_) * math.prod(filt)
+    f = torch_activation(act)
+
+    def eager(t: dict[str, Any]) -> Any:
+        import torch.nn.functional as F
+
+        conv_t = F.conv_transpose2d if len(spatial) == 2 else F.conv_transpose3d
+        b = t["b"].reshape(-1) if bias else None
+        return f(conv_t(t["x"], t["w"], b, list(stride), list(pad), list(opad), g_, list(dil)))
+
+    case = Case(name, "conv", command, g, dt, flops, _io_bytes(g), eager=eager)
+    case.onnx = lambda: _onnx().conv_transpose_model(x_dims, w_dims, y_dims, pad, stride, dil, opad, g_, dt, bias, act)
     return case
 
 

@@ -158,7 +158,8 @@ def _conv(p: argparse.ArgumentParser) -> None:
     a("-I", "--in_layout", default="", help="NCHW (default) or NHWC; NCDHW / NDHWC in 3-D")
     a("-O", "--out_layout", default="", help="NCHW (default) or NHWC; NCDHW / NDHWC in 3-D")
     a("-f", "--fil_layout", default="", help="NCHW (default) or NHWC (i.e. KYXC); NCDHW / NDHWC in 3-D")
-    a("-m", "--mode", default="conv", choices=("conv", "trans"), help="conv (trans is refused: not built yet)")
+    a("-m", "--mode", default="conv", choices=("conv", "trans"),
+      help="conv (default) or trans: a transposed convolution (-F 1), the filter [C, K/g, ...]")
     a("-z", "--pad_mode", default="default", choices=("default", "same", "valid"), help="MIOpen's padding modes")
     a("-r", "--pad_val", type=int, default=0, help="padding value (only 0)")
     a("-b", "--bias", type=_int01, nargs="?", const=1, default=0, metavar="0|1", help="add a per-channel bias (fused epilogue)")
@@ -169,8 +170,9 @@ def _conv(p: argparse.ArgumentParser) -> None:
         a(short, long, default="", help="refused: inputs are random (--seed)")
     for short, long in (("-U", "--in_cast_type"), ("-T", "--out_cast_type"), ("-R", "--wei_cast_type")):
         a(short, long, default="-1", help="refused unless -1: no cast types")
-    for short, long, dflt in (("-Y", "--trans_output_pad_h", 0), ("-X", "--trans_output_pad_w", 0),
-                              ("-%", "--trans_output_pad_d", 0), ("-Z", "--tensor_vect", 0), ("-L", "--vector_length", 1)):
+    for short, long in (("-Y", "--trans_output_pad_h"), ("-X", "--trans_output_pad_w"), ("-%", "--trans_output_pad_d")):
+        a(short, long, type=_nonneg, default=0, help="-m trans: output padding (default 0)")
+    for short, long, dflt in (("-Z", "--tensor_vect", 0), ("-L", "--vector_length", 1)):
         a(short, long, type=int, default=dflt, help="accepted at its default only")
     for short, long, text in (("-P", "--printconv", "1"), ("-o", "--dump_output", "0"), ("-S", "--solution", "-1"),
                               ("-G", "--gpualloc", "0"), ("-C", "--verification_cache", "")):

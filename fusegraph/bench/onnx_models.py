@@ -87,6 +87,25 @@ def conv_model(s: ConvShape, direction: str, dt: DataType, bias: bool, act: str)
     return _model([node], "conv_bwd", [("dy", dt, s.y_dims), ("w", dt, s.w_dims)], ("dx", dt, s.x_dims))
 
 
+def conv_transpose_model(x_dims: list[int], w_dims: list[int], y_dims: list[int], pad: tuple[int, ...],
+                         stride: tuple[int, ...], dil: tuple[int, ...], opad: tuple[int, ...], groups: int,
+                         dt: DataType, bias: bool, act: str) -> Any:
+    from onnx import helper
+
+    inputs = [("x", dt, x_dims), ("w", dt, w_dims)]
+    ins, nodes, inits = ["x", "w"], [], []
+    if bias:
+        k = y_dims[1]
+        inputs.append(("b", dt, [1, k] + [1] * (len(y_dims) - 2)))
+        inits.append(helper.make_tensor("b_shape", 7, [1], [k]))
+        nodes.append(helper.make_node("Reshape", ["b", "b_shape"], ["b_flat"]))
+        ins.append("b_flat")
+    nodes.append(helper.make_node("ConvTranspose", ins, ["c"], pads=list(pad) * 2, strides=list(stride),
+                                  dilations=list(dil), output_padding=list(opad), group=groups))
+    nodes += _activation(act, "c", "y")
+    return _model(nodes, "conv_trans", inputs, ("y", dt, y_dims), inits)
+
+
 def matmul_model(g: Graph, bias: bool, act: str) -> Any:
     from onnx import helper
 
