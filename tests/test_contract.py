@@ -112,3 +112,81 @@ def test_same_refusal_on_every_engine(engine: str, rng: np.random.Generator) -> 
     ro.flags.writeable = False
     with pytest.raises(fg.VariantPackError, match="read-only"):
         g.execute({**good, "y": ro}, engine=engine)
+
+
+# ---- the same contract on the GPU engines (issue 26, item 5) -----------------------------------
+def _softmax() -> tuple[fg.Graph, Callable[[dict[str, np.ndarray]], np.ndarray]]:
+    g = fg.Graph("contract_softmax", io_data_type=F32)
+    a, b = g.tensor("a", [4, 6]), g.tensor("b", [4, 6])
+    g.softmax(g.add(a, b), axis=-1).set_name("y").set_output(True)
+
+    def want(v: dict[str, np.ndarray]) -> np.ndarray:
+        z = v["a"] + v["b"]
+        e = np.exp(z - z.max(axis=-1, keepdims=True))
+        return e / e.sum(axis=-1, keepdims=True)  # type: ignore[no-any-return]
+
+    return g.validate(), want
+
+
+# what each GPU engine claims of these graphs (cudnn has no softmax node; triton's row
+# kernels need a softmax, norm or reduction; cuDNN's float32 matmul rounds to TF32)
+GPU_GRAPHS = {"cudnn": ["add_relu"], "triton": ["softmax"], "torch": ["add_relu", "matmul", "softmax"]}
+
+
+class _DLPack:
+    """A foreign object exporting a torch CUDA tensor through DLPack only."""
+
+    def __init__(self, t: Any) -> None:
+        self._t = t
+
+    def __dlpack__(self, **kw: Any) -> Any:
+        return self._t.__dlpack__(**kw)
+
+    def __dlpack_device__(self) -> Any:
+        return self._t.__dlpack_device__()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("engine", "graph"), [(e, g) for e, gs in GPU_GRAPHS.items() for g in gs])
+def test_same_pack_same_result_on_every_gpu_engine(engine: str, graph: str, rng: np.random.Generator) -> None:
+    """NumPy packs (writable, read-only, broadcast, non-contiguous), torch CUDA tensors (dense
+    and strided views) and DLPack objects through each GPU engine on cuda:0: the same numbers
+    as float64 NumPy, outputs of the type that went in, the caller's inputs unwritten; a
+    device tensor in a layout other than the declared one is run or refused naming its
+    strides (a plan reads the declared layout), never misread."""
+    import torch
+
+    g, want_of = {**GRAPHS, "softmax": _softmax}[graph]()
+    shapes = {t.name: t.shape for t in g.inputs()}
+    for kind in [*PACKS[:-1], "cuda", "cuda_strided", "dlpack"]:
+        host = _pack("writable" if kind in ("cuda", "cuda_strided", "dlpack") else kind, shapes, rng)
+        pack: dict[str, Any]
+        if kind == "cuda":
+            pack = {k: torch.from_numpy(np.ascontiguousarray(v)).cuda() for k, v in host.items()}
+        elif kind == "cuda_strided":  # every other column of a wider tensor: a view, not a copy
+            pack = {}
+            for k, v in host.items():
+                wide = torch.zeros((*v.shape[:-1], 2 * v.shape[-1]), dtype=torch.float32, device="cuda")
+                wide[..., ::2] = torch.from_numpy(np.ascontiguousarray(v)).cuda()
+                pack[k] = wide[..., ::2]
+        elif kind == "dlpack":
+            pack = {k: _DLPack(torch.from_numpy(np.ascontiguousarray(v)).cuda()) for k, v in host.items()}
+        else:
+            pack = host
+        logical = {k: np.asarray(v, np.float64) for k, v in host.items()}
+        try:
+            out = g.execute(pack, engine=engine, handle="cuda:0")["y"]
+        except fg.VariantPackError as exc:  # a device tensor in another layout: refused, never copied silently
+            assert kind == "cuda_strided" and "strides" in str(exc), f"{engine}/{kind}: {exc}"
+            continue
+        if kind in ("cuda", "cuda_strided", "dlpack"):
+            assert isinstance(out, torch.Tensor) and out.is_cuda, f"{engine}/{kind}: got {type(out).__name__}"
+            got = out.cpu().numpy().astype(np.float64)
+        else:
+            assert isinstance(out, np.ndarray), f"{engine}/{kind}: got {type(out).__name__}"
+            got = out.astype(np.float64)
+        want = want_of(logical)
+        rel = float(np.linalg.norm(got - want)) / max(float(np.linalg.norm(want)), 1e-30)
+        assert not np.isnan(got).any() and rel <= 1e-5, f"{engine}/{graph}/{kind}: relative error {rel:.2e}"
+        for k, v in host.items():
+            np.testing.assert_array_equal(np.asarray(v, np.float64), logical[k])

@@ -108,6 +108,8 @@ class CudnnPlan(CudaTensorPlan):
             v: Any = pack.get(name)
             if type(v) is not tensor or v.dtype is not dt or v.shape != shape or v.stride() != strides or not v.is_cuda or v.get_device() != index:
                 return None
+            if v.requires_grad:  # the general path refuses it where gradients are recorded
+                return None
             ptrs[slot] = v.data_ptr()
         results: dict[str, Any] = {}
         if n == self._n_in:
