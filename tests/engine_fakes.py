@@ -190,3 +190,16 @@ def check_repeated_calls(plan: Any, g: fg.Graph, dev: dict[str, Any], given: Any
             got = y.float().cpu().numpy()
             del y
         assert rel_error(got, ref) <= tol
+
+
+class DLPackOnly:
+    """An array that speaks only DLPack (as CuPy or JAX arrays do)."""
+
+    def __init__(self, t: Any) -> None:
+        self._t = t
+
+    def __dlpack__(self, **kw: Any) -> Any:
+        return self._t.__dlpack__(**kw)
+
+    def __dlpack_device__(self) -> Any:
+        return self._t.__dlpack_device__()

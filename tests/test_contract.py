@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from engine_fakes import DLPackOnly
 
 import fusegraph as fg
 from fusegraph.engines.registry import active_registry
@@ -133,19 +134,6 @@ def _softmax() -> tuple[fg.Graph, Callable[[dict[str, np.ndarray]], np.ndarray]]
 GPU_GRAPHS = {"cudnn": ["add_relu"], "triton": ["softmax"], "torch": ["add_relu", "matmul", "softmax"]}
 
 
-class _DLPack:
-    """A foreign object exporting a torch CUDA tensor through DLPack only."""
-
-    def __init__(self, t: Any) -> None:
-        self._t = t
-
-    def __dlpack__(self, **kw: Any) -> Any:
-        return self._t.__dlpack__(**kw)
-
-    def __dlpack_device__(self) -> Any:
-        return self._t.__dlpack_device__()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize(("engine", "graph"), [(e, g) for e, gs in GPU_GRAPHS.items() for g in gs])
 def test_same_pack_same_result_on_every_gpu_engine(engine: str, graph: str, rng: np.random.Generator) -> None:
@@ -170,7 +158,7 @@ def test_same_pack_same_result_on_every_gpu_engine(engine: str, graph: str, rng:
                 wide[..., ::2] = torch.from_numpy(np.ascontiguousarray(v)).cuda()
                 pack[k] = wide[..., ::2]
         elif kind == "dlpack":
-            pack = {k: _DLPack(torch.from_numpy(np.ascontiguousarray(v)).cuda()) for k, v in host.items()}
+            pack = {k: DLPackOnly(torch.from_numpy(np.ascontiguousarray(v)).cuda()) for k, v in host.items()}
         else:
             pack = host
         logical = {k: np.asarray(v, np.float64) for k, v in host.items()}

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from engine_fakes import check_repeated_calls, in_threads, rel_error
+from engine_fakes import DLPackOnly, check_repeated_calls, in_threads, rel_error
 
 import fusegraph as fg
 from fusegraph import DataType as DT
@@ -533,19 +533,6 @@ def test_pointer_launch_matches_public_execute(which: str, rng: np.random.Genera
     assert torch.equal(a, b)
 
 
-class _DLPackOnly:
-    """An array that speaks only DLPack (as CuPy or JAX arrays do)."""
-
-    def __init__(self, t: Any) -> None:
-        self._t = t
-
-    def __dlpack__(self, **kw: Any) -> Any:
-        return self._t.__dlpack__(**kw)
-
-    def __dlpack_device__(self) -> Any:
-        return self._t.__dlpack_device__()
-
-
 @pytest.mark.gpu
 def test_dlpack_and_buffer_values(rng: np.random.Generator) -> None:
     import torch
@@ -557,7 +544,7 @@ def test_dlpack_and_buffer_values(rng: np.random.Generator) -> None:
     name = g.outputs()[0].name
     ref = g.execute(pack, engine="reference")[name]
     dev = plan.stage(pack)  # type: ignore[attr-defined]
-    out = plan.execute({k: _DLPackOnly(v) for k, v in dev.items()})[name]
+    out = plan.execute({k: DLPackOnly(v) for k, v in dev.items()})[name]
     assert isinstance(out, torch.Tensor)
     assert rel_error(out.float().cpu().numpy(), ref) <= 1e-2
     try:
