@@ -93,6 +93,7 @@ def test_a_faster_plan_replaces_ort_in_the_running_session(
 
     class Finished:
         log_path = tmp_path / "fake.log"
+        gate = None
 
         def done(self) -> bool:
             return True
@@ -127,6 +128,7 @@ def test_run_switches_without_waiting(
 
     class Later:
         log_path = tmp_path / "fake.log"
+        gate = None
 
         def done(self) -> bool:
             return state["done"]

@@ -1,5 +1,7 @@
-"""The machine's load class in whole-model runner verdicts (floor.machine_load, the `load`
-provider option): a verdict measured on a busy machine never decides on a quiet one."""
+"""The machine's load class (floor.machine_load, the `load` provider option): every verdict
+records the class it was measured in, the verdict key does not hold it (a model is evaluated
+once per machine and device), and a whole-model runner's win applies in its own class only
+(direct.as_allowed): in the other one the caller's session runs the model, unmeasured again."""
 
 from __future__ import annotations
 
@@ -34,32 +36,41 @@ def test_machine_load_without_a_load_average_is_quiet(monkeypatch: pytest.Monkey
     assert REAL_MACHINE_LOAD() == "quiet"
 
 
-def test_a_busy_verdict_does_not_decide_on_a_quiet_machine(tmp_path: Path) -> None:
+def test_a_busy_verdict_is_found_on_a_quiet_machine_and_its_runner_set_aside(tmp_path: Path) -> None:
+    from fusegraph.onnx import direct
+
     busy = ProviderOptions.parse({"cache_dir": str(tmp_path), "runners": "ort-nospin", "load": "busy"})
     quiet = ProviderOptions.parse({"cache_dir": str(tmp_path), "runners": "ort-nospin", "load": "quiet"})
     won = floor.Verdict(False, 4.0, 10.0, "measured", runner="ort-nospin")
     cache = floor.cache_for(busy, "cpu[test x2]")
     cache.record("model-a", won)
     cache.flush()
-    assert floor.cache_for(busy, "cpu[test x2]").lookup("model-a") is not None
-    assert floor.cache_for(quiet, "cpu[test x2]").lookup("model-a") is None  # measured again there
+    seen = floor.cache_for(quiet, "cpu[test x2]").lookup("model-a")  # one key: not measured again
+    assert seen is not None and seen.load == "busy" and seen.runner == "ort-nospin"
+    assert "measured on a busy machine" in seen.describe()
+    assert direct.as_allowed(seen, None, "busy").runner == "ort-nospin"
+    there = direct.as_allowed(seen, None, "quiet")
+    assert there.runner == "" and "on a quiet one the caller's session" in there.why
+    assert direct.as_allowed(floor.Verdict(False, 4.0, 10.0, runner="ort-nospin"), None, "quiet").runner == "ort-nospin"
 
 
-def test_load_class_keys_only_runner_verdicts(tmp_path: Path) -> None:
-    """Without whole-model runners the class is not in the key: unit verdicts stay shared."""
-    off = {"cache_dir": str(tmp_path), "runners": "off"}
-    a = floor.cache_for(ProviderOptions.parse({**off, "load": "busy"}), "cpu[test x2]")
-    b = floor.cache_for(ProviderOptions.parse({**off, "load": "quiet"}), "cpu[test x2]")
-    assert a.settings == b.settings and "load=" not in a.settings
-    on = {"cache_dir": str(tmp_path), "runners": "ort-nospin"}
-    c = floor.cache_for(ProviderOptions.parse({**on, "load": "busy"}), "cpu[test x2]")
-    assert "load=busy" in c.settings
+def test_the_load_class_is_never_in_the_key(tmp_path: Path) -> None:
+    for runners in ("off", "ort-nospin"):
+        base = {"cache_dir": str(tmp_path), "runners": runners}
+        a = floor.cache_for(ProviderOptions.parse({**base, "load": "busy"}), "cpu[test x2]")
+        b = floor.cache_for(ProviderOptions.parse({**base, "load": "quiet"}), "cpu[test x2]")
+        assert a.settings == b.settings and "load=" not in a.settings
+        assert (a.load, b.load) == ("busy", "quiet")
 
 
-def test_auto_reads_the_class_when_the_key_is_made(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_auto_reads_the_class_for_the_verdicts_it_records(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(floor, "machine_load", lambda: "busy")
     cache = floor.cache_for(ProviderOptions.parse({"cache_dir": str(tmp_path)}), "cpu[test x2]")
-    assert "load=busy" in cache.settings
+    assert cache.load == "busy" and "load=" not in cache.settings
+    cache.record("m", floor.Verdict(False, 1.0, 2.0, "measured"))
+    cache.flush()
+    got = floor.cache_for(ProviderOptions.parse({"cache_dir": str(tmp_path), "load": "quiet"}), "cpu[test x2]").lookup("m")
+    assert got is not None and got.load == "busy"
 
 
 @pytest.mark.parametrize(("raw", "want"), [("auto", "auto"), ("QUIET", "quiet"), (" busy ", "busy")])

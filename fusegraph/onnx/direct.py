@@ -69,13 +69,20 @@ def allowed(name: str, sess_options: Any) -> bool:
     return not (name.startswith("ort-") and sess_options is not None)
 
 
-def as_allowed(verdict: floor.Verdict, sess_options: Any) -> floor.Verdict:
+def as_allowed(verdict: floor.Verdict, sess_options: Any, load: str = "") -> floor.Verdict:
     """``verdict`` without its runner where the caller's ``sess_options`` rule that runner out
-    (``allowed``), saying why."""
-    if not verdict.runner or allowed(verdict.runner, sess_options):
+    (``allowed``), or where it won in another load class than the machine's now (``load``;
+    which ONNX Runtime configuration wins depends on it: docs/models.md), saying why. The
+    model is not measured again in the other class: the caller's session runs it there."""
+    if not verdict.runner:
         return verdict
-    return dataclasses.replace(verdict, runner="", why=f"{floor.RUNNERS[verdict.runner]} won, but the "
-                               "caller's session options stand")
+    label = floor.RUNNERS[verdict.runner]
+    if not allowed(verdict.runner, sess_options):
+        return dataclasses.replace(verdict, runner="", why=f"{label} won, but the caller's session options stand")
+    if load and verdict.load and load != verdict.load:
+        return dataclasses.replace(verdict, runner="", why=f"{label} won on a {verdict.load} machine; on a {load} "
+                                   "one the caller's session runs the model")
+    return verdict
 
 
 def runner_label(runner: Any) -> str:
@@ -105,7 +112,12 @@ class DirectOrt:
         return self.runner.session if isinstance(self.runner, OrtRunner) else None
 
     def run(self, wanted: list[str], feed: dict[str, Any], run_options: Any) -> list[Any]:
-        return self.runner.run(wanted, feed, run_options)
+        evaluation = self.evaluation
+        gate = evaluation.gate if evaluation is not None else None
+        if gate is None:
+            return self.runner.run(wanted, feed, run_options)
+        with gate.hold():  # the child waits while the caller's inference runs
+            return self.runner.run(wanted, feed, run_options)
 
     @property
     def pending(self) -> bool:
@@ -153,7 +165,7 @@ class DirectOrt:
         self.evaluation = None
         self.verdict = verdict
         log.info("background evaluation of %s: %s", sess._model_name, verdict.describe())
-        verdict = self.verdict = as_allowed(verdict, sess._sess_options)
+        verdict = self.verdict = as_allowed(verdict, sess._sess_options, sess._opts.load)
         if verdict.keep or verdict.runner:  # build the winner off the caller's thread
             self._builder = threading.Thread(target=self._build, args=(sess, verdict), name="fusegraph-plan", daemon=True)
             self._builder.start()
@@ -231,6 +243,170 @@ class DirectOrt:
         )
 
 
+# ---- models with dynamic dimensions ------------------------------------------------------------
+ShapeKey = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+def shape_key(feed: Mapping[str, Any]) -> ShapeKey:
+    return tuple(sorted((k, tuple(int(d) for d in v.shape)) for k, v in feed.items() if hasattr(v, "shape")))
+
+
+class ShapedOrt(DirectOrt):
+    """A model with dynamic dimensions on ONNX Runtime, every set of input shapes at once.
+
+    The floor decides per set of shapes (a plan is specialized to them). A new set never
+    waits for it: it runs on ONNX Runtime, and a helper thread looks its verdict up (under
+    the model's identity at those shapes, ``background.at_shapes``) and, where there is
+    none, starts the background child for it -- one child at a time per session, the
+    other new sets queued. Where fusegraph's plan won at a set, the plan is built in that
+    thread and later runs at that set use it; every other set stays on ONNX Runtime."""
+
+    def __init__(self, runner: floor.Runner, verdict: floor.Verdict | None, source: background.Source,
+                 cache: floor.VerdictCache, sess: InferenceSession) -> None:
+        super().__init__(runner, verdict, None)
+        self._source = source
+        self._cache = cache
+        self._sess = sess
+        self._lock = threading.Lock()
+        self._seen: set[ShapeKey] = set()
+        self._queue: collections.deque[ShapeKey] = collections.deque()
+        self._evaluating: ShapeKey | None = None
+        self._worker: threading.Thread | None = None
+        self.shape_verdicts: dict[ShapeKey, floor.Verdict] = {}
+        self.plans: dict[ShapeKey, SessionPlan] = {}
+        self.last: ShapeKey = ()
+
+    @property
+    def pending(self) -> bool:
+        with self._lock:
+            return bool(self._queue) or self.evaluation is not None or (
+                self._worker is not None and self._worker.is_alive())
+
+    def run(self, wanted: list[str], feed: dict[str, Any], run_options: Any) -> list[Any]:
+        key = shape_key(feed)
+        self.last = key
+        plan = self.plans.get(key)
+        if plan is not None:
+            return plan.run(feed, wanted)
+        if key not in self._seen:
+            with self._lock:
+                self._seen.add(key)
+                self._queue.append(key)
+            self._pump()
+        return super().run(wanted, feed, run_options)
+
+    def poll(self, sess: InferenceSession) -> None:
+        """Takes in a finished child's verdict (at most every POLL_S), never waits."""
+        evaluation = self.evaluation
+        if evaluation is None:
+            return
+        now = time.monotonic()
+        if now < self._next_poll:
+            return
+        self._next_poll = now + POLL_S
+        if evaluation.done():
+            self._pump()
+
+    def wait(self, sess: InferenceSession, timeout: float | None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.pending:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return False
+            worker, evaluation = self._worker, self.evaluation
+            if worker is not None and worker.is_alive():
+                worker.join(0.05 if left is None else min(left, 0.05))
+            elif evaluation is not None:
+                evaluation.wait(0.05 if left is None else min(left, 0.05))
+                self._pump()
+            else:
+                self._pump()
+        return True
+
+    def _pump(self) -> None:
+        """Starts the helper thread unless it is at work or a child is (never blocks)."""
+        with self._lock:
+            if self._worker is not None and self._worker.is_alive():
+                return
+            if self.evaluation is not None and not self.evaluation.done():
+                return
+            if self.evaluation is None and not self._queue:
+                return
+            self._worker = threading.Thread(target=self._work, name="fusegraph-shapes", daemon=True)
+            self._worker.start()
+
+    def _work(self) -> None:
+        """Off the caller's thread: the finished child's verdict taken in, then the queued
+        sets' verdicts looked up (plans built where fusegraph won) until one needs a child."""
+        if self.evaluation is not None:
+            key, done = self._evaluating, self.evaluation
+            verdict = done.verdict() or floor.Verdict(
+                False, source="not measured", why=f"the background evaluation left no verdict (log: {done.log_path})")
+            log.info("background evaluation of %s at %s: %s", self._sess._model_name, _shapes_text(key or ()),
+                     verdict.describe())
+            with self._lock:
+                self.evaluation, self._evaluating = None, None
+            if key is not None:
+                self._decided(key, verdict)
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return
+                key = self._queue.popleft()
+            at = background.at_shapes(self._source, dict(key))
+            known = floor.VerdictCache(str(self._cache.path.parent), self._cache.settings).lookup(at.content)
+            if known is not None:
+                self._decided(key, known)
+                continue
+            started = background.launch(at, self._sess._opts, self._cache, dict(key))
+            if started is None:  # cannot be measured (no cache directory): ONNX Runtime there
+                self._decided(key, floor.Verdict(False, source="not measured", why="not evaluated"))
+                continue
+            with self._lock:
+                self.evaluation, self._evaluating = started, key
+            return
+
+    def _decided(self, key: ShapeKey, verdict: floor.Verdict) -> None:
+        self.shape_verdicts[key] = verdict
+        if not verdict.keep:
+            return
+        try:
+            self.plans[key] = self._sess._new_plan(dict(key))
+        except Exception as exc:  # that shape stays on ONNX Runtime, and says why
+            log.warning("fusegraph's plan for %s at %s could not be built after its evaluation: %s",
+                        self._sess._model_name, _shapes_text(key), exc)
+            self.shape_verdicts[key] = floor.with_note(verdict, f"its plan failed to build: {type(exc).__name__}: {exc}")
+
+    def report(self, sess: InferenceSession) -> PartitionReport:
+        plan = self.plans.get(self.last)
+        if plan is not None:
+            return plan.report()
+        model = sess._model
+        nodes = tuple(n.name or f"{n.op_type}_{k}" for k, n in enumerate(model.graph.node))
+        ops = dict(collections.Counter(n.op_type for n in model.graph.node))
+        states = []
+        for key in sorted(self._seen):
+            v = self.shape_verdicts.get(key)
+            if v is not None:
+                states.append(f"{_shapes_text(key)}: {v.describe()}")
+            elif key == self._evaluating and self.evaluation is not None:
+                states.append(f"{_shapes_text(key)}: {self.evaluation.describe()}")
+            else:
+                states.append(f"{_shapes_text(key)}: waiting for its evaluation")
+        entry = SubgraphEntry("onnxruntime_0", "onnxruntime", "onnxruntime", nodes, ops,
+                              note="the whole model, at every input shape until its evaluation decides")
+        return PartitionReport(
+            model=sess._model_name, total_nodes=len(nodes), folded_nodes=0, subgraphs=(entry,), unclaimed=(),
+            input_shapes=dict(self.last),
+            floor="floor: whole model on ONNX Runtime, each new input shape evaluated in the background"
+                  + (f" -- {' | '.join(states)}" if states else ""),
+        )
+
+
+def _shapes_text(key: ShapeKey) -> str:
+    return ", ".join(f"{k} {list(v)}" for k, v in key) or "no inputs"
+
+
 # ---- the choice at session creation (floor_mode=inline, and the background child) --------------
 def choose_whole_runner(sess: InferenceSession, plan: SessionPlan) -> tuple[DirectOrt | None, floor.Verdict | None]:
     """Times the whole model on each candidate runner (the ``runners`` option) against what
@@ -251,9 +427,11 @@ def choose_whole_runner(sess: InferenceSession, plan: SessionPlan) -> tuple[Dire
         if measured is None:
             return None, None
         runner, known = measured
+        known = dataclasses.replace(known, load=cache.load)
         cache.record(content, known)
         cache.flush()
-    if not known.runner or not allowed(known.runner, sess._sess_options):
+    known = as_allowed(known, sess._sess_options, opts.load)
+    if not known.runner:
         return None, known
     try:
         runner = runner or sess._make_runner(known.runner)

@@ -1,7 +1,10 @@
 """The background evaluation's child (``python -m fusegraph.onnx.evaluate``): opens the model
-with the floor inline, as a session of ``floor_mode=inline`` would, so that every unit's and
-the whole model's verdicts land in the cache, then records the verdict the parent and later
-sessions read under the model's identity (``background.Source``). See ``background.py``."""
+with the floor inline, as a session of ``floor_mode=inline`` would (at ``--shapes`` for a
+model with dynamic dimensions), so that every unit's and the whole model's verdicts land in
+the cache, then records the verdict the parent and later sessions read under the model's
+identity (``background.Source``). Its parent holds it while the caller's session runs
+(``background.Gate``); ``--gate`` names the counter of those holds, which its timing loops
+read (``floor.PAUSES``). See ``background.py``."""
 
 from __future__ import annotations
 
@@ -10,14 +13,16 @@ import contextlib
 import dataclasses
 import json
 import logging
+import mmap
 import os
 import signal
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fusegraph.onnx import floor
+from fusegraph.onnx import background, floor
 from fusegraph.onnx.options import PROVIDER, ProviderOptions
 from fusegraph.onnx.session import InferenceSession, session_handle
 from fusegraph.select.device_id import device_id
@@ -28,10 +33,14 @@ CHILD_LIMIT_S = 1800  # the child's time ceiling (its compiles are bounded on th
 CHILD_NICE = 10  # the caller's inference comes first on a shared machine
 
 
-def evaluate(model: str, opts: ProviderOptions) -> floor.Verdict:
+def evaluate(model: str, opts: ProviderOptions, shapes: Mapping[str, Sequence[int]] | None = None) -> floor.Verdict:
     """The whole model's verdict: keep (fusegraph's plan runs part of it), another
-    whole-model runner (``runner``), or ONNX Runtime; with every runner candidate's line."""
+    whole-model runner (``runner``), or ONNX Runtime; with every runner candidate's line.
+    At ``shapes`` (a model with dynamic dimensions): fusegraph's plan at those shapes or
+    ONNX Runtime (whole-model runners are measured for static models only)."""
     sess = InferenceSession(model, providers=[(PROVIDER, opts.as_strings()), "CPUExecutionProvider"])
+    if shapes is not None:
+        sess._plan_for({k: tuple(int(d) for d in v) for k, v in shapes.items()})
     runners = sess._runners
     if runners is not None and runners.runner and sess._direct is not None:  # another whole-model runner won
         return dataclasses.replace(runners, source="measured")
@@ -55,12 +64,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--content", required=True, help="the model's identity (background.Source.content)")
     p.add_argument("--lock", required=True, help="removed when the verdict is recorded")
     p.add_argument("--remove-model", action="store_true", help="the model file is the parent's copy of its bytes")
+    p.add_argument("--shapes", help="the input shapes to evaluate at, JSON (a model with dynamic dimensions)")
+    p.add_argument("--gate", help="the counter of the parent's holds (background.Gate)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     with contextlib.suppress(OSError):
         os.nice(CHILD_NICE)
     opts = ProviderOptions.parse(json.loads(args.options))
     cache = floor.cache_for(opts, device_id(session_handle(opts)))
+    counter = _count_holds(args.gate) if args.gate else None
 
     def out_of_time(signum: int, frame: Any) -> None:
         raise TimeoutError(f"the background evaluation ran past its {CHILD_LIMIT_S} s ceiling")
@@ -69,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.alarm(CHILD_LIMIT_S)
     t0 = time.perf_counter()
     try:
-        verdict = evaluate(args.model, opts)
+        verdict = evaluate(args.model, opts, json.loads(args.shapes) if args.shapes else None)
     except BaseException as exc:  # any failure is a verdict for ONNX Runtime
         log.exception("background evaluation failed")
         verdict = floor.Verdict(False, source="measured",
@@ -83,8 +95,23 @@ def main(argv: list[str] | None = None) -> int:
     log.info("verdict: %s", verdict.describe())
     if args.remove_model:
         Path(args.model).unlink(missing_ok=True)
+    if counter is not None:
+        counter.close()
+        Path(args.gate).unlink(missing_ok=True)
     Path(args.lock).unlink(missing_ok=True)
     return 0
+
+
+def _count_holds(path: str) -> mmap.mmap | None:
+    """The gate file mapped, its count read by the floor's timing loops (``floor.PAUSES``)."""
+    try:
+        with open(path, "rb") as fh:
+            mapped = mmap.mmap(fh.fileno(), background.COUNTER.size, access=mmap.ACCESS_READ)
+    except (OSError, ValueError) as exc:
+        log.info("no gate counter (%s): timed calls the parent held are not told apart", exc)
+        return None
+    floor.PAUSES.read = lambda: int(background.COUNTER.unpack_from(mapped)[0])
+    return mapped
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ class Verdict:
     runner: str = ""  # whole model only: a RUNNERS name that won, "" where none did
     candidates: tuple[str, ...] = ()  # whole model only: one line per candidate runner
     against: str = ""  # whole model only: what ``runner`` was timed against (default ONNX Runtime)
+    load: str = ""  # the machine's load class when it was measured (``machine_load``; "" where unknown)
 
     def describe(self) -> str:
         if self.runner:
@@ -87,7 +88,7 @@ class Verdict:
             if self.fusegraph_ms is not None and self.ort_ms is not None:
                 times = (f"{label} {self.fusegraph_ms:.3f} ms vs {self.against or 'ONNX Runtime'} "
                          f"{self.ort_ms:.3f} ms ({self.source})")
-            parts = [p for p in (times, self.why) if p]
+            parts = [p for p in (times, self.why, self._under()) if p]
             return f"floor: on {label}" + (f" -- {'; '.join(parts)}" if parts else "")
         times = ""
         if self.fusegraph_ms is not None and self.ort_ms is not None:
@@ -95,8 +96,11 @@ class Verdict:
         who = "kept on fusegraph" if self.keep else "handed to ONNX Runtime"
         if not times and self.source == "not measured":
             times = "not measured"
-        parts = [p for p in (times, self.why) if p]
+        parts = [p for p in (times, self.why, self._under()) if p]
         return f"floor: {who}" + (f" -- {'; '.join(parts)}" if parts else "")
+
+    def _under(self) -> str:
+        return f"measured on a {self.load} machine" if self.load else ""
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"keep": self.keep, "fusegraph_ms": self.fusegraph_ms, "ort_ms": self.ort_ms, "why": self.why}
@@ -106,6 +110,8 @@ class Verdict:
             out["candidates"] = list(self.candidates)
         if self.against:
             out["against"] = self.against
+        if self.load:
+            out["load"] = self.load
         return out
 
     @staticmethod
@@ -121,7 +127,7 @@ class Verdict:
             return Verdict(
                 entry["keep"], None if fg is None else float(fg), None if ort_ms is None else float(ort_ms),
                 "cached", str(entry.get("why", "")), runner, tuple(str(c) for c in entry.get("candidates", ())),
-                str(entry.get("against", "")),
+                str(entry.get("against", "")), str(entry.get("load", "")),
             )
         except (TypeError, ValueError):
             return None
@@ -162,19 +168,48 @@ def decide_timing(timing: Sequence[float | None]) -> Verdict:
     return decide(fg_ms, ort_ms, rest[0] if rest else None)
 
 
+# ---- pauses ----------------------------------------------------------------------------------
+class PauseCount:
+    """How many times this process has been paused from outside (the background child, held
+    by its parent while the caller's session runs: ``background.Gate``). A timed call during
+    which the count moved is not that call's time and is dropped. Zero pauses elsewhere."""
+
+    def __init__(self) -> None:
+        self.read: Callable[[], int] = lambda: 0
+
+    def __call__(self) -> int:
+        return self.read()
+
+
+PAUSES = PauseCount()  # set once by the background child (evaluate.py); read by the timing loops
+MAX_DROPPED = 50  # calls a block may drop to pauses before it keeps what it has
+
+
+def _timed(fn: Call) -> float | None:
+    """One call's seconds, None where the process was paused during it."""
+    p = PAUSES()
+    t = time.perf_counter()
+    fn()
+    dt = time.perf_counter() - t
+    return dt if PAUSES() == p else None
+
+
 def _block(fn: Call, block_s: float, out: list[float]) -> None:
     """A time-based warm-up, then timed runs for ``block_s`` (at least MIN_RUNS): after any
-    pause this shared machine runs slowly for tens of milliseconds."""
+    pause this shared machine runs slowly for tens of milliseconds. A call the process was
+    paused in is timed again (``PAUSES``)."""
     t0 = time.perf_counter()
     fn()
     while time.perf_counter() - t0 < min(WARM_S, block_s / 2):
         fn()
     t1 = time.perf_counter()
-    k = 0
+    k = dropped = 0
     while k < MIN_RUNS or time.perf_counter() - t1 < block_s:
-        t = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t)
+        dt = _timed(fn)
+        if dt is None and dropped < MAX_DROPPED:
+            dropped += 1
+            continue
+        out.append(dt if dt is not None else math.inf)
         k += 1
 
 
@@ -185,19 +220,21 @@ def time_pair(fusegraph: Call, ort: Call, budget_s: float) -> Timing:
     slows whichever side it lands on by up to tens of times (measured: a MobileNetV2 unit at
     456 ms in one block, 22 ms alone), and a burst rarely covers every block of one side."""
     one = [math.inf, math.inf]
-    for _ in range(2):
-        for k, fn in enumerate((fusegraph, ort)):
-            t = time.perf_counter()
-            fn()
-            one[k] = min(one[k], time.perf_counter() - t)
+    whole = 0  # rounds of one call each, neither paused
+    for _ in range(2 + MAX_DROPPED):
+        times = [_timed(fn) for fn in (fusegraph, ort)]
+        if times[0] is None or times[1] is None:
+            continue
+        one = [min(one[0], times[0]), min(one[1], times[1])]
+        whole += 1
         if not (one[0] > CLEAR * one[1] or one[1] > CLEAR * one[0]):
             break
-    else:
-        # Clear-cut after two calls each (e.g. a plan that fell to op-by-op execution): no
-        # blocks, whose minimum of runs would cost minutes where a call takes seconds. Two,
-        # not one: a single call stalled by a neighbour's burst on this shared machine (a
-        # 600 ms call of an 11 ms plan) must not decide.
-        return Timing(one[0] * 1e3, one[1] * 1e3)
+        if whole == 2:
+            # Clear-cut after two calls each (e.g. a plan that fell to op-by-op execution): no
+            # blocks, whose minimum of runs would cost minutes where a call takes seconds. Two,
+            # not one: a single call stalled by a neighbour's burst on this shared machine (a
+            # 600 ms call of an 11 ms plan) must not decide.
+            return Timing(one[0] * 1e3, one[1] * 1e3)
     block = max(budget_s, 0.0) / (2 * ROUNDS)
     a: list[float] = []
     b: list[float] = []
@@ -372,44 +409,53 @@ def _attr_text(v: Any) -> str:
 
 
 def settings_key(device: str, settings: Mapping[str, Any]) -> str:
-    """The machine and everything besides the sub-model that decides the verdict."""
+    """The machine and everything besides the sub-model that decides the verdict: a verdict
+    stands until fusegraph, an engine or runtime it measured, or the options change. Not the
+    machine's load: a model is evaluated once per machine and device (the class it was
+    measured in travels in the verdict, ``Verdict.load``, and decides whether a whole-model
+    runner's win applies: ``direct.as_allowed``)."""
     import onnxruntime
 
     from fusegraph.onnx import openvino_runner
 
     parts = [device, f"fusegraph {__version__}", f"onnxruntime {onnxruntime.__version__}", _torch_version(),
-             openvino_runner.version()]
+             openvino_runner.version(), _version("iree-base-compiler")]
     parts += [f"{k}={settings[k]}" for k in sorted(settings)]
     return "|".join(parts)
 
 
 def _torch_version() -> str:
+    return _version("torch")
+
+
+def _version(dist: str) -> str:
     import importlib.metadata as md
 
     try:
-        return f"torch {md.version('torch')}"
+        return f"{dist} {md.version(dist)}"
     except md.PackageNotFoundError:
-        return "no torch"
+        return f"no {dist}"
 
 
 def cache_for(opts: ProviderOptions, device: str) -> VerdictCache:
     """The verdict table under the settings that decide a verdict: one key for a session,
-    its plan and its background evaluation."""
+    its plan and its background evaluation, whatever the machine's load (every verdict it
+    records carries the class it was measured in)."""
     settings: dict[str, Any] = {
         "engine": opts.engine or "auto", "channels_last": opts.channels_last,
         "autotune": opts.autotune > 0, "keep_below": KEEP_BELOW, "runners": ",".join(opts.runner_candidates()),
     }
-    if opts.runner_candidates():  # which runner wins depends on the load: one verdict per class
-        settings["load"] = opts.load if opts.load != "auto" else machine_load()
-    return VerdictCache(opts.cache_dir, settings_key(device, settings))
+    load = opts.load if opts.load != "auto" else machine_load()
+    return VerdictCache(opts.cache_dir, settings_key(device, settings), load)
 
 
 def machine_load() -> str:
     """"busy" where the last minute's run queue (os.getloadavg) averages at least BUSY_LOAD
-    per usable core, else "quiet". A whole-model runner's verdict is only valid in the class
-    it was measured in: ONNX Runtime without spinning won 15 of 18 models beside other work
-    and loses ~10% on a quiet machine, so a verdict taken under load must not decide there.
-    The average counts the caller's own threads too (a spinning ORT pool among them)."""
+    per usable core, else "quiet". A whole-model runner's win only holds in the class it
+    was measured in: ONNX Runtime without spinning won 15 of 18 models beside other work
+    and loses ~10% on a quiet machine, so a runner measured under load does not run the
+    model on a quiet machine (nor is the model measured again there: the caller's session
+    runs it). The average counts the caller's own threads too (a spinning ORT pool among them)."""
     from fusegraph.select.device_id import usable_cores
 
     try:
@@ -424,9 +470,10 @@ class VerdictCache:
     """``onnx-floor.json`` under the cache directory, read once per session and written back
     once (``flush``), keyed by ``content|settings``."""
 
-    def __init__(self, cache_dir: str | None, settings: str) -> None:
+    def __init__(self, cache_dir: str | None, settings: str, load: str = "") -> None:
         self.path = (Path(cache_dir) if cache_dir else cache_root()) / FILE
         self.settings = settings
+        self.load = load  # stamped on every verdict measured under this table that lacks a class
         self.enabled = cache_enabled()
         self._table: dict[str, Any] | None = None
         self._dirty: dict[str, Any] = {}
@@ -444,6 +491,8 @@ class VerdictCache:
 
     def record(self, content: str, verdict: Verdict) -> None:
         if self.enabled and verdict.source == "measured":
+            if self.load and not verdict.load:
+                verdict = dataclasses.replace(verdict, load=self.load)
             self._dirty[self._key(content)] = verdict.to_json()
 
     def flush(self) -> None:

@@ -23,7 +23,14 @@ import onnxruntime as ort
 from onnx import helper
 
 from fusegraph.onnx import background, floor
-from fusegraph.onnx.direct import DirectOrt, OrtRunner, as_allowed, choose_whole_runner, make_runner
+from fusegraph.onnx.direct import (
+    DirectOrt,
+    OrtRunner,
+    ShapedOrt,
+    as_allowed,
+    choose_whole_runner,
+    make_runner,
+)
 from fusegraph.onnx.iobinding import IOBinding, host_array
 from fusegraph.onnx.load import MIN_OPSET, _first_line, default_opset
 from fusegraph.onnx.memory import PeakMemory, measure_peak
@@ -159,8 +166,9 @@ class InferenceSession:
         if kwargs:
             raise TypeError(f"InferenceSession got unexpected keyword argument(s) {sorted(kwargs)}")
         self._providers, self._opts, self._ort_providers = _parse_providers(providers, provider_options)
-        if self._opts.load == "auto" and self._opts.runner_candidates():
-            # read once: the session, its plan and its background child key runner verdicts alike
+        if self._opts.load == "auto":
+            # read once: the session, its plan and its background child stamp the verdicts they
+            # measure with it, and a whole-model runner's win applies in its own class only
             self._opts = dataclasses.replace(self._opts, load=floor.machine_load())
         self._enabled = PROVIDER in self._providers
         self._sess_options = sess_options
@@ -326,7 +334,7 @@ class InferenceSession:
         cache = floor.cache_for(self._opts, device_id(self._handle))
         known = cache.lookup(source.content)
         if known is not None:
-            known = as_allowed(known, self._sess_options)
+            known = as_allowed(known, self._sess_options, self._opts.load)
         if known is not None and (known.keep or known.runner == "openvino"):
             self._runners = known if known.runner else None
             return False  # fusegraph's plan or OpenVINO won: made from the caches (the model parsed)
@@ -345,14 +353,18 @@ class InferenceSession:
             log.info("ONNX Runtime could not open the whole model (%s): building the plan", _first_line(exc))
             return False
         inputs = [NodeArg(i.name, list(i.shape), i.type) for i in sess.get_inputs()]
-        if not all(isinstance(d, int) for i in inputs for d in (i.shape or [None])):
-            return False  # dynamic shapes: plans per shape, each measured as it comes
+        dynamic = not all(isinstance(d, int) for i in inputs for d in (i.shape or [None]))
+        if dynamic and any(i.shape is None for i in inputs):
+            return False  # an input of unknown rank: plans per shape, as in floor_mode=inline
         self._inputs = inputs
-        self._signature = {i.name: tuple(i.shape) for i in inputs}  # type: ignore[arg-type]
+        self._signature = {i.name: tuple(i.shape) for i in inputs}  # type: ignore[arg-type,misc]
         self._input_dtypes = {i.name: NP_OF_TYPE.get(i.type) for i in inputs}
         self._outputs = [NodeArg(o.name, list(o.shape), o.type) for o in sess.get_outputs()]
         self._output_names = [o.name for o in self._outputs]
         self._output_set = frozenset(self._output_names)
+        if dynamic:  # every shape on ONNX Runtime at once; each new one evaluated in the background
+            self._direct = ShapedOrt(runner, known, source, cache, self)
+            return True
         evaluation = background.launch(source, self._opts, cache) if known is None else None
         self._direct = DirectOrt(runner, known, evaluation)
         return True
