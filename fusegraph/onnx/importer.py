@@ -26,6 +26,7 @@ from fusegraph.graph.graph import Graph
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.onnx.model import OnnxGraph, ONode
 from fusegraph.onnx.ops import SPATIAL_OPS, TABLE, Unmappable, data_type_of
+from fusegraph.onnx.ops.table import table_key
 
 __all__ = [
     "CHANNELS_LAST", "DEFAULT_FILTER_LAYOUT", "FILTER_LAYOUTS", "MATRIX_COLUMN_MAJOR", "SPATIAL_OPS",
@@ -222,9 +223,9 @@ class Importer:
     # ---- driving ------------------------------------------------------------------------------
     def lower(self, node: ONode) -> None:
         self.node = node
-        if not node.is_default_domain:
+        entry = TABLE.get(table_key(node.op_type, node.domain))
+        if entry is None and not node.is_default_domain:
             raise Unmappable(f"{node.op_type}: domain '{node.domain}' is not the default ONNX domain")
-        entry = TABLE.get(node.op_type)
         if entry is None:
             raise Unmappable(f"{node.op_type}: no fusegraph lowering for this op type")
         try:

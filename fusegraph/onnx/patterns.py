@@ -27,71 +27,15 @@ from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import OpKind, PointwiseAttrs, PointwiseMode
 from fusegraph.onnx.model import OnnxGraph, ONode
+from fusegraph.onnx.patterns_attention import fuse_attention
+from fusegraph.onnx.patterns_common import Ctx
+from fusegraph.onnx.patterns_gelu import fuse_gelu_erf, fuse_gelu_tanh
+from fusegraph.onnx.patterns_norms import fuse_layer, fuse_rms
 
 _AFFINE_OPS = frozenset({"Mul", "Add", "Sub", "Div"})
 
 
-class _Ctx:
-    """Producer/consumer maps of the graph, kept current as rewrites replace nodes."""
-
-    def __init__(self, og: OnnxGraph, exclude: Iterable[str]) -> None:
-        self.og = og
-        self.exclude = frozenset(exclude)
-        self.refresh()
-
-    def refresh(self) -> None:
-        self.producer = self.og.producers()
-        self.consumers = self.og.consumers()
-
-    def sole_reader(self, value: str) -> ONode | None:
-        if value in self.og.outputs:
-            return None
-        readers = self.consumers.get(value, [])
-        return readers[0] if len(readers) == 1 else None
-
-    def consts(self, names: Iterable[str]) -> list[np.ndarray] | None:
-        out = []
-        for n in names:
-            if not n or n not in self.og.constants:
-                return None
-            out.append(self.og.constants[n])
-        return out
-
-    def new_const(self, base: str, arr: np.ndarray) -> str:
-        name, k = f"{base}", 0
-        while name in self.og.constants or name in self.og.types:
-            k += 1
-            name = f"{base}_{k}"
-        self.og.constants[name] = arr
-        return name
-
-    def replace(self, old: list[ONode], new: ONode) -> None:
-        """Puts ``new`` where the first of ``old`` was and drops the rest (maps kept current)."""
-        ids = {id(n) for n in old}
-        pos = next(k for k, n in enumerate(self.og.nodes) if n is old[0])
-        self.og.nodes[pos] = new
-        self.og.nodes = [n for n in self.og.nodes if id(n) not in ids]
-        for n in old:
-            for o in n.outputs:
-                if self.producer.get(o) is n:
-                    del self.producer[o]
-                if o and o not in new.outputs:
-                    self.og.types.pop(o, None)
-            for i in n.all_inputs():
-                readers = self.consumers.get(i, [])
-                readers[:] = [r for r in readers if id(r) not in ids]
-        for o in new.outputs:
-            if o:
-                self.producer[o] = new
-        for i in new.all_inputs():
-            self.consumers.setdefault(i, []).append(new)
-        for n in old:
-            for i in n.inputs:
-                if i in self.og.constants and not self.consumers.get(i) and i not in self.og.outputs:
-                    del self.og.constants[i]
-
-    def allowed(self, *nodes: ONode) -> bool:
-        return not any(n.op_type in self.exclude for n in nodes)
+_Ctx = Ctx  # the name the BN/conv folds below were written against
 
 
 def _bn_ok(ctx: _Ctx, bn: ONode) -> list[np.ndarray] | None:
@@ -244,16 +188,28 @@ class Rewrite:
     fn: Callable[[_Ctx], int]
 
 
-# Order matters: affine ops first join their BatchNormalization, which then joins its conv.
+# Priority order. Affine ops first join their BatchNormalization, which then joins its conv.
+# Transformer patterns (patterns_norms, patterns_gelu, patterns_attention) each replace the
+# nodes they match by one fused node: norms and GELU first, as they never overlap an
+# attention, whose match is the largest.
 REWRITES: tuple[Rewrite, ...] = (
     Rewrite("onnx.bn.affine", fold_affine_into_bn),
     Rewrite("onnx.conv.bn", fold_bn_into_conv),
     Rewrite("onnx.conv.affine", fold_affine_into_conv),
+    Rewrite("onnx.norm.layer", fuse_layer),
+    Rewrite("onnx.norm.rms", fuse_rms),
+    Rewrite("onnx.gelu.erf", fuse_gelu_erf),
+    Rewrite("onnx.gelu.tanh", fuse_gelu_tanh),
+    Rewrite("onnx.attention.sdpa", fuse_attention),
 )
 
 
-def apply_rewrites(og: OnnxGraph, exclude: Iterable[str] = ()) -> dict[str, int]:
-    """Runs every rewrite to a fixed point; returns how often each applied."""
+def apply_rewrites(
+    og: OnnxGraph, exclude: Iterable[str] = (), refused: dict[str, str] | None = None
+) -> dict[str, int]:
+    """Runs every rewrite to a fixed point; returns how often each applied. ``refused``
+    (anchor node -> "pattern at node: reason") receives the patterns whose anchor matched
+    but the rest did not -- a wrong constant or axis, an intermediate read elsewhere."""
     ctx = _Ctx(og, exclude)
     counts: dict[str, int] = collections.Counter()
     while True:
@@ -263,6 +219,8 @@ def apply_rewrites(og: OnnxGraph, exclude: Iterable[str] = ()) -> dict[str, int]
             counts[rw.name] += n
             changed += n
         if not changed:
+            if refused is not None:
+                refused.update(ctx.refused)
             return dict(counts)
 
 
@@ -341,4 +299,8 @@ def label_fusions(graph: Graph, weights: Iterable[str]) -> dict[str, int]:
                 anchor.meta["fusion"] = pat.name
                 counts[pat.name] += 1
                 break
+    for n in graph.nodes:  # the nodes a transformer pattern's fused node lowered to
+        pattern = n.meta.get("pattern")
+        if isinstance(pattern, str):
+            counts[pattern] += 1
     return dict(counts)

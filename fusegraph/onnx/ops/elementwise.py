@@ -15,7 +15,7 @@ from fusegraph.dtypes import DataType
 from fusegraph.graph.ops import PointwiseMode
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.onnx.ops.common import data_type_of, out_rank
-from fusegraph.onnx.ops.table import Unmappable, lowers, register
+from fusegraph.onnx.ops.table import Unmappable, contrib, fused, lowers, register
 
 if TYPE_CHECKING:
     from fusegraph.onnx.importer import Importer
@@ -149,6 +149,35 @@ def lower_gelu(imp: Importer, node: ONode) -> None:
         imp.set(node.outputs[0], imp.g.gelu(x))
     else:
         raise Unmappable(f"Gelu: approximate={approx!r}")
+
+
+@lowers(fused("Gelu"))
+def lower_fused_gelu(imp: Importer, node: ONode) -> None:
+    """patterns_gelu's match: the Erf form (approximate=0) or the Tanh form (1)."""
+    x = imp.tensor(node.inputs[int(node.attr("x"))])
+    y = imp.g.gelu_approx_tanh(x) if int(node.attr("approximate")) else imp.g.gelu(x)
+    _pattern(imp, y, "gelu.tanh" if int(node.attr("approximate")) else "gelu.erf")
+    imp.set(node.outputs[0], y)
+
+
+@lowers(contrib("Gelu"), contrib("BiasGelu"), contrib("FastGelu"))
+def lower_contrib_gelu(imp: Importer, node: ONode) -> None:
+    """ONNX Runtime's Gelu (Erf form), BiasGelu (of x + bias) and FastGelu (Tanh form, of x + bias)."""
+    x = imp.tensor(node.inputs[0])
+    if len(node.inputs) > 1 and node.inputs[1]:
+        x = imp.g.add(x, imp.operand(node.inputs[1], len(x.dim)))
+    y = imp.g.gelu_approx_tanh(x) if node.op_type == "FastGelu" else imp.g.gelu(x)
+    if tuple(y.dim) != imp.shape(node.outputs[0]):
+        raise Unmappable(f"{node.op_type}: bias broadcasts the input up to {y.dim}")
+    imp.set(node.outputs[0], y)
+
+
+def _pattern(imp: Importer, t: TensorAttr, pattern: str) -> None:
+    """Marks the node that made ``t`` for the report's fusion counts."""
+    for n in reversed(imp.g.nodes):
+        if any(o is t for o in n.outputs.values()):
+            n.meta["pattern"] = pattern
+            return
 
 
 @lowers("PRelu")

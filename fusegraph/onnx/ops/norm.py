@@ -1,6 +1,8 @@
 """Normalizations, softmax and reductions: BatchNormalization (folded to a per-channel
 scale and shift when its statistics are constant), LayerNormalization, InstanceNormalization,
-LRN, Softmax/LogSoftmax, Reduce*."""
+LRN, Softmax/LogSoftmax, Reduce*; the fused RMS / layer norms of ``patterns_norms`` and ONNX
+Runtime's ``SimplifiedLayerNormalization``, ``SkipLayerNormalization`` and
+``SkipSimplifiedLayerNormalization`` (what its transformer optimizer emits)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import numpy as np
 from fusegraph.graph.ops import PoolingMode, ReductionMode
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.onnx.ops.common import channel_vector, ints, is_read, per_channel, reshape, rows
-from fusegraph.onnx.ops.table import Unmappable, lowers
+from fusegraph.onnx.ops.table import Unmappable, contrib, fused, lowers
 
 if TYPE_CHECKING:
     from fusegraph.onnx.importer import Importer
@@ -181,3 +183,113 @@ def lower_softmax(imp: Importer, node: ONode) -> None:
         axis = int(node.attr("axis", -1)) % len(xs)
         y = imp.g.softmax(x, axis=axis, log=log)
     imp.set(node.outputs[0], y)
+
+
+# ---- transformer norms -------------------------------------------------------------------------
+def _rows_norm(
+    imp: Importer, x: TensorAttr, axis: int, scale: str, bias: str, eps: float, rms: bool
+) -> TensorAttr:
+    """x normalized over its axes from ``axis`` on (layer norm or RMS norm), times ``scale``
+    (+ ``bias``), each broadcast over those axes; x's dims."""
+    xs = tuple(x.dim)
+    x2, _, inner = rows(imp, x, axis)
+    feat = xs[axis:]
+
+    def param(name: str, fill: float) -> TensorAttr:
+        if name and imp.is_const(name):
+            arr = np.broadcast_to(imp.og.constants[name], feat).reshape(1, inner)
+            return imp.constant(np.ascontiguousarray(arr), name, "plain")
+        if name:
+            t = imp.tensor(name, "plain")
+            if math.prod(t.dim) != inner:
+                raise Unmappable(f"{imp.op}: non-constant '{name}' {t.dim} does not hold one value per normalized element {list(feat)}")
+            return reshape(imp, t, (1, inner))
+        return imp.constant(np.full((1, inner), fill, dtype=x.dtype.numpy), "norm_fill", "plain")
+
+    if rms:
+        y, _ = imp.g.rmsnorm(x2, param(scale, 1.0), epsilon=eps, bias=param(bias, 0.0) if bias else None)
+    else:
+        y, _, _ = imp.g.layernorm(x2, param(scale, 1.0), param(bias, 0.0), epsilon=eps)
+    _pattern(imp, y, "norm.rms" if rms else "norm.layer")
+    return reshape(imp, y, xs)
+
+
+def _pattern(imp: Importer, t: TensorAttr, pattern: str) -> None:
+    for n in reversed(imp.g.nodes):
+        if any(o is t for o in n.outputs.values()):
+            n.meta["pattern"] = pattern
+            return
+
+
+def _role(node: ONode, name: str) -> str:
+    i = node.attr(name)
+    return node.inputs[int(i)] if i is not None else ""
+
+
+@lowers(fused("RmsNorm"))
+def lower_fused_rms(imp: Importer, node: ONode) -> None:
+    x = imp.tensor(_role(node, "x"), "plain")
+    y = _rows_norm(imp, x, int(node.attr("axis")), _role(node, "scale"), "", float(node.attr("epsilon")), rms=True)
+    imp.set(node.outputs[0], y)
+
+
+@lowers(fused("LayerNorm"))
+def lower_fused_layer(imp: Importer, node: ONode) -> None:
+    x = imp.tensor(_role(node, "x"), "plain")
+    y = _rows_norm(imp, x, int(node.attr("axis")), _role(node, "scale"), _role(node, "bias"),
+                   float(node.attr("epsilon")), rms=False)
+    imp.set(node.outputs[0], y)
+
+
+def _unread(imp: Importer, node: ONode, positions: range, what: str) -> None:
+    for k in positions:
+        if k < len(node.outputs) and node.outputs[k] and is_read(imp, node.outputs[k]):
+            raise Unmappable(f"{node.op_type}: output '{node.outputs[k]}' ({what}) is used")
+
+
+@lowers("SimplifiedLayerNormalization")
+def lower_simplified_layernorm(imp: Importer, node: ONode) -> None:
+    """ONNX Runtime's RMS norm (default domain): x / sqrt(mean(x^2) + eps) * scale."""
+    _unread(imp, node, range(1, 2), "the inverse RMS")
+    xs = imp.shape(node.inputs[0])
+    axis = int(node.attr("axis", -1)) % len(xs)
+    if axis == 0:
+        raise Unmappable("SimplifiedLayerNormalization: axis=0 (normalizing over the batch axis too)")
+    x = imp.tensor(node.inputs[0], "plain")
+    y = _rows_norm(imp, x, axis, node.inputs[1], "", float(node.attr("epsilon", 1e-5)), rms=True)
+    imp.set(node.outputs[0], y)
+
+
+def _skip_sum(imp: Importer, node: ONode, bias_at: int) -> tuple[TensorAttr, float]:
+    """input + skip (+ bias): what Skip*LayerNormalization normalizes; its 4th output."""
+    if "epsilon" not in node.attrs:
+        raise Unmappable(f"{node.op_type}: no epsilon attribute (fusegraph does not assume ONNX Runtime's default)")
+    xs = imp.shape(node.inputs[0])
+    if len(xs) != 3:
+        raise Unmappable(f"{node.op_type}: input {list(xs)} is not 3-D")
+    x = imp.tensor(node.inputs[0], "plain")
+    s = imp.g.add(x, imp.tensor(node.inputs[1], "plain"))
+    if tuple(s.dim) != xs:
+        raise Unmappable(f"{node.op_type}: skip {list(imp.shape(node.inputs[1]))} broadcasts input {list(xs)} up")
+    if len(node.inputs) > bias_at and node.inputs[bias_at]:
+        s = imp.g.add(s, imp.tensor(node.inputs[bias_at], "plain"))
+    if len(node.outputs) > 3 and node.outputs[3]:
+        imp.set(node.outputs[3], s)
+    return s, float(node.attr("epsilon"))
+
+
+@lowers(contrib("SkipLayerNormalization"))
+def lower_skip_layernorm(imp: Importer, node: ONode) -> None:
+    """LayerNorm(input + skip + bias) * gamma + beta over the last axis."""
+    _unread(imp, node, range(1, 3), "mean / inverse std")
+    s, eps = _skip_sum(imp, node, 4)
+    beta = node.inputs[3] if len(node.inputs) > 3 else ""
+    imp.set(node.outputs[0], _rows_norm(imp, s, 2, node.inputs[2], beta, eps, rms=False))
+
+
+@lowers(contrib("SkipSimplifiedLayerNormalization"))
+def lower_skip_simplified_layernorm(imp: Importer, node: ONode) -> None:
+    """RMSNorm(input + skip + bias) * gamma over the last axis."""
+    _unread(imp, node, range(1, 3), "mean / inverse std")
+    s, eps = _skip_sum(imp, node, 3)
+    imp.set(node.outputs[0], _rows_norm(imp, s, 2, node.inputs[2], "", eps, rms=True))

@@ -67,3 +67,31 @@ def lowers(*op_types: str, spatial: bool = False) -> Callable[[F], F]:
 def lowering_for(op_type: str) -> Lowering | None:
     entry = TABLE.get(op_type)
     return entry.lower if entry is not None else None
+
+
+#: Domains besides the default whose ops the table may lower: ONNX Runtime's contrib ops,
+#: and the fused nodes of ``fusegraph.onnx.patterns`` (one op type per match, ``<Kind>_<k>``).
+CONTRIB_DOMAIN = "com.microsoft"
+
+
+def fused(kind: str) -> str:
+    """The table key of a pattern's fused node of ``kind`` (``patterns_common.FUSED_DOMAIN``)."""
+    from fusegraph.onnx.patterns_common import FUSED_DOMAIN
+
+    return f"{FUSED_DOMAIN}:{kind}"
+
+
+def contrib(op_type: str) -> str:
+    """The table key of an ONNX Runtime contrib op (domain com.microsoft)."""
+    return f"{CONTRIB_DOMAIN}:{op_type}"
+
+
+def table_key(op_type: str, domain: str) -> str:
+    """Default-domain ops by op type, others as ``domain:op_type``; a fused node by its kind."""
+    from fusegraph.onnx.patterns_common import FUSED_DOMAIN, fused_kind
+
+    if domain in ("", "ai.onnx"):
+        return op_type
+    if domain == FUSED_DOMAIN:
+        return f"{domain}:{fused_kind(op_type)}"
+    return f"{domain}:{op_type}"
