@@ -129,6 +129,34 @@ def _k_operand(ctx: Ctx, kt: str, rank: int, heads: int, m: _Match) -> None:
     m.k, m.k_perm = kt, tuple(swap)
 
 
+def _window_mask(ctx: Ctx, s: str, shape: tuple[int, ...], m: _Match) -> np.ndarray | None:
+    """Swin's shifted windows: ``Reshape(Add(Reshape(x, [B, nW, h, N, N]), mask), [B*nW, h, N,
+    N])`` before the softmax adds a constant mask per window; returns it broadcast to the
+    scores' shape (materialized, in the constant's type), the three nodes appended to
+    ``m.nodes``. Added to a first constant mask in float64 and rounded once: the same sum
+    ONNX forms in two roundings."""
+    r2 = ctx.made_by(s, "Reshape")
+    a2 = ctx.made_by(r2.inputs[0], "Add") if r2 is not None else None
+    if r2 is None or a2 is None or len(shape) != 4:
+        return None
+    for split in a2.inputs:
+        r1 = ctx.made_by(split, "Reshape")
+        other = a2.inputs[1] if a2.inputs[0] == split else a2.inputs[0]
+        five = ctx.og.shape(split)
+        if r1 is None or five is None or len(five) != 5 or other not in ctx.og.constants:
+            continue
+        if ctx.og.shape(r1.inputs[0]) != shape or five[0] * five[1] != shape[0] or five[2:] != shape[1:]:
+            continue
+        c = ctx.og.constants[other]
+        if c.ndim > 5 or np.broadcast_shapes(c.shape, five) != five or c.dtype.kind != "f":
+            continue
+        ctx.only_reader(split, "the windowed scores", [a2])
+        ctx.only_reader(a2.outputs[0], "the masked windowed scores", [r2])
+        m.nodes += [r2, a2, r1]
+        return np.ascontiguousarray(np.broadcast_to(c, five)).reshape(shape)
+    return None
+
+
 def _causal(mask: np.ndarray, scores: tuple[int, ...]) -> bool:
     """The constant mask is 0 on and below the diagonal, -inf above, for every batch/head."""
     sq, sk = scores[-2:]
@@ -166,14 +194,14 @@ def _match(ctx: Ctx, sm: ONode) -> _Match | None:
             p = r.outputs[0]
             continue
         break
-    mm2 = ctx.sole_reader(p)
-    if mm2 is None or mm2.op_type != "MatMul" or not mm2.is_default_domain or mm2.inputs[0] != p:
-        if any(r.op_type == "MatMul" and r.inputs[0] == p for r in ctx.readers(p)):
-            raise Refused(f"the probabilities '{p}' are also read by "
-                          f"{', '.join(r.name for r in ctx.readers(p) if r.op_type != 'MatMul')[:200]}")
+    mm2 = next((r for r in ctx.readers(p) if r.op_type == "MatMul" and r.is_default_domain and r.inputs[0] == p), None)
+    if mm2 is None:
         return None
-    # upstream: MatMul -> [scale] -> [Add mask] -> Softmax
+    # upstream: MatMul -> [scale] -> [Add mask] -> [windows: Reshape, Add mask, Reshape] -> Softmax
     cur = s
+    window = _window_mask(ctx, cur, tuple(shape), m)
+    if window is not None:
+        cur = m.nodes[-1].inputs[0]
     add = ctx.made_by(cur, "Add")
     if add is not None:
         chain = next((c for c in add.inputs if _to_matmul(ctx, c)), None)
@@ -181,7 +209,7 @@ def _match(ctx: Ctx, sm: ONode) -> _Match | None:
             return None
         m.mask = add.inputs[1] if add.inputs[0] == chain else add.inputs[0]
         m.nodes.append(add)
-        ctx.only_reader(cur, "the masked scores", [sm])
+        ctx.only_reader(cur, "the masked scores", m.nodes)
         cur = chain
     sc = ctx.made_by(cur, "Mul", "Div")
     if sc is not None:
@@ -250,6 +278,15 @@ def _match(ctx: Ctx, sm: ONode) -> _Match | None:
                 m.causal, m.mask = True, ""
             elif m.guard and not bool(np.any(np.all(np.isneginf(c), axis=-1))):
                 m.guard = False  # no row is fully masked: the guard never acts on finite inputs
+    if window is not None:
+        if not m.mask:
+            m.mask = ctx.new_const(f"{sm.name}_window_mask", window)
+        elif m.mask in ctx.og.constants:
+            first = ctx.og.constants[m.mask]
+            both = np.broadcast_to(first.astype(np.float64), shape) + window.astype(np.float64)
+            m.mask = ctx.new_const(f"{sm.name}_window_mask", both.astype(first.dtype))
+        else:
+            raise Refused(f"the window mask follows a mask '{m.mask}' that is not constant")
     if not m.mask:
         m.guard = False
     if why := ctx.excluded(m.nodes):

@@ -106,7 +106,8 @@ class SessionPlan:
         self.dump = make_dumper(opts.dump_dir)
         self.model = model  # as given: the whole model on ONNX Runtime, where the floor decides so
         self.og = og = specialize(model, shapes)
-        self.rewrites = apply_rewrites(og, opts.op_types_to_exclude) if enabled else {}
+        self.pattern_refusals: dict[str, str] = {}  # anchor node -> why its pattern did not apply
+        self.rewrites = apply_rewrites(og, opts.op_types_to_exclude, self.pattern_refusals) if enabled else {}
         self._read_values: set[str] | None = None
         if enabled:
             verdicts = {n.name: self._verdict(n) for n in og.nodes}

@@ -50,6 +50,7 @@ def report(plan: SessionPlan) -> PartitionReport:
         subgraphs=tuple(subs),
         unclaimed=tuple(unclaimed),
         rewrites={k: v for k, v in plan.rewrites.items() if v},
+        patterns_refused=tuple(plan.pattern_refusals.values()),
         input_shapes=plan.input_shapes,
         setup_s=plan.setup_s,
         floor=f"whole model {plan.floor_whole.describe()}" if plan.floor_whole else "",

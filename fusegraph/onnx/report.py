@@ -54,6 +54,7 @@ class PartitionReport:
     floor: str = ""  # the whole-model verdict (plan vs ONNX Runtime alone), or why none
     boundaries: Boundaries = field(default_factory=Boundaries)
     runners: tuple[str, ...] = ()  # the whole-model runners the floor timed (one line each), if any
+    patterns_refused: tuple[str, ...] = ()  # "pattern at 'node': why" where a pattern's anchor matched but not the rest
 
     @property
     def running_nodes(self) -> int:
@@ -100,6 +101,9 @@ class PartitionReport:
             lines += [f"    {r}" for r in self.runners]
         if self.rewrites:
             lines.append("  rewrites: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.rewrites.items()) if v))
+        if self.patterns_refused:
+            lines.append("  patterns not applied:")
+            lines += [f"    {r}" for r in self.patterns_refused]
         for s in self.subgraphs:
             ops = ", ".join(f"{k}x{v}" for k, v in sorted(s.op_types.items()))
             extra = f"  [compile {s.compile_s:.2f}s]" if s.compile_s else ""
