@@ -138,6 +138,17 @@ class Ctx:
         if others:
             raise Refused(f"{what} '{value}' is also read by {', '.join(others[:3])}")
 
+    def next_node(self, value: str, what: str, *ops: str) -> ONode:
+        """The one node reading ``value``, of one of ``ops``; else Refused saying why."""
+        if value in self.og.outputs:
+            raise Refused(f"{what} '{value}' is a graph output")
+        readers = self.consumers.get(value, [])
+        if len(readers) != 1:
+            raise Refused(f"{what} '{value}' is read by {len(readers)} nodes ({', '.join(r.name for r in readers[:3])})")
+        if readers[0].op_type not in ops or not readers[0].is_default_domain:
+            raise Refused(f"{what} '{value}' is read by {readers[0].op_type} '{readers[0].name}', not {' or '.join(ops)}")
+        return readers[0]
+
     def refuse(self, pattern: str, anchor: ONode, reason: str) -> None:
         self.refused[anchor.name] = f"{pattern} at '{anchor.name}': {reason}"
 

@@ -43,18 +43,16 @@ def _mul_by(ctx: Ctx, node: ONode | None, want: float) -> str | None:
 
 
 def _one_plus(ctx: Ctx, value: str, nodes: list[ONode]) -> str:
-    add = ctx.sole_reader(value)
-    if add is None or add.op_type != "Add" or not ctx.const_is(_other(add, value) or "", 1.0):
-        raise Refused(f"'{value}' is not read by one Add of the constant 1")
+    add = ctx.next_node(value, "the Erf/Tanh output", "Add")
+    if not ctx.const_is(_other(add, value) or "", 1.0):
+        raise Refused(f"{add.name}: adds {ctx.scalar(_other(add, value) or '')}, not the constant 1")
     nodes.append(add)
     return add.outputs[0]
 
 
 def _times_half_x(ctx: Ctx, one_plus: str, x: str, nodes: list[ONode]) -> str:
     """The product of ``one_plus``, ``x`` and 0.5 in any grouping; returns its output."""
-    m1 = ctx.sole_reader(one_plus)
-    if m1 is None or m1.op_type != "Mul":
-        raise Refused(f"'{one_plus}' is not read by one Mul")
+    m1 = ctx.next_node(one_plus, "1 + erf/tanh", "Mul")
     other = _other(m1, one_plus) or ""
     if other == x or ctx.const_is(other, 0.5):
         m2 = ctx.sole_reader(m1.outputs[0])

@@ -70,31 +70,25 @@ def _axes(ctx: Ctx, rm: ONode, rank: int) -> list[int]:
 
 def _eps_sqrt(ctx: Ctx, ms: str, nodes: list[ONode]) -> tuple[float, str]:
     """Add(ms, eps) -> Sqrt: (eps, the Sqrt's output)."""
-    add = ctx.sole_reader(ms)
-    if add is None or add.op_type != "Add":
-        raise Refused(f"the mean of squares '{ms}' is not read by one Add (of epsilon)")
+    add = ctx.next_node(ms, "the mean of squares", "Add")
     eps_name = _other(add, ms)
     eps = ctx.scalar(eps_name or "")
     if eps is None or not eps >= 0.0:
         raise Refused(f"{add.name}: adds '{eps_name}', not a non-negative scalar constant epsilon")
-    sq = ctx.sole_reader(add.outputs[0])
-    if sq is None or sq.op_type != "Sqrt":
-        raise Refused(f"{add.name}: its output is not read by one Sqrt")
+    sq = ctx.next_node(add.outputs[0], "the variance plus epsilon", "Sqrt")
     nodes += [add, sq]
     return eps, sq.outputs[0]
 
 
 def _divide(ctx: Ctx, x: str, root: str, nodes: list[ONode]) -> str:
     """x / root as Div(x, root), Mul(x, Div(1, root)) or Mul(x, Reciprocal(root))."""
-    r = ctx.sole_reader(root)
-    if r is None:
-        raise Refused(f"the root '{root}' has other readers")
+    r = ctx.next_node(root, "the root", "Div", "Reciprocal")
     if r.op_type == "Div" and r.inputs == (x, root):
         nodes.append(r)
         return r.outputs[0]
     if (r.op_type == "Div" and r.inputs[1] == root and ctx.const_is(r.inputs[0], 1.0)) or r.op_type == "Reciprocal":
-        m = ctx.sole_reader(r.outputs[0])
-        if m is not None and m.op_type == "Mul" and _other(m, r.outputs[0]) == x:
+        m = ctx.next_node(r.outputs[0], "the inverse root", "Mul")
+        if _other(m, r.outputs[0]) == x:
             nodes += [r, m]
             return m.outputs[0]
         raise Refused(f"{r.name}: the inverse root is not multiplied by the normalized input '{x}'")
@@ -194,15 +188,13 @@ def fuse_layer(ctx: Ctx) -> int:
             sq = next((r for r in readers if _squares(ctx, r.outputs[0], d) is not None), None)
             if sq is None:
                 raise Refused(f"the centred '{d}' is not squared (Pow(d, 2) or Mul(d, d))")
-            rm2 = ctx.sole_reader(sq.outputs[0])
-            if rm2 is None or rm2.op_type != "ReduceMean":
-                raise Refused(f"the squares '{sq.outputs[0]}' are not averaged by one ReduceMean")
+            rm2 = ctx.next_node(sq.outputs[0], "the squares", "ReduceMean")
             if _axes(ctx, rm2, len(xs)) != axes:
                 raise Refused(f"{rm2.name}: the variance's axes differ from the mean's {axes}")
             nodes = [rm1, sub, sq, rm2]
             eps, root = _eps_sqrt(ctx, rm2.outputs[0], nodes)
-            div = ctx.sole_reader(root)
-            if div is None or div.op_type != "Div" or div.inputs != (d, root):
+            div = ctx.next_node(root, "the root", "Div")
+            if div.inputs != (d, root):
                 raise Refused(f"the root '{root}' is not read by one Div(centred, root)")
             nodes.append(div)
             y = _same_type_casts(ctx, div.outputs[0], nodes)

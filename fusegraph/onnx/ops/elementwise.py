@@ -167,7 +167,7 @@ def lower_contrib_gelu(imp: Importer, node: ONode) -> None:
     if len(node.inputs) > 1 and node.inputs[1]:
         x = imp.g.add(x, imp.operand(node.inputs[1], len(x.dim)))
     y = imp.g.gelu_approx_tanh(x) if node.op_type == "FastGelu" else imp.g.gelu(x)
-    if tuple(y.dim) != imp.shape(node.outputs[0]):
+    if tuple(y.dim) != tuple(imp.shape(node.inputs[0])):
         raise Unmappable(f"{node.op_type}: bias broadcasts the input up to {y.dim}")
     imp.set(node.outputs[0], y)
 
