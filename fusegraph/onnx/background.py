@@ -34,12 +34,14 @@ nanosecond at the same size) costs at most a slower choice, never a wrong number
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import hashlib
 import json
 import logging
 import os
 import signal
+import statistics
 import struct
 import subprocess
 import sys
@@ -61,7 +63,9 @@ log = logging.getLogger("fusegraph.onnx")
 DIR = "onnx-background"  # under the cache directory: locks, logs, models given as bytes
 POLL_S = 0.5  # run() looks at the child at most this often
 FRESH_LOCK_S = 30.0  # a lock without a pid yet is a launch in progress this long
-RESUME_S = 0.02  # the child goes on once the caller's session has been idle this long
+RESUME_S = 0.1  # the child goes on once the caller's session has been idle at least this long,
+IDLE_FACTOR = 4.0  # and this many times its usual pause between runs (a steady caller never lets it)
+GAPS = 16  # pauses between runs remembered for "usual"
 PAUSE_CHILD = True  # hold the child while the caller's session runs (benchmarks turn it off to compare)
 COUNTER = struct.Struct("<Q")  # the gate file: how many times the parent has held the child
 
@@ -103,15 +107,19 @@ class Gate:
 
     ``enter`` (a run starts) stops the group at once -- after bumping the counter in the
     gate file, so the child can tell a timed call it was held in (``floor.PAUSES``) -- and
-    ``leave`` (the run ended) lets a thread continue it once no run has been in progress
-    for ``resume_s``: back-to-back runs keep it stopped rather than waking it for the
-    microseconds between them. Overlapping runs from several threads count as one busy
-    stretch. Where SIGSTOP does not exist (Windows) it does nothing: the child is only
+    ``leave`` (the run ended) lets a thread continue it once the session has been idle
+    for ``resume_s`` and IDLE_FACTOR times the median of its last GAPS pauses between runs.
+    Stopped is not enough: a run right after the child worked in the pause before it is
+    slower (its caches and TLBs cold: squeezenet 1.2-1.7x ONNX Runtime alone with the child
+    let go after 20 ms of every 200 ms pause, 1.05x kept stopped; docs/models.md), so a
+    caller running at a steady pace never lets the child go, and one that pauses for longer
+    than usual does (the child then finishes its work, or it goes on when the process
+    exits). Overlapping runs from several threads count as one busy stretch. Where SIGSTOP does not exist (Windows) it does nothing: the child is only
     nice'd there. ``close`` continues the group for good (the caller's process exits)."""
 
-    def __init__(self, pgid: int, counter: Path | None, resume_s: float = RESUME_S) -> None:
+    def __init__(self, pgid: int, counter: Path | None, resume_s: float | None = None) -> None:
         self.pgid = pgid
-        self.resume_s = resume_s
+        self.resume_s = RESUME_S if resume_s is None else resume_s
         self.enabled = PAUSE_CHILD and hasattr(signal, "SIGSTOP") and hasattr(os, "killpg")
         self.pauses = 0  # how many times it stopped the child (the gate file's value)
         self.stopped = False
@@ -122,11 +130,14 @@ class Gate:
         self._cond = threading.Condition()
         self._active = 0
         self._last_end = 0.0
+        self._gaps: collections.deque[float] = collections.deque(maxlen=GAPS)
         self._closed = False
         self._thread: threading.Thread | None = None
 
     def enter(self) -> None:
         with self._cond:
+            if self._active == 0 and self._last_end:
+                self._gaps.append(time.monotonic() - self._last_end)
             self._active += 1
             if self.enabled and not self.stopped and not self._closed:
                 self.pauses += 1
@@ -171,6 +182,11 @@ class Gate:
                 os.close(self._fd)
             self._fd = None
 
+    def idle_needed(self) -> float:
+        """Seconds without a run before the child goes on."""
+        usual = statistics.median(self._gaps) if self._gaps else 0.0
+        return max(self.resume_s, IDLE_FACTOR * usual)
+
     def _continue(self) -> None:
         with contextlib.suppress(OSError):
             os.killpg(self.pgid, signal.SIGCONT)
@@ -180,7 +196,7 @@ class Gate:
         with self._cond:
             while not self._closed:
                 if self.stopped and self._active == 0:
-                    wait = self._last_end + self.resume_s - time.monotonic()
+                    wait = self._last_end + self.idle_needed() - time.monotonic()
                     if wait <= 0:
                         self._continue()
                         continue
