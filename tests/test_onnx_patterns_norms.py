@@ -164,7 +164,7 @@ def test_rms_with_a_wrong_inverse_is_refused(rng: np.random.Generator) -> None:
 
 def test_rms_stops_before_a_cast_to_another_type(rng: np.random.Generator) -> None:
     """fp16 Llama: normalize in f32, Cast to f16, weight in f16 -- the weight stays outside."""
-    nodes, inits, outs = _rms(cast=True)
+    nodes, inits, _ = _rms(cast=True)
     nodes[-2] = helper.make_node("Cast", ["n0"], ["n1"], to=TensorProto.FLOAT16)
     nodes[-1] = helper.make_node("Mul", ["w", "n1"], ["y"])
     inits["w"] = inits["w"].astype(np.float16)

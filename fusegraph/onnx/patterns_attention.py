@@ -182,11 +182,11 @@ def _match(ctx: Ctx, sm: ONode) -> _Match | None:
     if isnan is not None and len(readers) == 2:
         where = next((r for r in readers if r is not isnan), None)
         if (where is not None and where.op_type == "Where" and where.inputs[0] == isnan.outputs[0]
-                and where.inputs[2] == p and ctx.const_is(where.inputs[1], 0.0)):
-            if ctx.sole_reader(isnan.outputs[0]) is where:
-                after += [isnan, where]
-                m.guard = True
-                p = where.outputs[0]
+                and where.inputs[2] == p and ctx.const_is(where.inputs[1], 0.0)
+                and ctx.sole_reader(isnan.outputs[0]) is where):
+            after += [isnan, where]
+            m.guard = True
+            p = where.outputs[0]
     while True:
         r = ctx.sole_reader(p)
         if r is not None and r.op_type == "Cast" and r.is_default_domain and int(r.attr("to", 0)) == ctx.elem(p):
