@@ -97,6 +97,7 @@ def test_cli_limit_reports_every_store(root: Path, capsys: pytest.CaptureFixture
 
     class Args:
         size = "3K"
+        yes = True  # below what the artifacts use: eviction confirmed, as `--yes` does
 
     assert _limit(Args()) == 0  # type: ignore[arg-type]
     out = capsys.readouterr().out

@@ -92,7 +92,10 @@ def test_lean_call_returns_tensors_and_leaves_irregular_packs_to_the_general_pat
     assert plan._run_lean({**tens, "y": torch.empty(2, 3, 4, 5)}) is None  # type: ignore[attr-defined]  # outputs given
     grad = {**tens, "x": tens["x"].clone().requires_grad_()}
     assert plan._run_lean(grad) is None  # type: ignore[attr-defined]
-    _check(g, plan.execute(grad), pack)
+    with pytest.raises(fg.errors.VariantPackError, match="requires_grad"):  # would come back detached
+        plan.execute(grad)
+    with torch.no_grad():  # no gradients recorded: runs
+        _check(g, plan.execute(grad), pack)
     with pytest.raises(fg.errors.VariantPackError, match="'x'"):
         plan.execute({**tens, "x": tens["x"].double()})  # the general path names the tensor
 
