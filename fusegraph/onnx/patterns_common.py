@@ -19,9 +19,9 @@ import numpy as np
 from onnx import helper
 
 from fusegraph.onnx.model import OnnxGraph, ONode
+from fusegraph.onnx.ops.table import FUSED_DOMAIN, fused_kind
 
-#: Domain of the fused nodes the patterns make (and of their fallback functions).
-FUSED_DOMAIN = "ai.fusegraph.patterns"
+__all__ = ["FUSED_DOMAIN", "Ctx", "Refused", "fused_kind", "rounded"]
 
 
 class Refused(Exception):
@@ -195,11 +195,6 @@ class Ctx:
         )
         self.replace([order[-1], *order[:-1]], new)  # where the last was: every input is made by then
         return new
-
-
-def fused_kind(op_type: str) -> str:
-    """``Attention_3`` -> ``Attention``: the lowering of a fused node is chosen by its kind."""
-    return op_type.rsplit("_", 1)[0]
 
 
 def rounded(value: float, elem_dtype: np.dtype[Any]) -> float:

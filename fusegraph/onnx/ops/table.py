@@ -70,14 +70,19 @@ def lowering_for(op_type: str) -> Lowering | None:
 
 
 #: Domains besides the default whose ops the table may lower: ONNX Runtime's contrib ops,
-#: and the fused nodes of ``fusegraph.onnx.patterns`` (one op type per match, ``<Kind>_<k>``).
+#: and the fused nodes of ``fusegraph.onnx.patterns`` (one op type per match, ``<Kind>_<k>``,
+#: each backed by a model-local function of the same name holding the nodes it replaced).
 CONTRIB_DOMAIN = "com.microsoft"
+FUSED_DOMAIN = "ai.fusegraph.patterns"
+
+
+def fused_kind(op_type: str) -> str:
+    """``Attention_3`` -> ``Attention``: the lowering of a fused node is chosen by its kind."""
+    return op_type.rsplit("_", 1)[0]
 
 
 def fused(kind: str) -> str:
-    """The table key of a pattern's fused node of ``kind`` (``patterns_common.FUSED_DOMAIN``)."""
-    from fusegraph.onnx.patterns_common import FUSED_DOMAIN
-
+    """The table key of a pattern's fused node of ``kind``."""
     return f"{FUSED_DOMAIN}:{kind}"
 
 
@@ -88,8 +93,6 @@ def contrib(op_type: str) -> str:
 
 def table_key(op_type: str, domain: str) -> str:
     """Default-domain ops by op type, others as ``domain:op_type``; a fused node by its kind."""
-    from fusegraph.onnx.patterns_common import FUSED_DOMAIN, fused_kind
-
     if domain in ("", "ai.onnx"):
         return op_type
     if domain == FUSED_DOMAIN:
