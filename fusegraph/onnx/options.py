@@ -29,6 +29,9 @@ AUTO_RUNNERS = ("ort-nospin",)
 # 1.11x on a quiet machine; docs/models.md), so a verdict taken in one class never decides
 # for the other. "auto" reads it at session creation (floor.machine_load).
 LOADS = ("auto", "quiet", "busy")
+# Claimed units split into regions, each on the engine that wins it against the same nodes op
+# by op on PyTorch (plan_regions.py): "auto" on a GPU only, "on" on the CPU too.
+REGIONS = ("auto", "on", "off")
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class ProviderOptions:
     runners: str = "auto"
     # the load class whole-model runner verdicts are taken and looked up under: auto / quiet / busy
     load: str = "auto"
+    regions: str = "auto"  # claimed units run region by region (plan_regions.py): auto (GPU) / on / off
 
     def runner_candidates(self) -> tuple[str, ...]:
         """The whole-model runners the floor measures (none with ``runners=off``)."""
@@ -118,6 +122,8 @@ class ProviderOptions:
             values["runners"] = _runners(raw["runners"])
         if "load" in raw:
             values["load"] = _choice(raw["load"], "load", LOADS)
+        if "regions" in raw:
+            values["regions"] = "auto" if str(raw["regions"]).strip() == "" else _choice(raw["regions"], "regions", REGIONS)
         return cls(**values)
 
     def as_strings(self) -> dict[str, str]:
