@@ -1,6 +1,6 @@
 """Compile flag sets: the IREE engine's compiler knobs and a measured default per target.
 
-Flags change CPU speed by 2x or more (see /work/shared/DESIGN.md), so they are knobs that
+Flags change CPU speed by 2x or more (docs/iree_engine.md), so they are knobs that
 the autotuner searches, not constants. A FlagSet is a small frozen value: it renders to
 the exact iree-compile flags and is part of the cache key.
 
