@@ -311,15 +311,46 @@ def test_contrib_multihead_attention_with_bias_and_attention_bias(rng: np.random
     assert sd.attrs.attn_scale == pytest.approx(0.3) and "mask" in sd.inputs
 
 
-def test_contrib_attention_with_a_mask_index_is_refused_with_the_reason(rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("shape", ["1d", "2d", "3d"])
+def test_contrib_attention_with_a_mask_index(rng: np.random.Generator, shape: str) -> None:
+    """mask_index as the optimizer emits it: a fully masked batch row shows the filter value
+    (-10000, or the attribute) is the one ONNX Runtime adds."""
     hid = H * D
-    node = helper.make_node("Attention", ["x", "w", "b", "mi"], ["o"], domain="com.microsoft", num_heads=H)
-    m = _model([node], {"x": (B, S, hid)}, {"o": (B, S, hid)},
+    if shape == "1d":
+        mi = np.array([S, S - 3], np.int32)
+    else:
+        mi = (rng.random((B, S) if shape == "2d" else (B, S, S)) > 0.3).astype(np.int32)
+        mi[0] = 0
+    for filt in ({}, {"mask_filter_value": -30.0}):
+        node = helper.make_node("Attention", ["x", "w", "b", "mi"], ["o"], domain="com.microsoft", num_heads=H, **filt)
+        m = _model([node], {"x": (B, S, hid)}, {"o": (B, S, hid)},
+                   {"w": _x(rng, hid, 3 * hid), "b": _x(rng, 3 * hid)}, contrib=True)
+        m.graph.input.append(helper.make_tensor_value_info("mi", TensorProto.INT32, list(mi.shape)))
+        sess = _run(m, {"x": _x(rng, B, S, hid), "mi": mi})
+        assert not sess.partition_report().unclaimed and len(_sdpa(sess)) == 1
+
+
+def test_contrib_attention_with_past_is_refused_with_the_reason(rng: np.random.Generator) -> None:
+    hid = H * D
+    node = helper.make_node("Attention", ["x", "w", "b", "", "past"], ["o", "present"], domain="com.microsoft",
+                            num_heads=H, unidirectional=1)
+    m = _model([node], {"x": (B, S, hid), "past": (2, B, H, 3, D)}, {"o": (B, S, hid)},
                {"w": _x(rng, hid, 3 * hid) * 0.1, "b": _x(rng, 3 * hid)}, contrib=True)
-    m.graph.input.append(helper.make_tensor_value_info("mi", TensorProto.INT32, [B]))
-    sess = _run(m, {"x": _x(rng, B, S, hid), "mi": np.array([S, S - 2], np.int32)})
+    sess = _run(m, {"x": _x(rng, B, S, hid), "past": _x(rng, 2, B, H, 3, D)})
     (u,) = sess.partition_report().unclaimed
-    assert "mask_index" in u.reason and u.node and u.op_type == "Attention"
+    assert "past" in u.reason and u.op_type == "Attention"
+
+
+def test_contrib_multihead_attention_with_a_key_padding_mask(rng: np.random.Generator) -> None:
+    hid, sk = H * D, S + 2
+    kpm = (rng.random((B, sk)) > 0.3).astype(np.int32)
+    kpm[:, 0] = 1
+    node = helper.make_node("MultiHeadAttention", ["q", "k", "v", "", "kpm"], ["o"], domain="com.microsoft",
+                            num_heads=H)
+    m = _model([node], {"q": (B, S, hid), "k": (B, sk, hid), "v": (B, sk, hid)}, {"o": (B, S, hid)}, contrib=True)
+    m.graph.input.append(helper.make_tensor_value_info("kpm", TensorProto.INT32, [B, sk]))
+    sess = _run(m, {"q": _x(rng, B, S, hid), "k": _x(rng, B, sk, hid), "v": _x(rng, B, sk, hid), "kpm": kpm})
+    assert not sess.partition_report().unclaimed and len(_sdpa(sess)) == 1
 
 
 def test_contrib_rotary_embedding_is_refused_with_the_reason(rng: np.random.Generator) -> None:

@@ -172,6 +172,40 @@ def _bias4(imp: Importer, name: str) -> TensorAttr | None:
     return imp.tensor(name, "plain")
 
 
+def _key_mask(imp: Importer, node: ONode, name: str, b: int, sk: int, what: str) -> TensorAttr | None:
+    """ONNX Runtime's integer masks as an additive mask: 0 where kept, ``mask_filter_value``
+    (default -10000) where not -- [b] (keys before each end position), [b, sk] and
+    [b, sq, sk] (kept where > 0). Measured against ONNX Runtime's CPU kernels."""
+    if not name:
+        return None
+    ms = tuple(imp.shape(name))
+    if imp.dtype(name).name != "INT32":
+        raise Unmappable(f"{node.op_type}: {what} '{name}' is {imp.dtype(name).name}, not int32")
+    filt = float(node.attr("mask_filter_value", -10000.0))
+    m = imp.tensor(name, "plain")
+    i32 = m.dtype
+    if ms == (b,):
+        iota = imp.constant(np.arange(sk, dtype=np.int32).reshape(1, sk), f"{name}_positions", "plain")
+        keep = imp.g.cmp_lt(iota, reshape(imp, m, (b, 1)))
+        four: tuple[int, ...] = (b, 1, 1, sk)
+    elif len(ms) == 2 and ms == (b, sk):
+        keep, four = imp.g.cmp_gt(m, imp.scalar(0, i32)), (b, 1, 1, sk)
+    elif len(ms) == 3 and ms[0] == b and ms[2] == sk:
+        keep, four = imp.g.cmp_gt(m, imp.scalar(0, i32)), (b, 1, ms[1], sk)
+    else:
+        raise Unmappable(f"{node.op_type}: {what} '{name}' of shape {list(ms)} (only [b], [b, s_kv], [b, s_q, s_kv] are lowered)")
+    dt = imp.dtype(node.inputs[0])
+    zeros = imp.constant(np.zeros((1, 1), dtype=dt.numpy), f"{name}_keep", "plain")
+    add = imp.g.binary_select(zeros, imp.scalar(filt, dt), keep)
+    return reshape(imp, add, four)
+
+
+def _both(imp: Importer, a: TensorAttr | None, b: TensorAttr | None) -> TensorAttr | None:
+    if a is None or b is None:
+        return a if b is None else b
+    return imp.g.add(a, b)
+
+
 def _absent(imp: Importer, node: ONode, positions: dict[int, str]) -> None:
     for k, what in positions.items():
         if k < len(node.inputs) and node.inputs[k]:
@@ -182,7 +216,7 @@ def _absent(imp: Importer, node: ONode, positions: dict[int, str]) -> None:
 def lower_contrib_attention(imp: Importer, node: ONode) -> None:
     """input [b, s, in] @ weights [in, q+k+v] (+ bias), split, heads, sdpa, merged."""
     heads, causal = _contrib_common(imp, node, range(1, 2))
-    _absent(imp, node, {3: "mask_index", 4: "past", 6: "past_sequence_length"})
+    _absent(imp, node, {4: "past", 6: "past_sequence_length"})
     if int(node.attr("past_present_share_buffer", 0)):
         raise Unmappable("Attention: past_present_share_buffer=1")
     xs = imp.shape(node.inputs[0])
@@ -207,7 +241,8 @@ def lower_contrib_attention(imp: Importer, node: ONode) -> None:
         imp.g.slice(y, [0, 0, st], [b, s, st + n], [1, 1, 1]) for st, n in zip(starts, sizes, strict=True)
     )
     q4, k4, v4 = _heads(imp, q, heads, "Q"), _heads(imp, k, heads, "K"), _heads(imp, v, heads, "V")
-    bias = _bias4(imp, node.inputs[5] if len(node.inputs) > 5 else "")
+    mask = _key_mask(imp, node, node.inputs[3] if len(node.inputs) > 3 else "", b, s, "mask_index")
+    bias = _both(imp, mask, _bias4(imp, node.inputs[5] if len(node.inputs) > 5 else ""))
     o = imp.g.sdpa(q4, k4, v4, attn_scale=_scale(node, q4.dim[3]), causal=causal, mask=bias)
     _tag(imp, o, "attention.sdpa")
     imp.set(node.outputs[0], _merge(imp, o))
@@ -217,8 +252,7 @@ def lower_contrib_attention(imp: Importer, node: ONode) -> None:
 def lower_contrib_mha(imp: Importer, node: ONode) -> None:
     """Separate 3-D query, key, value (+ bias over q|k|v), heads, sdpa, merged."""
     heads, causal = _contrib_common(imp, node, range(1, 3))
-    _absent(imp, node, {4: "key_padding_mask", 6: "past_key", 7: "past_value", 8: "past_sequence_length",
-                        9: "cache_indirection"})
+    _absent(imp, node, {6: "past_key", 7: "past_value", 8: "past_sequence_length", 9: "cache_indirection"})
     names = [node.inputs[k] if k < len(node.inputs) else "" for k in range(3)]
     if not names[1] or not names[2]:
         raise Unmappable("MultiHeadAttention: packed QKV / KV (key or value absent) is not lowered")
@@ -237,7 +271,8 @@ def lower_contrib_mha(imp: Importer, node: ONode) -> None:
         k = imp.g.add(k, imp.g.slice(bias, [hq], [hq + hk], [1]))
         v = imp.g.add(v, imp.g.slice(bias, [hq + hk], [hq + hk + hv], [1]))
     q4, k4, v4 = _heads(imp, q, heads, "query"), _heads(imp, k, heads, "key"), _heads(imp, v, heads, "value")
-    mask = _bias4(imp, node.inputs[5] if len(node.inputs) > 5 else "")
+    kpm = _key_mask(imp, node, node.inputs[4] if len(node.inputs) > 4 else "", q.dim[0], k.dim[1], "key_padding_mask")
+    mask = _both(imp, kpm, _bias4(imp, node.inputs[5] if len(node.inputs) > 5 else ""))
     o = imp.g.sdpa(q4, k4, v4, attn_scale=_scale(node, q4.dim[3]), causal=causal, mask=mask)
     _tag(imp, o, "attention.sdpa")
     imp.set(node.outputs[0], _merge(imp, o))
