@@ -26,7 +26,7 @@ import onnx
 import onnxruntime as ort
 
 from fusegraph.errors import CompileError, ExecutionError, FusegraphError
-from fusegraph.onnx import floor, plan_build, plan_report, torch_mlir_tier
+from fusegraph.onnx import floor, plan_build, plan_regions, plan_report, torch_mlir_tier
 from fusegraph.onnx.engine_choice import EngineChoice, engine_warnings
 from fusegraph.onnx.engine_choice import one_line as _one_line
 from fusegraph.onnx.importer import SPATIAL_OPS, Importer, Unmappable, with_strides
@@ -121,13 +121,16 @@ class SessionPlan:
         self.by_name = {n.name: n for n in og.nodes}
         self.sub_session_options = self._sub_session_options()
         self.floor_budget = opts.floor_budget(pinned=engine is not None and engine.name is not None) if enabled else 0.0
+        # claimed units run region by region (plan_regions.py): the region floor, against the
+        # same nodes op by op on PyTorch, replaces the floor against ONNX Runtime
+        self.regions = enabled and engine is not None and plan_regions.wanted(opts, handle)
         self.floor_whole: floor.Verdict | None = None
         self._released: dict[str, str] = {}  # node -> note of the ORT unit it went to
         self._floor: dict[frozenset[str], floor.Verdict] = {}  # claimed group -> verdict
         self._whole_ort: OrtUnit | None = None  # set when the whole model runs as one ORT session
         self._proven: set[int] = set()
         self.units: list[Unit] = []
-        known = self._cached_whole() if self.floor_budget > 0 and not opts.lazy_compile else None
+        known = self._cached_whole() if self._ort_floor and not opts.lazy_compile else None
         if known is None and direct is not None:  # unit verdicts gone from the cache: the model's stands
             known = direct[1]
         if known is not None:  # a cached verdict: the whole model on ONNX Runtime, nothing built
@@ -142,7 +145,7 @@ class SessionPlan:
             self._plan_frees()
             if len(self.units) == 1 and isinstance(self.units[0], OrtUnit):
                 self._whole_ort = self.units[0]
-            if self.floor_budget > 0 and not opts.lazy_compile and any(isinstance(u, FusegraphUnit) for u in self.units):
+            if self._ort_floor and not opts.lazy_compile and any(isinstance(u, FusegraphUnit) for u in self.units):
                 self._whole_model_floor()
         self.setup_s = time.perf_counter() - t0
         self.last_peak_live = 0
@@ -186,7 +189,7 @@ class SessionPlan:
         (a release can let two other claimed groups merge: that new group is built and
         measured in the next round)."""
         built: dict[frozenset[str], FusegraphUnit] = {}
-        cache = self._verdict_cache() if self.floor_budget > 0 else None
+        cache = self._verdict_cache() if self._ort_floor else None
         spent = 0.0
         while True:
             released = False
@@ -240,6 +243,12 @@ class SessionPlan:
         if cache is not None:
             cache.flush()
         return built
+
+    @property
+    def _ort_floor(self) -> bool:
+        """Claimed units are timed against ONNX Runtime (not where they run region by region:
+        there each region is timed against its own incumbent)."""
+        return self.floor_budget > 0 and not self.regions
 
     def _release(self, names: Sequence[str], note: str) -> None:
         for n in names:
@@ -295,7 +304,10 @@ class SessionPlan:
         return unit_
 
     def _fusegraph_unit(self, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> FusegraphUnit:
-        """Lowers, packs and builds a claimed group (``plan_build.fusegraph_unit``)."""
+        """Lowers, packs and builds a claimed group (``plan_build.fusegraph_unit``), or region by
+        region (``plan_regions.region_unit``)."""
+        if self.regions:
+            return plan_regions.region_unit(self, name, nodes, ins, outs)
         return plan_build.fusegraph_unit(self, name, nodes, ins, outs)
 
     def _measure(

@@ -30,13 +30,19 @@ def lower_unit(
     filter_layout: str,
     *,
     pack: bool = True,
+    origin: dict[str, str] | None = None,
 ) -> FusegraphUnit:
-    """The claimed group as one fusegraph Graph with its weights packed (not yet built)."""
+    """The claimed group as one fusegraph Graph with its weights packed (not yet built).
+    ``origin``, where given, receives the ONNX node each graph node was lowered from (the
+    region path's report and its atoms: one ONNX node's graph nodes stay in one region)."""
     imp = Importer(
         plan.og, name, channels_last=plan._channels_last(nodes), filter_layout=filter_layout, pack=pack
     )
     for n in nodes:
+        before = len(imp.g.nodes)
         imp.lower(n)
+        if origin is not None:
+            origin.update((g.name, n.name) for g in imp.g.nodes[before:])
     for i in ins:  # values read only implicitly stay outside; make sure every input is bound
         if i in imp.values and i not in imp.inputs and imp.values[i].producer is None:
             imp.inputs[i] = imp.values[i]

@@ -12,6 +12,7 @@ import onnx
 
 from fusegraph.graph.layout import packed_strides, same_strides
 from fusegraph.onnx.model import OnnxGraph, ONode
+from fusegraph.onnx.plan_regions import RegionUnit
 from fusegraph.onnx.report import Boundaries, PartitionReport, SubgraphEntry, UnclaimedEntry
 from fusegraph.onnx.units import FusegraphUnit, Unit
 
@@ -25,6 +26,13 @@ def report(plan: SessionPlan) -> PartitionReport:
     for u in plan.units:
         sources = tuple(s for n in u.nodes for s in n.sources)
         ops = collections.Counter(_source_ops(plan.og, u.nodes))
+        if isinstance(u, RegionUnit):
+            subs.append(
+                SubgraphEntry(u.name, "fusegraph", u.engine_name, sources, dict(ops), u.fusions,
+                              note=" | ".join(u.engine_notes), compile_s=plan.compile_s.get(u.name, 0.0),
+                              floor=u.floor_line(), regions=tuple(u.rows))
+            )
+            continue
         if isinstance(u, FusegraphUnit):
             v = plan._floor.get(frozenset(n.name for n in u.nodes))
             subs.append(

@@ -8,6 +8,27 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class RegionEntry:
+    """One region of a claimed unit run region by region (plan_regions.py): its ONNX nodes,
+    the pattern it matched, what runs it (``fusegraph:<engine config>`` or the incumbent's
+    name) and why -- the verdict with both medians, the refusal, or why no region took it."""
+
+    index: int  # its step's position in the unit (r0, r1, ... in run order)
+    pattern: str  # the region layer's pattern name; "" for nodes no region took
+    nodes: tuple[str, ...]  # the model's ONNX nodes it runs (as SubgraphEntry.nodes names them)
+    op_types: tuple[str, ...]
+    where: str
+    why: str
+    source: str = ""  # the verdict's: measured, cached, claimed, refused; "" for nodes no region took
+    fusegraph_ms: float | None = None
+    incumbent_ms: float | None = None
+
+    @property
+    def fusegraph(self) -> bool:
+        return self.where.startswith("fusegraph:")
+
+
+@dataclass(frozen=True)
 class SubgraphEntry:
     name: str
     kind: str  # "fusegraph", "onnxruntime", "iree-onnx" (torch-mlir tier) or a whole-model runner ("openvino", ...)
@@ -20,6 +41,7 @@ class SubgraphEntry:
     floor: str = ""  # the floor's verdict on a claimed subgraph (times of both sides)
     fusegraph_ms: float | None = None  # the floor's timing of the subgraph on fusegraph
     ort_ms: float | None = None  # ... and of the same sub-model on ONNX Runtime
+    regions: tuple[RegionEntry, ...] = ()  # where the unit runs region by region: each region's row
 
 
 @dataclass(frozen=True)
@@ -63,7 +85,14 @@ class PartitionReport:
 
     @property
     def fusegraph_nodes(self) -> int:
-        return sum(len(s.nodes) for s in self.subgraphs if s.kind == "fusegraph")
+        """Nodes fusegraph's engines run: a unit run region by region counts without the
+        nodes of its regions the incumbent runs."""
+        total = 0
+        for s in self.subgraphs:
+            if s.kind == "fusegraph":
+                elsewhere = {n for r in s.regions if not r.fusegraph for n in r.nodes}
+                total += sum(n not in elsewhere for n in s.nodes)
+        return total
 
     @property
     def tier_nodes(self) -> int:
@@ -78,7 +107,8 @@ class PartitionReport:
         kinds = collections.Counter(s.kind for s in self.subgraphs)
         parts = ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
         tier = f", {self.tier_nodes} via torch-mlir tier" if self.tier_nodes else ""
-        engines = collections.Counter(s.engine for s in self.subgraphs if s.kind == "fusegraph")
+        engines = collections.Counter(s.engine for s in self.subgraphs if s.kind == "fusegraph" and not s.regions)
+        engines.update(r.where for s in self.subgraphs for r in s.regions)  # a unit run region by region
         ran = ", ".join(f"{k} x{v}" for k, v in sorted(engines.items()))
         runner = [s.engine for s in self.subgraphs if s.kind not in ("fusegraph", "onnxruntime", "iree-onnx")]
         whole = f"; the whole model on {runner[0]} (the floor's pick)" if runner else ""
@@ -112,6 +142,10 @@ class PartitionReport:
                 lines.append("      fused: " + ", ".join(f"{k} x{v}" for k, v in sorted(s.fusions.items())))
             if s.floor:
                 lines.append(f"      {s.floor}")
+            for r in s.regions:
+                ops = ",".join(r.op_types)
+                names = ", ".join(r.nodes[:3]) + (", ..." if len(r.nodes) > 3 else "")
+                lines.append(f"      r{r.index} {r.pattern or '(no region)'} [{ops}] ({names}) -> {r.where}: {r.why}")
             if s.note:
                 lines.append(f"      note: {s.note}")
         if self.unclaimed:

@@ -43,14 +43,28 @@ class Unit(Protocol):
 
 
 def to_host(value: Any) -> Any:
-    """A NumPy array for a fusegraph Buffer (or anything array-like); lists pass through."""
+    """A NumPy array for a fusegraph Buffer, a torch tensor (on any device: a region unit's
+    outputs) or anything array-like; lists pass through."""
     if isinstance(value, np.ndarray | list):
         return value
+    if type(value).__module__.startswith("torch") and hasattr(value, "detach"):
+        t = value.detach()
+        if str(t.dtype) == "torch.bfloat16":  # NumPy has no bfloat16 of its own: through its bits
+            import ml_dtypes
+
+            return t.cpu().view(dtype=_torch_int16()).numpy().view(ml_dtypes.bfloat16)
+        return t.cpu().numpy()
     for attr in ("to_numpy", "numpy", "to_host"):
         fn = getattr(value, attr, None)
         if callable(fn):
             return np.asarray(fn())
     return np.asarray(value)
+
+
+def _torch_int16() -> Any:
+    import torch
+
+    return torch.int16
 
 
 def build_plan(graph: Graph, handle: Handle, engine: str | None, config: Any = None) -> Any:

@@ -1,0 +1,403 @@
+"""A claimed unit run region by region (issue 24 items 1 and 3): its fusegraph Graph is
+split into engine-sized regions by the region layer (fusegraph/regions/), each region is
+given fusegraph's plan only where that plan beats the incumbent for the session's device --
+the same nodes op by op on PyTorch (``TorchOpByOp``), never ONNX Runtime's CPU provider for
+a GPU session -- with verdicts cached per region content, device and library versions
+(regions/verdicts.py). The steps pass torch tensors, so intermediates stay on the device
+between regions; on a GPU the whole unit is captured as one CUDA graph at its first run
+(shapes are static within a session plan) and replayed from then on.
+
+On by default on a GPU; on the CPU behind ``regions=on`` (the CPU's floor is against ONNX
+Runtime, plan.py). With regions the unit's own floor against ONNX Runtime is not taken:
+the region floor replaces it (the ``floor`` option turns it off; ``floor=off`` claims
+every region fusegraph can build, unmeasured).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from fusegraph.engines.base import ExecutionPlan
+from fusegraph.errors import UnsupportedError
+from fusegraph.graph.graph import Graph
+from fusegraph.graph.node import Node
+from fusegraph.graph.serialize import graph_to_dict
+from fusegraph.onnx import plan_build
+from fusegraph.onnx.importer import filter_layout_for
+from fusegraph.onnx.model import ONode
+from fusegraph.onnx.report import RegionEntry
+from fusegraph.onnx.units import FusegraphUnit, engine_cache, to_host
+from fusegraph.regions import split
+from fusegraph.regions.choose import Choice, Chooser
+from fusegraph.regions.incumbent import Incumbent, TorchOpByOp
+from fusegraph.regions.plan import RegionPlan, Step
+from fusegraph.regions.split import Region
+from fusegraph.regions.subgraph import cut
+from fusegraph.regions.verdicts import VerdictStore
+from fusegraph.runtime.handle import Handle
+
+if TYPE_CHECKING:
+    from fusegraph.onnx.options import ProviderOptions
+    from fusegraph.onnx.plan import SessionPlan
+
+log = logging.getLogger("fusegraph.onnx")
+
+# The region floor's timing (select/timing.py's time_candidates): a bounded warm-up, as the
+# torch front door's (a model's regions are many and small; setup is what users wait for).
+TIMING: dict[str, Any] = {"warmup_s": 0.2, "min_rounds": 5}
+
+
+def wanted(opts: ProviderOptions, handle: Handle) -> bool:
+    """Whether claimed units run region by region: ``regions=on``, or ``auto`` on a GPU."""
+    return opts.regions == "on" or (opts.regions == "auto" and handle.device.is_gpu)
+
+
+def unavailable() -> str:
+    """Why the region path cannot run here ('' when it can): its steps pass torch tensors and
+    its incumbent is PyTorch."""
+    from fusegraph.engines.registry import REGISTRY
+
+    try:
+        state = REGISTRY.get("torch").available()
+    except Exception as exc:  # a registry without the torch engine
+        return f"the torch engine is not registered ({exc})"
+    return "" if state else f"the torch engine is unavailable ({state.reason})"
+
+
+def incumbent_for(handle: Handle) -> Incumbent:
+    """The bar a region must clear on ``handle``'s device: the same nodes op by op on PyTorch."""
+    return TorchOpByOp(handle)
+
+
+def chooser_for(plan: SessionPlan) -> Chooser:
+    """The region layer's settings for this session (tests replace the incumbent or the
+    timer of the chooser it returns, as tests/test_regions.py does)."""
+    handle = plan.handle
+    floor = plan.floor_budget > 0
+    engine = plan.engine.name if plan.engine is not None else None
+    cache_dir = plan.opts.cache_dir
+
+    def build(region: Region) -> ExecutionPlan:
+        with engine_cache(cache_dir):
+            built: ExecutionPlan = region.graph.build(handle=handle, engine=engine)
+        return built
+
+    sync: Callable[[], None] | None = None
+    if handle.device.is_gpu:
+        import torch
+
+        device = torch.device(str(handle.device))
+        sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+    return Chooser(handle, incumbent_for(handle), floor=floor, engine=engine,
+                   store=VerdictStore(cache_dir) if floor else None, sync=sync,
+                   timing_options=dict(TIMING), builder=build)
+
+
+class NoRegions(Exception):
+    """The unit cannot run region by region (its steps would depend on each other in a
+    cycle, a piece failed to cut): it is built whole, as without regions."""
+
+
+def region_unit(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> FusegraphUnit:
+    """A claimed group lowered and, unless ``lazy_compile``, split, chosen and built region by
+    region; where that cannot be done, the group built whole (the reason in its notes)."""
+    why = unavailable()
+    if not why:
+        t0 = time.perf_counter()
+        engine = plan.engine.name if plan.engine is not None else None
+        origin: dict[str, str] = {}
+        base = plan_build.lower_unit(plan, name, nodes, ins, outs, engine, filter_layout_for(engine or "torch"),
+                                     origin=origin)
+        unit = RegionUnit(base, origin, chooser_for(plan))
+        if plan.opts.lazy_compile:
+            return unit
+        try:
+            unit.build()
+        except NoRegions as exc:
+            why = str(exc)
+        else:
+            plan.compile_s[name] = time.perf_counter() - t0
+            if plan.dump is not None:
+                plan.dump(f"{name}.json", unit.graph.to_json(indent=1))
+            return unit
+    log.info("%s runs whole, not region by region: %s", name, why)
+    whole = plan_build.fusegraph_unit(plan, name, nodes, ins, outs)
+    whole.engine_notes.append(f"not run region by region: {why}")
+    return whole
+
+
+@dataclass
+class _Piece:
+    """A step to be: nodes of the unit's graph, their standalone graph, what runs it."""
+
+    nodes: tuple[str, ...]  # graph node names
+    graph: Graph
+    inputs: tuple[str, ...]  # parent tensors of in0, in1, ...
+    outputs: tuple[str, ...]  # parent tensors of out0, out1, ...
+    plan: ExecutionPlan
+    where: str
+    pattern: str
+    why: str
+    source: str = ""
+    fusegraph_ms: float | None = None
+    incumbent_ms: float | None = None
+
+
+class RegionUnit(FusegraphUnit):
+    """A claimed unit whose graph runs as a region plan (regions/plan.py): each region on
+    fusegraph's plan where it won, else op by op on PyTorch; weights bound once per step,
+    activations torch tensors on the device from the unit's inputs to its outputs."""
+
+    def __init__(self, base: FusegraphUnit, origin: Mapping[str, str], chooser: Chooser) -> None:
+        super().__init__(base.name, base.nodes, base.graph, base._in, base.weights, base._out, base.handle,
+                         base.engine, base.cache_dir)
+        self.filter_layout = base.filter_layout
+        self.fusions = dict(base.fusions)
+        self.origin = dict(origin)
+        self.by_name = {n.name: n for n in base.nodes}
+        self.chooser = chooser
+        self.rows: list[RegionEntry] = []
+        self.capture_note = ""
+        self._device: Any = None
+        self._weights_dev: dict[str, Any] = {}
+        self._buffers = base.handle.device.is_gpu  # outputs live on the device: a copy to reach the host
+
+    # ---- what the plan and the report read -----------------------------------------------------
+    @property
+    def engine_name(self) -> str:
+        if not self.rows:
+            return "regions (not built yet)"
+        fg = sum(r.fusegraph for r in self.rows)
+        return f"regions: {fg}/{len(self.rows)} on fusegraph"
+
+    def floor_line(self) -> str:
+        """One line for the report's floor column: how the regions were decided."""
+        if not self.rows:
+            return ""
+        sources: dict[str, int] = {}
+        for r in self.rows:
+            if r.source:
+                sources[r.source] = sources.get(r.source, 0) + 1
+        told = ", ".join(f"{n} {s}" for s, n in sorted(sources.items()))
+        incumbent = self.chooser.incumbent.name
+        return f"regions against {incumbent} on {self.handle.device}: {told or 'none'}" + (
+            f"; {self.capture_note}" if self.capture_note else "")
+
+    def autotune(self, budget_s: float) -> float | None:
+        """Per-region engines are chosen by the region floor; the unit is not tuned whole."""
+        return None
+
+    # ---- building ----------------------------------------------------------------------------
+    def build(self, config: Any = None) -> None:
+        if self.plan is not None:
+            return
+        import torch
+
+        self._device = torch.device(str(self.handle.device))
+        self._weights_dev = {k: _to_device(v, self.graph.tensor_by_name(k), self._device)
+                             for k, v in self.weights.items()}
+        self.weights = {}  # the steps hold the device copies
+        with engine_cache(self.cache_dir), torch.inference_mode():
+            pieces = self._pieces()
+        order = _run_order(pieces, self.graph)
+        steps = [self._step(f"r{k}", pieces[i]) for k, i in enumerate(order)]
+        self.rows = [self._row(k, pieces[i]) for k, i in enumerate(order)]
+        self.plan = RegionPlan(steps, [self._out[o] for o in self.outputs])
+        log.info("%s: %d regions, %s", self.name, len(steps), self.engine_name)
+
+    def _pieces(self) -> list[_Piece]:
+        atoms = {g: o for g, o in self.origin.items()}
+        found = split(self.graph, atoms=atoms)
+        choices = self.chooser.choose_all(found.regions, self._example) if found.regions else []
+        pieces = [self._chosen(c) for c in choices]
+        whole = graph_to_dict(self.graph)
+        outputs = {t.name for t in self.graph.outputs()}
+        readers: dict[str, set[str]] = {}
+        for n in self.graph.nodes:
+            for t in n.inputs.values():
+                readers.setdefault(t.name, set()).add(n.name)
+        by_name = {n.name: n for n in self.graph.nodes}
+        for rej in found.rejected:
+            groups = [list(rej.nodes)] if rej.reason.startswith("data movement only") else [[n] for n in rej.nodes]
+            for names in groups:
+                nodes = [by_name[n] for n in names]
+                keep = _leaves(nodes, readers, outputs)
+                try:
+                    piece = cut(self.graph, nodes, keep, f"{self.graph.name}.x{len(pieces)}", whole)
+                except Exception as exc:
+                    raise NoRegions(f"nodes {names} could not be cut out: {type(exc).__name__}: {exc}") from exc
+                plan = self._eager(piece.graph)
+                pieces.append(_Piece(tuple(names), piece.graph, piece.inputs, piece.outputs, plan,
+                                     self.chooser.incumbent.name, "", rej.reason))
+        return pieces
+
+    def _chosen(self, c: Choice) -> _Piece:
+        r, v = c.region, c.verdict
+        if c.claimed:
+            assert c.plan is not None
+            return _Piece(r.nodes, r.graph, r.inputs, r.outputs, c.plan, f"fusegraph:{v.engine}", r.pattern,
+                          v.describe(), v.source, v.fusegraph_ms, v.incumbent_ms)
+        try:
+            plan = self._eager(r.graph)
+            where = self.chooser.incumbent.name
+        except Exception as exc:  # the incumbent cannot run it: fusegraph's plan must
+            built = self.chooser.build(r)
+            if not isinstance(built, ExecutionPlan):
+                raise UnsupportedError(f"region {r.index} ({r.pattern}) runs neither on fusegraph ({built.why}) "
+                                       f"nor op by op on PyTorch ({exc})") from exc
+            plan, where = built, f"fusegraph:{built.config}"
+        return _Piece(r.nodes, r.graph, r.inputs, r.outputs, plan, where, r.pattern, v.describe(), v.source,
+                      v.fusegraph_ms, v.incumbent_ms)
+
+    def _eager(self, graph: Graph) -> ExecutionPlan:
+        """The incumbent's way of running ``graph``: the torch engine, eager, uncaptured."""
+        from fusegraph.engines.base import EngineConfig
+        from fusegraph.engines.registry import REGISTRY
+
+        engine = REGISTRY.get("torch")
+        wanted_knobs = (("compile", False), ("cuda_graph", False))
+        known = {k.name for k in engine.knobs(graph, self.handle)}
+        config = EngineConfig("torch", tuple(kv for kv in wanted_knobs if kv[0] in known))
+        sup = engine.supports(graph, self.handle)
+        if not sup:
+            raise UnsupportedError(f"engine 'torch': {sup.reason}")
+        plan: ExecutionPlan = engine.build(graph, self.handle, config)
+        return plan
+
+    def _example(self, region: Region) -> dict[str, Any]:
+        """A region's inputs for measuring it: the unit's weights as bound, fresh random
+        activations in their declared layout."""
+        import torch
+
+        from fusegraph.engines.torch.convert import torch_dtype
+
+        gen = torch.Generator(device=self._device).manual_seed(0)
+        out: dict[str, Any] = {}
+        for i, parent in enumerate(region.inputs):
+            key = f"in{i}"
+            if parent in self._weights_dev:
+                out[key] = self._weights_dev[parent]
+                continue
+            t = region.graph.tensor_by_name(key)
+            x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=self._device)
+            out[key] = x.normal_(generator=gen) if x.is_floating_point() else x.zero_()
+        return out
+
+    def _step(self, name: str, piece: _Piece) -> Step:
+        """The piece as a step reading activations only: the weights it reads are bound to its
+        plan once (passed on every call where the plan does not keep them)."""
+        consts = {f"in{i}": self._weights_dev[p] for i, p in enumerate(piece.inputs) if p in self._weights_dev}
+        acts = [(f"in{i}", p) for i, p in enumerate(piece.inputs) if p not in self._weights_dev]
+        kept = bool(piece.plan.bind_constants(consts)) if consts else False
+        extra = {} if kept else consts
+        keys = [k for k, _ in acts]
+        outs = [f"out{j}" for j in range(len(piece.outputs))]
+        execute = piece.plan.execute
+
+        def run(values: Sequence[Any]) -> Sequence[Any]:
+            pack = dict(extra)
+            pack.update(zip(keys, values, strict=True))
+            res = execute(pack)
+            return [res[o] for o in outs]
+
+        return Step(name, tuple(p for _, p in acts), piece.outputs, run, piece.where)
+
+    def _row(self, k: int, piece: _Piece) -> RegionEntry:
+        onodes = [self.by_name[o] for o in dict.fromkeys(self.origin.get(n, "") for n in piece.nodes) if o in self.by_name]
+        origin = [so for o in onodes for so in o.origin()]
+        onnx_nodes = tuple(dict.fromkeys(name for name, _ in origin))
+        ops = tuple(dict.fromkeys(op for _, op in origin))
+        return RegionEntry(k, piece.pattern, onnx_nodes, ops, piece.where, piece.why, piece.source,
+                           piece.fusegraph_ms, piece.incumbent_ms)
+
+    # ---- running -------------------------------------------------------------------------------
+    def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        if self.plan is None:
+            self.build()
+        import torch
+
+        feed = {t.name: _to_device(values[onnx_name], t, self._device) for onnx_name, t in self._in.items()}
+        plan: RegionPlan = self.plan
+        with torch.inference_mode():
+            if not self._ran:
+                self._ran = True
+                if self.handle.device.is_gpu:
+                    why = plan.capture(feed)
+                    self.capture_note = "one CUDA graph" if not why else f"run step by step (not captured: {why})"
+                    log.info("%s: %s", self.name, self.capture_note)
+            res = plan.execute(feed)
+        return {o: res[tname] for o, tname in self._out.items()}
+
+
+def _leaves(nodes: Sequence[Node], readers: Mapping[str, set[str]], outputs: set[str]) -> set[str]:
+    """Tensors ``nodes`` write that the graph returns or other nodes read."""
+    inside = {n.name for n in nodes}
+    return {t.name for n in nodes for t in n.outputs.values()
+            if t.name in outputs or readers.get(t.name, set()) - inside}
+
+
+def _run_order(pieces: Sequence[_Piece], graph: Graph) -> list[int]:
+    """The pieces in an order that runs (producers first; ties by the graph's node order).
+    A cycle between pieces -- each convex, together not -- means no region plan."""
+    import heapq
+
+    position = {n.name: k for k, n in enumerate(graph.nodes)}
+    producer = {t: i for i, p in enumerate(pieces) for t in p.outputs}
+    succ: list[set[int]] = [set() for _ in pieces]
+    waiting = [0] * len(pieces)
+    for i, p in enumerate(pieces):
+        for t in p.inputs:
+            j = producer.get(t)
+            if j is not None and j != i and i not in succ[j]:
+                succ[j].add(i)
+                waiting[i] += 1
+    first = [min(position[n] for n in p.nodes) for p in pieces]
+    ready = [(first[i], i) for i in range(len(pieces)) if waiting[i] == 0]
+    heapq.heapify(ready)
+    order: list[int] = []
+    while ready:
+        _, i = heapq.heappop(ready)
+        order.append(i)
+        for j in sorted(succ[i]):
+            waiting[j] -= 1
+            if waiting[j] == 0:
+                heapq.heappush(ready, (first[j], j))
+    if len(order) != len(pieces):
+        raise NoRegions("its regions depend on each other in a cycle")
+    return order
+
+
+def _to_device(value: Any, t: Any, device: Any) -> Any:
+    """``value`` as a torch tensor on ``device`` with ``t``'s dtype and strides (no copy where
+    it already is one)."""
+    import torch
+
+    from fusegraph.engines.torch.convert import torch_dtype
+
+    dtype = torch_dtype(t.dtype)
+    if isinstance(value, torch.Tensor):
+        if value.device == device and value.dtype == dtype and tuple(value.stride()) == tuple(t.strides):
+            return value
+        out = torch.empty_strided(t.shape, t.strides, dtype=dtype, device=device)
+        out.copy_(value)
+        return out
+    arr = to_host(value)
+    if not isinstance(arr, np.ndarray):
+        arr = np.asarray(arr)
+    if str(arr.dtype) == "bfloat16":  # NumPy has no bfloat16 of its own: through its bits
+        host = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16)).view(torch.bfloat16)
+    else:
+        host = torch.from_numpy(np.array(arr, copy=not arr.flags.writeable))
+    out = torch.empty_strided(t.shape, t.strides, dtype=dtype, device=device)
+    out.copy_(host)
+    return out
+
+
+__all__ = ["TIMING", "NoRegions", "RegionUnit", "chooser_for", "incumbent_for", "region_unit", "unavailable",
+           "wanted"]
