@@ -19,6 +19,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fusegraph.onnx as fgo
+from fusegraph.engines.registry import REGISTRY
 from fusegraph.graph.ops import OpKind, SdpaAttrs
 from fusegraph.onnx.units import FusegraphUnit
 
@@ -60,6 +61,21 @@ def _run(model: onnx.ModelProto, feed: Mapping[str, np.ndarray], **opts: Any) ->
         # max-abs beside the norm: f32 ONNX Runtime against the float64 reference on peaked softmaxes
         assert np.abs(np.asarray(g, np.float64) - w).max() <= 1e-3 * max(float(np.abs(w).max()), 1.0)
     return sess
+
+
+def _engine(name: str) -> str:
+    """``name``, or a skip saying why it cannot run here."""
+    if name != "reference":
+        try:
+            ok = bool(REGISTRY.get(name).available())
+        except Exception as exc:  # a broken engine is reported as the reason
+            pytest.skip(f"engine {name} cannot be loaded here: {exc}")
+        if not ok:
+            pytest.skip(f"engine {name} is not available here")
+    return name
+
+
+ENGINES = ["reference", "torch"]
 
 
 def _graphs(sess: fgo.InferenceSession) -> list[Any]:
@@ -107,10 +123,11 @@ QKV = {"q": (B, H, S, D), "k": (B, H, S, D), "v": (B, H, S, D), "mask": (B, 1, 1
 OUT = {"o": (B, H, S, D)}
 
 
-def test_div_by_sqrt_d_with_a_mask_is_one_sdpa(rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_div_by_sqrt_d_with_a_mask_is_one_sdpa(rng: np.random.Generator, engine: str) -> None:
     m = _model(_core([helper.make_node("Div", ["s0", "c"], ["s1"])], "s1"), QKV, OUT, {"c": _c(math.sqrt(D))})
     feed = {"q": _x(rng, B, H, S, D), "k": _x(rng, B, H, S, D), "v": _x(rng, B, H, S, D), "mask": _key_mask(rng)}
-    sess = _run(m, feed)
+    sess = _run(m, feed, engine=_engine(engine))
     assert _kinds(sess) == ["sdpa"]  # the Transpose of K is read through the sdpa node
     (node,) = _sdpa(sess)
     assert isinstance(node.attrs, SdpaAttrs) and not node.attrs.causal and "mask" in node.inputs
@@ -120,7 +137,8 @@ def test_div_by_sqrt_d_with_a_mask_is_one_sdpa(rng: np.random.Generator) -> None
     assert rep.total_nodes == 6 and rep.subgraphs[0].op_types == {"Transpose": 1, "MatMul": 2, "Div": 1, "Add": 1, "Softmax": 1}
 
 
-def test_q_and_k_scaled_apart_with_the_nan_guard(rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_q_and_k_scaled_apart_with_the_nan_guard(rng: np.random.Generator, engine: str) -> None:
     """torch's scaled_dot_product_attention export (transformers' BERT): q and kᵀ each times
     d^-1/4, and Where(IsNaN(p), 0, p); a batch whose keys are all masked gives 0, as in ONNX."""
     c = _c(D ** -0.25)
@@ -139,7 +157,7 @@ def test_q_and_k_scaled_apart_with_the_nan_guard(rng: np.random.Generator) -> No
     m = _model(nodes, ins, OUT, {"c": c, "zero": _c(0.0)})
     feed = {"q0": _x(rng, B, H, S, D), "k": _x(rng, B, H, S, D), "v": _x(rng, B, H, S, D),
             "mask": _key_mask(rng, masked_rows=True)}
-    sess = _run(m, feed)
+    sess = _run(m, feed, engine=_engine(engine))
     kinds = _kinds(sess)
     assert kinds.count("sdpa") == 1 and "matmul" not in kinds and "softmax" not in kinds
     (node,) = _sdpa(sess)
@@ -192,7 +210,8 @@ def test_constant_causal_mask_becomes_causal(rng: np.random.Generator) -> None:
     assert not node.attrs.causal and "mask" in node.inputs
 
 
-def test_grouped_query_repeat_kv_is_sdpa_gqa(rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("engine", ENGINES)
+def test_grouped_query_repeat_kv_is_sdpa_gqa(rng: np.random.Generator, engine: str) -> None:
     """Llama's repeat_kv (Unsqueeze -> Expand -> Reshape) read as sdpa's own k/v heads."""
     hk, n = 2, H // 2
 
@@ -212,7 +231,8 @@ def test_grouped_query_repeat_kv_is_sdpa_gqa(rng: np.random.Generator) -> None:
     inits = {"ax2": np.array([2], np.int64), "big": np.array([B, hk, n, S, D], np.int64),
              "to4": np.array([B, H, S, D], np.int64), "c": _c(D ** -0.5)}
     m = _model(nodes, {"q": (B, H, S, D), "k": (B, hk, S, D), "v": (B, hk, S, D)}, OUT, inits)
-    sess = _run(m, {"q": _x(rng, B, H, S, D), "k": _x(rng, B, hk, S, D), "v": _x(rng, B, hk, S, D)})
+    sess = _run(m, {"q": _x(rng, B, H, S, D), "k": _x(rng, B, hk, S, D), "v": _x(rng, B, hk, S, D)},
+                engine=_engine(engine))
     assert _kinds(sess) == ["sdpa"]
     (node,) = _sdpa(sess)
     assert node.inputs["k"].dim[1] == hk and node.inputs["v"].dim[1] == hk
@@ -242,7 +262,7 @@ def test_softmax_over_another_axis_is_refused(rng: np.random.Generator) -> None:
     nodes[4] = helper.make_node("Softmax", ["s2"], ["p"], axis=2)
     m = _model(nodes, QKV, OUT, {"c": _c(math.sqrt(D))})
     feed = {"q": _x(rng, B, H, S, D), "k": _x(rng, B, H, S, D), "v": _x(rng, B, H, S, D),
-            "mask": _key_mask(rng, fill=-1e4)}
+            "mask": _key_mask(rng, fill=-30.0)}  # finite: a softmax over the query axis sees whole masked columns
     _refused(_run(m, feed), "axis=2 is not the last axis")
 
 
@@ -363,6 +383,60 @@ def test_contrib_rotary_embedding_is_refused_with_the_reason(rng: np.random.Gene
     sess = _run(m, {"x": _x(rng, B, S, H * D), "pos": np.tile(np.arange(S, dtype=np.int64), (B, 1))})
     (u,) = sess.partition_report().unclaimed
     assert u.op_type == "RotaryEmbedding" and "position_ids" in u.reason
+
+
+# ---- torch.onnx.export ------------------------------------------------------------------------------
+def _torch_modules() -> dict[str, Any]:
+    torch = pytest.importorskip("torch", reason="torch exports the modules (the fusegraph[torch] extra)")
+    fn = torch.nn.functional
+
+    class Block(torch.nn.Module):  # torchvision ViT's encoder block: nn.MultiheadAttention, LayerNorm, GELU
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = torch.nn.LayerNorm(H * D)
+            self.attn = torch.nn.MultiheadAttention(H * D, H, batch_first=True)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(H * D, 2 * H * D), torch.nn.GELU(),
+                                           torch.nn.Linear(2 * H * D, H * D))
+
+        def forward(self, x: Any) -> Any:
+            y = self.ln(x)
+            y, _ = self.attn(y, y, y, need_weights=False)
+            return self.mlp(x + y)
+
+    class Causal(torch.nn.Module):  # F.scaled_dot_product_attention(is_causal=True), Llama's RMSNorm
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.rand(D) + 0.5)
+
+        def forward(self, q: Any, k: Any, v: Any) -> Any:
+            o = fn.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.w * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+    return {"vit_block": (Block(), [(B, S, H * D)], {"onnx.attention.sdpa": 1, "onnx.gelu.erf": 1}),
+            "causal_rms": (Causal(), [(B, H, S, D)] * 3, {"onnx.attention.sdpa": 1, "onnx.norm.rms": 1})}
+
+
+@pytest.mark.filterwarnings("ignore:Converting a tensor to a Python boolean", "ignore:You are using the legacy TorchScript",
+                            "ignore:The feature will be removed")
+@pytest.mark.parametrize("opset", [14, 17])
+@pytest.mark.parametrize("name", ["vit_block", "causal_rms"])
+def test_torch_exports_are_recognised(rng: np.random.Generator, tmp_path: Path, name: str, opset: int) -> None:
+    torch = pytest.importorskip("torch", reason="torch exports the modules (the fusegraph[torch] extra)")
+    module, shapes, patterns = _torch_modules()[name]
+    module.eval()
+    args = tuple(torch.from_numpy(_x(rng, *s)) for s in shapes)
+    path = tmp_path / f"{name}.onnx"
+    torch.onnx.export(module, args, str(path), opset_version=opset, dynamo=False)
+    model = onnx.load(str(path))
+    feed = {i.name: a.numpy() for i, a in zip(model.graph.input, args, strict=True)}
+    sess = _run(model, feed)
+    rep = sess.partition_report()
+    if opset < 17 and name == "vit_block":
+        patterns = {**patterns, "onnx.norm.layer": 1}  # LayerNorm is decomposed before opset 17
+    assert rep.rewrites == patterns and not rep.unclaimed
+    if name == "causal_rms":
+        (node,) = _sdpa(sess)
+        assert node.attrs.causal and "mask" not in node.inputs
 
 
 # ---- the tiny transformer exports ------------------------------------------------------------------
