@@ -342,7 +342,8 @@ def test_contrib_attention_with_a_mask_index(rng: np.random.Generator, shape: st
     else:
         mi = (rng.random((B, S) if shape == "2d" else (B, S, S)) > 0.3).astype(np.int32)
         mi[0] = 0
-    for filt in ({}, {"mask_filter_value": -30.0}):
+    filters: list[dict[str, Any]] = [{}, {"mask_filter_value": -30.0}]
+    for filt in filters:
         node = helper.make_node("Attention", ["x", "w", "b", "mi"], ["o"], domain="com.microsoft", num_heads=H, **filt)
         m = _model([node], {"x": (B, S, hid)}, {"o": (B, S, hid)},
                    {"w": _x(rng, hid, 3 * hid), "b": _x(rng, 3 * hid)}, contrib=True)
@@ -389,8 +390,9 @@ def test_contrib_rotary_embedding_is_refused_with_the_reason(rng: np.random.Gene
 def _torch_modules() -> dict[str, Any]:
     torch = pytest.importorskip("torch", reason="torch exports the modules (the fusegraph[torch] extra)")
     fn = torch.nn.functional
+    module: Any = torch.nn.Module
 
-    class Block(torch.nn.Module):  # torchvision ViT's encoder block: nn.MultiheadAttention, LayerNorm, GELU
+    class Block(module):  # torchvision ViT's encoder block: nn.MultiheadAttention, LayerNorm, GELU
         def __init__(self) -> None:
             super().__init__()
             self.ln = torch.nn.LayerNorm(H * D)
@@ -403,7 +405,7 @@ def _torch_modules() -> dict[str, Any]:
             y, _ = self.attn(y, y, y, need_weights=False)
             return self.mlp(x + y)
 
-    class Causal(torch.nn.Module):  # F.scaled_dot_product_attention(is_causal=True), Llama's RMSNorm
+    class Causal(module):  # F.scaled_dot_product_attention(is_causal=True), Llama's RMSNorm
         def __init__(self) -> None:
             super().__init__()
             self.w = torch.nn.Parameter(torch.rand(D) + 0.5)
