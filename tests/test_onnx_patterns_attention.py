@@ -392,7 +392,7 @@ def _torch_modules() -> dict[str, Any]:
     fn = torch.nn.functional
     module: Any = torch.nn.Module
 
-    class Block(module):  # torchvision ViT's encoder block: nn.MultiheadAttention, LayerNorm, GELU
+    class Block(module):  # type: ignore[misc]  # torchvision ViT's encoder block: nn.MultiheadAttention, LayerNorm, GELU
         def __init__(self) -> None:
             super().__init__()
             self.ln = torch.nn.LayerNorm(H * D)
@@ -405,7 +405,7 @@ def _torch_modules() -> dict[str, Any]:
             y, _ = self.attn(y, y, y, need_weights=False)
             return self.mlp(x + y)
 
-    class Causal(module):  # F.scaled_dot_product_attention(is_causal=True), Llama's RMSNorm
+    class Causal(module):  # type: ignore[misc]  # F.scaled_dot_product_attention(is_causal=True), Llama's RMSNorm
         def __init__(self) -> None:
             super().__init__()
             self.w = torch.nn.Parameter(torch.rand(D) + 0.5)
