@@ -127,7 +127,7 @@ class Gate:
         if self.enabled and counter is not None:
             with contextlib.suppress(OSError):
                 self._fd = os.open(counter, os.O_WRONLY)
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # a plain lock: run() takes it twice per call
         self._active = 0
         self._last_end = 0.0
         self._gaps: collections.deque[float] = collections.deque(maxlen=GAPS)
@@ -148,18 +148,19 @@ class Gate:
                     os.killpg(self.pgid, signal.SIGSTOP)
                 except OSError:  # the child is gone: nothing to hold any more
                     self.enabled = False
-                else:
-                    self.stopped = True
-
-    def leave(self) -> None:
-        with self._cond:
-            self._active -= 1
-            self._last_end = time.monotonic()
-            if self._active == 0 and self.stopped:
+                    return
+                self.stopped = True
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._resumer, name="fusegraph-gate", daemon=True)
                     self._thread.start()
                 self._cond.notify()
+
+    def leave(self) -> None:
+        """Wakes nobody (a woken thread on a busy machine costs the caller's next run more
+        than the check it makes): the resumer sleeps in timed waits while the child is held."""
+        with self._cond:
+            self._active -= 1
+            self._last_end = time.monotonic()
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[None]:
@@ -195,14 +196,14 @@ class Gate:
     def _resumer(self) -> None:
         with self._cond:
             while not self._closed:
-                if self.stopped and self._active == 0:
-                    wait = self._last_end + self.idle_needed() - time.monotonic()
-                    if wait <= 0:
-                        self._continue()
-                        continue
-                    self._cond.wait(wait)
-                else:
-                    self._cond.wait()
+                if not self.stopped:
+                    self._cond.wait()  # until enter holds the child again
+                    continue
+                wait = self.resume_s if self._active else self._last_end + self.idle_needed() - time.monotonic()
+                if wait <= 0:
+                    self._continue()
+                    continue
+                self._cond.wait(wait)
 
 
 class Evaluation:

@@ -116,8 +116,11 @@ class DirectOrt:
         gate = evaluation.gate if evaluation is not None else None
         if gate is None:
             return self.runner.run(wanted, feed, run_options)
-        with gate.hold():  # the child waits while the caller's inference runs
+        gate.enter()  # the child waits while the caller's inference runs
+        try:
             return self.runner.run(wanted, feed, run_options)
+        finally:
+            gate.leave()
 
     @property
     def pending(self) -> bool:
