@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from fusegraph.engines.base import ExecutionPlan
-from fusegraph.errors import UnsupportedError
+from fusegraph.errors import FusegraphError, UnsupportedError
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.serialize import graph_to_dict
@@ -84,8 +84,15 @@ def chooser_for(plan: SessionPlan) -> Chooser:
     cache_dir = plan.opts.cache_dir
 
     def build(region: Region) -> ExecutionPlan:
-        with engine_cache(cache_dir):
-            built: ExecutionPlan = region.graph.build(handle=handle, engine=engine)
+        """fusegraph's plan; any failure of an engine is the region's refusal (with its
+        reason), never the unit's."""
+        try:
+            with engine_cache(cache_dir):
+                built: ExecutionPlan = region.graph.build(handle=handle, engine=engine)
+        except FusegraphError:
+            raise
+        except Exception as exc:
+            raise UnsupportedError(f"building failed: {type(exc).__name__}: {exc}") from exc
         return built
 
     sync: Callable[[], None] | None = None

@@ -1,0 +1,352 @@
+"""The ONNX provider running claimed units region by region (fusegraph/onnx/plan_regions.py,
+issue 24 items 1 and 3), on the CPU behind ``regions=on`` with the GPU's incumbent (the
+same nodes op by op on PyTorch): outputs against ONNX Runtime on fresh random inputs, the
+partition report's region rows (pattern names, engines, verdicts with both medians or the
+refusal), an incumbent made faster keeping its regions (a virtual clock: no wall-clock
+asserts), verdicts read back by a second session without measuring, the floor off claiming
+every region; one GPU-marked test on cuda:0."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import fusegraph.onnx as fgo
+from fusegraph.errors import UnsupportedError
+from fusegraph.onnx import plan_regions
+from fusegraph.onnx.report import PartitionReport, RegionEntry
+from fusegraph.regions.choose import Chooser
+from fusegraph.regions.incumbent import CallableIncumbent
+from fusegraph.regions.split import Region
+from fusegraph.select import timing
+
+pytest.importorskip("torch", reason="the region path passes torch tensors (fusegraph[torch])")
+pytestmark = pytest.mark.usefixtures("own_cache")  # each test its own verdict table
+
+PROVIDERS = ["FusegraphExecutionProvider", "CPUExecutionProvider"]
+# the torch engine pinned (no IREE compiles here), the floor inline, no whole-model runners
+BASE: dict[str, Any] = {"device": "cpu", "regions": "on", "engine": "torch", "floor_mode": "inline", "runners": "off"}
+
+
+# ---- models ---------------------------------------------------------------------------------------
+def _const(rng: np.random.Generator, name: str, shape: tuple[int, ...], scale: float = 0.2) -> onnx.TensorProto:
+    return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+
+def _scalar(name: str, value: float) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.array(value, np.float32), name)
+
+
+def _model(name: str, nodes: list[onnx.NodeProto], x: list[int], y: list[int],
+           inits: list[onnx.TensorProto]) -> onnx.ModelProto:
+    g = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, x)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, y)], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def conv_blocks(rng: np.random.Generator) -> onnx.ModelProto:
+    """Conv -> Add(bias) -> Relu, then two Conv(bias) -> Relu blocks of one shape, then
+    GlobalAveragePool -> Flatten."""
+    inits = [_const(rng, "w0", (8, 3, 3, 3)), _const(rng, "b0", (1, 8, 1, 1))]
+    nodes = [helper.make_node("Conv", ["x", "w0"], ["c0"], name="conv0", pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c0", "b0"], ["a0"], name="bias0"),
+             helper.make_node("Relu", ["a0"], ["r0"], name="relu0")]
+    for i in (1, 2):
+        inits += [_const(rng, f"w{i}", (8, 8, 3, 3)), _const(rng, f"b{i}", (8,))]
+        nodes += [helper.make_node("Conv", [f"r{i - 1}", f"w{i}", f"b{i}"], [f"c{i}"], name=f"conv{i}",
+                                   pads=[1, 1, 1, 1]),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}")]
+    nodes += [helper.make_node("GlobalAveragePool", ["r2"], ["p"], name="gap"),
+              helper.make_node("Flatten", ["p"], ["y"], name="flatten")]
+    return _model("conv_blocks", nodes, [2, 3, 12, 12], [2, 8], inits)
+
+
+def gemm_gelu(rng: np.random.Generator) -> onnx.ModelProto:
+    """Gemm -> GELU (its Erf form, as exported) -> Gemm."""
+    inits = [_const(rng, "w1", (32, 64)), _const(rng, "b1", (64,)), _const(rng, "w2", (64, 16)),
+             _const(rng, "b2", (16,)), _scalar("sqrt2", float(np.sqrt(2))), _scalar("one", 1.0), _scalar("half", 0.5)]
+    nodes = [helper.make_node("Gemm", ["x", "w1", "b1"], ["h"], name="fc1"),
+             helper.make_node("Div", ["h", "sqrt2"], ["hd"], name="gelu_div"),
+             helper.make_node("Erf", ["hd"], ["he"], name="gelu_erf"),
+             helper.make_node("Add", ["he", "one"], ["ha"], name="gelu_add"),
+             helper.make_node("Mul", ["h", "ha"], ["hm"], name="gelu_mul"),
+             helper.make_node("Mul", ["hm", "half"], ["g"], name="gelu_half"),
+             helper.make_node("Gemm", ["g", "w2", "b2"], ["y"], name="fc2")]
+    return _model("gemm_gelu", nodes, [8, 32], [8, 16], inits)
+
+
+def norm_attention(rng: np.random.Generator, s: int = 16, d: int = 32) -> onnx.ModelProto:
+    """LayerNormalization -> Q, K, V MatMuls -> MatMul(Q, K^T) * scale -> Softmax -> MatMul(., V)
+    -> residual Add."""
+    inits = [_const(rng, "gamma", (d,), 1.0), _const(rng, "beta", (d,)), _const(rng, "wq", (d, d)),
+             _const(rng, "wk", (d, d)), _const(rng, "wv", (d, d)), _scalar("scale", 1 / float(np.sqrt(d)))]
+    nodes = [helper.make_node("LayerNormalization", ["x", "gamma", "beta"], ["n"], name="ln", axis=-1, epsilon=1e-5),
+             helper.make_node("MatMul", ["n", "wq"], ["q"], name="q"),
+             helper.make_node("MatMul", ["n", "wk"], ["k"], name="k"),
+             helper.make_node("MatMul", ["n", "wv"], ["v"], name="v"),
+             helper.make_node("Transpose", ["k"], ["kt"], name="kt", perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk"),
+             helper.make_node("Mul", ["s", "scale"], ["ss"], name="scale_mul"),
+             helper.make_node("Softmax", ["ss"], ["p"], name="softmax", axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["o"], name="pv"),
+             helper.make_node("Add", ["o", "x"], ["y"], name="residual")]
+    return _model("norm_attention", nodes, [2, s, d], [2, s, d], inits)
+
+
+MODELS: dict[str, tuple[Callable[[np.random.Generator], onnx.ModelProto], tuple[int, ...]]] = {
+    "conv_blocks": (conv_blocks, (2, 3, 12, 12)),
+    "gemm_gelu": (gemm_gelu, (8, 32)),
+    "norm_attention": (norm_attention, (2, 16, 32)),
+}
+
+
+# ---- helpers --------------------------------------------------------------------------------------
+def _session(model: onnx.ModelProto, **opts: Any) -> fgo.InferenceSession:
+    return fgo.InferenceSession(model.SerializeToString(), providers=PROVIDERS,
+                                provider_options=[{**BASE, **opts}, {}])
+
+
+def _agree(sess: fgo.InferenceSession, model: onnx.ModelProto, shape: tuple[int, ...], rng: np.random.Generator,
+           rel: float = 1e-4) -> None:
+    """Outputs against ONNX Runtime on fresh random inputs (twice: the second run is a warm one)."""
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    for _ in range(2):
+        x = rng.standard_normal(shape).astype(np.float32)
+        got = sess.run(None, {"x": x})[0]
+        want = ref.run(None, {"x": x})[0]
+        assert isinstance(got, np.ndarray) and got.shape == want.shape and got.dtype == want.dtype
+        assert np.isfinite(got).all()
+        err = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+        assert err <= rel, f"relative error {err:.2e} (max abs {np.abs(got - want).max():.2e})"
+
+
+def _rows(report: PartitionReport) -> list[RegionEntry]:
+    units = [s for s in report.subgraphs if s.kind == "fusegraph"]
+    assert len(units) == 1, str(report)
+    return list(units[0].regions)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _virtual(clock: Clock, ms: float, inner: Callable[[], object] | None = None) -> Callable[[], object]:
+    def call() -> object:
+        clock.now += ms / 1e3
+        return inner() if inner is not None else None
+
+    return call
+
+
+def _fake_floor(monkeypatch: pytest.MonkeyPatch, incumbent_ms: Callable[[Region], float], fusegraph_ms: float,
+                measured: list[str]) -> None:
+    """Every session's chooser gets a fake incumbent taking ``incumbent_ms(region)`` and
+    fusegraph's plan ``fusegraph_ms`` on a virtual clock (fusegraph's plan still runs);
+    ``measured`` collects the pattern of each region timed."""
+    clock = Clock()
+    real = plan_regions.chooser_for
+
+    def timer(cands: Mapping[str, Callable[[], object]], **kw: Any) -> dict[str, timing.Timing]:
+        kw.pop("warmup_s", None)
+        kw.pop("min_rounds", None)
+        wrapped = {**cands, "fusegraph": _virtual(clock, fusegraph_ms, cands["fusegraph"])}
+        return timing.time_candidates(wrapped, clock=clock, steady=False, min_rounds=3, per_round=1, **kw)
+
+    def make(region: Region, inputs: Mapping[str, Any]) -> Callable[[], object]:
+        measured.append(region.pattern)
+        return _virtual(clock, incumbent_ms(region))
+
+    def chooser_for(plan: Any) -> Chooser:
+        chooser = real(plan)
+        chooser.incumbent = CallableIncumbent("fake", make)
+        chooser.timer = timer
+        return chooser
+
+    monkeypatch.setattr(plan_regions, "chooser_for", chooser_for)
+
+
+# ---- tests ----------------------------------------------------------------------------------------
+GOLDEN = {
+    "conv_blocks": ["cudnn.conv.bias_act", "cudnn.conv.bias_act", "cudnn.conv.bias_act", "triton.reduction"],
+    "gemm_gelu": ["cudnn.matmul.bias_act", "cudnn.matmul.bias"],
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_floor_off_claims_every_region_and_outputs_agree_with_onnx_runtime(name: str, rng: np.random.Generator) -> None:
+    make, shape = MODELS[name]
+    model = make(rng)
+    sess = _session(model, floor="off")
+    _agree(sess, model, shape, rng)
+    report = sess.partition_report()
+    rows = _rows(report)
+    patterns = [r.pattern for r in rows]
+    if name in GOLDEN:
+        assert patterns == GOLDEN[name], str(report)
+    else:  # the attention block: the norm, the projections, the attention core, the residual
+        assert patterns[0] == "triton.norm.layernorm" and patterns.count("cudnn.matmul") >= 3, str(report)
+        assert "cudnn.sdpa" in patterns or "triton.softmax" in patterns, str(report)
+        assert patterns[-1] == "triton.pointwise", str(report)
+    assert all(r.where == "fusegraph:torch" and r.source == "claimed" for r in rows), str(report)
+    assert all("the floor is off" in r.why for r in rows)
+    # every node of the model in exactly one region, in run order
+    names = [n for r in rows for n in r.nodes]
+    assert sorted(names) == sorted(n.name for n in model.graph.node)
+    assert [r.index for r in rows] == list(range(len(rows)))
+    assert report.coverage == 1.0
+    text = str(report)
+    assert f"r0 {patterns[0]} [" in text and "-> fusegraph:torch: fusegraph (torch): claimed" in text
+    assert "regions against torch.eager on cpu" in text
+    assert f"engines that ran: fusegraph:torch x{len(rows)}" in report.summary()
+
+
+def test_a_faster_incumbent_keeps_its_regions_and_the_report_says_why(
+        monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    measured: list[str] = []
+    # the incumbent wins the convolutions (1 ms against 2), loses the rest (4 ms)
+    _fake_floor(monkeypatch, lambda r: 1.0 if r.pattern.startswith("cudnn.conv") else 4.0, 2.0, measured)
+    model = conv_blocks(rng)
+    sess = _session(model, floor="on")
+    _agree(sess, model, MODELS["conv_blocks"][1], rng)  # the incumbent's regions really run (op by op)
+    report = sess.partition_report()
+    rows = _rows(report)
+    convs = [r for r in rows if r.pattern.startswith("cudnn.conv")]
+    assert len(convs) == 3 and all(r.where == "fake" and r.source == "measured" for r in convs), str(report)
+    for r in convs:
+        assert (r.fusegraph_ms, r.incumbent_ms) == (pytest.approx(2.0), pytest.approx(1.0))
+        assert "fusegraph 2.0000 ms vs fake 1.0000 ms" in r.why and "0.50x the incumbent (needs > 1.03x)" in r.why
+    (pool,) = [r for r in rows if r.pattern == "triton.reduction"]
+    assert pool.where == "fusegraph:torch" and "2.00x the incumbent" in pool.why
+    assert report.fusegraph_nodes == 2 and report.coverage == pytest.approx(2 / 9)
+    assert "-> fake: fake: measured; fusegraph 2.0000 ms vs fake 1.0000 ms" in str(report)
+    assert "fake x3" in report.summary() and "fusegraph:torch x1" in report.summary()
+
+
+def test_verdicts_are_read_back_by_a_second_session_without_measuring(
+        monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    measured: list[str] = []
+    _fake_floor(monkeypatch, lambda r: 4.0, 2.0, measured)
+    model = conv_blocks(rng)
+    first = _rows(_session(model, floor="on").partition_report())
+    # conv1 and conv2 are one computation on one shape: one content key, measured once
+    assert sorted(measured) == ["cudnn.conv.bias_act", "cudnn.conv.bias_act", "triton.reduction"]
+    assert [r.source for r in first] == ["measured"] * 4 and all(r.where == "fusegraph:torch" for r in first)
+    measured.clear()
+    sess = _session(model, floor="on")
+    second = _rows(sess.partition_report())
+    assert measured == [], "a second session measured again"
+    assert [r.source for r in second] == ["cached"] * 4
+    assert [(r.where, r.fusegraph_ms, r.incumbent_ms) for r in second] == [
+        (r.where, r.fusegraph_ms, r.incumbent_ms) for r in first]
+    _agree(sess, model, MODELS["conv_blocks"][1], rng)
+    # another incumbent is another question: measured again
+    _fake_floor(monkeypatch, lambda r: 4.0, 2.0, measured)
+    monkeypatch.setattr(plan_regions, "chooser_for", _renamed(plan_regions.chooser_for, "other"))
+    _session(model, floor="on")
+    assert len(measured) == 3
+
+
+def _renamed(make: Callable[[Any], Chooser], name: str) -> Callable[[Any], Chooser]:
+    def chooser_for(plan: Any) -> Chooser:
+        c = make(plan)
+        c.incumbent = CallableIncumbent(name, c.incumbent.runnable)  # type: ignore[attr-defined]
+        return c
+
+    return chooser_for
+
+
+def test_a_region_fusegraph_cannot_build_is_refused_with_the_reason(
+        monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    real = plan_regions.chooser_for
+
+    def chooser_for(plan: Any) -> Chooser:
+        c = real(plan)
+        builder = c.builder
+        assert builder is not None
+
+        def build(region: Region) -> Any:
+            if region.pattern == "cudnn.matmul.bias":
+                raise UnsupportedError("no second GEMM in this test")
+            return builder(region)
+
+        c.builder = build
+        return c
+
+    monkeypatch.setattr(plan_regions, "chooser_for", chooser_for)
+    model = gemm_gelu(rng)
+    sess = _session(model, floor="off")
+    _agree(sess, model, MODELS["gemm_gelu"][1], rng)
+    rows = _rows(sess.partition_report())
+    assert [(r.pattern, r.where, r.source) for r in rows] == [
+        ("cudnn.matmul.bias_act", "fusegraph:torch", "claimed"),
+        ("cudnn.matmul.bias", "torch.eager", "refused"),
+    ]
+    assert rows[1].nodes == ("fc2",) and "UnsupportedError: no second GEMM in this test" in rows[1].why
+
+
+def test_the_floor_timed_for_real_measures_every_region_once(rng: np.random.Generator) -> None:
+    model = norm_attention(rng)
+    sess = _session(model, floor="on")
+    _agree(sess, model, MODELS["norm_attention"][1], rng)
+    rows = _rows(sess.partition_report())
+    assert rows and all(r.source == "measured" for r in rows), rows
+    for r in rows:  # both medians, and the side that runs it the one the verdict names
+        assert r.fusegraph_ms is not None and r.fusegraph_ms > 0 and r.incumbent_ms is not None and r.incumbent_ms > 0
+        assert r.where in ("fusegraph:torch", "torch.eager")
+        assert ("the incumbent" in r.why) and (r.where == "torch.eager") == ("needs >" in r.why)
+
+
+def test_regions_stay_off_on_the_cpu_unless_asked_and_the_option_is_checked(rng: np.random.Generator) -> None:
+    model = gemm_gelu(rng)
+    for value in ("auto", "off"):
+        report = _session(model, floor="off", regions=value).partition_report()
+        assert all(not s.regions for s in report.subgraphs)
+        assert "regions" not in str(report)
+    assert fgo.InferenceSession(model.SerializeToString(), providers=PROVIDERS,
+                                provider_options=[{"regions": True}, {}]).get_provider_options()[
+        "FusegraphExecutionProvider"]["regions"] == "on"
+    with pytest.raises(ValueError, match="regions='sometimes'"):
+        _session(model, regions="sometimes")
+
+
+def test_without_the_torch_engine_the_unit_is_built_whole_and_says_why(
+        monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    monkeypatch.setattr(plan_regions, "unavailable", lambda: "the torch engine is unavailable (a test)")
+    model = conv_blocks(rng)
+    sess = _session(model, floor="off")
+    _agree(sess, model, MODELS["conv_blocks"][1], rng)
+    report = sess.partition_report()
+    (unit,) = [s for s in report.subgraphs if s.kind == "fusegraph"]
+    assert unit.regions == () and "not run region by region: the torch engine is unavailable (a test)" in unit.note
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MODELS))
+def test_on_cuda_each_region_is_measured_against_pytorch_op_by_op(name: str, rng: np.random.Generator) -> None:
+    """On cuda:0 with the defaults (regions=auto, every engine, the floor on): outputs agree
+    with ONNX Runtime's CPU provider (TF32 may be on: 1e-3), every region was measured (or
+    refused) against torch.eager -- never ONNX Runtime -- and the unit ran as one CUDA graph
+    or says why not."""
+    make, shape = MODELS[name]
+    model = make(rng)
+    sess = fgo.InferenceSession(model.SerializeToString(), providers=PROVIDERS,
+                                provider_options=[{"device": "cuda:0"}, {}])
+    _agree(sess, model, shape, rng, rel=1e-3)
+    report = sess.partition_report()
+    rows = _rows(report)
+    assert all(r.source in ("measured", "cached", "refused", "") for r in rows), str(report)
+    assert all(r.where == "torch.eager" or r.where.startswith("fusegraph:") for r in rows)
+    assert all(r.incumbent_ms is not None for r in rows if r.source in ("measured", "cached")), str(report)
+    assert "regions against torch.eager on cuda:0" in str(report)
+    assert "one CUDA graph" in str(report) or "not captured" in str(report)
+    assert "onnxruntime" not in " ".join(r.why for r in rows).lower()
