@@ -441,6 +441,32 @@ def test_torch_exports_are_recognised(rng: np.random.Generator, tmp_path: Path, 
         assert node.attrs.causal and "mask" not in node.inputs
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_onnxruntime_optimized_bert_runs_on_fusegraph(tmp_path: Path) -> None:
+    """tiny_bert through ONNX Runtime's transformer optimizer (SkipLayerNormalization,
+    BiasGelu; its attention left as exported): the contrib ops lowered, the values after
+    them typed, the attention recognised; only the embedding Gather stays on ONNX Runtime."""
+    optimizer = pytest.importorskip("onnxruntime.transformers.optimizer", reason="ships with onnxruntime")
+    opt = optimizer.optimize_model(str(DATA / "tiny_bert.onnx"), model_type="bert", num_heads=2, hidden_size=64,
+                                   opt_level=0)
+    path = tmp_path / "tiny_bert_opt.onnx"
+    opt.save_model_to_file(str(path))
+    model = onnx.load(str(path))
+    contrib = {n.op_type for n in model.graph.node if n.domain == "com.microsoft"}
+    assert {"SkipLayerNormalization", "BiasGelu"} <= contrib, contrib
+    with np.load(DATA / "tiny_bert.npz") as z:
+        feed = {k: z[k] for k in z.files}
+    want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feed)
+    sess = _session(model)
+    rep = sess.partition_report()
+    assert {u.op_type for u in rep.unclaimed} == {"Gather"}, [(u.node, u.reason) for u in rep.unclaimed]
+    assert rep.rewrites == {"onnx.attention.sdpa": 2}
+    fused = next(s for s in rep.subgraphs if s.kind == "fusegraph").fusions
+    assert fused["attention.sdpa"] == 2 and fused["norm.layer"] == 4
+    (got,) = sess.run(None, feed)
+    assert _rel(got, want[0]) < 1e-5
+
+
 # ---- the tiny transformer exports ------------------------------------------------------------------
 @pytest.mark.parametrize(("name", "patterns"), [
     ("tiny_bert", {"onnx.attention.sdpa": 2, "onnx.gelu.erf": 2}),

@@ -286,6 +286,24 @@ def test_skip_layernorm_with_its_sum_output(rng: np.random.Generator) -> None:
     assert "layernorm" in _kinds(sess) and not sess.partition_report().unclaimed
 
 
+def test_values_after_contrib_ops_get_shapes_and_are_claimed(rng: np.random.Generator) -> None:
+    """ONNX shape inference knows no contrib op: their output types come from
+    patterns_contrib_types, so the MatMul, BiasGelu and Relu after them are claimed too."""
+    w = _x(rng, D, 2 * D)
+    nodes = [helper.make_node("SkipLayerNormalization", ["x", "skip", "g", "b"], ["h", "", "", "sum"],
+                              domain="com.microsoft", epsilon=1e-5),
+             helper.make_node("MatMul", ["h", "w"], ["m"]),
+             helper.make_node("BiasGelu", ["m", "bias"], ["a"], domain="com.microsoft"),
+             helper.make_node("Relu", ["sum"], ["r"]),
+             helper.make_node("ReduceSum", ["a", "axes"], ["y"], keepdims=1)]
+    inits = {"g": rng.uniform(0.5, 1.5, D).astype(np.float32), "b": _x(rng, D), "w": w, "bias": _x(rng, 2 * D),
+             "axes": np.array([-1], np.int64)}
+    m = _model(nodes, {"x": (B, S, D), "skip": (B, S, D)}, {"y": (B, S, 1), "r": (B, S, D)}, inits, contrib=True)
+    sess = _run(m, {"x": _x(rng, B, S, D), "skip": _x(rng, B, S, D)})
+    rep = sess.partition_report()
+    assert not rep.unclaimed and len(rep.subgraphs) == 1, [(u.node, u.reason) for u in rep.unclaimed]
+
+
 def test_skip_simplified_layernorm(rng: np.random.Generator) -> None:
     node = helper.make_node("SkipSimplifiedLayerNormalization", ["x", "skip", "g", "bias"], ["y"],
                             domain="com.microsoft", epsilon=1e-6)

@@ -29,6 +29,7 @@ from fusegraph.graph.ops import OpKind, PointwiseAttrs, PointwiseMode
 from fusegraph.onnx.model import OnnxGraph, ONode
 from fusegraph.onnx.patterns_attention import fuse_attention
 from fusegraph.onnx.patterns_common import Ctx
+from fusegraph.onnx.patterns_contrib_types import infer_contrib_types
 from fusegraph.onnx.patterns_gelu import fuse_gelu_erf, fuse_gelu_tanh
 from fusegraph.onnx.patterns_norms import fuse_layer, fuse_rms
 
@@ -210,6 +211,7 @@ def apply_rewrites(
     """Runs every rewrite to a fixed point; returns how often each applied. ``refused``
     (anchor node -> "pattern at node: reason") receives the patterns whose anchor matched
     but the rest did not -- a wrong constant or axis, an intermediate read elsewhere."""
+    infer_contrib_types(og)  # values after ONNX Runtime's contrib ops get shapes, so they can be claimed
     ctx = _Ctx(og, exclude)
     counts: dict[str, int] = collections.Counter()
     while True:
