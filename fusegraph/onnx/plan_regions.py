@@ -82,6 +82,7 @@ def chooser_for(plan: SessionPlan) -> Chooser:
     floor = plan.floor_budget > 0
     engine = plan.engine.name if plan.engine is not None else None
     cache_dir = plan.opts.cache_dir
+    compiled = plan.engine is not None and any(e.name != "reference" for e in plan.engine.candidates)
 
     def build(region: Region) -> ExecutionPlan:
         """fusegraph's plan; any failure of an engine is the region's refusal (with its
@@ -93,6 +94,8 @@ def chooser_for(plan: SessionPlan) -> Chooser:
             raise
         except Exception as exc:
             raise UnsupportedError(f"building failed: {type(exc).__name__}: {exc}") from exc
+        if built.engine == "reference" and engine is None and compiled:
+            raise UnsupportedError("only the float64 reference engine builds it (a correctness oracle, not a runner)")
         return built
 
     sync: Callable[[], None] | None = None

@@ -1,0 +1,375 @@
+"""Real ONNX models on the GPU (issue 24 item 8): fusegraph's execution provider, each claimed
+unit run region by region (fusegraph/onnx/plan_regions.py; ``regions=auto`` is on for a GPU),
+against the same PyTorch module on the same GPU -- eager and ``torch.compile`` (default
+mode) -- side by side in one process, timed interleaved by fusegraph's one timing routine
+(select/timing.py: warm-up to a steady state, rotating rounds, medians).
+
+Each model is built here with random weights (torchvision / transformers configurations, no
+downloads; ``unet`` is a diffusion-style UNet defined here), exported with
+``torch.onnx.export`` (opset 17) and opened with
+``InferenceSession(path, providers=["FusegraphExecutionProvider", "CPUExecutionProvider"],
+provider_options=[{"device": "cuda:0"}, {}])``, NumPy in and out, as a new user would;
+PyTorch gets CUDA tensors in and out with ``cudnn.benchmark`` on. Reported per model and
+batch: agreement with eager (relative), session setup and compile times, medians, the
+ratios eager / fusegraph and compile / fusegraph, and the partition report's summary
+(which regions ran on which engine). ``--variants`` adds ``fusegraph-whole`` (regions off:
+the unit on one engine, as before regions) to see what the region path changed.
+
+    python benchmarks/bench_onnx_gpu.py --json onnx_gpu.json --png onnx_gpu.png
+    python benchmarks/bench_onnx_gpu.py --models resnet50,vit_b_16,bert --batch 1,8
+    python benchmarks/bench_onnx_gpu.py --quick            # CPU smoke (built-in models, regions=on)
+
+Precision: float32 as exported (reduced precisions are issue 24 item 4, not yet here).
+Targets (issue 24, H200): every model >= 1.0x eager; geomean >= 1.3x eager and >= 1.0x
+compile; attention-heavy models >= 1.2x eager; fp32 agreement <= 1e-3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fusegraph.onnx as fgo
+from fusegraph.select.timing import time_candidates
+
+Case = tuple[nn.Module, tuple[torch.Tensor, ...], list[str]]  # module, example inputs, input names
+
+
+# ---- models defined here ----------------------------------------------------------------------------
+class ConvNet(nn.Module):
+    """conv + bias + ReLU blocks with residual adds, global pooling, a linear head."""
+
+    def __init__(self, width: int = 32, blocks: int = 3, classes: int = 100) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, width, 3, padding=1, stride=2)
+        self.blocks = nn.ModuleList(nn.Conv2d(width, width, 3, padding=1) for _ in range(blocks))
+        self.head = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.stem(x))
+        for conv in self.blocks:
+            x = F.relu(conv(x)) + x
+        return self.head(x.mean((2, 3)))
+
+
+class Block(nn.Module):
+    """A pre-norm transformer encoder block (layer norm, attention, GELU MLP)."""
+
+    def __init__(self, d: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (t.reshape(b, s, self.heads, d // self.heads).transpose(1, 2) for t in (q, k, v))
+        att = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(d // self.heads), dim=-1) @ v
+        x = x + self.proj(att.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class UNet(nn.Module):
+    """A diffusion-style UNet (GroupNorm + SiLU residual blocks, self-attention at the lowest
+    resolution, skip connections), the timestep embedding folded in as a constant."""
+
+    def __init__(self, ch: int = 64, levels: int = 3) -> None:
+        super().__init__()
+        self.inp = nn.Conv2d(4, ch, 3, padding=1)
+        self.down = nn.ModuleList()
+        self.up = nn.ModuleList()
+        widths = [ch * 2 ** i for i in range(levels)]
+        for i, w in enumerate(widths):
+            prev = widths[i - 1] if i else ch
+            self.down.append(nn.ModuleList([self._res(prev, w), nn.Conv2d(w, w, 3, stride=2, padding=1)]))
+        mid = widths[-1]
+        self.mid_norm = nn.GroupNorm(32, mid)
+        self.mid_attn = nn.MultiheadAttention(mid, 8, batch_first=True)
+        for w in reversed(widths):
+            self.up.append(nn.ModuleList([nn.ConvTranspose2d(mid, w, 4, stride=2, padding=1), self._res(2 * w, w)]))
+            mid = w
+        self.out = nn.Conv2d(ch, 4, 3, padding=1)
+        self.register_buffer("temb", torch.randn(1, ch, 1, 1))
+
+    @staticmethod
+    def _res(cin: int, cout: int) -> nn.Module:
+        return nn.Sequential(nn.GroupNorm(min(32, cin), cin), nn.SiLU(), nn.Conv2d(cin, cout, 3, padding=1),
+                             nn.GroupNorm(32, cout), nn.SiLU(), nn.Conv2d(cout, cout, 3, padding=1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x) + self.temb
+        skips = []
+        for res, down in self.down:  # type: ignore[misc]
+            h = res(h)
+            skips.append(h)
+            h = down(h)
+        b, c, hh, ww = h.shape
+        t = self.mid_norm(h).flatten(2).transpose(1, 2)
+        h = h + self.mid_attn(t, t, t, need_weights=False)[0].transpose(1, 2).reshape(b, c, hh, ww)
+        for (up, res), skip in zip(self.up, reversed(skips), strict=True):  # type: ignore[misc]
+            h = res(torch.cat([up(h), skip], dim=1))
+        return self.out(F.silu(h))  # type: ignore[no-any-return]
+
+
+class HFOut(nn.Module):
+    """A transformers model returning one tensor (its first output), for export."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)[0]  # type: ignore[no-any-return]
+
+
+# ---- the corpus -------------------------------------------------------------------------------------
+def _torchvision(name: str) -> Callable[[int], Case]:
+    def make(batch: int) -> Case:
+        import torchvision
+
+        model = getattr(torchvision.models, name)(weights=None)
+        return model, (torch.randn(batch, 3, 224, 224),), ["pixels"]
+
+    return make
+
+
+def _hf(kind: str) -> Callable[[int], Case]:
+    def make(batch: int) -> Case:
+        import transformers as tf
+
+        if kind == "bert":  # 6 layers at base width, sequence 128
+            model: nn.Module = tf.BertModel(tf.BertConfig(num_hidden_layers=6))
+            x = torch.randint(0, 30522, (batch, 128))
+        elif kind == "gpt2":  # a decoder: causal attention, 6 layers at base width, sequence 128
+            model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=6, use_cache=False))
+            x = torch.randint(0, 50257, (batch, 128))
+        elif kind == "whisper_encoder":  # speech: whisper-base's encoder over 30 s of log-mel frames
+            cfg = tf.WhisperConfig(d_model=512, encoder_layers=6, encoder_attention_heads=8, encoder_ffn_dim=2048)
+            model = tf.WhisperModel(cfg).get_encoder()
+            x = torch.randn(batch, cfg.num_mel_bins, 3000)
+        elif kind == "distilbert":
+            model = tf.DistilBertModel(tf.DistilBertConfig())
+            x = torch.randint(0, 30522, (batch, 128))
+        else:
+            raise ValueError(kind)
+        return HFOut(model), (x,), ["input"]
+
+    return make
+
+
+def _local(cls: type[nn.Module], shape: tuple[int, ...]) -> Callable[[int], Case]:
+    return lambda batch: (cls(), (torch.randn(batch, *shape),), ["x"])
+
+
+MODELS: dict[str, tuple[str, Callable[[int], Case]]] = {
+    "resnet50": ("cnn", _torchvision("resnet50")),
+    "mobilenet_v3_large": ("cnn", _torchvision("mobilenet_v3_large")),
+    "efficientnet_b0": ("cnn", _torchvision("efficientnet_b0")),
+    "convnext_tiny": ("cnn", _torchvision("convnext_tiny")),
+    "regnet_y_1_6gf": ("cnn", _torchvision("regnet_y_1_6gf")),
+    "densenet121": ("cnn", _torchvision("densenet121")),
+    "vit_b_16": ("vision transformer", _torchvision("vit_b_16")),
+    "swin_t": ("vision transformer", _torchvision("swin_t")),
+    "bert": ("encoder", _hf("bert")),
+    "distilbert": ("encoder", _hf("distilbert")),
+    "gpt2": ("decoder", _hf("gpt2")),
+    "whisper_encoder": ("speech encoder", _hf("whisper_encoder")),
+    "unet": ("diffusion unet", _local(UNet, (4, 64, 64))),
+    # small, defined here: the --quick smoke run
+    "convnet": ("cnn (tiny)", _local(ConvNet, (3, 32, 32))),
+    "block": ("encoder (tiny)", _local(Block, (16, 64))),
+}
+DEFAULT = [m for m in MODELS if m not in ("convnet", "block")]
+ATTENTION = {"vit_b_16", "swin_t", "bert", "distilbert", "gpt2", "whisper_encoder"}
+VARIANTS = ("fusegraph", "eager", "compile", "fusegraph-whole")
+
+
+def export(module: nn.Module, inputs: tuple[torch.Tensor, ...], names: list[str], path: Path) -> None:
+    """``torch.onnx.export`` at opset 17 (the TorchScript exporter where this torch has both)."""
+    kwargs: dict[str, Any] = {"input_names": names, "output_names": ["out"], "opset_version": 17,
+                              "do_constant_folding": True}
+    if "dynamo" in inspect.signature(torch.onnx.export).parameters:
+        kwargs["dynamo"] = False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, inputs, str(path), **kwargs)
+
+
+def _rel(got: np.ndarray, want: np.ndarray) -> float:
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape or not np.isfinite(got).all():
+        return float("inf")
+    return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30))
+
+
+def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    device = torch.device(args.device)
+    family, make = MODELS[name]
+    torch.manual_seed(args.seed)
+    module, inputs, names = make(batch)
+    module = module.eval()
+    path = workdir / f"{name}_b{batch}.onnx"
+    with torch.no_grad():
+        export(module, inputs, names, path)
+    module = module.to(device)
+    dev_inputs = tuple(x.to(device) for x in inputs)
+    feed = {n: x.numpy() for n, x in zip(names, inputs, strict=True)}
+    row: dict[str, Any] = {"model": name, "family": family, "batch": batch, "setup_s": {}, "rel_err": {}}
+    with torch.inference_mode():
+        want = module(*dev_inputs).float().cpu().numpy()
+    calls: dict[str, Callable[[], object]] = {}
+    for variant in args.variants:
+        t0 = time.perf_counter()
+        if variant.startswith("fusegraph"):
+            opts = {"device": args.device, **({"regions": "off"} if variant == "fusegraph-whole" else {})}
+            if device.type == "cpu":  # the smoke run: the region path on the CPU, torch pinned, no runners
+                opts |= {"regions": "on" if variant == "fusegraph" else "off", "engine": "torch", "runners": "off",
+                         "floor_mode": "inline"}
+            sess = fgo.InferenceSession(str(path), providers=["FusegraphExecutionProvider", "CPUExecutionProvider"],
+                                        provider_options=[opts, {}])
+            got = sess.run(None, feed)[0]
+            row["setup_s"][variant] = time.perf_counter() - t0
+            row["rel_err"][variant] = _rel(got, want)
+            report = sess.partition_report()
+            row[f"{variant}_report"] = report.summary()
+            row[f"{variant}_regions"] = [
+                {"pattern": r.pattern, "where": r.where, "source": r.source, "fusegraph_ms": r.fusegraph_ms,
+                 "incumbent_ms": r.incumbent_ms, "nodes": len(r.nodes)}
+                for s in report.subgraphs for r in s.regions
+            ]
+            if args.verbose:
+                print(report, file=sys.stderr)
+            calls[variant] = lambda sess=sess: sess.run(None, feed)  # type: ignore[misc]
+            continue
+        fn: Any = module if variant == "eager" else torch.compile(module)
+        with torch.inference_mode():
+            got_t = fn(*dev_inputs)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        row["setup_s"][variant] = time.perf_counter() - t0
+        row["rel_err"][variant] = _rel(got_t.float().cpu().numpy(), want)
+
+        def call(fn: Any = fn) -> object:
+            with torch.inference_mode():
+                return fn(*dev_inputs)
+
+        calls[variant] = call
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    timings = time_candidates(calls, sync=sync, warmup_s=args.warmup_s, min_rounds=args.rounds)
+    row["ms"] = {k: t.median_ms for k, t in timings.items()}
+    fg = row["ms"].get("fusegraph")
+    for base in ("eager", "compile"):
+        if fg and base in row["ms"]:
+            row[f"{base}_over_fusegraph"] = row["ms"][base] / fg
+    return row
+
+
+def _geomean(xs: list[float]) -> float:
+    xs = [x for x in xs if x > 0 and math.isfinite(x)]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def chart(rows: list[dict[str, Any]], path: str, device: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [f"{r['model']} b{r['batch']}" for r in rows]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(rows) + 2), 4))
+    xs = np.arange(len(rows))
+    for k, base in enumerate(("eager", "compile")):
+        vals = [r.get(f"{base}_over_fusegraph", 0.0) for r in rows]
+        ax.bar(xs + (k - 0.5) * 0.4, vals, 0.4, label=f"{base} / fusegraph")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(xs, labels, rotation=60, ha="right")
+    ax.set_ylabel("speed-up of fusegraph (x)")
+    ax.set_title(f"ONNX models on {device}, fp32")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default=",".join(DEFAULT), help=f"comma-separated, among {list(MODELS)}")
+    p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    p.add_argument("--device", default="cuda:0")
+    p.add_argument("--variants", default="fusegraph,eager,compile", help=f"comma-separated, among {list(VARIANTS)}")
+    p.add_argument("--precision", default="fp32", choices=["fp32"], help="fp32 as exported (item 4: not yet)")
+    p.add_argument("--rounds", type=int, default=30, help="timed rounds (medians)")
+    p.add_argument("--warmup-s", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", help="write the rows here")
+    p.add_argument("--png", help="a chart of the ratios (needs matplotlib)")
+    p.add_argument("--quick", action="store_true", help="CPU smoke: convnet and block, batch 1, few rounds")
+    p.add_argument("--verbose", action="store_true", help="print each partition report (stderr)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.models, args.batch, args.device, args.rounds, args.warmup_s = "convnet,block", "1", "cpu", 3, 0.05
+        args.variants = "fusegraph,eager,fusegraph-whole"
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    bad = [v for v in args.variants if v not in VARIANTS] + [m for m in args.models.split(",") if m not in MODELS]
+    if bad:
+        p.error(f"unknown model(s) or variant(s) {bad}")
+    if torch.device(args.device).type == "cuda":
+        if not torch.cuda.is_available():
+            p.error(f"--device {args.device}: no CUDA device here (use --quick for the CPU smoke run)")
+        torch.backends.cudnn.benchmark = True
+    gpu = torch.cuda.get_device_name(torch.device(args.device)) if torch.device(args.device).type == "cuda" else "cpu"
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="bench-onnx-gpu-") as tmp:
+        for name in args.models.split(","):
+            for batch in (int(b) for b in args.batch.split(",")):
+                try:
+                    row = bench(name, batch, args, Path(tmp))
+                except Exception as exc:  # one model failing does not end the run: its row says why
+                    row = {"model": name, "batch": batch, "error": f"{type(exc).__name__}: {exc}"}
+                rows.append(row)
+                _print(row)
+    ratios = {b: [r[f"{b}_over_fusegraph"] for r in rows if f"{b}_over_fusegraph" in r] for b in ("eager", "compile")}
+    summary = {f"geomean_{b}_over_fusegraph": _geomean(v) for b, v in ratios.items()}
+    print(f"{gpu}: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"device": gpu, "torch": torch.__version__, "precision": args.precision,
+                                               "rows": rows, **summary}, indent=1, default=str))
+    if args.png:
+        try:
+            chart([r for r in rows if "ms" in r], args.png, gpu)
+        except ImportError:
+            print("no matplotlib: no chart", file=sys.stderr)
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _print(row: dict[str, Any]) -> None:
+    if "error" in row:
+        print(f"{row['model']:<20} b{row['batch']:<3} ERROR {row['error']}")
+        return
+    ms = "  ".join(f"{k} {v:8.3f} ms" for k, v in row["ms"].items())
+    ratio = "  ".join(f"{b}/fg {row[f'{b}_over_fusegraph']:.2f}x" for b in ("eager", "compile")
+                      if f"{b}_over_fusegraph" in row)
+    err = max(row["rel_err"].values())
+    setup = row["setup_s"].get("fusegraph", 0.0)
+    print(f"{row['model']:<20} b{row['batch']:<3} {ms}  {ratio}  max rel err {err:.1e}  fusegraph setup {setup:.1f} s")
+    if "fusegraph_report" in row:
+        print(f"    {row['fusegraph_report']}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
