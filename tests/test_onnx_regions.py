@@ -330,6 +330,30 @@ def test_without_the_torch_engine_the_unit_is_built_whole_and_says_why(
     assert unit.regions == () and "not run region by region: the torch engine is unavailable (a test)" in unit.note
 
 
+def test_data_movement_no_region_takes_runs_op_by_op_and_keeps_coverage(rng: np.random.Generator) -> None:
+    """Softmax -> Transpose -> Reshape -> MatMul: the transpose and reshape follow no anchor that
+    takes an epilogue and precede one, so no region takes them; they run op by op on PyTorch
+    between the softmax and the GEMM, and do not count against coverage."""
+    nodes = [helper.make_node("Softmax", ["x"], ["p"], name="softmax", axis=-1),
+             helper.make_node("Transpose", ["p"], ["t"], name="transpose", perm=[0, 2, 1]),
+             helper.make_node("Reshape", ["t", "shape"], ["r"], name="reshape"),
+             helper.make_node("MatMul", ["r", "w"], ["y"], name="gemm")]
+    inits = [numpy_helper.from_array(np.array([64, 16], np.int64), "shape"), _const(rng, "w", (16, 8))]
+    model = _model("movement", nodes, [2, 16, 32], [64, 8], inits)
+    sess = _session(model, floor="off")
+    _agree(sess, model, (2, 16, 32), rng)
+    report = sess.partition_report()
+    rows = _rows(report)
+    assert [(r.pattern, r.nodes, r.where, r.compute) for r in rows] == [
+        ("triton.softmax", ("softmax",), "fusegraph:torch", True),
+        ("", ("transpose", "reshape"), "torch.eager", False),
+        ("cudnn.matmul", ("gemm",), "fusegraph:torch", True),
+    ], str(report)
+    assert rows[1].why.startswith("data movement only") and rows[1].source == ""
+    assert report.coverage == 1.0
+    assert "r1 (no region) [Transpose,Reshape] (transpose, reshape) -> torch.eager: data movement only" in str(report)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(MODELS))
 def test_on_cuda_each_region_is_measured_against_pytorch_op_by_op(name: str, rng: np.random.Generator) -> None:

@@ -157,6 +157,7 @@ class _Piece:
     source: str = ""
     fusegraph_ms: float | None = None
     incumbent_ms: float | None = None
+    movement: bool = False  # reshapes / transposes alone
 
 
 class RegionUnit(FusegraphUnit):
@@ -234,7 +235,8 @@ class RegionUnit(FusegraphUnit):
                 readers.setdefault(t.name, set()).add(n.name)
         by_name = {n.name: n for n in self.graph.nodes}
         for rej in found.rejected:
-            groups = [list(rej.nodes)] if rej.reason.startswith("data movement only") else [[n] for n in rej.nodes]
+            movement = rej.reason.startswith("data movement only")
+            groups = [list(rej.nodes)] if movement else [[n] for n in rej.nodes]
             for names in groups:
                 nodes = [by_name[n] for n in names]
                 keep = _leaves(nodes, readers, outputs)
@@ -244,7 +246,7 @@ class RegionUnit(FusegraphUnit):
                     raise NoRegions(f"nodes {names} could not be cut out: {type(exc).__name__}: {exc}") from exc
                 plan = self._eager(piece.graph)
                 pieces.append(_Piece(tuple(names), piece.graph, piece.inputs, piece.outputs, plan,
-                                     self.chooser.incumbent.name, "", rej.reason))
+                                     self.chooser.incumbent.name, "", rej.reason, movement=movement))
         return pieces
 
     def _chosen(self, c: Choice) -> _Piece:
@@ -324,7 +326,7 @@ class RegionUnit(FusegraphUnit):
         onnx_nodes = tuple(dict.fromkeys(name for name, _ in origin))
         ops = tuple(dict.fromkeys(op for _, op in origin))
         return RegionEntry(k, piece.pattern, onnx_nodes, ops, piece.where, piece.why, piece.source,
-                           piece.fusegraph_ms, piece.incumbent_ms)
+                           piece.fusegraph_ms, piece.incumbent_ms, compute=not piece.movement)
 
     # ---- running -------------------------------------------------------------------------------
     def run(self, values: Mapping[str, Any]) -> dict[str, Any]:
@@ -335,13 +337,16 @@ class RegionUnit(FusegraphUnit):
         feed = {t.name: _to_device(values[onnx_name], t, self._device) for onnx_name, t in self._in.items()}
         plan: RegionPlan = self.plan
         with torch.inference_mode():
+            res = plan.execute(feed)
             if not self._ran:
                 self._ran = True
                 if self.handle.device.is_gpu:
+                    # after one run step by step on the caller's stream: the steps' own CUDA graphs
+                    # (a torch plan's, captured at its first call) exist before this capture, which
+                    # runs them eagerly (they replay only on the stream they were captured on)
                     why = plan.capture(feed)
                     self.capture_note = "one CUDA graph" if not why else f"run step by step (not captured: {why})"
                     log.info("%s: %s", self.name, self.capture_note)
-            res = plan.execute(feed)
         return {o: res[tname] for o, tname in self._out.items()}
 
 

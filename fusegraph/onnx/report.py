@@ -22,6 +22,7 @@ class RegionEntry:
     source: str = ""  # the verdict's: measured, cached, claimed, refused; "" for nodes no region took
     fusegraph_ms: float | None = None
     incumbent_ms: float | None = None
+    compute: bool = True  # False for reshapes / transposes alone: they do not count against coverage
 
     @property
     def fusegraph(self) -> bool:
@@ -86,11 +87,12 @@ class PartitionReport:
     @property
     def fusegraph_nodes(self) -> int:
         """Nodes fusegraph's engines run: a unit run region by region counts without the
-        nodes of its regions the incumbent runs."""
+        compute nodes of its regions the incumbent runs (data movement alone, which no engine
+        fuses, stays counted with its unit)."""
         total = 0
         for s in self.subgraphs:
             if s.kind == "fusegraph":
-                elsewhere = {n for r in s.regions if not r.fusegraph for n in r.nodes}
+                elsewhere = {n for r in s.regions if not r.fusegraph and r.compute for n in r.nodes}
                 total += sum(n not in elsewhere for n in s.nodes)
         return total
 
