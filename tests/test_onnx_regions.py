@@ -354,6 +354,22 @@ def test_data_movement_no_region_takes_runs_op_by_op_and_keeps_coverage(rng: np.
     assert "r1 (no region) [Transpose,Reshape] (transpose, reshape) -> torch.eager: data movement only" in str(report)
 
 
+def test_units_on_either_side_of_onnx_runtime_pass_their_values_and_lazy_compile_builds_at_first_run(
+        rng: np.random.Generator) -> None:
+    """GlobalAveragePool excluded: the convolutions are one unit, ONNX Runtime pools (a torch
+    tensor handed to it as a host array), Flatten is a second unit of its own; with
+    lazy_compile the regions are split, chosen and built at the first run."""
+    model = conv_blocks(rng)
+    for lazy in (False, True):
+        sess = _session(model, floor="off", op_types_to_exclude="GlobalAveragePool", lazy_compile=lazy)
+        _agree(sess, model, MODELS["conv_blocks"][1], rng)
+        report = sess.partition_report()
+        assert [s.kind for s in report.subgraphs] == ["fusegraph", "onnxruntime", "fusegraph"], str(report)
+        first, _, last = report.subgraphs
+        assert [r.pattern for r in first.regions] == ["cudnn.conv.bias_act"] * 3
+        assert [(r.pattern, r.nodes) for r in last.regions] == [("", ("flatten",))], str(report)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", list(MODELS))
 def test_on_cuda_each_region_is_measured_against_pytorch_op_by_op(name: str, rng: np.random.Generator) -> None:

@@ -246,9 +246,10 @@ class SessionPlan:
 
     @property
     def _ort_floor(self) -> bool:
-        """Claimed units are timed against ONNX Runtime (not where they run region by region:
-        there each region is timed against its own incumbent)."""
-        return self.floor_budget > 0 and not self.regions
+        """Claimed units are timed against ONNX Runtime on the CPU only: where they run region
+        by region each region is timed against its own incumbent, and on a GPU ONNX Runtime's
+        CPU provider is no incumbent (issue 24 item 3)."""
+        return self.floor_budget > 0 and not self.regions and not self.handle.device.is_gpu
 
     def _release(self, names: Sequence[str], note: str) -> None:
         for n in names:

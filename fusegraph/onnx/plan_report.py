@@ -68,6 +68,8 @@ def report(plan: SessionPlan) -> PartitionReport:
 def floor_off(plan: SessionPlan) -> str:
     if plan.floor_budget <= 0:
         return "floor: off"
+    if plan.handle.device.is_gpu and not plan.regions:
+        return "floor: none (regions=off on a GPU: ONNX Runtime's CPU provider is no incumbent there)"
     return "floor: not measured (lazy_compile)" if plan.opts.lazy_compile else ""
 
 def boundaries(plan: SessionPlan) -> Boundaries:
