@@ -210,6 +210,43 @@ def test_constant_causal_mask_becomes_causal(rng: np.random.Generator) -> None:
     assert not node.attrs.causal and "mask" in node.inputs
 
 
+@pytest.mark.parametrize("fill", [-np.inf, float(np.finfo(np.float32).min)])
+def test_causal_where_of_a_triangle_becomes_causal(rng: np.random.Generator, fill: float) -> None:
+    """Older GPT-2 exports: Where(tril, scores, fill) after the scale, an additive mask after it."""
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s0"]),
+             helper.make_node("Div", ["s0", "c"], ["s1"]),
+             helper.make_node("Where", ["tri", "s1", "fill"], ["s2"]),
+             helper.make_node("Add", ["s2", "mask"], ["s3"]),
+             helper.make_node("Softmax", ["s3"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["o"])]
+    inits = {"c": _c(math.sqrt(D)), "tri": np.tril(np.ones((1, 1, S, S), bool)), "fill": _c(fill)}
+    m = _model(nodes, QKV, OUT, inits)
+    feed = {"q": _x(rng, B, H, S, D), "k": _x(rng, B, H, S, D), "v": _x(rng, B, H, S, D),
+            "mask": _key_mask(rng, fill=-1e4)}
+    sess = _run(m, feed)
+    (node,) = _sdpa(sess)
+    assert node.attrs.causal and "mask" in node.inputs
+
+
+def test_where_with_a_finite_fill_off_the_triangle_is_refused(rng: np.random.Generator) -> None:
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s0"]),
+             helper.make_node("Where", ["keep", "s0", "fill"], ["s1"]),
+             helper.make_node("Softmax", ["s1"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["o"])]
+    keep = rng.random((1, 1, S, S)) > 0.3
+    keep[..., 0] = True
+    m = _model(nodes, {k: v for k, v in QKV.items() if k != "mask"}, OUT, {"keep": keep, "fill": _c(-1e4)})
+    sess = _run(m, {n: _x(rng, B, H, S, D) for n in "qkv"})
+    _refused(sess, "Where fills masked scores with -10000.0")
+    # with -inf the same condition is an additive mask
+    m = _model(nodes, {k: v for k, v in QKV.items() if k != "mask"}, OUT, {"keep": keep, "fill": _c(-np.inf)})
+    sess = _run(m, {n: _x(rng, B, H, S, D) for n in "qkv"})
+    (node,) = _sdpa(sess)
+    assert not node.attrs.causal and "mask" in node.inputs
+
+
 @pytest.mark.parametrize("engine", ENGINES)
 def test_grouped_query_repeat_kv_is_sdpa_gqa(rng: np.random.Generator, engine: str) -> None:
     """Llama's repeat_kv (Unsqueeze -> Expand -> Reshape) read as sdpa's own k/v heads."""

@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from onnx import helper
 
 from fusegraph.onnx.model import ONode
 from fusegraph.onnx.patterns_common import Ctx, Refused
@@ -47,6 +48,7 @@ class _Match:
     causal: bool = False
     guard: bool = False
     out: str = ""
+    where: tuple[np.ndarray, float] | None = None  # Where(cond, scores, fill): cond, fill
 
 
 def _scalar_factor(ctx: Ctx, node: ONode, chain: str) -> float | None:
@@ -80,9 +82,13 @@ def _scaled(ctx: Ctx, value: str, m: _Match) -> str:
 
 
 def _to_matmul(ctx: Ctx, value: str) -> bool:
-    """``value`` is a MatMul's output, maybe through one scalar Mul/Div."""
+    """``value`` is a MatMul's output, maybe through a constant-condition Where and one scalar
+    Mul/Div."""
     if ctx.made_by(value, "MatMul") is not None:
         return True
+    w = ctx.made_by(value, "Where")
+    if w is not None and w.inputs[0] in ctx.og.constants:
+        return _to_matmul(ctx, w.inputs[1])
     p = ctx.made_by(value, "Mul", "Div")
     return p is not None and any(
         ctx.made_by(c, "MatMul") is not None and _scalar_factor(ctx, p, c) is not None for c in p.inputs
@@ -157,6 +163,38 @@ def _window_mask(ctx: Ctx, s: str, shape: tuple[int, ...], m: _Match) -> np.ndar
     return None
 
 
+def _where_mask(ctx: Ctx, m: _Match, shape: tuple[int, ...], elem: int, anchor: str) -> None:
+    """``Where(cond, scores, fill)`` (GPT-2's causal mask): with fill -inf it is the additive
+    mask ``where(cond, 0, -inf)`` (joined to an Add's constant mask, or ``causal`` when cond is
+    the lower triangle); a causal triangle filled with the type's lowest value is ``causal``
+    too -- exp(lowest - row max) is 0 in every row that keeps its diagonal, i.e. whenever the
+    kept scores are finite and above lowest + 104. Any other fill replaces scores in a way an
+    additive mask cannot, and is refused."""
+    assert m.where is not None
+    cond, fill = m.where
+    if np.broadcast_shapes(cond.shape, shape) != shape:
+        raise Refused(f"the Where condition {list(cond.shape)} broadcasts the scores {list(shape)} up")
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(elem))
+    sq, sk = shape[-2:]
+    tri = cond.shape[-2:] == (sq, sk) and bool(
+        np.array_equal(np.broadcast_to(cond, (*cond.shape[:-2], sq, sk)),
+                       np.broadcast_to(np.tril(np.ones((sq, sk), dtype=bool)), cond.shape)))
+    if tri and (fill == -np.inf or fill == float(np.finfo(dtype).min)):
+        m.causal = True
+        return
+    if fill != -np.inf:
+        raise Refused(f"Where fills masked scores with {fill}: only -inf, or the lowest {dtype} value for a "
+                      "causal triangle, is the same function as an attention mask")
+    extra = np.where(cond, 0.0, -np.inf)
+    if not m.mask:
+        m.mask = ctx.new_const(f"{anchor}_where_mask", extra.astype(dtype))
+    elif m.mask in ctx.og.constants:
+        both = np.broadcast_to(ctx.og.constants[m.mask].astype(np.float64), shape) + extra
+        m.mask = ctx.new_const(f"{anchor}_where_mask", both.astype(dtype))
+    else:
+        raise Refused(f"a Where mask beside a mask '{m.mask}' that is not constant")
+
+
 def _causal(mask: np.ndarray, scores: tuple[int, ...]) -> bool:
     """The constant mask is 0 on and below the diagonal, -inf above, for every batch/head."""
     sq, sk = scores[-2:]
@@ -211,6 +249,16 @@ def _match(ctx: Ctx, sm: ONode) -> _Match | None:
         m.nodes.append(add)
         ctx.only_reader(cur, "the masked scores", m.nodes)
         cur = chain
+    wh = ctx.made_by(cur, "Where")
+    if wh is not None:
+        cond = ctx.og.constants.get(wh.inputs[0])
+        fill = ctx.scalar(wh.inputs[2])
+        if cond is None or cond.dtype != np.bool_ or fill is None or not _to_matmul(ctx, wh.inputs[1]):
+            return None
+        ctx.only_reader(cur, "the masked scores", m.nodes)
+        m.nodes.append(wh)
+        m.where = (cond, fill)
+        cur = wh.inputs[1]
     sc = ctx.made_by(cur, "Mul", "Div")
     if sc is not None:
         chain = next((c for c in sc.inputs if _scalar_factor(ctx, sc, c) is not None and ctx.made_by(c, "MatMul")), None)
@@ -273,11 +321,10 @@ def _match(ctx: Ctx, sm: ONode) -> _Match | None:
         if tuple(full) != tuple(shape):
             raise Refused(f"mask '{m.mask}' {list(ms)} broadcasts the scores {list(shape)} up to {list(full)}")
         c = ctx.og.constants.get(m.mask)
-        if c is not None:
-            if _causal(c, tuple(shape)):
-                m.causal, m.mask = True, ""
-            elif m.guard and not bool(np.any(np.all(np.isneginf(c), axis=-1))):
-                m.guard = False  # no row is fully masked: the guard never acts on finite inputs
+        if c is not None and _causal(c, tuple(shape)):
+            m.causal, m.mask = True, ""
+    if m.where is not None:
+        _where_mask(ctx, m, tuple(shape), elem, sm.name)
     if window is not None:
         if not m.mask:
             m.mask = ctx.new_const(f"{sm.name}_window_mask", window)
@@ -287,8 +334,9 @@ def _match(ctx: Ctx, sm: ONode) -> _Match | None:
             m.mask = ctx.new_const(f"{sm.name}_window_mask", both.astype(first.dtype))
         else:
             raise Refused(f"the window mask follows a mask '{m.mask}' that is not constant")
-    if not m.mask:
-        m.guard = False
+    c = ctx.og.constants.get(m.mask) if m.mask else None
+    if not m.mask or (c is not None and not bool(np.any(np.all(np.isneginf(c), axis=-1)))):
+        m.guard = False  # no row can be fully masked: the guard never acts on finite inputs
     if why := ctx.excluded(m.nodes):
         raise Refused(why)
     return m
