@@ -275,6 +275,16 @@ def test_grouped_query_repeat_kv_is_sdpa_gqa(rng: np.random.Generator, engine: s
     assert node.inputs["k"].dim[1] == hk and node.inputs["v"].dim[1] == hk
 
 
+def test_identity_dropout_and_same_type_casts_after_the_softmax(rng: np.random.Generator) -> None:
+    nodes = _core([helper.make_node("Div", ["s0", "c"], ["s1"])], "s1")
+    nodes[-1:] = [helper.make_node("Dropout", ["p", "ratio"], ["p1"]), helper.make_node("Cast", ["p1"], ["p2"], to=F),
+                  helper.make_node("Identity", ["p2"], ["p3"]), helper.make_node("MatMul", ["p3", "v"], ["o"])]
+    m = _model(nodes, QKV, OUT, {"c": _c(math.sqrt(D)), "ratio": _c(0.1)})
+    feed = {"q": _x(rng, B, H, S, D), "k": _x(rng, B, H, S, D), "v": _x(rng, B, H, S, D), "mask": _key_mask(rng)}
+    sess = _run(m, feed)
+    assert _kinds(sess) == ["sdpa"]
+
+
 def test_rank3_scores_run_as_one_head(rng: np.random.Generator) -> None:
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1]),
              helper.make_node("MatMul", ["q", "kt"], ["s0"]),

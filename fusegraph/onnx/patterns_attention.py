@@ -195,6 +195,24 @@ def _where_mask(ctx: Ctx, m: _Match, shape: tuple[int, ...], elem: int, anchor: 
         raise Refused(f"a Where mask beside a mask '{m.mask}' that is not constant")
 
 
+def _identity(ctx: Ctx, node: ONode, value: str) -> bool:
+    """``node`` passes ``value`` through unchanged: Identity, a Cast to its own type, an
+    inference Dropout (no training_mode, or a constant false one; its mask unread)."""
+    if not node.is_default_domain or node.inputs[0] != value:
+        return False
+    if node.op_type == "Identity":
+        return True
+    if node.op_type == "Cast":
+        return int(node.attr("to", 0)) == ctx.elem(value)
+    if node.op_type == "Dropout":
+        mode = node.inputs[2] if len(node.inputs) > 2 else ""
+        training = ctx.og.constants.get(mode) if mode else np.array(False)
+        mask_read = len(node.outputs) > 1 and node.outputs[1] and (
+            ctx.consumers.get(node.outputs[1]) or node.outputs[1] in ctx.og.outputs)
+        return training is not None and not bool(np.any(training)) and not mask_read
+    return False
+
+
 def _causal(mask: np.ndarray, scores: tuple[int, ...]) -> bool:
     """The constant mask is 0 on and below the diagonal, -inf above, for every batch/head."""
     sq, sk = scores[-2:]
@@ -227,7 +245,7 @@ def _match(ctx: Ctx, sm: ONode) -> _Match | None:
             p = where.outputs[0]
     while True:
         r = ctx.sole_reader(p)
-        if r is not None and r.op_type == "Cast" and r.is_default_domain and int(r.attr("to", 0)) == ctx.elem(p):
+        if r is not None and _identity(ctx, r, p):
             after.append(r)
             p = r.outputs[0]
             continue
