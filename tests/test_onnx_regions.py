@@ -230,6 +230,23 @@ def test_a_faster_incumbent_keeps_its_regions_and_the_report_says_why(
     assert report.fusegraph_nodes == 2 and report.coverage == pytest.approx(2 / 9)
     assert "-> fake: fake: measured; fusegraph 2.0000 ms vs fake 1.0000 ms" in str(report)
     assert "fake x3" in report.summary() and "fusegraph:torch x1" in report.summary()
+    # a second session reads the verdicts back and builds no plan the incumbent beat
+    built: list[str] = []
+    faked = plan_regions.chooser_for
+
+    def chooser_for(plan: Any) -> Chooser:
+        c = faked(plan)
+        inner = c.builder
+        assert inner is not None
+        c.builder = lambda region: built.append(region.pattern) or inner(region)  # type: ignore[func-returns-value]
+        return c
+
+    monkeypatch.setattr(plan_regions, "chooser_for", chooser_for)
+    measured.clear()
+    again = _session(model, floor="on")
+    assert measured == [] and built == ["triton.reduction"]
+    assert [r.source for r in _rows(again.partition_report())] == ["cached"] * 4
+    _agree(again, model, MODELS["conv_blocks"][1], rng)
 
 
 def test_verdicts_are_read_back_by_a_second_session_without_measuring(
@@ -292,6 +309,41 @@ def test_a_region_fusegraph_cannot_build_is_refused_with_the_reason(
         ("cudnn.matmul.bias", "torch.eager", "refused"),
     ]
     assert rows[1].nodes == ("fc2",) and "UnsupportedError: no second GEMM in this test" in rows[1].why
+
+
+def test_a_plan_that_disagrees_with_pytorch_is_refused_and_never_cached(
+        monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    measured: list[str] = []
+    _fake_floor(monkeypatch, lambda r: 4.0, 2.0, measured)  # fusegraph would win every region
+    faked = plan_regions.chooser_for
+
+    def chooser_for(plan: Any) -> Chooser:
+        c = faked(plan)
+        builder = c.builder
+        assert builder is not None
+
+        def build(region: Region) -> Any:
+            built = builder(region)
+            if region.pattern == "triton.reduction":  # a wrong plan: its outputs doubled
+                execute = built.execute
+                built.execute = lambda pack: {k: v * 2 for k, v in execute(pack).items()}
+            return built
+
+        c.builder = build
+        return c
+
+    monkeypatch.setattr(plan_regions, "chooser_for", chooser_for)
+    model = conv_blocks(rng)
+    for _ in range(2):  # the refusal is not kept: the second session checks again
+        measured.clear()
+        sess = _session(model, floor="on")
+        _agree(sess, model, MODELS["conv_blocks"][1], rng)  # the incumbent runs the pooling
+        rows = _rows(sess.partition_report())
+        assert [(r.pattern, r.where) for r in rows] == [("cudnn.conv.bias_act", "fusegraph:torch")] * 3 + [
+            ("triton.reduction", "fake")]
+        assert rows[-1].source == "refused"
+        assert "disagrees with the same nodes op by op on PyTorch (relative error 1.0e+00)" in rows[-1].why
+        assert "triton.reduction" not in measured
 
 
 def test_the_floor_timed_for_real_measures_every_region_once(rng: np.random.Generator) -> None:

@@ -51,6 +51,7 @@ log = logging.getLogger("fusegraph.onnx")
 # The region floor's timing (select/timing.py's time_candidates): a bounded warm-up, as the
 # torch front door's (a model's regions are many and small; setup is what users wait for).
 TIMING: dict[str, Any] = {"warmup_s": 0.2, "min_rounds": 5}
+AGREE = 1e-3  # a region's plan whose trial output is further from PyTorch's (relative) is refused (as floor.AGREE)
 
 
 def wanted(opts: ProviderOptions, handle: Handle) -> bool:
@@ -178,6 +179,8 @@ class RegionUnit(FusegraphUnit):
         self._device: Any = None
         self._weights_dev: dict[str, Any] = {}
         self._buffers = base.handle.device.is_gpu  # outputs live on the device: a copy to reach the host
+        build = chooser.builder or (lambda r: r.graph.build(handle=chooser.handle, engine=chooser.engine))
+        chooser.builder = self._checked(build)
 
     # ---- what the plan and the report read -----------------------------------------------------
     @property
@@ -223,10 +226,8 @@ class RegionUnit(FusegraphUnit):
         log.info("%s: %d regions, %s", self.name, len(steps), self.engine_name)
 
     def _pieces(self) -> list[_Piece]:
-        atoms = {g: o for g, o in self.origin.items()}
-        found = split(self.graph, atoms=atoms)
-        choices = self.chooser.choose_all(found.regions, self._example) if found.regions else []
-        pieces = [self._chosen(c) for c in choices]
+        found = split(self.graph, atoms=dict(self.origin))
+        pieces = [self._chosen(c) for c in self._choose(found.regions)]
         whole = graph_to_dict(self.graph)
         outputs = {t.name for t in self.graph.outputs()}
         readers: dict[str, set[str]] = {}
@@ -248,6 +249,47 @@ class RegionUnit(FusegraphUnit):
                 pieces.append(_Piece(tuple(names), piece.graph, piece.inputs, piece.outputs, plan,
                                      self.chooser.incumbent.name, "", rej.reason, movement=movement))
         return pieces
+
+    def _choose(self, regions: Sequence[Region]) -> list[Choice]:
+        """The region layer's choices; a region whose cached verdict says the incumbent is not
+        even built (a warm session pays no build of a plan that lost)."""
+        c = self.chooser
+        known: dict[int, Choice] = {}
+        if c.floor and c.store is not None:
+            for r in regions:
+                cached = c.store.lookup(c.key(r))
+                if cached is not None and not cached.fusegraph:
+                    known[r.index] = Choice(r, cached)
+        rest = [r for r in regions if r.index not in known]
+        chosen = {ch.region.index: ch for ch in c.choose_all(rest, self._example)} if rest else {}
+        return [known.get(r.index) or chosen[r.index] for r in regions]
+
+    def _checked(self, build: Callable[[Region], ExecutionPlan]) -> Callable[[Region], ExecutionPlan]:
+        """``build``, and where the floor is on a trial run of its plan against the same nodes
+        op by op on PyTorch on the region's example inputs: a plan that fails or disagrees is
+        the region's refusal (never measured, so no verdict of it is kept), as the floor
+        against ONNX Runtime hands back a unit that disagrees."""
+
+        def checked(region: Region) -> ExecutionPlan:
+            plan = build(region)
+            if not self.chooser.floor:
+                return plan
+            try:
+                reference = self._eager(region.graph)
+            except Exception:  # the incumbent cannot run it: nothing to compare with
+                return plan
+            pack = self._example(region)
+            try:
+                got = plan.execute(pack)
+            except Exception as exc:
+                raise UnsupportedError(f"failed its trial run: {type(exc).__name__}: {exc}") from exc
+            want = reference.execute(pack)
+            err = max((_rel_err(got[k], v) for k, v in want.items()), default=0.0)
+            if not err <= AGREE:
+                raise UnsupportedError(f"disagrees with the same nodes op by op on PyTorch (relative error {err:.1e})")
+            return plan
+
+        return checked
 
     def _chosen(self, c: Choice) -> _Piece:
         r, v = c.region, c.verdict
@@ -348,6 +390,15 @@ class RegionUnit(FusegraphUnit):
                     self.capture_note = "one CUDA graph" if not why else f"run step by step (not captured: {why})"
                     log.info("%s: %s", self.name, self.capture_note)
         return {o: res[tname] for o, tname in self._out.items()}
+
+
+def _rel_err(got: Any, want: Any) -> float:
+    """||got - want|| / ||want|| in float64; inf for a wrong shape or a non-finite value."""
+    g = np.asarray(to_host(got), dtype=np.float64)
+    w = np.asarray(to_host(want), dtype=np.float64)
+    if g.shape != w.shape or not np.isfinite(g).all():
+        return float("inf")
+    return float(np.linalg.norm(g - w) / max(float(np.linalg.norm(w)), 1e-30))
 
 
 def _leaves(nodes: Sequence[Node], readers: Mapping[str, set[str]], outputs: set[str]) -> set[str]:
