@@ -382,6 +382,20 @@ def test_without_the_torch_engine_the_unit_is_built_whole_and_says_why(
     assert unit.regions == () and "not run region by region: the torch engine is unavailable (a test)" in unit.note
 
 
+def test_a_unit_whose_regions_cannot_be_ordered_is_built_whole(
+        monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    def cyclic(pieces: Any, graph: Any) -> list[int]:
+        raise plan_regions.NoRegions("its regions depend on each other in a cycle")
+
+    monkeypatch.setattr(plan_regions, "_run_order", cyclic)
+    model = gemm_gelu(rng)
+    sess = _session(model, floor="off")
+    _agree(sess, model, MODELS["gemm_gelu"][1], rng)
+    (unit,) = [s for s in sess.partition_report().subgraphs if s.kind == "fusegraph"]
+    assert unit.regions == () and unit.engine == "torch"
+    assert "not run region by region: its regions depend on each other in a cycle" in unit.note
+
+
 def test_data_movement_no_region_takes_runs_op_by_op_and_keeps_coverage(rng: np.random.Generator) -> None:
     """Softmax -> Transpose -> Reshape -> MatMul: the transpose and reshape follow no anchor that
     takes an epilogue and precede one, so no region takes them; they run op by op on PyTorch

@@ -130,8 +130,8 @@ def region_unit(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[str]
             return unit
         try:
             unit.build()
-        except NoRegions as exc:
-            why = str(exc)
+        except (NoRegions, FusegraphError) as exc:  # e.g. a region neither side can run
+            why = f"{type(exc).__name__}: {exc}" if isinstance(exc, FusegraphError) else str(exc)
         else:
             plan.compile_s[name] = time.perf_counter() - t0
             if plan.dump is not None:
