@@ -346,6 +346,28 @@ def test_a_plan_that_disagrees_with_pytorch_is_refused_and_never_cached(
         assert "triton.reduction" not in measured
 
 
+def test_autotune_tunes_each_region_within_its_share_and_keys_its_verdicts_apart(
+        monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    measured: list[str] = []
+    _fake_floor(monkeypatch, lambda r: 4.0, 2.0, measured)
+    tuned: list[tuple[str, float]] = []
+
+    def fake_tune(self: plan_regions.RegionUnit, region: Region) -> Any:
+        tuned.append((region.pattern, self.tune_s))  # the selection layer's autotuner stands in
+        return region.graph.build(handle=self.handle, engine="reference")
+
+    monkeypatch.setattr(plan_regions.RegionUnit, "_tuned", fake_tune)
+    model = conv_blocks(rng)
+    sess = _session(model, floor="on", autotune="3")
+    _agree(sess, model, MODELS["conv_blocks"][1], rng)
+    # 3 distinct regions (conv1 and conv2 are one computation): 1 s each
+    assert sorted(tuned) == [("cudnn.conv.bias_act", 1.0)] * 3 + [("triton.reduction", 1.0)]
+    assert all(r.where.startswith("fusegraph:reference") for r in _rows(sess.partition_report()))
+    measured.clear()
+    _session(model, floor="on")  # untuned: its own verdicts
+    assert len(measured) == 3
+
+
 def test_the_floor_timed_for_real_measures_every_region_once(rng: np.random.Generator) -> None:
     model = norm_attention(rng)
     sess = _session(model, floor="on")

@@ -126,6 +126,9 @@ def region_unit(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[str]
         base = plan_build.lower_unit(plan, name, nodes, ins, outs, engine, filter_layout_for(engine or "torch"),
                                      origin=origin)
         unit = RegionUnit(base, origin, chooser_for(plan))
+        if plan.opts.autotune > 0:  # a tuned plan's verdict is no verdict on the untuned one
+            unit.tune_budget = plan.opts.autotune
+            unit.chooser.build_options = {**unit.chooser.build_options, "autotuned": True}
         if plan.opts.lazy_compile:
             return unit
         try:
@@ -176,6 +179,8 @@ class RegionUnit(FusegraphUnit):
         self.chooser = chooser
         self.rows: list[RegionEntry] = []
         self.capture_note = ""
+        self.tune_budget = 0.0  # seconds for the unit (the ``autotune`` option): each region tuned across engines
+        self.tune_s = 0.0  # ... per distinct region
         self._device: Any = None
         self._weights_dev: dict[str, Any] = {}
         self._buffers = base.handle.device.is_gpu  # outputs live on the device: a copy to reach the host
@@ -227,6 +232,8 @@ class RegionUnit(FusegraphUnit):
 
     def _pieces(self) -> list[_Piece]:
         found = split(self.graph, atoms=dict(self.origin))
+        if self.tune_budget > 0:  # the unit's budget shared by its distinct regions
+            self.tune_s = self.tune_budget / max(1, len({r.key for r in found.regions}))
         pieces = [self._chosen(c) for c in self._choose(found.regions)]
         whole = graph_to_dict(self.graph)
         outputs = {t.name for t in self.graph.outputs()}
@@ -271,7 +278,8 @@ class RegionUnit(FusegraphUnit):
         against ONNX Runtime hands back a unit that disagrees."""
 
         def checked(region: Region) -> ExecutionPlan:
-            plan = build(region)
+            plan = self._tuned(region) if self.tune_s > 0 else None
+            plan = plan or build(region)
             if not self.chooser.floor:
                 return plan
             try:
@@ -290,6 +298,21 @@ class RegionUnit(FusegraphUnit):
             return plan
 
         return checked
+
+    def _tuned(self, region: Region) -> ExecutionPlan | None:
+        """With ``autotune``: the region's fastest (engine, config) found by the selection
+        layer's autotuner on its example inputs within ``tune_s`` (kept in the tuning
+        database, so later sessions rebuild it without timing); None where tuning failed."""
+        try:
+            with engine_cache(self.cache_dir):
+                result = region.graph.autotune(
+                    self._example(region), self.handle, budget_s=self.tune_s, progress=False,
+                    engines=[self.chooser.engine] if self.chooser.engine else None)
+        except Exception as exc:  # tuning is an optimization: the default build applies
+            log.info("autotuning region %d (%s) failed: %s", region.index, region.pattern, exc)
+            return None
+        tuned: ExecutionPlan = result.plan
+        return tuned
 
     def _chosen(self, c: Choice) -> _Piece:
         r, v = c.region, c.verdict
