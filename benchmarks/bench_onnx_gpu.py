@@ -17,6 +17,7 @@ the unit on one engine, as before regions) to see what the region path changed.
 
     python benchmarks/bench_onnx_gpu.py --json onnx_gpu.json --png onnx_gpu.png
     python benchmarks/bench_onnx_gpu.py --models resnet50,vit_b_16,bert --batch 1,8
+    python benchmarks/bench_onnx_gpu.py --models bert --options autotune=30   # regions tuned across engines
     python benchmarks/bench_onnx_gpu.py --quick            # CPU smoke (built-in models, regions=on)
 
 Precision: float32 as exported (reduced precisions are issue 24 item 4, not yet here).
@@ -237,7 +238,7 @@ def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dic
     for variant in args.variants:
         t0 = time.perf_counter()
         if variant.startswith("fusegraph"):
-            opts = {"device": args.device, **({"regions": "off"} if variant == "fusegraph-whole" else {})}
+            opts = {"device": args.device, **args.options, **({"regions": "off"} if variant == "fusegraph-whole" else {})}
             if device.type == "cpu":  # the smoke run: the region path on the CPU, torch pinned, no runners
                 opts |= {"regions": "on" if variant == "fusegraph" else "off", "engine": "torch", "runners": "off",
                          "floor_mode": "inline"}
@@ -316,6 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=30, help="timed rounds (medians)")
     p.add_argument("--warmup-s", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--options", default="", help="extra provider options for fusegraph, k=v,k=v (autotune=30, floor=off)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--png", help="a chart of the ratios (needs matplotlib)")
     p.add_argument("--quick", action="store_true", help="CPU smoke: convnet and block, batch 1, few rounds")
@@ -325,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         args.models, args.batch, args.device, args.rounds, args.warmup_s = "convnet,block", "1", "cpu", 3, 0.05
         args.variants = "fusegraph,eager,fusegraph-whole"
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    try:
+        args.options = dict(kv.split("=", 1) for kv in args.options.split(",") if kv.strip())
+    except ValueError:
+        p.error(f"--options {args.options!r}: expected k=v,k=v")
     bad = [v for v in args.variants if v not in VARIANTS] + [m for m in args.models.split(",") if m not in MODELS]
     if bad:
         p.error(f"unknown model(s) or variant(s) {bad}")
