@@ -249,3 +249,17 @@ def test_a_region_plan_captured_as_one_cuda_graph_replays_the_same_numbers(rng: 
     assert torch.allclose(replayed, again, rtol=1e-5, atol=1e-6)
     want = run_reference(g, feed)["out"]
     assert float(np.linalg.norm(eager.cpu().numpy() - want) / np.linalg.norm(want)) < 1e-4
+
+
+def test_assembled_steps_run_producers_first() -> None:
+    """The split lists an anchor region before the chain it reads (x -> exp -> matmul is
+    [matmul, exp]); the assembled plan runs the chain first."""
+    from fusegraph.regions.plan import Step, producers_first
+
+    def step(name: str, ins: tuple[str, ...], outs: tuple[str, ...]) -> Step:
+        return Step(name, ins, outs, lambda args: [sum(args)], "test")
+
+    matmul, exp = step("matmul", ("e", "w"), ("y",)), step("exp", ("x",), ("e",))
+    assert [s.name for s in producers_first([matmul, exp])] == ["exp", "matmul"]
+    with pytest.raises(fg.ExecutionError, match="no order runs them"):
+        producers_first([step("a", ("q",), ("p",)), step("b", ("p",), ("q",))])

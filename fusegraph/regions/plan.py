@@ -44,8 +44,9 @@ def fusegraph_step(name: str, plan: ExecutionPlan, inputs: Sequence[str], output
 def assemble(choices: Sequence[Any], outputs: Sequence[str], incumbent: Callable[[Any], Step]) -> RegionPlan:
     """The plan of a chosen split: each claimed region's fusegraph plan as a step, every
     other region the step ``incumbent(region)`` gives (the front door's own runner for
-    those nodes), in the split's order (a topological one). ``choices``: regions/choose.py's
-    Choice list."""
+    those nodes), producers first. ``choices``: regions/choose.py's Choice list, in the
+    split's order -- which lists anchor regions before the chains they read (x -> exp ->
+    matmul splits as [matmul, exp]), so the steps are ordered here by what they read."""
     steps = []
     for c in choices:
         r = c.region
@@ -53,7 +54,24 @@ def assemble(choices: Sequence[Any], outputs: Sequence[str], incumbent: Callable
             steps.append(fusegraph_step(f"r{r.index}", c.plan, r.inputs, r.outputs))
         else:
             steps.append(incumbent(r))
-    return RegionPlan(steps, outputs)
+    return RegionPlan(producers_first(steps), outputs)
+
+
+def producers_first(steps: Sequence[Step]) -> list[Step]:
+    """``steps`` ordered so that each runs after the steps whose outputs it reads (stable:
+    the given order among steps that are ready together)."""
+    made_by = {name: i for i, s in enumerate(steps) for name in s.outputs}
+    done: set[int] = set()
+    order: list[Step] = []
+    while len(order) < len(steps):
+        ready = [i for i, s in enumerate(steps) if i not in done
+                 and all(made_by.get(n, i) in done or made_by.get(n, i) == i for n in s.inputs)]
+        if not ready:
+            stuck = [steps[i].name for i in range(len(steps)) if i not in done]
+            raise ExecutionError(f"region steps {stuck} read each other's results: no order runs them")
+        done.add(ready[0])
+        order.append(steps[ready[0]])
+    return order
 
 
 class RegionPlan:
