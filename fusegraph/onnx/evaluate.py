@@ -88,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
                                 why=f"the background evaluation failed: {type(exc).__name__}: {str(exc)[:300]}")
     finally:
         signal.alarm(0)
-    took = f"evaluated in the background in {time.perf_counter() - t0:.1f} s"
+    held = floor.PAUSES() if counter is not None else 0
+    took = f"evaluated in the background in {time.perf_counter() - t0:.1f} s" + (
+        f" (held {held} times while the caller's session ran)" if held else "")
     why = "; ".join(p for p in (verdict.why, took) if p)
     cache.record(args.content, dataclasses.replace(verdict, source="measured", why=why))
     cache.flush()
