@@ -22,6 +22,7 @@ Runtime's (the child held through its idle) does not.
     python benchmarks/bench_first_session.py --models resnet18,hf_bert --runs 40 --gap 0.05
     python benchmarks/bench_first_session.py --burst 5 --idle 1   # bursts of 5 pairs, 1 s idle before each
     python benchmarks/bench_first_session.py --no-pause           # the child not held (the old behaviour)
+    python benchmarks/bench_first_session.py --new-shapes light:squeezenet --batches 1,2,4,8
 
 Models come from ``benchmarks/bench_models.py`` (torchvision / timm / transformers with
 random weights, exported once and cached). Prints per model: both medians, the ratio, the
@@ -191,6 +192,42 @@ def _light(name: str, root: Path) -> Path:
     return path
 
 
+def new_shapes(path: str, batches: list[int]) -> dict[str, Any]:
+    """A model with a dynamic batch dimension (``path``'s first input and outputs made
+    symbolic): per batch size, the first call of a fusegraph session (cold cache, shipped
+    defaults) against the first call of ONNX Runtime alone at that size, in one process."""
+    import onnx
+    import onnxruntime as ort
+
+    import fusegraph.onnx as fgo
+
+    model = onnx.load(path)
+    inits = {t.name for t in model.graph.initializer}
+    first = [v for v in model.graph.input if v.name not in inits][:1]
+    for v in [*first, *model.graph.output]:
+        v.type.tensor_type.shape.dim[0].dim_param = "N"
+    del model.graph.value_info[:]
+    data = model.SerializeToString()
+    cache = tempfile.mkdtemp(prefix="fg-new-shapes-")
+    fg = fgo.InferenceSession(data, providers=[(fgo.PROVIDER, {"cache_dir": cache}), "CPUExecutionProvider"])
+    alone = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
+    i = alone.get_inputs()[0]
+    rng = np.random.default_rng(0)
+    rows = []
+    for n in batches:
+        x = {i.name: rng.standard_normal([n, *i.shape[1:]]).astype(np.float32)}
+        t = time.perf_counter()
+        alone.run(None, x)
+        ort_s = time.perf_counter() - t
+        t = time.perf_counter()
+        fg.run(None, x)
+        fg_s = time.perf_counter() - t
+        rows.append({"batch": n, "fusegraph_first_ms": fg_s * 1e3, "ort_first_ms": ort_s * 1e3})
+    waited = time.perf_counter()
+    fg.wait_for_evaluation(timeout=600)  # every shape's evaluation (the next session's verdicts)
+    return {"rows": rows, "evaluations_s": time.perf_counter() - waited}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=DEFAULT_MODELS)
@@ -200,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--idle", type=float, default=1.0, help="seconds of pause before each burst")
     p.add_argument("--no-pause", action="store_true", help="the child is not held while the session runs")
     p.add_argument("--json", default="bench_first_session.json")
+    p.add_argument("--new-shapes", metavar="MODEL", help="instead: first calls at new batch sizes of MODEL "
+                   "(a light: or corpus name) with its batch dimension made dynamic")
+    p.add_argument("--batches", default="1,2,4,8")
     p.add_argument("--one", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.one:
@@ -209,6 +249,15 @@ def main(argv: list[str] | None = None) -> int:
 
     root = bench_models.export_dir(argparse.Namespace(export_dir=None))
     root.mkdir(parents=True, exist_ok=True)
+    if args.new_shapes:
+        name = args.new_shapes
+        path = _light(name, root) if name.startswith("light:") else bench_models.exported(bench_models.BY_NAME[name], root, 0)[0]
+        got = new_shapes(str(path), [int(b) for b in args.batches.split(",")])
+        for r in got["rows"]:
+            print(f"{name} batch {r['batch']}: first call fusegraph {r['fusegraph_first_ms']:.1f} ms, "
+                  f"ONNX Runtime alone {r['ort_first_ms']:.1f} ms")
+        print(f"then waited {got['evaluations_s']:.1f} s for the background evaluations")
+        return 0
     rows = []
     print(f"{'model':24} {'fusegraph ms':>12} {'ORT ms':>9} {'ratio':>7} {'p25':>6} {'paired':>6} {'child':>9} "
           f"{'child cpu s':>11} {'others':>7} {'load':>10}")

@@ -291,12 +291,14 @@ class ShapedOrt(DirectOrt):
         plan = self.plans.get(key)
         if plan is not None:
             return plan.run(feed, wanted)
-        if key not in self._seen:
-            with self._lock:
-                self._seen.add(key)
-                self._queue.append(key)
-            self._pump()
-        return super().run(wanted, feed, run_options)
+        try:
+            return super().run(wanted, feed, run_options)
+        finally:  # after the run: the helper thread's start must not share the CPU with it
+            if key not in self._seen:
+                with self._lock:
+                    self._seen.add(key)
+                    self._queue.append(key)
+                self._pump()
 
     def poll(self, sess: InferenceSession) -> None:
         """Takes in a finished child's verdict (at most every POLL_S), never waits."""
