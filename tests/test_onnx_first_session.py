@@ -7,6 +7,7 @@ against ONNX Runtime."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import subprocess
 import sys
@@ -350,3 +351,33 @@ def test_a_real_child_evaluates_a_dynamic_model_at_its_shape(tmp_path: Path, rng
     # the reference engine is far slower than ONNX Runtime: its verdict, measured in the child
     assert recorded is not None and not recorded.keep and "evaluated in the background" in recorded.why
     assert recorded.load == "quiet"
+
+
+def test_a_process_that_exits_while_its_child_works_names_the_log(tmp_path: Path, rng: np.random.Generator) -> None:
+    """The real exit path: a script opens a new model and exits at once; its child goes on
+    (continued, not killed) and the script's last words name the child's log."""
+    import os
+    import re
+    import signal
+
+    path = tmp_path / "chain.onnx"
+    onnx.save(_chain(rng), path)
+    script = (
+        "import logging, sys\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "import fusegraph.onnx as fgo\n"
+        f"opts = {dict(OPTS, cache_dir=str(tmp_path / 'cache'))!r}\n"
+        "s = fgo.InferenceSession(sys.argv[1], providers=[(fgo.PROVIDER, opts), 'CPUExecutionProvider'])\n"
+        "assert s._direct is not None and s._direct.evaluation is not None\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(path)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    found = re.search(r"still running \(pid (\d+)\).*Its log: (\S+\.log)", done.stderr)
+    assert found, done.stderr
+    pid, log_path = int(found.group(1)), Path(found.group(2))
+    assert log_path.parent == tmp_path / "cache" / background.DIR
+    try:
+        assert not background._held(pid) or not Path("/proc").exists()
+    finally:  # the child this test caused: ended here rather than left to finish on its own
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
