@@ -17,9 +17,11 @@ modification time, or by a hash of the bytes given), or builds fusegraph's plan 
 caches.
 
 While the caller's session runs an inference the child is held (``Gate``: SIGSTOP of its
-process group, SIGCONT once the session has been idle for RESUME_S), so it works only
-between the caller's runs and a first session runs as fast as ONNX Runtime alone (a nice'd
-child alone still took 22-29% of the caller's speed on 2 cores: docs/models.md). Holding
+process group, SIGCONT once the session has been idle for longer than usual), so it works
+only in the caller's longer pauses and a first session runs as fast as ONNX Runtime alone
+(nice 10 alone left it 1.2-2.3x slower on 2 cores: docs/models.md, "The first session").
+A model with dynamic dimensions is evaluated per set of input shapes (``at_shapes``,
+``direct.ShapedOrt``), each new set running on ONNX Runtime meanwhile. Holding
 it from outside, not asking it to yield, is what reaches its compiles (torch, IREE and
 their worker processes), which make up most of its time; the child's timing loops drop
 any call it was held in (``floor.PAUSES``, read from a counter the parent bumps before
@@ -114,8 +116,9 @@ class Gate:
     let go after 20 ms of every 200 ms pause, 1.05x kept stopped; docs/models.md), so a
     caller running at a steady pace never lets the child go, and one that pauses for longer
     than usual does (the child then finishes its work, or it goes on when the process
-    exits). Overlapping runs from several threads count as one busy stretch. Where SIGSTOP does not exist (Windows) it does nothing: the child is only
-    nice'd there. ``close`` continues the group for good (the caller's process exits)."""
+    exits). Overlapping runs from several threads count as one busy stretch. Where SIGSTOP
+    does not exist (Windows) it does nothing: the child is only nice'd there. ``close``
+    continues the group for good (the child finished, or the caller's process exits)."""
 
     def __init__(self, pgid: int, counter: Path | None, resume_s: float | None = None) -> None:
         self.pgid = pgid
