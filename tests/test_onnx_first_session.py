@@ -137,6 +137,15 @@ def test_the_gate_stops_the_child_for_a_run_and_continues_it_when_idle(tmp_path:
     assert not gate.stopped and gate.pauses == 2
 
 
+def test_the_child_goes_on_only_after_a_longer_pause_than_usual() -> None:
+    gate = background.Gate(0, None, resume_s=0.1)
+    assert gate.idle_needed() == 0.1  # no runs yet
+    gate._gaps.extend([0.05, 0.06, 0.04])  # a caller running every ~50 ms
+    assert gate.idle_needed() == pytest.approx(background.IDLE_FACTOR * 0.05)
+    gate._gaps.extend([30.0] * 5)  # one that runs twice a minute still lets the child finish
+    assert gate.idle_needed() == background.MAX_IDLE_S
+
+
 @needs_proc
 def test_a_session_holds_its_child_while_run_is_in_progress(tmp_path: Path, rng: np.random.Generator,
                                                             monkeypatch: pytest.MonkeyPatch, sleeper: Any,

@@ -68,6 +68,7 @@ FRESH_LOCK_S = 30.0  # a lock without a pid yet is a launch in progress this lon
 RESUME_S = 0.1  # the child goes on once the caller's session has been idle at least this long,
 IDLE_FACTOR = 4.0  # and this many times its usual pause between runs (a steady caller never lets it)
 GAPS = 16  # pauses between runs remembered for "usual"
+MAX_IDLE_S = 10.0  # but never longer than this: a slow-paced caller still lets the child finish
 PAUSE_CHILD = True  # hold the child while the caller's session runs (benchmarks turn it off to compare)
 COUNTER = struct.Struct("<Q")  # the gate file: how many times the parent has held the child
 
@@ -110,7 +111,9 @@ class Gate:
     ``enter`` (a run starts) stops the group at once -- after bumping the counter in the
     gate file, so the child can tell a timed call it was held in (``floor.PAUSES``) -- and
     ``leave`` (the run ended) lets a thread continue it once the session has been idle
-    for ``resume_s`` and IDLE_FACTOR times the median of its last GAPS pauses between runs.
+    for ``resume_s`` and IDLE_FACTOR times the median of its last GAPS pauses between runs
+    (at most MAX_IDLE_S: a caller pausing longer, or a child holding a cache table's lock
+    when it was stopped, is not kept waiting for ever).
     Stopped is not enough: a run right after the child worked in the pause before it is
     slower (its caches and TLBs cold: squeezenet 1.2-1.7x ONNX Runtime alone with the child
     let go after 20 ms of every 200 ms pause, 1.05x kept stopped; docs/models.md), so a
@@ -189,7 +192,7 @@ class Gate:
     def idle_needed(self) -> float:
         """Seconds without a run before the child goes on."""
         usual = statistics.median(self._gaps) if self._gaps else 0.0
-        return max(self.resume_s, IDLE_FACTOR * usual)
+        return max(self.resume_s, min(IDLE_FACTOR * usual, MAX_IDLE_S))
 
     def _continue(self) -> None:
         with contextlib.suppress(OSError):
