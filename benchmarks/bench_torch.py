@@ -31,8 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from fusegraph.select.timing import time_candidates
-from fusegraph.torch.backend import fusegraph_backend
-from fusegraph.torch.explain import explain
+from fusegraph.torch.compile_backend import fusegraph_backend
+from fusegraph.torch.explainer import explain
 
 
 class ConvNet(nn.Module):

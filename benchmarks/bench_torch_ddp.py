@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_torch import GPT
 
-from fusegraph.torch.backend import fusegraph_backend
+from fusegraph.torch.compile_backend import fusegraph_backend
 
 
 def main() -> int:

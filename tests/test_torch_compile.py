@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch", reason="the torch.compile backend needs tor
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from fusegraph.torch.backend import fusegraph_backend  # noqa: E402
-from fusegraph.torch.explain import explain  # noqa: E402
+from fusegraph.torch.compile_backend import fusegraph_backend  # noqa: E402
+from fusegraph.torch.explainer import explain  # noqa: E402
 from fusegraph.torch.plans import PLANS  # noqa: E402
 
 CLAIM_ALL = {"floor": False, "rest": "eager"}
@@ -269,3 +269,15 @@ def test_cuda_attention_forward_and_backward_convert(which: str) -> None:
     assert conv.constants  # the RNG state
     regions = split(conv.graph.validate(), opaque=conv.opaque, atoms=conv.atoms).regions
     assert [r.pattern for r in regions] == ["cudnn.sdpa", "cudnn.sdpa_backward"]
+
+
+def test_public_names_stay_functions_after_their_modules_are_imported() -> None:
+    """``fusegraph.torch.explain`` and ``.backend`` are the functions even after their modules
+    were imported elsewhere (a submodule named like them would be bound over them)."""
+    import importlib
+
+    import fusegraph.torch as fgt
+
+    for name, module in (("explain", "explainer"), ("backend", "compile_backend")):
+        importlib.import_module(f"fusegraph.torch.{module}")
+        assert callable(getattr(fgt, name)) and not isinstance(getattr(fgt, name), type(fgt)), name

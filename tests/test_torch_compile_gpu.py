@@ -17,8 +17,8 @@ torch = pytest.importorskip("torch", reason="the PyTorch front door needs torch"
 import torch.nn.functional as F  # noqa: E402
 
 from fusegraph.torch import functions as fgf  # noqa: E402
-from fusegraph.torch.backend import fusegraph_backend  # noqa: E402
-from fusegraph.torch.explain import explain  # noqa: E402
+from fusegraph.torch.compile_backend import fusegraph_backend  # noqa: E402
+from fusegraph.torch.explainer import explain  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from fusegraph.regions.report import Report
-from fusegraph.torch.backend import collecting, fusegraph_backend
+from fusegraph.torch.compile_backend import collecting, fusegraph_backend
 
 
 def explain(model: Any, *example_inputs: Any, options: Mapping[str, Any] | None = None,

@@ -36,7 +36,7 @@ _COUNTER = itertools.count()
 
 @contextlib.contextmanager
 def collecting() -> Iterator[list[Row]]:
-    """Report rows of every graph compiled inside the block (explain.py)."""
+    """Report rows of every graph compiled inside the block (explainer.py)."""
     rows: list[Row] = []
     token = _ROWS.set(rows)
     try:
