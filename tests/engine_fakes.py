@@ -203,3 +203,23 @@ class DLPackOnly:
 
     def __dlpack_device__(self) -> Any:
         return self._t.__dlpack_device__()
+
+
+class Clock:
+    """A virtual clock for select/timing.py's ``clock``: time moves only when a fake call says."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def virtual_call(clock: Clock, ms: float, inner: Callable[[], object] | None = None) -> Callable[[], object]:
+    """A call that takes ``ms`` virtual milliseconds (running ``inner`` for its result)."""
+
+    def call() -> object:
+        clock.now += ms / 1e3
+        return inner() if inner is not None else None
+
+    return call

@@ -15,6 +15,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from engine_fakes import Clock, virtual_call
 from onnx import TensorProto, helper, numpy_helper
 
 import fusegraph.onnx as fgo
@@ -132,22 +133,6 @@ def _rows(report: PartitionReport) -> list[RegionEntry]:
     return list(units[0].regions)
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _virtual(clock: Clock, ms: float, inner: Callable[[], object] | None = None) -> Callable[[], object]:
-    def call() -> object:
-        clock.now += ms / 1e3
-        return inner() if inner is not None else None
-
-    return call
-
-
 def _fake_floor(monkeypatch: pytest.MonkeyPatch, incumbent_ms: Callable[[Region], float], fusegraph_ms: float,
                 measured: list[str]) -> None:
     """Every session's chooser gets a fake incumbent taking ``incumbent_ms(region)`` and
@@ -159,12 +144,12 @@ def _fake_floor(monkeypatch: pytest.MonkeyPatch, incumbent_ms: Callable[[Region]
     def timer(cands: Mapping[str, Callable[[], object]], **kw: Any) -> dict[str, timing.Timing]:
         kw.pop("warmup_s", None)
         kw.pop("min_rounds", None)
-        wrapped = {**cands, "fusegraph": _virtual(clock, fusegraph_ms, cands["fusegraph"])}
+        wrapped = {**cands, "fusegraph": virtual_call(clock, fusegraph_ms, cands["fusegraph"])}
         return timing.time_candidates(wrapped, clock=clock, steady=False, min_rounds=3, per_round=1, **kw)
 
     def make(region: Region, inputs: Mapping[str, Any]) -> Callable[[], object]:
         measured.append(region.pattern)
-        return _virtual(clock, incumbent_ms(region))
+        return virtual_call(clock, incumbent_ms(region))
 
     def chooser_for(plan: Any) -> Chooser:
         chooser = real(plan)

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from engine_fakes import Clock, virtual_call
 
 import fusegraph as fg
 from fusegraph.engines.unsupported import UNSUPPORTED
@@ -127,28 +128,12 @@ def test_the_verdict_cache_round_trips_and_its_key_sees_everything_a_timing_depe
 
 
 # ---- choosing ---------------------------------------------------------------------------------
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def _virtual(clock: Clock, ms: float, inner: Callable[[], object] | None = None) -> Callable[[], object]:
-    def call() -> object:
-        clock.now += ms / 1e3
-        return inner() if inner is not None else None
-
-    return call
-
-
 def _chooser(clock: Clock, fusegraph_ms: float, incumbent_ms: float, store: VerdictStore | None = None) -> Chooser:
     def timer(cands: Mapping[str, Callable[[], object]], **kw: Any) -> dict[str, timing.Timing]:
-        wrapped = {**cands, "fusegraph": _virtual(clock, fusegraph_ms, cands["fusegraph"])}
+        wrapped = {**cands, "fusegraph": virtual_call(clock, fusegraph_ms, cands["fusegraph"])}
         return timing.time_candidates(wrapped, clock=clock, steady=False, min_rounds=3, per_round=1, **kw)
 
-    fake = CallableIncumbent("fake", lambda region, inputs: _virtual(clock, incumbent_ms))
+    fake = CallableIncumbent("fake", lambda region, inputs: virtual_call(clock, incumbent_ms))
     return Chooser(fg.Handle("cpu"), fake, engine="torch", timer=timer, store=store)
 
 

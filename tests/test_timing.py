@@ -8,17 +8,10 @@ import math
 from collections.abc import Callable, Sequence
 
 import pytest
+from engine_fakes import Clock
 
 from fusegraph.select import timing
 from fusegraph.select.timing import Timing, fastest, ratio, time_candidates
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def fake(clock: Clock, costs_ms: Callable[[int], float], log: list[str] | None = None, name: str = "") -> Callable[[], None]:
