@@ -73,7 +73,10 @@ def _decompose_rest(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> torch.fx
 
     table = select_decomp_table()
     left = {n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in aten.CONVERTERS}
-    needed = {op: table[op] for op in left if op in table}
+    # Re-traced with Inductor's whole table, not only the kept ops' entries: a decomposition
+    # can itself produce a kept op (native_layer_norm_backward -> aten.transpose.int), which
+    # Inductor would then make a fallback -- an error where the CI variable is set
+    needed = table if any(op in table for op in left) else {}
     if not needed or any(not isinstance(x, torch.Tensor) for x in inputs):
         return gm
     from torch._guards import detect_fake_mode
