@@ -36,6 +36,25 @@ def _d(t: torch.Tensor) -> torch.Tensor:
     return t.detach() if t.requires_grad else t
 
 
+def _needs(ctx: Any, bias: bool) -> tuple[bool, bool, bool]:
+    """Which of (dx, dw, db) autograd asks of a conv or linear backward."""
+    return bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]), bool(ctx.needs_input_grad[2]) and bias
+
+
+def _backward_feed(dy: torch.Tensor, saved: torch.Tensor | None, w: torch.Tensor, x: torch.Tensor,
+                   needs: tuple[bool, bool, bool]) -> dict[str, torch.Tensor]:
+    """A conv or linear backward graph's inputs: dx reads w, dw reads x, the activation's
+    backward reads what the forward saved."""
+    feed = {"dy": dy}
+    if saved is not None:
+        feed["saved"] = saved
+    if needs[0]:
+        feed["w"] = w
+    if needs[1]:
+        feed["x"] = x
+    return feed
+
+
 def _ints(v: int | Sequence[int], n: int) -> tuple[int, ...]:
     return (int(v),) * n if isinstance(v, int) else tuple(int(x) for x in v)
 
@@ -61,20 +80,12 @@ class ConvBiasAct(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x, w, saved = ctx.saved_tensors
         sig: graphs.ConvSig = ctx.sig
-        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
-                 bool(ctx.needs_input_grad[2]) and sig.bias)
+        needs = _needs(ctx, sig.bias)
         dys = spec(dy)
         ss = spec(saved) if saved is not None else dys
         plan = PLANS.get(("conv.bwd", sig, dys, ss, needs), dy.device,
                          lambda: graphs.conv_backward(sig, dys, ss, needs))
-        feed = {"dy": dy}
-        if saved is not None:
-            feed["saved"] = saved
-        if needs[0]:
-            feed["w"] = w
-        if needs[1]:
-            feed["x"] = x
-        out = run(plan, feed)
+        out = run(plan, _backward_feed(dy, saved, w, x, needs))
         db = out["db"].reshape(-1) if needs[2] else None
         return out.get("dx"), out.get("dw"), db, None, None, None, None
 
@@ -116,21 +127,13 @@ class LinearBiasAct(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         x2, w, saved = ctx.saved_tensors
         sig: graphs.LinearSig = ctx.sig
-        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]),
-                 bool(ctx.needs_input_grad[2]) and sig.bias)
+        needs = _needs(ctx, sig.bias)
         dy2 = dy.reshape(-1, dy.shape[-1])
         dys = spec(dy2)
         ss = spec(saved) if saved is not None else dys
         plan = PLANS.get(("linear.bwd", sig, dys, ss, needs), dy.device,
                          lambda: graphs.linear_backward(sig, dys, ss, needs))
-        feed = {"dy": dy2}
-        if saved is not None:
-            feed["saved"] = saved
-        if needs[0]:
-            feed["w"] = w
-        if needs[1]:
-            feed["x"] = x2
-        out = run(plan, feed)
+        out = run(plan, _backward_feed(dy2, saved, w, x2, needs))
         dx = out["dx"].reshape(*ctx.lead, x2.shape[1]) if needs[0] else None
         db = out["db"].reshape(-1) if needs[2] else None
         return dx, out.get("dw"), db, None
