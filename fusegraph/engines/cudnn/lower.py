@@ -189,9 +189,18 @@ def layout_order(t: TensorAttr, allowed: tuple[str, ...]) -> tuple[int, ...] | s
             f"{' or '.join(allowed)} layouts correctly (other stride orders gave wrong numbers)")
 
 
-def allowed_layouts(graph: Graph, t: TensorAttr, rank: int, trailing: bool) -> tuple[str, ...]:
-    """Which layouts ``t`` may have, by the nodes that read or write it (``rank``: cuDNN's)."""
-    kinds = {n.kind for n in graph.nodes if any(x is t for x in (*n.inputs.values(), *n.outputs.values()))}
+def _touching(graph: Graph) -> dict[str, set[OpKind]]:
+    """Tensor name -> the kinds of the nodes that read or write it."""
+    out: dict[str, set[OpKind]] = {}
+    for n in graph.nodes:
+        for t in (*n.inputs.values(), *n.outputs.values()):
+            out.setdefault(t.name, set()).add(n.kind)
+    return out
+
+
+def allowed_layouts(kinds: set[OpKind], t: TensorAttr, rank: int, trailing: bool) -> tuple[str, ...]:
+    """Which layouts ``t`` may have, by the ``kinds`` of the nodes that read or write it
+    (``rank``: cuDNN's)."""
     if kinds & {OpKind.LAYERNORM, OpKind.RMSNORM} or (trailing and len(t.shape) < rank):
         # layer/RMS norms over a channels-last x (scale row-major) gave wrong numbers, as did
         # channels-last tensors of norm graphs of rank < 4, whose appended unit dims tie
@@ -452,10 +461,11 @@ def binding(graph: Graph, *, tf32: bool = False) -> Binding:
     channels = _per_channel(graph)
     described: dict[str, Described] = {}
     family = _family(graph)
+    touching = _touching(graph)
     for t in graph.tensors:
         if t.is_scalar or t.data_type is None or not t.dim:
             continue
-        allowed = allowed_layouts(graph, t, rank, trailing)
+        allowed = allowed_layouts(touching.get(t.name, set()), t, rank, trailing)
         if t.name in family[1]:
             allowed = tuple(a for a in allowed if a == family[0]) or allowed
         order = layout_order(t, allowed)
