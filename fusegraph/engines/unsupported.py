@@ -23,7 +23,7 @@ Op = OpKind | PointwiseMode
 
 _ROW_KERNEL_ONLY = (
     "the triton engine generates row kernels (pointwise ops around softmax, norms and trailing "
-    "reductions); other ops go to cudnn or torch"
+    "reductions; layer and RMS norm backward); other ops go to cudnn or torch"
 )
 
 _NEW_BACKWARD_MODES = (
@@ -56,7 +56,8 @@ UNSUPPORTED: dict[str, dict[Op, str]] = {
         **{
             k: _ROW_KERNEL_ONLY
             for k in OpKind
-            if k not in (OpKind.POINTWISE, OpKind.SOFTMAX, OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.REDUCTION)
+            if k not in (OpKind.POINTWISE, OpKind.SOFTMAX, OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.REDUCTION,
+                         OpKind.LAYERNORM_BACKWARD, OpKind.RMSNORM_BACKWARD)
         },
         **{m: "no Triton expression for this mode yet (engines/triton/codegen.py)" for m in _NEW_BACKWARD_MODES},
     },

@@ -1,6 +1,7 @@
 """The Triton engine: a graph of pointwise ops around softmax, norms or trailing
 reductions becomes one generated row kernel (rows.py says which graphs, codegen.py writes
-the kernel). It exists for the memory-bound graphs that cuDNN either has no engine for
+the kernel); layer and RMS norm backward become a kernel pair of their own
+(norm_backward.py: dX per row, dScale/dBias summed in two deterministic stages). It exists for the memory-bound graphs that cuDNN either has no engine for
 (softmax) or runs as a library kernel that leaves bandwidth unused: on the H100 a row
 kernel ran softmax 8192x4096 f16 in 0.055 ms against 0.110 eager and 0.084 compiled by
 Inductor (docs/gpu.md).
@@ -63,7 +64,7 @@ class TritonEngine:
         self._libs: tuple[Any, Any] | None = None
         self._runtime: Support | None = None
         self._lock = threading.Lock()
-        self._kernels: dict[str, Any] = {}  # source key -> the jitted function (Triton caches its binaries)
+        self._kernels: dict[str, Any] = {}  # source key -> the loaded kernel module (Triton caches its binaries)
 
     @property
     def version(self) -> str:
@@ -107,20 +108,29 @@ class TritonEngine:
         dev = self._device_support(handle)
         if not dev:
             return dev
+        from fusegraph.engines.triton.norm_backward import analyze_norm_backward, is_norm_backward
         from fusegraph.engines.triton.rows import Refusal, analyze
 
+        graph = graph.ensure_valid()
         try:
-            analyze(graph.ensure_valid())
+            if is_norm_backward(graph):
+                analyze_norm_backward(graph)
+            else:
+                analyze(graph)
         except Refusal as why:
             return Support.no(str(why))
         return Support.yes()
 
     def knobs(self, graph: Graph, handle: Handle) -> Sequence[Knob]:
         from fusegraph.engines.triton.codegen import GELU_CDF_MODES, block_of, uses_gelu
+        from fusegraph.engines.triton.norm_backward import is_norm_backward
         from fusegraph.engines.triton.rows import Refusal, analyze
 
+        graph = graph.ensure_valid()
+        if is_norm_backward(graph):
+            return self._norm_backward_knobs(graph)
         try:
-            rg = analyze(graph.ensure_valid())
+            rg = analyze(graph)
         except Refusal:
             return []
         per, warps = default_tiling(rg.rows, rg.cols)
@@ -141,6 +151,7 @@ class TritonEngine:
 
     def build(self, graph: Graph, handle: Handle, config: EngineConfig | None = None) -> Any:
         from fusegraph.engines.triton.codegen import GELU_CDF_MODES, kernel_source
+        from fusegraph.engines.triton.norm_backward import is_norm_backward
         from fusegraph.engines.triton.plan import TritonPlan
         from fusegraph.engines.triton.rows import Refusal, analyze
 
@@ -148,6 +159,8 @@ class TritonEngine:
         sup = self._device_support(handle)
         if not sup:
             raise UnsupportedError(f"triton cannot run graph '{graph.name}': {sup.reason}")
+        if is_norm_backward(graph):
+            return self._build_norm_backward(graph, handle, config)
         try:
             rg = analyze(graph)
         except Refusal as why:
@@ -165,7 +178,97 @@ class TritonEngine:
             raise _compile_error(graph, exc, text, key) from exc
         programs = -(-rg.rows // per)
         plan = TritonPlan(graph, handle, config, torch=torch, kernel=kernel, programs=programs, num_warps=warps, source=path)
-        try:  # Triton compiles on the first launch: do it here, on outputs and inputs of the declared layouts
+        self._first_launch(plan, graph, handle, text, key)
+        log.debug("triton: graph '%s' -> %s (%d programs x %d rows, %d warps)", graph.name, path, programs, per, warps)
+        return plan
+
+    def _kernel(self, key: str, path: Path, function: str | None = None) -> Any:
+        """The jitted ``function`` (default: the row kernel's) of the module written at ``path``."""
+        from fusegraph.engines.triton.codegen import KERNEL
+
+        with self._lock:
+            module = self._kernels.get(key)
+            if module is None:
+                name = f"fusegraph_triton_{key}"
+                spec = importlib.util.spec_from_file_location(name, path)
+                assert spec is not None and spec.loader is not None
+                module = importlib.util.module_from_spec(spec)
+                sys.modules[name] = module  # Triton reads the function's source through its module
+                spec.loader.exec_module(module)
+                self._kernels[key] = module
+            return getattr(module, function or KERNEL)
+
+    # ---- norm backward: its own kernel pair (norm_backward.py) --------------------------------
+    def _sm_count(self, handle: Handle) -> int:
+        _, torch = self._load()
+        return int(torch.cuda.get_device_properties(handle.device.index).multi_processor_count)
+
+    def _norm_backward_knobs(self, graph: Graph) -> list[Knob]:
+        from fusegraph.engines.triton.norm_backward import (
+            PROGRAMS_PER_SM,
+            analyze_norm_backward,
+            block_of,
+            default_tiling,
+        )
+        from fusegraph.engines.triton.rows import Refusal
+
+        try:
+            view = analyze_norm_backward(graph)
+        except Refusal:
+            return []
+        per, warps, _ = default_tiling(view.rows, view.cols, 1)
+        block = block_of(view.cols)
+        rows = tuple(r for r in ROWS_CHOICES if r <= block_of(view.rows) and r * block <= 4 * TILE_TARGET) or (1,)
+        return [
+            Knob("rows_per_program", per, rows, description="rows of each tile a program holds in registers"),
+            Knob("num_warps", warps, WARPS_CHOICES, description="warps per program of the row pass"),
+            Knob("programs_per_sm", PROGRAMS_PER_SM, (1, 2, 4, 8),
+                 description="row-pass programs per SM (each adds one row of partial column sums to the workspace)"),
+        ]
+
+    def _build_norm_backward(self, graph: Graph, handle: Handle, config: EngineConfig | None) -> Any:
+        from fusegraph.engines.triton.norm_backward import (
+            ROW_KERNEL,
+            SUM_KERNEL,
+            analyze_norm_backward,
+            norm_backward_source,
+            sum_programs,
+            workspace_floats,
+        )
+        from fusegraph.engines.triton.plan import NormBackwardPlan
+        from fusegraph.engines.triton.rows import Refusal
+
+        try:
+            view = analyze_norm_backward(graph)
+        except Refusal as why:
+            raise UnsupportedError(f"triton cannot run graph '{graph.name}': {why}") from None
+        config = config or EngineConfig(self.name)
+        values = knob_values(self.name, self._norm_backward_knobs(graph), config)
+        per, warps = int(values["rows_per_program"]), int(values["num_warps"])
+        tiles = -(-view.rows // per)
+        programs = max(1, min(tiles, self._sm_count(handle) * int(values["programs_per_sm"])))
+        text = norm_backward_source(graph, view, per, programs)
+        key = hashlib.sha256(f"{text}|{self.version}".encode()).hexdigest()[:24]
+        path = _kernel_file(key, text)
+        _, torch = self._load()
+        try:
+            rows_kernel = self._kernel(key, path, ROW_KERNEL)
+            sums_kernel = self._kernel(key, path, SUM_KERNEL) if view.sums else None
+        except Exception as exc:
+            raise _compile_error(graph, exc, text, key) from exc
+        plan = NormBackwardPlan(
+            graph, handle, config, torch=torch, rows_kernel=rows_kernel, sums_kernel=sums_kernel, programs=programs,
+            sum_programs=sum_programs(view), num_warps=warps, workspace=workspace_floats(view, programs), source=path,
+        )
+        self._first_launch(plan, graph, handle, text, key)
+        log.debug("triton: graph '%s' -> %s (norm backward: %d programs, %d rows a tile, %d warps)",
+                  graph.name, path, programs, per, warps)
+        return plan
+
+    def _first_launch(self, plan: Any, graph: Graph, handle: Handle, text: str, key: str) -> None:
+        """Triton compiles on the first launch: done here, on zeroed tensors of the declared layouts."""
+        _, torch = self._load()
+        try:
             with torch.cuda.device(handle.device.index):
                 dummy = {t.name: torch.empty_strided(t.shape, t.strides, dtype=plan._tdt[t.name], device=plan.device).zero_()
                          for t in graph.inputs()}
@@ -173,23 +276,6 @@ class TritonEngine:
                 torch.cuda.synchronize(handle.device.index)
         except Exception as exc:
             raise _compile_error(graph, exc, text, key) from exc
-        log.debug("triton: graph '%s' -> %s (%d programs x %d rows, %d warps)", graph.name, path, programs, per, warps)
-        return plan
-
-    def _kernel(self, key: str, path: Path) -> Any:
-        with self._lock:
-            got = self._kernels.get(key)
-            if got is None:
-                from fusegraph.engines.triton.codegen import KERNEL
-
-                name = f"fusegraph_triton_{key}"
-                spec = importlib.util.spec_from_file_location(name, path)
-                assert spec is not None and spec.loader is not None
-                module = importlib.util.module_from_spec(spec)
-                sys.modules[name] = module  # Triton reads the function's source through its module
-                spec.loader.exec_module(module)
-                got = self._kernels[key] = getattr(module, KERNEL)
-            return got
 
 
 def _kernel_file(key: str, text: str) -> Path:

@@ -84,3 +84,57 @@ class TritonPlan(CudaTensorPlan):
         d.update({"source": str(self.source), "programs": self.programs, "num_warps": self.num_warps})
         d.update(self.replays.describe())
         return d
+
+
+class NormBackwardPlan(CudaTensorPlan):
+    """Norm backward's two kernels (norm_backward.py): the row pass on ``programs``
+    programs, then the column sums, with a float32 workspace taken from torch's caching
+    allocator on the caller's stream per call (so two streams never share one)."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        handle: Handle,
+        config: EngineConfig,
+        *,
+        torch: Any,
+        rows_kernel: Any,
+        sums_kernel: Any | None,
+        programs: int,
+        sum_programs: int,
+        num_warps: int,
+        workspace: int,
+        source: Path,
+    ) -> None:
+        super().__init__(graph, handle, config, torch=torch)
+        self.source = source
+        self.programs, self.sum_programs, self.num_warps = programs, sum_programs, num_warps
+        self._rows = rows_kernel[(programs,)]
+        self._sums = sums_kernel[(sum_programs,)] if sums_kernel is not None and sum_programs else None
+        self._workspace = workspace
+        self._in_names, self._out_names = list(self._in), list(self._out)
+        self._get_device: Any = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+    def _launch(self, inputs: Mapping[str, Any], results: Mapping[str, Any]) -> None:
+        ws = self._torch.empty(self._workspace, dtype=self._torch.float32, device=self.device)
+        args = [*(inputs[n] for n in self._in_names), *(results[n] for n in self._out_names), ws]
+        self._rows(*args, num_warps=self.num_warps)
+        if self._sums is not None:
+            self._sums(*args, num_warps=4)
+
+    def _run(self, inputs: Mapping[str, Any], results: Mapping[str, Any]) -> None:
+        torch = self._torch
+        try:
+            if self._get_device() != self._index:
+                with torch.cuda.device(self._index):
+                    self._launch(inputs, results)
+            else:
+                self._launch(inputs, results)
+        except Exception as exc:
+            raise ExecutionError(f"Triton norm-backward kernels for graph '{self.graph.name}' failed ({self.source}): {type(exc).__name__}: {exc}") from exc
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        d.update({"source": str(self.source), "programs": self.programs, "sum_programs": self.sum_programs,
+                  "num_warps": self.num_warps, "workspace_bytes": 4 * self._workspace})
+        return d

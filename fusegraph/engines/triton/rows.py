@@ -40,7 +40,10 @@ from fusegraph.graph.ops import (
 )
 from fusegraph.graph.tensor import TensorAttr
 
-ROW_OPS = frozenset({OpKind.SOFTMAX, OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.REDUCTION})
+FORWARD_ROW_OPS = frozenset({OpKind.SOFTMAX, OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.REDUCTION})
+# every op the engine runs as row kernels: the forward ones above, fused with pointwise ops
+# into one kernel here, and norm backward (its own kernel pair: norm_backward.py)
+ROW_OPS = FORWARD_ROW_OPS | {OpKind.LAYERNORM_BACKWARD, OpKind.RMSNORM_BACKWARD}
 FLOATS = frozenset({DataType.HALF, DataType.BFLOAT16, DataType.FLOAT})
 MAX_COLS = 16384  # one row in registers: beyond this a looped kernel would be needed
 
@@ -118,7 +121,7 @@ def _group_stride(dims: tuple[int, ...], strides: tuple[int, ...]) -> int | None
     return live[-1][1]
 
 
-def _access(t: TensorAttr, kind: str, frame: tuple[int, ...], split: int) -> Access:
+def access_of(t: TensorAttr, kind: str, frame: tuple[int, ...], split: int) -> Access:
     pad = len(frame) - len(t.shape)
     dims = (1,) * pad + t.shape
     strides = (0,) * pad + tuple(t.strides)
@@ -151,11 +154,11 @@ def _check_types(graph: Graph, node: Node) -> None:
 def analyze(graph: Graph) -> RowGraph:
     """The row view of a validated graph, or Refusal with the reason."""
     order = tuple(graph.topological_order())
-    row_ops = [n for n in order if n.kind in ROW_OPS]
+    row_ops = [n for n in order if n.kind in FORWARD_ROW_OPS]
     if not row_ops:
         raise Refusal("no softmax, norm or reduction: pointwise-only graphs go to engines that fuse them (torch compile)")
     for n in order:
-        if n.kind not in ROW_OPS and n.kind != OpKind.POINTWISE:
+        if n.kind not in FORWARD_ROW_OPS and n.kind != OpKind.POINTWISE:
             raise Refusal(f"node '{n.name}' ({n.kind.value}): the row kernel takes pointwise ops, softmax, norms and trailing reductions only")
         if n.kind in (OpKind.LAYERNORM, OpKind.RMSNORM):
             assert isinstance(n.attrs, NormAttrs)
@@ -188,9 +191,9 @@ def analyze(graph: Graph) -> RowGraph:
             if kind is None:
                 raise Refusal(f"tensor '{t.name}' of dims {list(t.shape)} is neither the frame {list(frame)}, one value per "
                               f"row, one per column, nor a scalar (rows are dims {list(frame[:split])})")
-            access[t.name] = Access(kind) if t.is_virtual or t.is_scalar else _access(t, kind, frame, split)
+            access[t.name] = Access(kind) if t.is_virtual or t.is_scalar else access_of(t, kind, frame, split)
         for port, t in n.inputs.items():
-            if n.kind in ROW_OPS and port == "x" and access[t.name].kind != "full":
+            if n.kind in FORWARD_ROW_OPS and port == "x" and access[t.name].kind != "full":
                 raise Refusal(f"node '{n.name}': its input '{t.name}' must span the frame {list(frame)}")
     for t in graph.outputs():
         if access[t.name].kind not in ("full", "row"):
