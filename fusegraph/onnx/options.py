@@ -32,6 +32,10 @@ LOADS = ("auto", "quiet", "busy")
 # Claimed units split into regions, each on the engine that wins it against the same nodes op
 # by op on PyTorch (plan_regions.py): "auto" on a GPU only, "on" on the CPU too.
 REGIONS = ("auto", "on", "off")
+# The precision claimed regions run in (precision.py): fp32 as exported, fp16 / bf16 storage
+# and compute (weights cast once, activations at region boundaries, outputs in the model's
+# declared type), tf32: fp32 storage with TF32 tensor-core matmuls / convolutions allowed.
+PRECISIONS = ("fp32", "fp16", "bf16", "tf32")
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,8 @@ class ProviderOptions:
     # the load class whole-model runner verdicts are taken and looked up under: auto / quiet / busy
     load: str = "auto"
     regions: str = "auto"  # claimed units run region by region (plan_regions.py): auto (GPU) / on / off
+    # the precision of the claimed regions (precision.py); anything but fp32 needs the region path
+    precision: str = "fp32"
 
     def runner_candidates(self) -> tuple[str, ...]:
         """The whole-model runners the floor measures (none with ``runners=off``)."""
@@ -124,6 +130,8 @@ class ProviderOptions:
             values["load"] = _choice(raw["load"], "load", LOADS)
         if "regions" in raw:
             values["regions"] = "auto" if str(raw["regions"]).strip() == "" else _choice(raw["regions"], "regions", REGIONS)
+        if "precision" in raw:
+            values["precision"] = _precision(raw["precision"], values.get("regions", "auto"))
         return cls(**values)
 
     def as_strings(self) -> dict[str, str]:
@@ -177,6 +185,21 @@ def _runners(v: Any) -> str:
         raise ValueError(f"{PROVIDER} option runners={v!r}: unknown {bad}; expected auto, off or names "
                          f"among {list(RUNNER_NAMES)}")
     return ",".join(dict.fromkeys(names))
+
+
+def _precision(v: Any, regions: str) -> str:
+    """fp32 (also float32, ''), fp16 (half, float16), bf16 (bfloat16) or tf32; reduced
+    precision is a property of the region path, so ``regions=off`` refuses it."""
+    s = str(v).strip().lower()
+    alias = {"": "fp32", "float32": "fp32", "float": "fp32", "float16": "fp16", "half": "fp16",
+             "bfloat16": "bf16"}
+    s = alias.get(s, s)
+    if s not in PRECISIONS:
+        raise ValueError(f"{PROVIDER} option precision={v!r}: expected one of {list(PRECISIONS)}")
+    if s != "fp32" and regions == "off":
+        raise ValueError(f"{PROVIDER} option precision={v!r} needs the region path (regions=auto or on), "
+                         "but regions=off")
+    return s
 
 
 def _floor_mode(v: Any) -> str:

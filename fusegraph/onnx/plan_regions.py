@@ -11,10 +11,17 @@ On by default on a GPU; on the CPU behind ``regions=on`` (the CPU's floor is aga
 Runtime, plan.py). With regions the unit's own floor against ONNX Runtime is not taken:
 the region floor replaces it (the ``floor`` option turns it off; ``floor=off`` claims
 every region fusegraph can build, unmeasured).
+
+The ``precision`` option (precision.py) acts here: with fp16 / bf16 each region's graph is
+converted before it is chosen (so both sides are timed in that type and its verdict is
+keyed apart), unless the region would overflow -- judged on one float32 run of the unit's
+pieces op by op on sample inputs, which is also the reference the finished unit's accuracy
+is stated against in the report; tf32 builds with TF32 allowed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -31,6 +38,15 @@ from fusegraph.graph.serialize import graph_to_dict
 from fusegraph.onnx import plan_build
 from fusegraph.onnx.importer import filter_layout_for
 from fusegraph.onnx.model import ONode
+from fusegraph.onnx.precision import (
+    Accuracy,
+    Precision,
+    accuracy,
+    convert,
+    max_abs,
+    refusal,
+    tf32_allowed,
+)
 from fusegraph.onnx.report import RegionEntry
 from fusegraph.onnx.units import FusegraphUnit, engine_cache, to_host
 from fusegraph.regions import split
@@ -55,8 +71,10 @@ AGREE = 1e-3  # a region's plan whose trial output is further from PyTorch's (re
 
 
 def wanted(opts: ProviderOptions, handle: Handle) -> bool:
-    """Whether claimed units run region by region: ``regions=on``, or ``auto`` on a GPU."""
-    return opts.regions == "on" or (opts.regions == "auto" and handle.device.is_gpu)
+    """Whether claimed units run region by region: ``regions=on``, or ``auto`` on a GPU or
+    with fp16 / bf16 asked for (reduced precision is a property of the regions)."""
+    reduced = Precision(opts.precision).reduced is not None
+    return opts.regions == "on" or (opts.regions == "auto" and (handle.device.is_gpu or reduced))
 
 
 def unavailable() -> str:
@@ -85,12 +103,16 @@ def chooser_for(plan: SessionPlan) -> Chooser:
     cache_dir = plan.opts.cache_dir
     compiled = plan.engine is not None and any(e.name != "reference" for e in plan.engine.candidates)
 
+    tf32 = plan.opts.precision == "tf32"
+
     def build(region: Region) -> ExecutionPlan:
         """fusegraph's plan; any failure of an engine is the region's refusal (with its
         reason), never the unit's."""
         try:
-            with engine_cache(cache_dir):
+            with engine_cache(cache_dir), tf32_allowed(tf32):
                 built: ExecutionPlan = region.graph.build(handle=handle, engine=engine)
+                if tf32:
+                    built = _with_tf32(built, region.graph, handle)
         except FusegraphError:
             raise
         except Exception as exc:
@@ -105,9 +127,29 @@ def chooser_for(plan: SessionPlan) -> Chooser:
 
         device = torch.device(str(handle.device))
         sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+    # a precision's verdicts are its own (fp16 / bf16 regions also differ in content; tf32's do not)
+    options = {} if plan.opts.precision == "fp32" else {"precision": plan.opts.precision}
     return Chooser(handle, incumbent_for(handle), floor=floor, engine=engine,
                    store=VerdictStore(cache_dir) if floor else None, sync=sync,
-                   timing_options=dict(TIMING), builder=build)
+                   timing_options=dict(TIMING), builder=build, build_options=options)
+
+
+def _with_tf32(built: ExecutionPlan, graph: Graph, handle: Handle) -> ExecutionPlan:
+    """``built`` rebuilt with its engine's ``tf32`` knob on, where the engine has one (the
+    cudnn engine's, for float32 graphs); as it was where not, or where that build fails."""
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.engines.registry import REGISTRY
+
+    try:
+        engine = REGISTRY.get(built.engine)
+        if not any(k.name == "tf32" for k in engine.knobs(graph, handle)):
+            return built
+        knobs = (*(kv for kv in built.config.knobs if kv[0] != "tf32"), ("tf32", True))
+        tf32: ExecutionPlan = engine.build(graph, handle, EngineConfig(built.engine, knobs))
+    except Exception as exc:  # TF32 is an allowance: the float32 plan stands
+        log.info("no TF32 plan of %s on %s: %s", graph.name, built.engine, exc)
+        return built
+    return tf32
 
 
 class NoRegions(Exception):
@@ -126,6 +168,7 @@ def region_unit(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[str]
         base = plan_build.lower_unit(plan, name, nodes, ins, outs, engine, filter_layout_for(engine or "torch"),
                                      origin=origin)
         unit = RegionUnit(base, origin, chooser_for(plan))
+        unit.precision = Precision(plan.opts.precision)
         if plan.opts.autotune > 0:  # a tuned plan's verdict is no verdict on the untuned one
             unit.tune_budget = plan.opts.autotune
             unit.chooser.build_options = {**unit.chooser.build_options, "autotuned": True}
@@ -164,6 +207,18 @@ class _Piece:
     movement: bool = False  # reshapes / transposes alone
 
 
+@dataclass(frozen=True)
+class _Cut:
+    """Nodes no region took, cut out as a graph of their own (run op by op)."""
+
+    nodes: tuple[str, ...]
+    graph: Graph
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    reason: str
+    movement: bool
+
+
 class RegionUnit(FusegraphUnit):
     """A claimed unit whose graph runs as a region plan (regions/plan.py): each region on
     fusegraph's plan where it won, else op by op on PyTorch; weights bound once per step,
@@ -183,6 +238,15 @@ class RegionUnit(FusegraphUnit):
         self.tune_s = 0.0  # ... per distinct region
         self._device: Any = None
         self._weights_dev: dict[str, Any] = {}
+        self._cast: dict[tuple[str, Any], Any] = {}  # (weight, torch dtype) -> its copy in that type, cast once
+        self.precision = Precision()  # the ``precision`` option (precision.py)
+        self.kept_fp32: dict[tuple[str, ...], str] = {}  # a region's nodes -> why it keeps float32
+        self._reduced: set[str] = set()  # content keys of the region graphs converted to the reduced type
+        self._tf32_regions = 0  # regions built with an engine's tf32 knob on
+        self._sample: dict[str, Any] | None = None  # the unit's sample inputs (reduced precision) ...
+        self._reference: dict[str, Any] | None = None  # ... and its outputs on the float32 path
+        self.precision_note = ""
+        self.accuracy: Accuracy | None = None  # fp16 / bf16: the built unit against its float32 path
         self._buffers = base.handle.device.is_gpu  # outputs live on the device: a copy to reach the host
         build = chooser.builder or (lambda r: r.graph.build(handle=chooser.handle, engine=chooser.engine))
         chooser.builder = self._checked(build)
@@ -206,7 +270,8 @@ class RegionUnit(FusegraphUnit):
         told = ", ".join(f"{n} {s}" for s, n in sorted(sources.items()))
         incumbent = self.chooser.incumbent.name
         return f"regions against {incumbent} on {self.handle.device}: {told or 'none'}" + (
-            f"; {self.capture_note}" if self.capture_note else "")
+            f"; {self.capture_note}" if self.capture_note else "") + (
+            f"; {self.precision_note}" if self.precision_note else "")
 
     def autotune(self, budget_s: float) -> float | None:
         """Per-region engines are chosen by the region floor; the unit is not tuned whole."""
@@ -222,19 +287,58 @@ class RegionUnit(FusegraphUnit):
         self._weights_dev = {k: _to_device(v, self.graph.tensor_by_name(k), self._device)
                              for k, v in self.weights.items()}
         self.weights = {}  # the steps hold the device copies
-        with engine_cache(self.cache_dir), torch.inference_mode():
+        with engine_cache(self.cache_dir), torch.inference_mode(), tf32_allowed(self.precision.tf32):
             pieces = self._pieces()
         order = _run_order(pieces, self.graph)
         steps = [self._step(f"r{k}", pieces[i]) for k, i in enumerate(order)]
         self.rows = [self._row(k, pieces[i]) for k, i in enumerate(order)]
         self.plan = RegionPlan(steps, [self._out[o] for o in self.outputs])
+        self._state_precision(len(pieces))
+        self._weights_dev, self._cast = {}, {}  # the steps hold what they read
         log.info("%s: %d regions, %s", self.name, len(steps), self.engine_name)
+
+    def _state_precision(self, n: int) -> None:
+        """The report's line on the precision: how many regions took it, and (fp16 / bf16)
+        the finished unit against its float32 path on the sample inputs."""
+        p = self.precision
+        if p.tf32:
+            self.precision_note = (f"precision tf32: torch's TF32 flags on while the unit runs; {self._tf32_regions}/{n} "
+                                   "regions built with an engine's tf32 knob (the torch engine's convolution / matmul "
+                                   "plans pin TF32 off)")
+            if not self.handle.device.is_gpu:
+                self.precision_note += "; no effect on the CPU"
+        if p.reduced is None or self._sample is None or self._reference is None:
+            return
+        import torch
+
+        assert self.plan is not None
+        with torch.inference_mode():
+            got = self.plan.execute(self._sample)
+        got = {k: _declared(v, self.graph.tensor_by_name(k)) for k, v in got.items()}
+        acc = accuracy(got, self._reference)
+        kept = len(self.kept_fp32)
+        self.precision_note = f"precision {p.name}: {n - kept}/{n} regions in {p.name}" + (
+            f", {kept} kept float32 (see their rows)" if kept else "") + f"; {acc.describe()}"
+        self.accuracy = acc
+        self._sample = self._reference = None
 
     def _pieces(self) -> list[_Piece]:
         found = split(self.graph, atoms=dict(self.origin))
         if self.tune_budget > 0:  # the unit's budget shared by its distinct regions
             self.tune_s = self.tune_budget / max(1, len({r.key for r in found.regions}))
-        pieces = [self._chosen(c) for c in self._choose(found.regions)]
+        regions, cuts = list(found.regions), self._cuts(found.rejected)
+        if self.precision.reduced is not None:
+            regions, cuts = self._reduce(regions, cuts)
+        pieces = [self._chosen(c) for c in self._choose(regions)]
+        for c in cuts:
+            plan = self._eager(c.graph)
+            pieces.append(_Piece(c.nodes, c.graph, c.inputs, c.outputs, plan, self.chooser.incumbent.name, "",
+                                 c.reason, movement=c.movement))
+        return pieces
+
+    def _cuts(self, rejected: Sequence[Any]) -> list[_Cut]:
+        """The nodes no region took, as graphs: data movement together, the rest one by one."""
+        cuts: list[_Cut] = []
         whole = graph_to_dict(self.graph)
         outputs = {t.name for t in self.graph.outputs()}
         readers: dict[str, set[str]] = {}
@@ -242,20 +346,88 @@ class RegionUnit(FusegraphUnit):
             for t in n.inputs.values():
                 readers.setdefault(t.name, set()).add(n.name)
         by_name = {n.name: n for n in self.graph.nodes}
-        for rej in found.rejected:
+        for rej in rejected:
             movement = rej.reason.startswith("data movement only")
             groups = [list(rej.nodes)] if movement else [[n] for n in rej.nodes]
             for names in groups:
                 nodes = [by_name[n] for n in names]
                 keep = _leaves(nodes, readers, outputs)
                 try:
-                    piece = cut(self.graph, nodes, keep, f"{self.graph.name}.x{len(pieces)}", whole)
+                    piece = cut(self.graph, nodes, keep, f"{self.graph.name}.x{len(cuts)}", whole)
                 except Exception as exc:
                     raise NoRegions(f"nodes {names} could not be cut out: {type(exc).__name__}: {exc}") from exc
-                plan = self._eager(piece.graph)
-                pieces.append(_Piece(tuple(names), piece.graph, piece.inputs, piece.outputs, plan,
-                                     self.chooser.incumbent.name, "", rej.reason, movement=movement))
-        return pieces
+                cuts.append(_Cut(tuple(names), piece.graph, tuple(piece.inputs), tuple(piece.outputs), rej.reason,
+                                 movement))
+        return cuts
+
+    # ---- reduced precision (precision.py) ------------------------------------------------------
+    def _reduce(self, regions: list[Region], cuts: list[_Cut]) -> tuple[list[Region], list[_Cut]]:
+        """Regions and cuts in the reduced type, except those that would overflow (kept
+        float32, the reason in ``kept_fp32``); observed on one float32 run (``_observe``)."""
+        dtype = self.precision.reduced
+        assert dtype is not None
+        observed = self._observe([(r.nodes, r.graph, r.inputs, r.outputs) for r in regions]
+                                 + [(c.nodes, c.graph, c.inputs, c.outputs) for c in cuts])
+
+        def reduced(nodes: tuple[str, ...], graph: Graph, ins: tuple[str, ...], outs: tuple[str, ...]) -> Graph | None:
+            why = refusal(graph, ins, outs, observed, self.precision)
+            if not why:
+                try:
+                    g = convert(graph, dtype)
+                except FusegraphError as exc:
+                    why = f"its graph does not validate in {dtype.value}: {exc}"
+                else:
+                    self._reduced.add(g.key())
+                    return g
+            self.kept_fp32[nodes] = why
+            return None
+
+        out_r = []
+        for r in regions:
+            g = reduced(r.nodes, r.graph, r.inputs, r.outputs)
+            out_r.append(r if g is None else dataclasses.replace(r, graph=g, key=g.key()))
+        out_c = []
+        for c in cuts:
+            g = reduced(c.nodes, c.graph, c.inputs, c.outputs)
+            out_c.append(c if g is None else dataclasses.replace(c, graph=g))
+        return out_r, out_c
+
+    def _observe(self, items: Sequence[tuple[tuple[str, ...], Graph, tuple[str, ...], tuple[str, ...]]]) -> dict[str, float]:
+        """The largest magnitude of every tensor crossing a piece (weights included) on one
+        float32 run of the pieces op by op on PyTorch over sample inputs; the unit's outputs
+        of that run are kept as the reference its reduced plan is measured against."""
+        import torch
+
+        from fusegraph.engines.torch.convert import torch_dtype
+
+        gen = torch.Generator(device=self._device).manual_seed(0)
+        feed: dict[str, Any] = {}
+        for t in self._in.values():
+            x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=self._device)
+            feed[t.name] = x.normal_(generator=gen) if x.is_floating_point() else x.zero_()
+        env: dict[str, Any] = {**self._weights_dev, **feed}
+        shells = [_Piece(n, g, i, o, None, "", "", "") for n, g, i, o in items]  # type: ignore[arg-type]
+        for k in _run_order(shells, self.graph):
+            p = shells[k]
+            res = self._eager(p.graph).execute({f"in{i}": env[name] for i, name in enumerate(p.inputs)})
+            for j, name in enumerate(p.outputs):
+                env[name] = res[f"out{j}"]
+        self._sample = feed
+        self._reference = {tname: env[tname] for tname in self._out.values()}
+        return {name: max_abs(v) for name, v in env.items()}
+
+    def _weight(self, parent: str, dtype: Any) -> Any:
+        """Weight ``parent`` as a torch tensor of fusegraph type ``dtype`` (cast once)."""
+        from fusegraph.engines.torch.convert import torch_dtype
+
+        w = self._weights_dev[parent]
+        want = torch_dtype(dtype)
+        if w.dtype == want:
+            return w
+        key = (parent, want)
+        if key not in self._cast:
+            self._cast[key] = w.to(want)
+        return self._cast[key]
 
     def _choose(self, regions: Sequence[Region]) -> list[Choice]:
         """The region layer's choices; a region whose cached verdict says the incumbent is not
@@ -280,6 +452,8 @@ class RegionUnit(FusegraphUnit):
         def checked(region: Region) -> ExecutionPlan:
             plan = self._tuned(region) if self.tune_s > 0 else None
             plan = plan or build(region)
+            if self.precision.tf32 and "tf32=True" in str(plan.config):
+                self._tf32_regions += 1
             if not self.chooser.floor:
                 return plan
             try:
@@ -293,7 +467,8 @@ class RegionUnit(FusegraphUnit):
                 raise UnsupportedError(f"failed its trial run: {type(exc).__name__}: {exc}") from exc
             want = reference.execute(pack)
             err = max((_rel_err(got[k], v) for k, v in want.items()), default=0.0)
-            if not err <= AGREE:
+            agree = self.precision.agree if region.key in self._reduced or self.precision.tf32 else None
+            if not err <= (agree or AGREE):
                 raise UnsupportedError(f"disagrees with the same nodes op by op on PyTorch (relative error {err:.1e})")
             return plan
 
@@ -358,10 +533,10 @@ class RegionUnit(FusegraphUnit):
         out: dict[str, Any] = {}
         for i, parent in enumerate(region.inputs):
             key = f"in{i}"
-            if parent in self._weights_dev:
-                out[key] = self._weights_dev[parent]
-                continue
             t = region.graph.tensor_by_name(key)
+            if parent in self._weights_dev:
+                out[key] = self._weight(parent, t.dtype)
+                continue
             x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=self._device)
             out[key] = x.normal_(generator=gen) if x.is_floating_point() else x.zero_()
         return out
@@ -369,13 +544,27 @@ class RegionUnit(FusegraphUnit):
     def _step(self, name: str, piece: _Piece) -> Step:
         """The piece as a step reading activations only: the weights it reads are bound to its
         plan once (passed on every call where the plan does not keep them)."""
-        consts = {f"in{i}": self._weights_dev[p] for i, p in enumerate(piece.inputs) if p in self._weights_dev}
+        consts = {f"in{i}": self._weight(p, piece.graph.tensor_by_name(f"in{i}").dtype)
+                  for i, p in enumerate(piece.inputs) if p in self._weights_dev}
         acts = [(f"in{i}", p) for i, p in enumerate(piece.inputs) if p not in self._weights_dev]
         kept = bool(piece.plan.bind_constants(consts)) if consts else False
         extra = {} if kept else consts
         keys = [k for k, _ in acts]
         outs = [f"out{j}" for j in range(len(piece.outputs))]
         execute = piece.plan.execute
+        if self.precision.reduced is not None:  # activations cast where they cross into another type
+            from fusegraph.engines.torch.convert import torch_dtype
+
+            types = [torch_dtype(piece.graph.tensor_by_name(k).dtype) for k in keys]
+
+            def cast_run(values: Sequence[Any]) -> Sequence[Any]:
+                pack = dict(extra)
+                for k, v, dt in zip(keys, values, types, strict=True):
+                    pack[k] = v if v.dtype == dt else v.to(dt)
+                res = execute(pack)
+                return [res[o] for o in outs]
+
+            return Step(name, tuple(p for _, p in acts), piece.outputs, cast_run, piece.where)
 
         def run(values: Sequence[Any]) -> Sequence[Any]:
             pack = dict(extra)
@@ -390,7 +579,11 @@ class RegionUnit(FusegraphUnit):
         origin = [so for o in onodes for so in o.origin()]
         onnx_nodes = tuple(dict.fromkeys(name for name, _ in origin))
         ops = tuple(dict.fromkeys(op for _, op in origin))
-        return RegionEntry(k, piece.pattern, onnx_nodes, ops, piece.where, piece.why, piece.source,
+        why = piece.why
+        if self.precision.reduced is not None:
+            kept = self.kept_fp32.get(piece.nodes)
+            why += f" [kept float32: {kept}]" if kept is not None else f" [{self.precision.name}]"
+        return RegionEntry(k, piece.pattern, onnx_nodes, ops, piece.where, why, piece.source,
                            piece.fusegraph_ms, piece.incumbent_ms, compute=not piece.movement)
 
     # ---- running -------------------------------------------------------------------------------
@@ -401,7 +594,7 @@ class RegionUnit(FusegraphUnit):
 
         feed = {t.name: _to_device(values[onnx_name], t, self._device) for onnx_name, t in self._in.items()}
         plan: RegionPlan = self.plan
-        with torch.inference_mode():
+        with torch.inference_mode(), tf32_allowed(self.precision.tf32):
             res = plan.execute(feed)
             if not self._ran:
                 self._ran = True
@@ -412,7 +605,18 @@ class RegionUnit(FusegraphUnit):
                     why = plan.capture(feed)
                     self.capture_note = "one CUDA graph" if not why else f"run step by step (not captured: {why})"
                     log.info("%s: %s", self.name, self.capture_note)
+            if self.precision.reduced is not None:  # in the model's declared types
+                return {o: _declared(res[tname], self.graph.tensor_by_name(tname)) for o, tname in self._out.items()}
         return {o: res[tname] for o, tname in self._out.items()}
+
+
+def _declared(value: Any, t: Any) -> Any:
+    """A torch tensor in the declared type of the unit's tensor ``t`` (cast where a reduced
+    region produced it)."""
+    from fusegraph.engines.torch.convert import torch_dtype
+
+    want = torch_dtype(t.dtype)
+    return value if value.dtype == want else value.to(want)
 
 
 def _rel_err(got: Any, want: Any) -> float:
