@@ -47,26 +47,13 @@ import torch.nn.functional as F
 import fusegraph.onnx as fgo
 from fusegraph.select.timing import time_candidates
 
+sys.path.insert(0, str(Path(__file__).parent))
+from torch_models import ConvNet  # the conv net bench_torch.py trains
+
 Case = tuple[nn.Module, tuple[torch.Tensor, ...], list[str]]  # module, example inputs, input names
 
 
 # ---- models defined here ----------------------------------------------------------------------------
-class ConvNet(nn.Module):
-    """conv + bias + ReLU blocks with residual adds, global pooling, a linear head."""
-
-    def __init__(self, width: int = 32, blocks: int = 3, classes: int = 100) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, width, 3, padding=1, stride=2)
-        self.blocks = nn.ModuleList(nn.Conv2d(width, width, 3, padding=1) for _ in range(blocks))
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.stem(x))
-        for conv in self.blocks:
-            x = F.relu(conv(x)) + x
-        return self.head(x.mean((2, 3)))
-
-
 class Block(nn.Module):
     """A pre-norm transformer encoder block (layer norm, attention, GELU MLP)."""
 

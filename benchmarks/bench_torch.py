@@ -1,180 +1,337 @@
-"""One training step (forward + loss + backward + SGD step) and inference latency under
-``torch.compile(backend="fusegraph")`` against PyTorch eager and Inductor, side by side in
-one process: every variant warmed up and compiled first (compile time reported), then timed
-interleaved by fusegraph's one timing routine (select/timing.py: warm-up to a steady state,
-rotating rounds, medians). bf16 autocast on a GPU, float32 on the CPU.
+"""Real architectures under ``torch.compile(backend="fusegraph")`` against PyTorch eager and
+Inductor (issue 23 item 5), side by side in one process: a training step (forward + loss +
+backward + SGD step, bf16 autocast on a GPU) and inference latency (``torch.no_grad``,
+eval mode, bf16 and float32), every variant compiled first (compile time reported), then
+timed interleaved by fusegraph's one timing routine (select/timing.py: warm-up to a steady
+state, rotating rounds, medians). Before timing, a float32 check trains each model five
+steps under eager and under the backend (every region claimed) and compares the losses
+(target <= 1e-4 relative) and the first step's gradients.
 
-    python benchmarks/bench_torch.py                       # GPU: the default models
-    python benchmarks/bench_torch.py --models convnet --json out.json
-    python benchmarks/bench_torch.py --quick               # CPU, tiny: agreement only (CI)
+    python benchmarks/bench_torch.py --models resnet50 --modes train          # GPU, one model
+    python benchmarks/bench_torch.py --models resnet50,vit_b_16 --modes infer --infer-batch 1,32
+    python benchmarks/bench_torch.py --json out.json --png out.png            # everything
+    python benchmarks/bench_torch.py --quick                                  # CPU, tiny: agreement only (CI)
 
-Models are defined here (no downloads): ``convnet`` (conv + bias + ReLU blocks,
-channels-last), ``gpt`` (a GPT-2-style pre-norm decoder: causal attention, GELU MLP).
-Variants: ``eager``, ``inductor`` (torch.compile's default), ``fusegraph`` (floor on: each
-region measured against Inductor), ``fusegraph-claim`` (floor off: every region claimed).
+Models (benchmarks/torch_models.py, random weights, no downloads): ``resnet50``
+(channels-last, batch 64, 224), ``vit_b_16`` (batch 32), ``gpt2`` (GPT-2 small, batch 8,
+sequence 1024), ``llama`` (8 layers, h 2048, GQA 32/8, RMSNorm, rotary, batch 2, sequence
+2048), ``unet`` (a Stable Diffusion UNet level: resnet + transformer block, c 640, 32x32,
+batch 8); ``convnet`` (a small conv net) on request. Variants: ``eager``, ``inductor``
+(torch.compile's default), ``fusegraph`` (backend "fusegraph", floor on: each region kept
+only where it measured faster than Inductor's code), ``fusegraph-claim`` (floor off: every
+region it can build). Ratios are other / fusegraph: above 1, fusegraph is faster.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import math
 import sys
 import time
-from collections.abc import Callable
-from functools import partial
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).parent))
+import torch_models as tm
+
+from fusegraph.regions.report import Report
 from fusegraph.select.timing import time_candidates
-from fusegraph.torch.compile_backend import fusegraph_backend
-from fusegraph.torch.explainer import explain
+from fusegraph.torch.compile_backend import collecting
+
+DEFAULT_MODELS = "resnet50,vit_b_16,gpt2,llama,unet"
+VARIANTS = ("eager", "inductor", "fusegraph", "fusegraph-claim")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+LOSS_TOL = 1e-4  # float32 losses of the check, relative (issue 23's target)
+GRAD_TOL = 1e-3  # float32 gradients after the check's first step, relative over all of them
+FIRST_TOL = {"bf16": 3e-2, "fp16": 3e-2, "fp32": 1e-4}  # timed variants' first results vs eager's
+FIRST_TOL_GPU_FP32 = 5e-3  # cuDNN convolutions use TF32 by default
+LR = 1e-2
 
 
-class ConvNet(nn.Module):
-    def __init__(self, width: int = 64, blocks: int = 4, classes: int = 1000) -> None:
-        super().__init__()
-        self.stem = nn.Conv2d(3, width, 3, padding=1, stride=2)
-        self.blocks = nn.ModuleList(nn.Conv2d(width, width, 3, padding=1) for _ in range(blocks))
-        self.head = nn.Linear(width, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = F.relu(self.stem(x))
-        for conv in self.blocks:
-            x = F.relu(conv(x)) + x
-        return self.head(x.mean((2, 3)))
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a64, b64 = a.detach().double().cpu(), b.detach().double().cpu()
+    if a64.shape != b64.shape or not torch.isfinite(a64).all():
+        return math.inf
+    return float((a64 - b64).norm() / max(float(b64.norm()), 1e-30))
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d)
-        x = x + self.proj(a)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class GPT(nn.Module):
-    def __init__(self, d: int = 768, heads: int = 12, layers: int = 4, vocab: int = 8192) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = self.emb(ids)
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.ln(x))
+def _options(text: str) -> dict[str, Any]:
+    """``k=v,k=v`` -> the backend's options (true/false, numbers, strings)."""
+    out: dict[str, Any] = {}
+    for item in filter(None, text.split(",")):
+        k, _, v = item.partition("=")
+        val: Any = v
+        if v.lower() in ("true", "false", "on", "off"):
+            val = v.lower() in ("true", "on")
+        else:
+            for conv in (int, float):
+                try:
+                    val = conv(v)
+                    break
+                except ValueError:
+                    pass
+        out[k.strip()] = val
+    return out
 
 
-def _case(name: str, device: torch.device, quick: bool) -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    if name == "convnet":
-        model: nn.Module = ConvNet(16 if quick else 64, 2 if quick else 4, 10 if quick else 1000)
-        b, hw, classes = (2, 16, 10) if quick else (64, 112, 1000)
-        x = torch.randn(b, 3, hw, hw, generator=g).to(device, memory_format=torch.channels_last)
-        y = torch.randint(0, classes, (b,), generator=g).to(device)
-        model = model.to(device, memory_format=torch.channels_last)
-        return model, x, y
-    if name == "gpt":
-        d, heads, layers, vocab, b, s = (32, 4, 1, 64, 2, 16) if quick else (768, 12, 4, 8192, 8, 1024)
-        model = GPT(d, heads, layers, vocab).to(device)
-        x = torch.randint(0, vocab, (b, s), generator=g).to(device)
-        y = torch.randint(0, vocab, (b * s,), generator=g).to(device)
-        return model, x, y
-    raise SystemExit(f"unknown model {name!r} (convnet, gpt)")
-
-
-def _compiler(variant: str) -> Callable[[nn.Module], Any]:
+def _compile(variant: str, model: nn.Module, extra: dict[str, Any]) -> Callable[..., Any]:
     if variant == "eager":
-        return lambda m: m
+        return model
     if variant == "inductor":
-        return lambda m: torch.compile(m)
-    options = {"floor": variant == "fusegraph"}
-    return lambda m: torch.compile(m, backend=partial(fusegraph_backend, options=options))
+        return torch.compile(model, dynamic=False)
+    options = {"floor": variant == "fusegraph", **extra}
+    return torch.compile(model, backend="fusegraph", options=options, dynamic=False)
 
 
-def _step(model: nn.Module, fn: Any, opt: Any, x: torch.Tensor, y: torch.Tensor, amp: Any) -> Callable[[], float]:
-    def step() -> Any:
-        opt.zero_grad(set_to_none=True)
-        with amp():
-            out = fn(x)
-            loss = F.cross_entropy(out.flatten(0, -2).float(), y)
-        loss.backward()
-        opt.step()
-        return loss
-
-    return step
+@contextmanager
+def _precision(device: torch.device, dtype: str) -> Iterator[None]:
+    if dtype != "fp32":
+        with torch.autocast(device.type, dtype=DTYPES[dtype]):
+            yield
+    else:
+        yield
 
 
-def bench(name: str, variants: list[str], device: torch.device, quick: bool, budget_s: float) -> dict[str, Any]:
-    base, x, y = _case(name, device, quick)
+@contextmanager
+def _strict_fp32() -> Iterator[None]:
+    """No TF32 anywhere while float32 results are compared."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _place(case: tm.Case, device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:
+    fmt = torch.channels_last if case.channels_last else torch.contiguous_format
+    model = case.model.to(device, memory_format=fmt)
+    inputs = tuple(x.to(device, memory_format=fmt) if (case.channels_last and x.dim() == 4) else x.to(device)
+                   for x in case.inputs)
+    return model, inputs, case.target.to(device)
+
+
+def _free(device: torch.device) -> None:
+    torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _report(rows: list[Any]) -> dict[str, Any]:
+    rep = Report(tuple(rows))
+    return {"coverage": rep.coverage, "patterns": dict(rep.patterns()), "where": dict(rep.where())}
+
+
+# ---- the float32 check ---------------------------------------------------------------------------
+def check(name: str, size: str, device: torch.device, steps: int, options: dict[str, Any],
+          modes: list[str]) -> dict[str, Any]:
+    """Eager against the backend with every region claimed (``options`` added), float32:
+    ``steps`` SGD steps (losses, and every gradient after the first step) and, in eval mode
+    under no_grad, the outputs."""
+    out: dict[str, Any] = {"model": name, "size": size, "options": {"floor": False, **options}}
+    case = tm.case(name, size)
+    base, inputs, target = _place(case, device)
+    out["describe"] = case.describe
+    with _strict_fp32():
+        if "train" in modes and steps > 0:
+            runs: dict[str, tuple[list[float], list[torch.Tensor]]] = {}
+            for variant in ("eager", "fusegraph-claim"):
+                _free(device)
+                model = copy.deepcopy(base).train()
+                fn = _compile(variant, model, options)
+                opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+                losses: list[float] = []
+                grads: list[torch.Tensor] = []
+                with collecting() as rows:
+                    for i in range(steps):
+                        opt.zero_grad(set_to_none=True)
+                        loss = case.loss(fn(*inputs), target)
+                        loss.backward()
+                        if i == 0:
+                            grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                                     for p in model.parameters()]
+                        opt.step()
+                        losses.append(float(loss.detach()))
+                if variant != "eager":
+                    out["train_report"] = _report(rows)
+                runs[variant] = (losses, grads)
+            (want, gwant), (got, ggot) = runs["eager"], runs["fusegraph-claim"]
+            rel = [abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want, strict=True)]
+            flat_w = torch.cat([g.flatten().double() for g in gwant])
+            flat_g = torch.cat([g.flatten().double() for g in ggot])
+            names = [n for n, _ in base.named_parameters()]
+            per = [_rel(g, w) if float(w.norm()) > 0 else _rel(g, w + 1) for g, w in zip(ggot, gwant, strict=True)]
+            worst = max(range(len(per)), key=lambda i: per[i]) if per else 0
+            out["train"] = {"eager_losses": want, "fusegraph_losses": got, "loss_rel": max(rel),
+                            "grad_rel": _rel(flat_g, flat_w), "worst_param": names[worst] if names else "",
+                            "worst_param_rel": per[worst] if per else 0.0}
+            out["train"]["ok"] = max(rel) <= LOSS_TOL and out["train"]["grad_rel"] <= GRAD_TOL
+        if "infer" in modes:
+            outs: dict[str, torch.Tensor] = {}
+            for variant in ("eager", "fusegraph-claim"):
+                _free(device)
+                model = copy.deepcopy(base).eval()
+                fn = _compile(variant, model, options)
+                with torch.no_grad(), collecting() as rows:
+                    outs[variant] = fn(*inputs).detach().float()
+                if variant != "eager":
+                    out["infer_report"] = _report(rows)
+            rel_out = _rel(outs["fusegraph-claim"], outs["eager"])
+            out["infer"] = {"out_rel": rel_out, "ok": rel_out <= LOSS_TOL}
+    del base
+    _free(device)
+    return out
+
+
+# ---- the timed comparison -------------------------------------------------------------------------
+def bench(name: str, mode: str, batch: int | None, dtype: str, args: argparse.Namespace,
+          device: torch.device) -> dict[str, Any]:
+    """Every variant compiled and run once (compile time, first result against eager's), then
+    all timed together, interleaved."""
+    case = tm.case(name, args.size, batch)
+    base, inputs, target = _place(case, device)
+    row: dict[str, Any] = {"model": name, "mode": mode, "batch": case.inputs[0].shape[0], "dtype": dtype,
+                           "describe": case.describe, "variants": {}}
     gpu = device.type == "cuda"
-    amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if gpu else (lambda: torch.autocast("cpu", enabled=False))
     sync = (lambda: torch.cuda.synchronize(device)) if gpu else None
-    steps: dict[str, Callable[[], Any]] = {}
-    infer: dict[str, Callable[[], Any]] = {}
-    result: dict[str, Any] = {"model": name, "device": str(device), "variants": {}}
-    first_loss: dict[str, float] = {}
-    for v in variants:
-        torch._dynamo.reset()
-        model = copy.deepcopy(base)
-        fn = _compiler(v)(model)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        step = _step(model, fn, opt, x, y, amp)
+    calls: dict[str, Callable[[], Any]] = {}
+    firsts: dict[str, torch.Tensor] = {}
+    for variant in args.variants:
+        _free(device) if variant == args.variants[0] else gc.collect()
+        model = copy.deepcopy(base).train(mode == "train")
+        fn = _compile(variant, model, args.options)
+        if mode == "train":
+            opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+            def call(fn: Any = fn, opt: Any = opt) -> torch.Tensor:
+                opt.zero_grad(set_to_none=True)
+                with _precision(device, dtype):
+                    loss = case.loss(fn(*inputs), target)
+                loss.backward()
+                opt.step()
+                return loss.detach()
+        else:
+            def call(fn: Any = fn) -> torch.Tensor:
+                with torch.no_grad(), _precision(device, dtype):
+                    return fn(*inputs)  # type: ignore[no-any-return]
+
+        d: dict[str, Any] = {}
+        row["variants"][variant] = d
         t0 = time.perf_counter()
-        first_loss[v] = float(step().detach())
-        if sync:
-            sync()
-        compile_s = time.perf_counter() - t0
-        steps[v] = step
+        try:
+            with collecting() as rows:
+                first = call()
+                if sync:
+                    sync()
+        except Exception as exc:  # a variant that cannot run is reported, the rest go on
+            d["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+            print(f"{name} {mode} {variant}: {d['error'][:300]}", file=sys.stderr)
+            continue
+        d["compile_s"] = time.perf_counter() - t0
+        firsts[variant] = first.detach().float()
+        if variant.startswith("fusegraph") and rows:
+            d.update(_report(rows))
+        calls[variant] = call
+    ref = firsts.get("eager")
+    tol = FIRST_TOL_GPU_FP32 if (gpu and dtype == "fp32") else FIRST_TOL[dtype]
+    for variant, first in firsts.items():
+        d = row["variants"][variant]
+        d["first_rel"] = _rel(first, ref) if ref is not None else 0.0
+        d["agrees"] = d["first_rel"] <= tol
+        if not d["agrees"]:
+            print(f"{name} {mode} {variant}: first result {d['first_rel']:.2e} from eager's (tolerance {tol})",
+                  file=sys.stderr)
+    if calls and args.budget > 0:
+        errors: dict[str, str] = {}
+        timings = time_candidates(calls, sync=sync, budget_s=args.budget, warmup_s=args.warmup,
+                                  on_error=lambda n, e: errors.__setitem__(n, f"{type(e).__name__}: {e}"))
+        for variant, t in timings.items():
+            row["variants"][variant].update(ms=t.median_ms, spread=t.spread, rounds=t.rounds)
+        for variant, err in errors.items():
+            row["variants"][variant]["error"] = err[:2000]
+    del calls, base
+    _free(device)
+    return row
 
-        def run_infer(fn: Any = fn) -> Any:
-            with torch.no_grad(), amp():
-                return fn(x)
 
-        infer[v] = run_infer
-        result["variants"][v] = {"first_step_s": compile_s, "first_loss": first_loss[v]}
-    ref = first_loss.get("eager", next(iter(first_loss.values())))
-    tol = 3e-2 if gpu else 1e-4
-    for v, loss in first_loss.items():
-        agree = abs(loss - ref) <= tol * max(abs(ref), 1e-6)
-        result["variants"][v]["agrees"] = agree
-        if not agree:
-            print(f"{name}: {v}'s first loss {loss:.6f} vs eager {ref:.6f} (tolerance {tol})", file=sys.stderr)
-    if quick:
-        return result
-    train = time_candidates(steps, sync=sync, budget_s=budget_s)
-    for v, t in train.items():
-        result["variants"][v]["train_ms"] = t.median_ms
-    with torch.no_grad():
-        inf = time_candidates(infer, sync=sync, budget_s=budget_s / 2)
-    for v, t in inf.items():
-        result["variants"][v]["infer_ms"] = t.median_ms
-    if "fusegraph" in variants or "fusegraph-claim" in variants:
-        report = explain(copy.deepcopy(base), x, options={"floor": False})
-        result["coverage"] = report.coverage
-        result["patterns"] = dict(report.patterns())
-    return result
+def _ratios(row: dict[str, Any]) -> dict[str, float]:
+    v = row["variants"]
+    fg = v.get("fusegraph", {}).get("ms") or v.get("fusegraph-claim", {}).get("ms")
+    out = {}
+    for other in ("eager", "inductor"):
+        ms = v.get(other, {}).get("ms")
+        if fg and ms:
+            out[f"vs_{other}"] = ms / fg
+    return out
+
+
+def print_table(rows: list[dict[str, Any]], variants: list[str]) -> None:
+    head = f"{'model':<10} {'mode':<5} {'batch':>5} {'dtype':<5} " + " ".join(f"{v + ' ms':>20}" for v in variants)
+    head += f" {'fg/eager':>8} {'fg/ind':>7}  compile s ({', '.join(variants)})  coverage"
+    print(head)
+    for r in rows:
+        vs = r["variants"]
+        cells = []
+        for v in variants:
+            d = vs.get(v, {})
+            cell = "error" if "error" in d else (f"{d['ms']:.3f}" if "ms" in d else "-")
+            if d.get("agrees") is False:
+                cell += " WRONG"
+            cells.append(f"{cell:>20}")
+        ratio = _ratios(r)
+        comp = ", ".join(f"{vs[v]['compile_s']:.1f}" if "compile_s" in vs.get(v, {}) else "-" for v in variants)
+        cov = next((f"{vs[v]['coverage']:.0%}" for v in ("fusegraph", "fusegraph-claim") if "coverage" in vs.get(v, {})), "-")
+        print(f"{r['model']:<10} {r['mode']:<5} {r['batch']:>5} {r['dtype']:<5} " + " ".join(cells)
+              + f" {_x(ratio.get('vs_eager')):>8} {_x(ratio.get('vs_inductor')):>7}  {comp:<28}  {cov}")
+
+
+def _x(ratio: float | None) -> str:
+    return f"{ratio:.2f}x" if ratio else "-"
+
+
+def plot(rows: list[dict[str, Any]], variants: list[str], path: str, device_name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shown = [r for r in rows if "ms" in r["variants"].get("eager", {})]
+    if not shown:
+        print(f"--png: no timed rows with an eager baseline; {path} not written", file=sys.stderr)
+        return
+    labels = [f"{r['model']}\n{r['mode']} b{r['batch']} {r['dtype']}" for r in shown]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(shown) + 2), 4.5))
+    others = [v for v in variants if v != "eager"]
+    width = 0.8 / max(1, len(others))
+    for i, v in enumerate(others):
+        ys = [r["variants"]["eager"]["ms"] / r["variants"][v]["ms"] if "ms" in r["variants"].get(v, {}) else 0.0
+              for r in shown]
+        ax.bar([j + (i - (len(others) - 1) / 2) * width for j in range(len(shown))], ys, width, label=v)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(shown)), labels, fontsize=7)
+    ax.set_ylabel("speed-up over PyTorch eager (higher is faster)")
+    ax.set_title(f"torch.compile backends, {device_name}, torch {torch.__version__}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    print(f"chart: {path}")
 
 
 def host_cost(device: torch.device) -> dict[str, float]:
     """Microseconds per call of each autograd function at a tiny shape (the kernels take
     next to nothing: what is left is the host's cost), forward and forward + backward,
     beside the torch.nn.functional calls they replace."""
+    import torch.nn.functional as F
+
     from fusegraph.torch import functions as fgf
 
     def t(*shape: int) -> torch.Tensor:
@@ -202,43 +359,115 @@ def host_cost(device: torch.device) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", default="convnet,gpt")
-    ap.add_argument("--variants", default="eager,inductor,fusegraph,fusegraph-claim")
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, of {', '.join(tm.MODELS)}")
+    ap.add_argument("--modes", default="train,infer", help="train, infer or both")
+    ap.add_argument("--variants", default="eager,inductor,fusegraph", help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--budget", type=float, default=20.0, help="seconds of timing per model and mode")
-    ap.add_argument("--quick", action="store_true", help="tiny models, agreement only (CI)")
+    ap.add_argument("--size", choices=("full", "tiny"), help="model size (default: full on a GPU, tiny on the CPU)")
+    ap.add_argument("--batch", type=int, help="training batch (default: each model's)")
+    ap.add_argument("--train-dtype", choices=sorted(DTYPES), help="autocast dtype of the training step (default bf16 on a GPU, fp32 on the CPU)")
+    ap.add_argument("--infer-batch", default="1,32", help="inference batch sizes")
+    ap.add_argument("--infer-dtype", default="bf16,fp32", help="inference precisions (bf16, fp16, fp32)")
+    ap.add_argument("--budget", type=float, default=15.0, help="seconds of interleaved timing per row (0: none)")
+    ap.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up bound per variant")
+    ap.add_argument("--check-steps", type=int, default=5, help="float32 training steps compared with eager (0: no check)")
+    ap.add_argument("--check-size", choices=("full", "tiny"), help="model size of the float32 check (default: --size)")
+    ap.add_argument("--options", default="", help="backend options for the fusegraph variants, k=v,k=v")
+    ap.add_argument("--quick", action="store_true", help="CPU, tiny models, the float32 check only (CI); non-zero exit on disagreement")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--png", help="write a chart here (needs matplotlib)")
     ap.add_argument("--host", action="store_true", help="the autograd functions' host cost per call, then exit")
     args = ap.parse_args(argv)
-    device = torch.device(args.device)
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--png needs matplotlib, which is not installed here (pip install matplotlib); "
+                     "run without --png, or with --json and chart it elsewhere")
+    device = torch.device("cpu" if args.quick else args.device)
     if args.host:
         for name, us in host_cost(device).items():
             print(f"{name:<28} {us:9.1f} us")
         return 0
-    variants = args.variants.split(",")
-    results = [bench(m, variants, device, args.quick, args.budget) for m in args.models.split(",")]
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    print(f"device: {name}, torch {torch.__version__}")
-    for r in results:
-        print(f"\n{r['model']}" + (f"  (coverage {r['coverage']:.1%}: {r.get('patterns')})" if "coverage" in r else ""))
-        ind = r["variants"].get("inductor", {})
-        for v, d in r["variants"].items():
-            line = f"  {v:<16} first step {d['first_step_s']:7.1f} s  loss {d['first_loss']:.5f} {'ok' if d['agrees'] else 'DISAGREES'}"
-            for mode in ("train_ms", "infer_ms"):
-                if mode in d:
-                    vs = ind.get(mode)
-                    line += f"  {mode[:-3]} {d[mode]:8.3f} ms" + (f" ({vs / d[mode]:.2f}x inductor)" if vs else "")
-            print(line)
+    gpu = device.type == "cuda"
+    args.size = args.size or ("full" if gpu and not args.quick else "tiny")
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    models = [m for m in args.models.split(",") if m]
+    modes = [m for m in args.modes.split(",") if m]
+    if unknown or any(m not in tm.MODELS for m in models) or any(m not in ("train", "infer") for m in modes):
+        ap.error(f"models are {', '.join(tm.MODELS)}; modes train, infer; variants {', '.join(VARIANTS)}")
+    args.options = _options(args.options)
+    if args.quick and not args.options:
+        args.options = {"rest": "eager"}  # Inductor's C++ compile costs ~20 s a graph on a CPU
+    check_options = {k: v for k, v in args.options.items() if k != "floor"}
+    if "rest" not in check_options:
+        check_options["rest"] = "eager"  # the check is about fusegraph's regions; seconds, not minutes
+    train_dtype = args.train_dtype or ("bf16" if gpu else "fp32")
+    device_name = torch.cuda.get_device_name(device) if gpu else "cpu"
+    print(f"device: {device_name}, torch {torch.__version__}, size {args.size}")
+
+    checks: list[dict[str, Any]] = []
+    if args.check_steps > 0 or args.quick:
+        for m in models:
+            t0 = time.perf_counter()
+            try:
+                c = check(m, args.check_size or args.size, device, args.check_steps or 5, check_options, modes)
+            except Exception as exc:
+                c = {"model": m, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+            c["seconds"] = time.perf_counter() - t0
+            checks.append(c)
+            _print_check(c)
+    rows: list[dict[str, Any]] = []
+    if not args.quick:
+        for m in models:
+            if "train" in modes:
+                rows.append(bench(m, "train", args.batch, train_dtype, args, device))
+            if "infer" in modes:
+                for b in (int(x) for x in args.infer_batch.split(",") if x):
+                    for dt in (x for x in args.infer_dtype.split(",") if x):
+                        rows.append(bench(m, "infer", b, dt, args, device))
+        print()
+        print_table(rows, args.variants)
+        train_ratios = [_ratios(r).get("vs_inductor") for r in rows if r["mode"] == "train"]
+        got = [x for x in train_ratios if x]
+        if got:
+            print(f"\ntraining step, fusegraph vs inductor geomean: {math.prod(got) ** (1 / len(got)):.3f}x "
+                  f"(over {len(got)} models; above 1: fusegraph faster)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"device": name, "torch": torch.__version__, "results": results}, f, indent=1)
-    ok = all(d["agrees"] for r in results for d in r["variants"].values())
-    geo = [r["variants"][v]["train_ms"] for r in results for v in ("inductor", "fusegraph") if "train_ms" in r["variants"].get(v, {})]
-    if len(geo) >= 2 and len(geo) % 2 == 0:
-        ratios = [geo[i] / geo[i + 1] for i in range(0, len(geo), 2)]
-        print(f"\ntraining step, fusegraph vs inductor geomean: {math.prod(ratios) ** (1 / len(ratios)):.3f}x")
-    return 0 if ok else 1
+            json.dump({"device": device_name, "torch": torch.__version__, "size": args.size,
+                       "options": args.options, "checks": checks, "rows": rows}, f, indent=1)
+    if args.png and rows:
+        plot(rows, args.variants, args.png, device_name)
+    bad = [c["model"] for c in checks if "error" in c or not all(c[k]["ok"] for k in ("train", "infer") if k in c)]
+    bad += [f"{r['model']} {r['mode']} b{r['batch']} {r['dtype']} {v}" for r in rows
+            for v, d in r["variants"].items() if "error" in d or d.get("agrees") is False]
+    if bad:
+        print(f"\nFAILED: {'; '.join(bad)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_check(c: dict[str, Any]) -> None:
+    head = f"check {c['model']:<9} ({c['seconds']:.1f} s)"
+    if "error" in c:
+        print(f"{head} ERROR {c['error'][:500]}")
+        return
+    parts = []
+    if "train" in c:
+        t = c["train"]
+        parts.append(f"train losses {t['loss_rel']:.1e} rel, gradients {t['grad_rel']:.1e} "
+                     f"(worst {t['worst_param']} {t['worst_param_rel']:.1e}) {'ok' if t['ok'] else 'DISAGREES'}")
+        if "train_report" in c:
+            parts.append(f"coverage {c['train_report']['coverage']:.0%}")
+    if "infer" in c:
+        i = c["infer"]
+        parts.append(f"infer outputs {i['out_rel']:.1e} rel {'ok' if i['ok'] else 'DISAGREES'}")
+        if "infer_report" in c:
+            parts.append(f"coverage {c['infer_report']['coverage']:.0%}")
+    print(f"{head} " + "; ".join(parts))
 
 
 if __name__ == "__main__":

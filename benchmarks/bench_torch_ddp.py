@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_torch import GPT
+from torch_models import GPT
 
 from fusegraph.torch.compile_backend import fusegraph_backend
 
