@@ -484,7 +484,9 @@ class SessionPlan:
                 self.free_after[k].append(v)
 
     # ---- running ---------------------------------------------------------------------------
-    def run(self, feed: Mapping[str, Any], wanted: Sequence[str]) -> list[Any]:
+    def run(self, feed: Mapping[str, Any], wanted: Sequence[str], *, host: bool = True) -> list[Any]:
+        """The ``wanted`` values as NumPy arrays, or with ``host=False`` as the units made
+        them (torch CUDA tensors from a GPU session's region units: io_binding's device path)."""
         whole = self._whole_ort
         if whole is not None and whole.session is not None and all(w in whole.outputs for w in wanted):
             # the whole model on ONNX Runtime: nothing to route, nothing held between units
@@ -517,6 +519,9 @@ class SessionPlan:
             v = env[name] if name in env else self.og.constants.get(name)
             if v is None:
                 raise ExecutionError(f"output '{name}' was not computed (a bug)", tensor=name)
+            if not host:
+                results.append(v)
+                continue
             v = to_host(v)
             if isinstance(v, np.ndarray) and not v.flags.c_contiguous:
                 v = np.ascontiguousarray(v)  # as ONNX Runtime returns them (never for 0-d: it adds a dim)

@@ -31,7 +31,7 @@ from fusegraph.onnx.direct import (
     choose_whole_runner,
     make_runner,
 )
-from fusegraph.onnx.iobinding import IOBinding, host_array
+from fusegraph.onnx.iobinding import IOBinding, feed_value, is_device_value, numpy_dtype
 from fusegraph.onnx.load import MIN_OPSET, _first_line, default_opset
 from fusegraph.onnx.memory import PeakMemory, measure_peak
 from fusegraph.onnx.metadata import ModelMetadata
@@ -39,7 +39,9 @@ from fusegraph.onnx.model import input_signature, load_model
 from fusegraph.onnx.options import PROVIDER, ProviderOptions
 from fusegraph.onnx.ort_errors import InvalidFeedError, MissingFeedError
 from fusegraph.onnx.plan import EngineChoice, SessionPlan
+from fusegraph.onnx.plan_regions import RegionUnit
 from fusegraph.onnx.report import PartitionReport
+from fusegraph.onnx.units import FusegraphUnit
 from fusegraph.runtime import progress
 from fusegraph.runtime.handle import Handle, default_handle
 from fusegraph.select.device_id import device_id
@@ -257,7 +259,15 @@ class InferenceSession:
     def get_modelmeta(self) -> ModelMetadata:
         return ModelMetadata.of(self._model)
 
+    @property
+    def device(self) -> str:
+        """The device the claimed units run on ("cpu", "cuda:0"...): where io_binding's
+        inputs and outputs may live."""
+        return str(self._handle.device)
+
     def io_binding(self) -> IOBinding:
+        """ONNX Runtime's IOBinding; on a GPU session it takes CUDA inputs and outputs
+        (fusegraph/onnx/iobinding.py)."""
         return IOBinding(self)
 
     def run_with_iobinding(self, iobinding: IOBinding, run_options: ort.RunOptions | None = None) -> None:
@@ -279,19 +289,35 @@ class InferenceSession:
         if self._direct is not None:
             self._direct.poll(self)
         if self._direct is not None:
+            feed = _on_host(feed)
             if not self.measure_memory:
                 return self._direct.run(wanted, feed, run_options)
             with measure_peak() as peak:
                 result = self._direct.run(wanted, feed, run_options)
             self.last_peak = peak
             return result
-        plan = self._plan_for({k: tuple(np.shape(v)) for k, v in feed.items() if isinstance(v, np.ndarray)})
+        plan = self._plan_for(_shapes(feed))
         if not self.measure_memory:
             return plan.run(feed, wanted)
         with measure_peak() as peak:
             result = plan.run(feed, wanted)
         self.last_peak = peak
         return result
+
+    def _run_on_device(self, output_names: Sequence[str], input_feed: Mapping[str, Any],
+                       run_options: ort.RunOptions | None = None) -> list[Any]:
+        """``run`` for io_binding on a GPU session: CUDA inputs go to the units as they are and
+        the outputs come back as the units made them (torch CUDA tensors from region units;
+        NumPy from a unit on ONNX Runtime)."""
+        feed = self._check_feed(input_feed)
+        for name in output_names:
+            if name not in self._output_set:
+                raise InvalidFeedError(f"Invalid output name: not an output of the model (outputs: {self._output_names})", tensor=name)
+        if self._direct is not None:
+            self._direct.poll(self)
+        if self._direct is not None:  # the whole model on ONNX Runtime: through the host
+            return list(self._direct.run(list(output_names), _on_host(feed), run_options))
+        return self._plan_for(_shapes(feed)).run(feed, list(output_names), host=False)
 
     # ---- fusegraph additions ------------------------------------------------------------------
     def partition_report(self) -> PartitionReport:
@@ -402,6 +428,8 @@ class InferenceSession:
         plan = self._plans.get(key)
         if plan is None:
             plan = self._new_plan(shapes)
+            if self._handle.device.is_gpu:
+                _note_host_copies(plan)
             self._plans[key] = plan
             log.info("%s", plan.report().summary())
         self._last = plan
@@ -435,19 +463,23 @@ class InferenceSession:
                     arr = np.asarray(value, dtype=want)
                 except (ValueError, TypeError) as exc:
                     raise InvalidFeedError(f"cannot convert the list to {np.dtype(want)}: {exc}", tensor=name) from None
-            else:
-                arr = host_array(value, name)
-            if arr.dtype != want:
+            else:  # a host array, or on a GPU session a torch tensor on its device (iobinding.py)
+                arr = feed_value(value, name, self.device)
+            dtype = numpy_dtype(arr)
+            where = f" on {arr.device}" if is_device_value(arr) else ""
+            if dtype != want:
                 raise InvalidFeedError(
-                    f"Unexpected input data type: dtype {arr.dtype}, the model expects {np.dtype(want)}", tensor=name
+                    f"Unexpected input data type: dtype {dtype}{where}, the model expects {np.dtype(want)}", tensor=name
                 )
             declared = self._signature.get(name)
+            shape = tuple(arr.shape)
             if declared is not None and (
-                len(declared) != arr.ndim
-                or any(isinstance(d, int) and d != s for d, s in zip(declared, arr.shape, strict=False))
+                len(declared) != len(shape)
+                or any(isinstance(d, int) and d != s for d, s in zip(declared, shape, strict=False))
             ):
                 raise InvalidFeedError(
-                    f"Got invalid dimensions: shape {list(arr.shape)}, the model declares {list(declared)}", tensor=name
+                    f"Got invalid dimensions: shape {list(shape)}{where}, the model declares {list(declared)}",
+                    tensor=name,
                 )
             feed[name] = arr
         missing = [i.name for i in self._inputs if i.name not in feed]
@@ -465,3 +497,49 @@ class InferenceSession:
                     shape = list(info.shape)
             out.append(NodeArg(o.name, shape, _type_string(o.type)))
         return out
+
+
+def _shapes(feed: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The feed's tensor shapes (arrays and torch CUDA tensors), which key the plan."""
+    return {k: tuple(int(d) for d in v.shape) for k, v in feed.items()
+            if isinstance(v, np.ndarray) or is_device_value(v)}
+
+
+def _on_host(feed: Mapping[str, Any]) -> dict[str, Any]:
+    """The feed with CUDA tensors copied to the host (for ONNX Runtime running the whole model)."""
+    from fusegraph.onnx.units import to_host
+
+    return {k: to_host(v) if is_device_value(v) else v for k, v in feed.items()}
+
+
+def _note_host_copies(plan: SessionPlan) -> None:
+    """A GPU plan's report says where values leave the device: every unit that does not run
+    region by region (ONNX Runtime's CPU provider, the torch-mlir tier, a unit built whole)
+    reads and writes host memory, so what it reads from the device (a region unit's result,
+    a model input bound on the GPU) is copied to the host and what a region unit reads from
+    it is copied back. Region units pass torch tensors on the device to each other."""
+    producer = {o: u for u in plan.units for o in u.outputs}
+    on_gpu = {id(u) for u in plan.units if isinstance(u, RegionUnit)}
+    model_inputs = set(plan.og.inputs)
+    for u in plan.units:
+        if id(u) in on_gpu:
+            continue
+        down = [v for v in u.inputs if (v in producer and id(producer[v]) in on_gpu)]
+        fed = [v for v in u.inputs if v in model_inputs and v not in producer]
+        up = [v for v in u.outputs if any(id(w) in on_gpu and v in w.inputs for w in plan.units)
+              or v in plan.og.outputs]
+        if not (down or fed or up):
+            continue
+        parts = []
+        if down:
+            parts.append(f"{len(down)} value(s) copied from the GPU to the host ({', '.join(down[:4])})")
+        if fed:
+            parts.append(f"model input(s) {', '.join(fed[:4])} copied to the host when bound on the GPU")
+        if up:
+            parts.append(f"{len(up)} result(s) copied back to the GPU ({', '.join(up[:4])}; model outputs only "
+                         "when bound there)")
+        note = "host copies (this unit reads host memory): " + "; ".join(parts)
+        if isinstance(u, FusegraphUnit):
+            u.engine_notes.append(note)
+        else:
+            plan.notes[u.name] = f"{plan.notes[u.name]} | {note}" if plan.notes.get(u.name) else note
