@@ -62,7 +62,8 @@ UNSUPPORTED: dict[str, dict[Op, str]] = {
         **{m: "no Triton expression for this mode yet (engines/triton/codegen.py)" for m in _NEW_BACKWARD_MODES},
     },
     "cudnn": {
-        **{k: _NOT_WIRED for k in BACKWARD},
+        # layer/RMS norm backward and sdpa backward are lowered (engines/cudnn/lower.py)
+        OpKind.BATCHNORM_BACKWARD: _NOT_WIRED,
         **{m: _NOT_WIRED for m in _NEW_BACKWARD_MODES},
     },
 }
@@ -79,6 +80,7 @@ UNSUPPORTED_PORTS: dict[str, dict[tuple[OpKind, str], str]] = {
     "cudnn": {
         (OpKind.SDPA, "stats"): _NOT_WIRED,
         (OpKind.SDPA, "seed"): _DROPOUT_RNG,
+        (OpKind.SDPA_BACKWARD, "seed"): _DROPOUT_RNG,
         (OpKind.BATCHNORM, "in_running_mean"): _NOT_WIRED,
     },
 }

@@ -17,6 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fusegraph.dtypes import DataType
+from fusegraph.engines.cudnn.lower_backward import (
+    BACKWARD_LOWER,
+    NORM_BACKWARD_LOWERED,
+    backward_refusal,
+)
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
@@ -70,7 +75,9 @@ NOT_LOWERED: dict[OpKind, str] = {
     OpKind.SOFTMAX: "cuDNN's graph API has no softmax node (softmax exists only inside its sdpa)",
     OpKind.POOLING: "the cuDNN frontend's Python graph (1.32) exposes no resample (pooling) node",
     **{k: f"cuDNN graphs here take no {k.value} node (data movement stays with other engines)" for k in DATA_MOVEMENT},
+    OpKind.BATCHNORM_BACKWARD: "not wired to cuDNN's frontend yet (the reference and torch engines run it)",
 }
+
 
 
 class Refused(Exception):
@@ -123,7 +130,7 @@ class Binding:
 def _graph_rank(graph: Graph) -> tuple[int, bool]:
     kinds = {n.kind for n in graph.nodes}
     r = max((len(t.shape) for t in graph.tensors if not t.is_scalar), default=1)
-    norms = kinds & (NORMS - {OpKind.BATCHNORM_INFERENCE})
+    norms = kinds & ((NORMS - {OpKind.BATCHNORM_INFERENCE}) | NORM_BACKWARD_LOWERED)
     if norms and OpKind.MATMUL in kinds:
         raise Refused(
             "a matmul and a layer/rms/batch norm in one graph: cuDNN describes the norm at rank 4 "
@@ -201,14 +208,14 @@ def _touching(graph: Graph) -> dict[str, set[OpKind]]:
 def allowed_layouts(kinds: set[OpKind], t: TensorAttr, rank: int, trailing: bool) -> tuple[str, ...]:
     """Which layouts ``t`` may have, by the ``kinds`` of the nodes that read or write it
     (``rank``: cuDNN's)."""
-    if kinds & {OpKind.LAYERNORM, OpKind.RMSNORM} or (trailing and len(t.shape) < rank):
+    if kinds & {OpKind.LAYERNORM, OpKind.RMSNORM, *NORM_BACKWARD_LOWERED} or (trailing and len(t.shape) < rank):
         # layer/RMS norms over a channels-last x (scale row-major) gave wrong numbers, as did
         # channels-last tensors of norm graphs of rank < 4, whose appended unit dims tie
         # with the channel's stride of 1
         return ("row-major",)
     if OpKind.MATMUL in kinds:
         return ("row-major", "transposed")
-    if OpKind.SDPA in kinds:
+    if kinds & {OpKind.SDPA, OpKind.SDPA_BACKWARD}:
         return ("row-major", "heads-interleaved")
     if len(t.shape) >= 3:
         return ("row-major", "channels-last")
@@ -253,10 +260,14 @@ PORTS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     OpKind.LAYERNORM: (frozenset({"x", "scale", "bias", "epsilon"}), frozenset({"y", "mean", "inv_var"})),
     OpKind.RMSNORM: (frozenset({"x", "scale", "bias", "epsilon"}), frozenset({"y", "inv_rms"})),
     OpKind.SDPA: (frozenset({"q", "k", "v", "mask"}), frozenset({"o"})),
+    OpKind.LAYERNORM_BACKWARD: (frozenset({"dy", "x", "scale", "mean", "inv_var"}), frozenset({"dx", "dscale", "dbias"})),
+    OpKind.RMSNORM_BACKWARD: (frozenset({"dy", "x", "scale", "inv_rms"}), frozenset({"dx", "dscale", "dbias"})),
+    OpKind.SDPA_BACKWARD: (frozenset({"q", "k", "v", "o", "do", "stats", "mask"}), frozenset({"dq", "dk", "dv"})),
 }
 
 # Operations that make one cuDNN graph's main kernel (the rest fuse into its prologue/epilogue).
-MAIN_OPS = frozenset({OpKind.CONV_FPROP, OpKind.CONV_DGRAD, OpKind.CONV_WGRAD, OpKind.MATMUL, OpKind.SDPA})
+MAIN_OPS = frozenset({OpKind.CONV_FPROP, OpKind.CONV_DGRAD, OpKind.CONV_WGRAD, OpKind.MATMUL, OpKind.SDPA,
+                      OpKind.SDPA_BACKWARD})
 
 
 def _check_graph(graph: Graph, tf32: bool) -> None:
@@ -265,10 +276,13 @@ def _check_graph(graph: Graph, tf32: bool) -> None:
     if len(main) > 1:
         names = ", ".join(f"'{n.name}' ({n.kind.value})" for n in main)
         raise Refused(
-            f"{names}: a cuDNN graph here holds at most one convolution, matmul or sdpa (its main "
+            f"{names}: a cuDNN graph here holds at most one convolution, matmul or sdpa (forward or backward: its main "
             "kernel); graphs holding a matmul and a convolution killed the process (SIGSEGV) in "
             "cuDNN on the H200 -- the graph is split instead"
         )
+    why = backward_refusal(graph)
+    if why is not None:
+        raise Refused(why)
     _check_flow(graph)
     _check_epilogues(graph)
     made = {t.name for n in graph.nodes for t in n.outputs.values()}
@@ -304,7 +318,7 @@ def _check_graph(graph: Graph, tf32: bool) -> None:
             if narrow:
                 raise _reason(node, f"statistics {narrow} are not float32: cuDNN writes its statistics as float32 "
                                     "(bfloat16 ones read back as garbage, rel err 3e30)")
-        if node.kind in (OpKind.LAYERNORM, OpKind.RMSNORM) and x is not None:
+        if node.kind in (OpKind.LAYERNORM, OpKind.RMSNORM, *NORM_BACKWARD_LOWERED) and x is not None:
             want = (1, *x.shape[1:])
             for port in ("scale", "bias"):
                 t = node.inputs.get(port)
@@ -353,7 +367,7 @@ def _check_flow(graph: Graph) -> None:
 
 
 # Nodes that anchor a cuDNN graph: everything else must be an epilogue reading their result.
-ANCHORS = MAIN_OPS | {OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.BATCHNORM}
+ANCHORS = MAIN_OPS | {OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.BATCHNORM} | NORM_BACKWARD_LOWERED
 
 
 def _check_epilogues(graph: Graph) -> None:
@@ -422,7 +436,7 @@ def _family(graph: Graph) -> tuple[str, set[str]]:
     numbers (rel err 0.95-1.4); a tensor whose size-1 axes fit both layouts takes the shared one."""
     names: set[str] = set()
     fits = {"row-major", "channels-last"}
-    special = {t.name for n in graph.nodes if n.kind in (OpKind.MATMUL, OpKind.SDPA)
+    special = {t.name for n in graph.nodes if n.kind in (OpKind.MATMUL, OpKind.SDPA, OpKind.SDPA_BACKWARD)
                for t in (*n.inputs.values(), *n.outputs.values())}
     for t in graph.tensors:
         if t.is_scalar or t.data_type is None or len(t.shape) < 3 or t.name in special:
@@ -550,6 +564,14 @@ class _Builder:
 
     def dt(self, d: DataType) -> Any:
         return getattr(self.cudnn.data_type, DATA_TYPE[d])
+
+    def compute(self, node: Node) -> Any:
+        """The node's compute type, as cuDNN's enum."""
+        return _cdt(self, node)
+
+    @staticmethod
+    def name(node: Node) -> str:
+        return _safe(node.name)
 
     def tensor(self, t: TensorAttr) -> Any:
         got = self.t.get(t.name)
@@ -733,6 +755,7 @@ LOWER: dict[OpKind, Lowering] = {
     OpKind.LAYERNORM: _layernorm,
     OpKind.RMSNORM: _rmsnorm,
     OpKind.SDPA: _sdpa,
+    **BACKWARD_LOWER,
 }
 
 
