@@ -370,7 +370,7 @@ class RegionUnit(FusegraphUnit):
                                  + [(c.nodes, c.graph, c.inputs, c.outputs) for c in cuts])
 
         def reduced(nodes: tuple[str, ...], graph: Graph, ins: tuple[str, ...], outs: tuple[str, ...]) -> Graph | None:
-            why = refusal(graph, ins, outs, observed, self.precision)
+            why = refusal(graph, ins, outs, observed, self.precision, self.graph, self.origin)
             if not why:
                 try:
                     g = convert(graph, dtype)

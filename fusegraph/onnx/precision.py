@@ -90,27 +90,28 @@ def convert(graph: Graph, dtype: DataType) -> Graph:
 
 
 def refusal(graph: Graph, inputs: tuple[str, ...], outputs: tuple[str, ...], observed: Mapping[str, float],
-            precision: Precision) -> str:
-    """Why the region ``graph`` (its in0.. / out0.. standing for the parent tensors ``inputs``
-    / ``outputs``) keeps float32 in ``precision``; '' where it may take the reduced type.
-    ``observed``: the largest magnitude each parent tensor took on the sample inputs."""
+            precision: Precision, parent: Graph | None = None, label: Mapping[str, str] | None = None) -> str:
+    """Why the region ``graph`` (its in0.. / out0.. standing for the tensors ``inputs`` /
+    ``outputs`` of the unit's graph ``parent``) keeps float32 in ``precision``; '' where it
+    may take the reduced type. ``observed``: the largest magnitude each parent tensor took
+    on the sample inputs; ``label``: the model's node name of a unit graph's node (for messages)."""
     dtype = precision.reduced
     if dtype is None:
         return ""
     if not any(t.dtype == DataType.FLOAT for t in graph.tensors):
         return ""  # nothing float32 to convert (integer shape arithmetic, a float16 model)
     names = {f"in{i}": p for i, p in enumerate(inputs)} | {f"out{j}": p for j, p in enumerate(outputs)}
-    for parent in names.values():
-        v = observed.get(parent)
+    for p in names.values():
+        v = observed.get(p)
         if v is not None and not math.isfinite(v):
-            return f"a non-finite value was observed at '{parent}' in float32"
+            return f"a non-finite value was observed at '{p}' in float32"
     if dtype != DataType.HALF:
         return ""
     limit = FP16_MAX / HEADROOM
-    for parent in names.values():
-        v = observed.get(parent)
+    for p in names.values():
+        v = observed.get(p)
         if v is not None and v > limit:
-            return (f"values up to {v:.3g} were observed at '{parent}' on the sample inputs; fp16 holds "
+            return (f"values up to {v:.3g} were observed at '{p}' on the sample inputs; fp16 holds "
                     f"{FP16_MAX:g} and {HEADROOM:g}x headroom is required")
     for t in graph.tensors:
         if t.is_scalar and t.dtype == DataType.FLOAT and isinstance(t.value, float) and math.isfinite(t.value) \
@@ -118,43 +119,43 @@ def refusal(graph: Graph, inputs: tuple[str, ...], outputs: tuple[str, ...], obs
             return f"the constant {t.value:g} is beyond fp16's range ({FP16_MAX:g})"
     for n in graph.nodes:
         if n.kind == OpKind.SOFTMAX:
-            why = _unscaled(graph, n.inputs["x"].name, names, observed)
+            why = _unscaled([(graph, names), (parent, {})] if parent is not None else [(graph, names)],
+                            n.inputs["x"].name, label or {})
             if why:
-                return f"softmax '{n.name}': {why}; fp16 logits may overflow"
+                return f"softmax: {why}; fp16 logits may overflow"
     return ""
 
 
-def _unscaled(graph: Graph, name: str, parents: Mapping[str, str], observed: Mapping[str, float]) -> str:
-    """'' where the softmax input ``name`` is scaled or normalized in the region (a Mul / Div
-    by a constant, a norm, an attention scale; masks added after the scale are passed), or
-    arrives from outside with its magnitude observed in range; else why not."""
-    producers = {t.name: n for n in graph.nodes for t in n.outputs.values()}
-    seen = 0
-    while name in producers and seen < 16:
-        seen += 1
-        n = producers[name]
-        if n.kind in _NORMS:
-            return ""
-        if n.kind in _MOVEMENT:
-            name = next(iter(n.inputs.values())).name
-            continue
-        if isinstance(n.attrs, PointwiseAttrs):
-            mode = n.attrs.mode
-            ins = list(n.inputs.values())
-            scalars = [t for t in ins if t.is_scalar]
-            if mode in (PointwiseMode.MUL, PointwiseMode.DIV) and scalars:
+def _unscaled(graphs: list[tuple[Graph, Mapping[str, str]]], name: str, label: Mapping[str, str]) -> str:
+    """'' where the softmax input ``name`` is scaled or normalized before it -- a Mul / Div
+    by a constant or a norm, looked for through data movement and added masks, in the region
+    and on into the unit's graph (``graphs``: the region with its names in the unit, then the
+    unit's graph) -- else why not."""
+    for graph, up in graphs:
+        producers = {t.name: n for n in graph.nodes for t in n.outputs.values()}
+        for _ in range(32):
+            n = producers.get(name)
+            if n is None:
+                break
+            if n.kind in _NORMS:
                 return ""
-            if mode in (PointwiseMode.ADD, PointwiseMode.SUB) and len(ins) == 2:
-                name = ins[0].name  # a mask or a bias added to the logits: look at the logits
-                continue
-            if mode == PointwiseMode.IDENTITY:
+            ins = list(n.inputs.values())
+            if n.kind in _MOVEMENT:
                 name = ins[0].name
                 continue
-        return f"its input comes from {n.kind.value} '{n.name}' without a scale"
-    parent = parents.get(name)
-    if parent is not None and parent in observed and observed[parent] <= FP16_MAX / HEADROOM:
-        return ""
-    return "its input is not scaled or normalized in the region and its range was not observed"
+            if not isinstance(n.attrs, PointwiseAttrs):
+                return f"its input comes from {n.kind.value} '{label.get(n.name, n.name)}' without a scale"
+            mode = n.attrs.mode
+            if mode in (PointwiseMode.MUL, PointwiseMode.DIV) and any(t.is_scalar for t in ins):
+                return ""
+            if mode in (PointwiseMode.ADD, PointwiseMode.SUB, PointwiseMode.IDENTITY):
+                name = ins[0].name  # a mask or a bias added to the logits: look at the logits
+                continue
+            return f"its input comes from pointwise {mode.value} '{label.get(n.name, n.name)}' without a scale"
+        if name not in up:
+            break
+        name = up[name]
+    return "its input is not scaled or normalized before it (it comes from outside the unit)"
 
 
 @contextlib.contextmanager
