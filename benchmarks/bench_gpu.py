@@ -18,7 +18,7 @@ first call before that keeps compilation and plan building out:
   cudnn       cuDNN's Python frontend called directly: the same cuDNN graph built with its
               heuristic (A, then FALLBACK) and run with ``graph.execute(pack, workspace)``
 
-    python benchmarks/bench_gpu.py --json gpu.json --png gpu.png [--group issue|extra|all]
+    python benchmarks/bench_gpu.py --json gpu.json --png gpu.png [--group issue|extra|all|backward]
 
 f16 I/O, f32 compute/intermediates, NHWC activations unless the name says otherwise.
 """
@@ -65,6 +65,9 @@ class Case:
     compile: bool = False  # time torch.compile (and fusegraph's torch compile config)
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # fills inputs that must agree with others (a backward's saved statistics and forward
+    # output, computed from its random x / q, k, v), in place, before anything is timed
+    prepare: Callable[[dict[str, Any]], None] | None = None
 
 
 # ---- cases ---------------------------------------------------------------------------------------
@@ -210,6 +213,98 @@ def grad_case(kind: str, group: str, n: int, c: int, hw: int, k: int) -> Case:
     return Case(g.name, group, g, eager, 2.0 * n * k * hw * hw * c * 9)
 
 
+# ---- backward (issue 23): norm backward and attention backward, alone in their graphs ---------
+def _autograd_eager(forward: Callable[[dict[str, Any]], tuple[Any, tuple[Any, ...]]], grad: str) -> Callable[[dict[str, Any]], Any]:
+    """PyTorch eager's backward alone: ``forward`` (run once, on leaves that require
+    gradients) gives (output, leaves); each call is ``torch.autograd.grad`` of that output
+    with ``t[grad]`` as its gradient, the graph retained (the forward is not timed)."""
+    import torch
+
+    held: dict[str, Any] = {}
+
+    def call(t: dict[str, Any]) -> Any:
+        if "y" not in held:
+            with torch.enable_grad():
+                held["y"], held["leaves"] = forward(t)
+        return torch.autograd.grad(held["y"], held["leaves"], t[grad], retain_graph=True)[0]
+
+    return call
+
+
+def norm_backward_case(kind: str, rows: int, cols: int, dt: DT = DT.BFLOAT16, eps: float = 1e-5) -> Case:
+    """layernorm_backward / rmsnorm_backward (dx, dscale [, dbias]) vs the backward of
+    F.layer_norm / F.rms_norm (cuDNN's frontend publishes RMSNorm backward 16384x4096 bf16 at
+    0.106 ms on the H200, PyTorch's at 0.223 ms)."""
+    import torch
+    import torch.nn.functional as F
+
+    g = _g(f"{kind}_backward_{rows}x{cols}_{dt.value}", dt)
+    dy, x, s = g.tensor("dy", [rows, cols]), g.tensor("x", [rows, cols]), g.tensor("scale", [1, cols])
+    if kind == "layernorm":
+        mean, inv = g.tensor("mean", [rows, 1], data_type=DT.FLOAT), g.tensor("inv", [rows, 1], data_type=DT.FLOAT)
+        outs: tuple[Any, ...] = g.layernorm_backward(dy, x, s, mean, inv)
+    else:
+        outs = g.rmsnorm_backward(dy, x, s, g.tensor("inv", [rows, 1], data_type=DT.FLOAT))[:2]
+    for o in outs:
+        o.set_output(True)
+
+    def prepare(t: dict[str, Any]) -> None:
+        xf = t["x"].float()
+        if kind == "layernorm":
+            t["mean"].copy_(xf.mean(1, keepdim=True))
+            t["inv"].copy_(torch.rsqrt(xf.var(1, unbiased=False, keepdim=True) + eps))
+        else:
+            t["inv"].copy_(torch.rsqrt(xf.square().mean(1, keepdim=True) + eps))
+
+    def forward(t: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+        xl = t["x"].detach().requires_grad_()
+        w = t["scale"].reshape(-1).detach().requires_grad_()
+        if kind == "layernorm":
+            b = torch.zeros_like(w).requires_grad_()
+            return F.layer_norm(xl, (cols,), w, b, eps), (xl, w, b)
+        return F.rms_norm(xl, (cols,), w, eps), (xl, w)
+
+    return Case(g.name, "backward", g, _autograd_eager(forward, "dy"), prepare=prepare,
+                notes="eager: torch.autograd.grad of the forward's output (backward kernels only)")
+
+
+def sdpa_backward_case(b: int, hq: int, hkv: int, s: int, d: int, causal: bool, dt: DT = DT.BFLOAT16) -> Case:
+    """sdpa_backward (dq, dk, dv from q, k, v, o, dO and the forward's log-sum-exp) vs the
+    backward of F.scaled_dot_product_attention (PyTorch's default backend, enable_gqa)."""
+    import torch
+    import torch.nn.functional as F
+
+    g = _g(f"sdpa_backward_{'causal' if causal else 'full'}_b{b}h{hq}kv{hkv}s{s}d{d}_{dt.value}", dt)
+    q, k, v = g.tensor("q", [b, hq, s, d]), g.tensor("k", [b, hkv, s, d]), g.tensor("v", [b, hkv, s, d])
+    o, do = g.tensor("o", [b, hq, s, d]), g.tensor("do", [b, hq, s, d])
+    stats = g.tensor("stats", [b, hq, s, 1], data_type=DT.FLOAT)
+    for grad in g.sdpa_backward(q, k, v, o, do, stats, causal=causal):
+        grad.set_output(True)
+    scale = 1.0 / math.sqrt(d)
+    group = hq // hkv
+
+    def prepare(t: dict[str, Any]) -> None:  # o and the statistics of the forward, per KV head in f32
+        keep = torch.ones(s, s, dtype=torch.bool, device=t["q"].device).tril() if causal else None
+        for bi in range(b):
+            for h in range(hkv):
+                heads = slice(h * group, (h + 1) * group)
+                sc = (t["q"][bi, heads].float() @ t["k"][bi, h].float().T) * scale
+                if keep is not None:
+                    sc = sc.masked_fill(~keep, -math.inf)
+                lse = torch.logsumexp(sc, -1, keepdim=True)
+                t["stats"][bi, heads].copy_(lse)
+                t["o"][bi, heads].copy_(torch.exp(sc - lse) @ t["v"][bi, h].float())
+                del sc
+
+    def forward(t: dict[str, Any]) -> tuple[Any, tuple[Any, ...]]:
+        ql, kl, vl = (t[n].detach().requires_grad_() for n in ("q", "k", "v"))
+        return F.scaled_dot_product_attention(ql, kl, vl, is_causal=causal, scale=scale, enable_gqa=hq != hkv), (ql, kl, vl)
+
+    flops = 2.5 * 4.0 * b * hq * s * s * d * (0.5 if causal else 1.0)  # backward: 2.5x the forward's matmul work
+    return Case(g.name, "backward", g, _autograd_eager(forward, "do"), flops, prepare=prepare,
+                notes="eager: torch.autograd.grad of the forward's output (backward kernels only)")
+
+
 def cases(group: str) -> list[Case]:
     out: list[Case] = []
     if group in ("issue", "all"):
@@ -224,6 +319,12 @@ def cases(group: str) -> list[Case]:
             chain_case("issue", 8192, 4096),
             sdpa_case("issue", 8, 16, 2048, 128, causal=True),
             relu_case("issue"),
+        ]
+    if group == "backward":  # not in "all": its own summary line
+        out += [
+            norm_backward_case("rmsnorm", 16384, 4096),
+            norm_backward_case("layernorm", 16384, 4096),
+            sdpa_backward_case(1, 64, 8, 4096, 128, causal=True),
         ]
     if group in ("extra", "all"):
         for n in (32, 256):
@@ -322,6 +423,8 @@ def run_case(case: Case, rounds: int, per_round: int, rng: np.random.Generator) 
 
     g = case.graph.validate()
     dev = device_inputs(g, rng)
+    if case.prepare is not None:
+        case.prepare(dev)
     res: dict[str, Any] = {"name": case.name, "group": case.group, "flops": case.flops, "notes": case.notes, "results": {}}
     fns: dict[str, Callable[[], Any]] = {}
     errors: dict[str, str] = {}
@@ -618,7 +721,8 @@ def table(results: list[dict[str, Any]], gpu: str) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--group", default="issue", choices=["issue", "extra", "all", "none"])
+    ap.add_argument("--group", default="issue", choices=["issue", "extra", "all", "backward", "none"],
+                    help="backward: norm and attention backward (issue 23), not part of 'all'")
     ap.add_argument("--only", default="", help="comma-separated substrings of case names")
     ap.add_argument("--rounds", type=int, default=10, help="timed rounds per contender (one sample each)")
     ap.add_argument("--per-round", type=int, default=30)

@@ -304,3 +304,12 @@ def test_sdpa_backward_gqa_bshd_and_mask(rng: np.random.Generator) -> None:
     _run(g, _attention_feeds(g, rng), TOL[DT.BFLOAT16])
     g = sdpa_bwd(DT.HALF, causal=False, mask=True).validate()
     _run(g, _attention_feeds(g, rng), TOL[DT.HALF])
+
+
+def test_gpu_selection_asks_cudnn_first_for_attention_backward() -> None:
+    from fusegraph.select.heuristics import features, matching_rule
+
+    f = features(sdpa_bwd(hq=64, hkv=8, s=4096, d=128, b=1).validate())
+    assert f.flops == pytest.approx(2.5 * 4 * 64 * 4096 * 4096 * 128)  # 2.5x the forward's matmul work
+    rule = matching_rule(f, GPU)
+    assert rule is not None and rule.name == "gpu.compute" and rule.order[0][0] == "cudnn"

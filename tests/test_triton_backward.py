@@ -262,3 +262,10 @@ def test_repeated_runs_give_the_same_bits(rng: np.random.Generator) -> None:
         again = plan.execute(dev)
         for name, t in first.items():
             assert torch.equal(t, again[name]), name
+
+
+def test_gpu_selection_asks_triton_first_for_norm_backward() -> None:
+    from fusegraph.select.heuristics import features, matching_rule
+
+    rule = matching_rule(features(norm_bwd("rms", DT.BFLOAT16, xs=(16384, 4096))), GPU)
+    assert rule is not None and rule.name == "gpu.reduction" and rule.order[0][0] == "triton"

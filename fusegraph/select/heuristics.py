@@ -19,14 +19,14 @@ from fusegraph.engines.base import Engine, EngineConfig, Knob
 from fusegraph.engines.heuristic import Heuristic as Heuristic  # the plugin interface, re-exported
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
-from fusegraph.graph.ops import CONVOLUTIONS, DATA_MOVEMENT, NORMS, OpKind
+from fusegraph.graph.ops import CONVOLUTIONS, DATA_MOVEMENT, NORM_BACKWARD, NORMS, OpKind
 from fusegraph.runtime.handle import Handle
 from fusegraph.select.modes import HeurMode
 
 log = logging.getLogger("fusegraph.select")
 
-COMPUTE_OPS = CONVOLUTIONS | {OpKind.MATMUL, OpKind.SDPA}
-REDUCE_OPS = NORMS | {OpKind.REDUCTION, OpKind.SOFTMAX, OpKind.POOLING}
+COMPUTE_OPS = CONVOLUTIONS | {OpKind.MATMUL, OpKind.SDPA, OpKind.SDPA_BACKWARD}
+REDUCE_OPS = NORMS | NORM_BACKWARD | {OpKind.REDUCTION, OpKind.SOFTMAX, OpKind.POOLING}
 MAX_CONFIGS_PER_ENGINE = 32
 
 
@@ -81,10 +81,10 @@ def _node_flops(n: Node) -> float:
         c = n.outputs["c"].shape
         k = n.inputs["a"].shape[-1]
         return 2.0 * _prod(c) * k
-    if n.kind == OpKind.SDPA:
+    if n.kind in (OpKind.SDPA, OpKind.SDPA_BACKWARD):
         b, h, sq, d = n.inputs["q"].shape
         skv, dv = n.inputs["k"].shape[2], n.inputs["v"].shape[3]
-        return 2.0 * b * h * sq * skv * (d + dv)
+        return 2.0 * b * h * sq * skv * (d + dv) * (2.5 if n.kind == OpKind.SDPA_BACKWARD else 1.0)
     # convolutions: every output element of fprop costs C/groups x kernel MACs
     if n.kind == OpKind.CONV_FPROP:
         y, w = n.outputs["y"].shape, n.inputs["w"].shape
