@@ -13,14 +13,22 @@ PyTorch gets CUDA tensors in and out with ``cudnn.benchmark`` on. Reported per m
 batch: agreement with eager (relative), session setup and compile times, medians, the
 ratios eager / fusegraph and compile / fusegraph, and the partition report's summary
 (which regions ran on which engine). ``--variants`` adds ``fusegraph-whole`` (regions off:
-the unit on one engine, as before regions) to see what the region path changed.
+the unit on one engine, as before regions) to see what the region path changed, and
+``fusegraph-cuda``: the same session through ``io_binding`` with CUDA tensors in and out
+(issue 24 item 5: no host copies, as the PyTorch side is timed).
 
     python benchmarks/bench_onnx_gpu.py --json onnx_gpu.json --png onnx_gpu.png
     python benchmarks/bench_onnx_gpu.py --models resnet50,vit_b_16,bert --batch 1,8
     python benchmarks/bench_onnx_gpu.py --models bert --options autotune=30   # regions tuned across engines
+    python benchmarks/bench_onnx_gpu.py --precision fp16 --variants fusegraph,fusegraph-cuda,eager,compile
     python benchmarks/bench_onnx_gpu.py --quick            # CPU smoke (built-in models, regions=on)
 
-Precision: float32 as exported (reduced precisions are issue 24 item 4, not yet here).
+Precision (``--precision``, issue 24 item 4): fp32 as exported; fp16 / bf16 give fusegraph the
+provider option ``precision`` and run the PyTorch module and its float inputs converted
+(``.half()`` / ``.bfloat16()``); tf32 gives fusegraph ``precision=tf32`` and runs PyTorch with
+``torch.backends.cuda.matmul.allow_tf32`` and ``cudnn.allow_tf32`` on. Agreement is always
+against the float32 eager module; the row also keeps the precision line of fusegraph's
+report (regions in the reduced type, those kept float32, the accuracy it measured).
 Targets (issue 24, H200): every model >= 1.0x eager; geomean >= 1.3x eager and >= 1.0x
 compile; attention-heavy models >= 1.2x eager; fp32 agreement <= 1e-3.
 """
@@ -185,7 +193,9 @@ MODELS: dict[str, tuple[str, Callable[[int], Case]]] = {
 }
 DEFAULT = [m for m in MODELS if m not in ("convnet", "block")]
 ATTENTION = {"vit_b_16", "swin_t", "bert", "distilbert", "gpt2", "whisper_encoder"}
-VARIANTS = ("fusegraph", "eager", "compile", "fusegraph-whole")
+VARIANTS = ("fusegraph", "eager", "compile", "fusegraph-whole", "fusegraph-cuda")
+PRECISIONS = ("fp32", "fp16", "bf16", "tf32")
+TORCH_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def export(module: nn.Module, inputs: tuple[torch.Tensor, ...], names: list[str], path: Path) -> None:
@@ -220,21 +230,50 @@ def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dic
     feed = {n: x.numpy() for n, x in zip(names, inputs, strict=True)}
     row: dict[str, Any] = {"model": name, "family": family, "batch": batch, "setup_s": {}, "rel_err": {}}
     with torch.inference_mode():
-        want = module(*dev_inputs).float().cpu().numpy()
+        want = module(*dev_inputs).float().cpu().numpy()  # float32: every variant's agreement is against it
+    low = TORCH_TYPES.get(args.precision)
+    if low is not None:  # the PyTorch side at the same precision
+        module = module.to(low)
+        dev_inputs = tuple(x.to(low) if x.is_floating_point() else x for x in dev_inputs)
     calls: dict[str, Callable[[], object]] = {}
+    sessions: dict[str, Any] = {}
     for variant in args.variants:
         t0 = time.perf_counter()
+        if variant == "fusegraph-whole" and args.precision in TORCH_TYPES:
+            row["rel_err"][variant] = float("nan")
+            row[f"{variant}_report"] = f"skipped: precision={args.precision} needs the region path"
+            continue
         if variant.startswith("fusegraph"):
-            opts = {"device": args.device, **args.options, **({"regions": "off"} if variant == "fusegraph-whole" else {})}
+            whole = variant == "fusegraph-whole"
+            opts = {"device": args.device, **args.options, **({"regions": "off"} if whole else {})}
+            if args.precision != "fp32":
+                opts["precision"] = args.precision
             if device.type == "cpu":  # the smoke run: the region path on the CPU, torch pinned, no runners
-                opts |= {"regions": "on" if variant == "fusegraph" else "off", "engine": "torch", "runners": "off",
+                opts |= {"regions": "off" if whole else "on", "engine": "torch", "runners": "off",
                          "floor_mode": "inline"}
-            sess = fgo.InferenceSession(str(path), providers=["FusegraphExecutionProvider", "CPUExecutionProvider"],
-                                        provider_options=[opts, {}])
+            key = "whole" if whole else "regions"
+            sess = sessions.get(key)
+            if sess is None:
+                sess = fgo.InferenceSession(str(path), providers=["FusegraphExecutionProvider", "CPUExecutionProvider"],
+                                            provider_options=[opts, {}])
+                sessions[key] = sess
+            if variant == "fusegraph-cuda":  # io_binding: CUDA tensors in, the output allocated on the device
+                binding = sess.io_binding()
+                for n, x in zip(names, inputs, strict=True):
+                    binding.bind_input(n, x.to(device) if device.type == "cuda" else x.numpy())
+                binding.bind_output("out", "cuda" if device.type == "cuda" else "cpu")
+                sess.run_with_iobinding(binding)
+                got = binding.copy_outputs_to_cpu()[0]
+                row["setup_s"][variant] = time.perf_counter() - t0
+                row["rel_err"][variant] = _rel(got, want)
+                calls[variant] = lambda sess=sess, b=binding: sess.run_with_iobinding(b)  # type: ignore[misc]
+                continue
             got = sess.run(None, feed)[0]
             row["setup_s"][variant] = time.perf_counter() - t0
             row["rel_err"][variant] = _rel(got, want)
             report = sess.partition_report()
+            row[f"{variant}_precision"] = [s.floor[s.floor.index("precision "):] for s in report.subgraphs
+                                           if "precision " in s.floor]
             row[f"{variant}_report"] = report.summary()
             row[f"{variant}_regions"] = [
                 {"pattern": r.pattern, "where": r.where, "source": r.source, "fusegraph_ms": r.fusegraph_ms,
@@ -265,6 +304,9 @@ def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dic
     for base in ("eager", "compile"):
         if fg and base in row["ms"]:
             row[f"{base}_over_fusegraph"] = row["ms"][base] / fg
+        fgc = row["ms"].get("fusegraph-cuda")
+        if fgc and base in row["ms"]:  # CUDA tensors in and out on both sides
+            row[f"{base}_over_fusegraph_cuda"] = row["ms"][base] / fgc
     return row
 
 
@@ -273,7 +315,7 @@ def _geomean(xs: list[float]) -> float:
     return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
 
 
-def chart(rows: list[dict[str, Any]], path: str, device: str) -> None:
+def chart(rows: list[dict[str, Any]], path: str, device: str, precision: str = "fp32") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -288,7 +330,7 @@ def chart(rows: list[dict[str, Any]], path: str, device: str) -> None:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks(xs, labels, rotation=60, ha="right")
     ax.set_ylabel("speed-up of fusegraph (x)")
-    ax.set_title(f"ONNX models on {device}, fp32")
+    ax.set_title(f"ONNX models on {device}, {precision}")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -300,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--variants", default="fusegraph,eager,compile", help=f"comma-separated, among {list(VARIANTS)}")
-    p.add_argument("--precision", default="fp32", choices=["fp32"], help="fp32 as exported (item 4: not yet)")
+    p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
+                   help="fp32 as exported; fp16 / bf16 / tf32 for fusegraph (provider option) and PyTorch alike")
     p.add_argument("--rounds", type=int, default=30, help="timed rounds (medians)")
     p.add_argument("--warmup-s", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
@@ -325,6 +368,9 @@ def main(argv: list[str] | None = None) -> int:
         if not torch.cuda.is_available():
             p.error(f"--device {args.device}: no CUDA device here (use --quick for the CPU smoke run)")
         torch.backends.cudnn.benchmark = True
+        if args.precision == "tf32":  # PyTorch's side of tf32 (fusegraph sets its own while its units run)
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
     gpu = torch.cuda.get_device_name(torch.device(args.device)) if torch.device(args.device).type == "cuda" else "cpu"
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench-onnx-gpu-") as tmp:
@@ -344,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                                                "rows": rows, **summary}, indent=1, default=str))
     if args.png:
         try:
-            chart([r for r in rows if "ms" in r], args.png, gpu)
+            chart([r for r in rows if "ms" in r], args.png, gpu, args.precision)
         except ImportError:
             print("no matplotlib: no chart", file=sys.stderr)
     return 1 if any("error" in r for r in rows) else 0
@@ -355,13 +401,15 @@ def _print(row: dict[str, Any]) -> None:
         print(f"{row['model']:<20} b{row['batch']:<3} ERROR {row['error']}")
         return
     ms = "  ".join(f"{k} {v:8.3f} ms" for k, v in row["ms"].items())
-    ratio = "  ".join(f"{b}/fg {row[f'{b}_over_fusegraph']:.2f}x" for b in ("eager", "compile")
-                      if f"{b}_over_fusegraph" in row)
-    err = max(row["rel_err"].values())
+    ratio = "  ".join(f"{b}/{k} {row[f'{b}_over_{key}']:.2f}x" for b in ("eager", "compile")
+                      for k, key in (("fg", "fusegraph"), ("fg-cuda", "fusegraph_cuda")) if f"{b}_over_{key}" in row)
+    err = max((v for v in row["rel_err"].values() if not math.isnan(v)), default=float("nan"))
     setup = row["setup_s"].get("fusegraph", 0.0)
     print(f"{row['model']:<20} b{row['batch']:<3} {ms}  {ratio}  max rel err {err:.1e}  fusegraph setup {setup:.1f} s")
     if "fusegraph_report" in row:
         print(f"    {row['fusegraph_report']}")
+    for line in dict.fromkeys(row.get("fusegraph_precision", [])):
+        print(f"    {line}")
 
 
 if __name__ == "__main__":
