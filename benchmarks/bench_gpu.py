@@ -385,6 +385,12 @@ def candidate_configs(case: Case) -> list[EngineConfig]:
                     out.append(EngineConfig("triton", (("rows_per_program", r), ("num_warps", w))))
         if "gelu_cdf" in knobs:  # libdevice's erf (the other CDF) at the default tiling
             out.append(EngineConfig("triton", (("gelu_cdf", "erf"),)))
+        if "programs_per_sm" in knobs:  # norm backward: the row pass's grid and its prefetch
+            psm = knobs["programs_per_sm"]
+            out += [EngineConfig("triton", (("programs_per_sm", p),)) for p in psm.choices if p != psm.default]
+            out += [EngineConfig("triton", (("prefetch", "off"),)),
+                    EngineConfig("triton", (("num_warps", 16), ("programs_per_sm", 1))),
+                    EngineConfig("triton", (("num_warps", 4), ("programs_per_sm", 4)))]
     out += [EngineConfig("torch"), EngineConfig("torch", (("cuda_graph", False),))]
     if case.compile:
         out.append(EngineConfig("torch", (("compile", True),)))

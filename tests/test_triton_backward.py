@@ -124,7 +124,7 @@ def test_the_engine_declares_and_refuses_on_the_cpu() -> None:
     s = ENGINE.supports(g, fg.Handle("cpu"))
     assert not s and "NVIDIA GPUs only" in s.reason
     names = [k.name for k in ENGINE.knobs(g, fg.Handle("cpu"))]
-    assert names == ["rows_per_program", "num_warps", "programs_per_sm"]
+    assert names == ["rows_per_program", "num_warps", "programs_per_sm", "prefetch"]
 
 
 def test_default_tiling() -> None:
@@ -160,7 +160,7 @@ _INTERPRET = textwrap.dedent("""
 
 
 def interpret(cases: list[list[Any]]) -> list[dict[str, float]]:
-    """Each case (kind, dtype value, x dims, rows a tile, programs) built, its kernels run by
+    """Each case (kind, dtype value, x dims, rows a tile, programs, prefetch) built, its kernels run by
     Triton's interpreter on CPU tensors, and each output's error against the reference."""
     import torch
 
@@ -168,10 +168,10 @@ def interpret(cases: list[list[Any]]) -> list[dict[str, float]]:
 
     rng = np.random.default_rng(1234)
     errors = []
-    for kind, dtv, xs, per, programs in cases:
+    for kind, dtv, xs, per, programs, prefetch in cases:
         g = norm_bwd(kind, DT(dtv), tuple(xs))
         v = analyze_norm_backward(g)
-        text = norm_backward_source(g, v, per, programs)
+        text = norm_backward_source(g, v, per, programs, prefetch)
         path = os.path.join(os.environ["FG_INTERPRET_DIR"], f"k{len(errors)}.py")
         with open(path, "w") as f:
             f.write(text)
@@ -197,10 +197,12 @@ def test_kernels_under_the_triton_interpreter(tmp_path: Any) -> None:
         pytest.skip("Triton's interpreter needs triton and torch importable (not installed here); "
                     "the same kernels run on the GPU in the gpu-marked tests below")
     cases = [
-        ["ln", "float", [37, 100], 32, 2],  # masked rows and columns, one tile per program
-        ["ln", "bfloat16", [130, 64], 1, 7],  # programs walking several tiles
-        ["rms", "half", [5, 3, 24], 2, 2],  # rank 3: rows x (3 * 24) columns
-        ["rms", "float", [64, 128], 4, 3],
+        ["ln", "float", [37, 100], 32, 2, True],  # masked rows and columns, one tile per program
+        ["ln", "bfloat16", [130, 64], 1, 7, True],  # programs walking several tiles
+        ["ln", "half", [130, 64], 4, 5, False],
+        ["rms", "half", [5, 3, 24], 2, 2, True],  # rank 3: rows x (3 * 24) columns
+        ["rms", "float", [64, 128], 4, 3, False],
+        ["rms", "bfloat16", [67, 128], 4, 3, True],  # a partial last tile, prefetched
     ]
     code = _INTERPRET.format(tests=os.path.dirname(__file__), cases=cases)
     env = {**os.environ, "TRITON_INTERPRET": "1", "FG_INTERPRET_DIR": str(tmp_path)}

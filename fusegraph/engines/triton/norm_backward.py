@@ -107,11 +107,17 @@ def _lit(x: float) -> str:
     return repr(float(x))
 
 
-def norm_backward_source(graph: Graph, view: NormBwdView, rows_per_program: int, programs: int) -> str:
+def norm_backward_source(graph: Graph, view: NormBwdView, rows_per_program: int, programs: int,
+                         prefetch: bool = True) -> str:
     """The module text: ``fg_norm_bwd_rows`` launched on ``programs`` programs, then
     ``fg_norm_bwd_sums`` on ``ceil(cols / SUM_COLS)`` (or none where no column sum is
     asked), both taking ``(inputs..., outputs..., workspace)`` in ``graph.inputs()`` and
-    ``graph.outputs()`` order; the workspace holds ``workspace_floats(...)`` float32."""
+    ``graph.outputs()`` order; the workspace holds ``workspace_floats(...)`` float32.
+
+    ``prefetch``: each program loads its next tile (dy, x and the statistics, in their own
+    types) before computing the current one, so the loads of one tile are in flight while
+    the previous one is reduced and stored (the knob of that name; without it a tile's
+    loads wait for the previous tile's stores to be issued)."""
     node, rows, cols, acc = view.node, view.rows, view.cols, view.access
     block = block_of(cols)
     tiles = -(-rows // rows_per_program)
@@ -119,9 +125,11 @@ def norm_backward_source(graph: Graph, view: NormBwdView, rows_per_program: int,
     params = ", ".join([*ptr.values(), "ws"])
     row_mask = tiles * rows_per_program != rows
     col_mask = block != cols
-    full_mask = "rm & cm" if row_mask and col_mask else ("rm" if row_mask else ("cm" if col_mask else None))
     wide = max([a.row_stride * (rows - 1) + a.col_stride * (cols - 1) for a in acc.values()] + [0]) >= 2**31 - 1
     nsum = len(view.sums)
+
+    def both(rmask: str | None) -> str | None:
+        return f"{rmask} & cm" if rmask and col_mask else (rmask or ("cm" if col_mask else None))
 
     def m(mask: str | None) -> str:
         return f", mask={mask}, other=0.0" if mask else ""
@@ -129,6 +137,20 @@ def norm_backward_source(graph: Graph, view: NormBwdView, rows_per_program: int,
     def port(p: str) -> tuple[str, Access]:
         t = node.inputs.get(p) or node.outputs[p]
         return ptr[t.name], acc[t.name]
+
+    stat_ports = ("inv_var", "mean") if view.centred else ("inv_rms",)
+    stat_names = {"inv_var": "inv", "inv_rms": "inv", "mean": "mean"}
+
+    def loads(r: str, rmask: str | None, suffix: str, widen: str) -> list[str]:
+        """dy, x and the row statistics of the rows ``r`` (masked by ``rmask``)."""
+        out = []
+        for name in ("dy", "x"):
+            pt, a = port(name)
+            out.append(f"{name}{suffix} = tl.load({pt} + {r} * {a.row_stride} + c * {a.col_stride}{m(both(rmask))}){widen}")
+        for sp in stat_ports:
+            pt, a = port(sp)
+            out.append(f"{stat_names[sp]}{suffix} = tl.load({pt} + {r} * {a.row_stride}{m(rmask)}){widen}")
+        return out
 
     lines = [
         f"# fusegraph norm-backward kernels for graph '{graph.name}' ({node.kind.value}): {rows} rows x {cols} columns",
@@ -152,25 +174,28 @@ def norm_backward_source(graph: Graph, view: NormBwdView, rows_per_program: int,
     e(f"w = tl.load({ps} + c * {a_s.col_stride}{m('cm' if col_mask else None)}).to(tl.float32)")
     for k in range(nsum):
         e(f"acc{k} = tl.zeros([ROWS, BLOCK], tl.float32)")
+    int64 = ".to(tl.int64)" if wide else ""
+    if prefetch:
+        e(f"r = pid * ROWS + tl.arange(0, ROWS)[:, None]{int64}")
+        if row_mask:
+            e(f"rm = r < {rows}")
+        body.extend(loads("r", "rm" if row_mask else None, "_n", ""))
     e(f"for t in range(pid, {tiles}, {programs}):")
     body_in: list[str] = []
     f = body_in.append
-    f(f"r = t * ROWS + tl.arange(0, ROWS)[:, None]{'.to(tl.int64)' if wide else ''}")
+    f(f"r = t * ROWS + tl.arange(0, ROWS)[:, None]{int64}")
     if row_mask:
         f(f"rm = r < {rows}")
-    pdy, a_dy = port("dy")
-    px, a_x = port("x")
-    f(f"dy = tl.load({pdy} + r * {a_dy.row_stride} + c * {a_dy.col_stride}{m(full_mask)}).to(tl.float32)")
-    f(f"x = tl.load({px} + r * {a_x.row_stride} + c * {a_x.col_stride}{m(full_mask)}).to(tl.float32)")
-    stat = "inv_var" if view.centred else "inv_rms"
-    pi, a_i = port(stat)
-    f(f"inv = tl.load({pi} + r * {a_i.row_stride}{m('rm' if row_mask else None)}).to(tl.float32)")
-    if view.centred:
-        pm, a_m = port("mean")
-        f(f"mean = tl.load({pm} + r * {a_m.row_stride}{m('rm' if row_mask else None)}).to(tl.float32)")
-        f("xhat = (x - mean) * inv")
+    if prefetch:
+        for name in ("dy", "x", *(stat_names[sp] for sp in stat_ports)):
+            f(f"{name} = {name}_n.to(tl.float32)")
+        f(f"rn = r + {programs * rows_per_program}")
+        f(f"rnm = rn < {rows}")
+        body_in.extend(loads("rn", "rnm", "_n", ""))
     else:
-        f("xhat = x * inv")
+        body_in.extend(loads("r", "rm" if row_mask else None, "", ".to(tl.float32)"))
+    full_mask = both("rm" if row_mask else None)
+    f("xhat = (x - mean) * inv" if view.centred else "xhat = x * inv")
     # lanes past a row's end, and rows past the last, load dy = 0: g and every product
     # summed below vanish there whatever xhat holds
     f("g = dy * w")
