@@ -197,6 +197,32 @@ def test_the_rest_compiled_by_inductor(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not any("layer_norm" in t for s in seen for t in s), seen
 
 
+def test_the_rest_under_a_dynamic_batch_holds_no_op_inductor_decomposes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``mark_dynamic`` the graph's inputs include symbolic sizes; the unclaimed rest is
+    still decomposed as Inductor would (on the H100 a left ``aten.t`` made Inductor refuse to
+    compile: "both a fallback and a decomp for same op")."""
+    from torch._inductor import compile_fx as inductor
+    from torch._inductor.decomposition import select_decomp_table
+
+    table = select_decomp_table()
+    seen: list[set[str]] = []
+    real = inductor.compile_fx_inner
+
+    def spy(gm: Any, inputs: Any, **kw: Any) -> Any:
+        seen.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function" and n.target in table})
+        return real(gm, inputs, **kw)
+
+    monkeypatch.setattr(inductor, "compile_fx_inner", spy)
+    eager, twin = _twins(Block)
+    compiled = _compiled(twin, rest="inductor")
+    for batch in (2, 3, 5):
+        x = torch.randn(batch, 8, 32)
+        torch._dynamo.mark_dynamic(x, 0)
+        with torch.no_grad():
+            assert _rel(compiled(x), eager(x)) < 1e-5
+    assert seen and not any(seen), seen
+
+
 def test_the_backend_is_registered_by_name_and_checks_its_options() -> None:
     from importlib.metadata import entry_points
 

@@ -66,9 +66,9 @@ def _keep_whole() -> dict[Any, Any]:
 
 def _decompose_rest(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> torch.fx.GraphModule:
     """The ops kept whole for fusegraph that it did not claim, decomposed as Inductor would
-    have (so Inductor fuses them instead of calling them as fallbacks). Re-traced on the
-    graph's fake inputs; a graph with symbolic sizes keeps them whole (a fallback, never
-    wrong)."""
+    have (so Inductor fuses them instead of calling them as fallbacks, which it refuses for an
+    op with a decomposition: ``aten.t`` under a dynamic batch on the H100). Re-traced on the
+    graph's fake inputs, symbolic sizes included."""
     from torch._inductor.decomposition import select_decomp_table
 
     table = select_decomp_table()
@@ -77,7 +77,7 @@ def _decompose_rest(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> torch.fx
     # can itself produce a kept op (native_layer_norm_backward -> aten.transpose.int), which
     # Inductor would then make a fallback -- an error where the CI variable is set
     needed = table if any(op in table for op in left) else {}
-    if not needed or any(not isinstance(x, torch.Tensor) for x in inputs):
+    if not needed or any(not isinstance(x, torch.Tensor | torch.SymInt) for x in inputs):
         return gm
     from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import make_fx
@@ -103,9 +103,15 @@ def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *
             _claim(graph, opts, _kind(graph))
             return compile_fx_inner(_decompose_rest(graph, inputs), inputs, **kwargs)
 
+        import torch._functorch.config as functorch_config
+
         patches = {"triton.cudagraphs": True} if mode in ("reduce-overhead", "max-autotune") else None
-        compiled: Callable[..., Any] = compile_fx(gm, example_inputs, inner_compile=inner,  # type: ignore[assignment]
-                                                  config_patches=patches, decompositions=_keep_whole())
+        # AOTAutograd's cache keys the graph, not inner_compile: a graph Inductor compiled
+        # before (this process or an earlier one, on disk) came back as Inductor's code,
+        # nothing claimed (found by benchmarks/bench_torch.py: inductor timed first)
+        with functorch_config.patch(enable_autograd_cache=False):
+            compiled: Callable[..., Any] = compile_fx(gm, example_inputs, inner_compile=inner,  # type: ignore[assignment]
+                                                      config_patches=patches, decompositions=_keep_whole())
         return compiled
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
