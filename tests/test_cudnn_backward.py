@@ -206,6 +206,9 @@ class _Graph:
     def sdpa_backward(self, *a: Any, **kw: Any) -> list[Any]:
         return self._op("sdpa_backward", 3, a, kw)
 
+    def sdpa(self, *a: Any, **kw: Any) -> list[Any]:
+        return self._op("sdpa", 2, a, kw)
+
 
 def _fake_cudnn() -> Any:
     names = ("HALF", "BFLOAT16", "FLOAT", "DOUBLE", "INT64", "BOOLEAN")
@@ -240,6 +243,38 @@ def test_lowering_calls_the_frontends_sdpa_backward() -> None:
     cg = _lowered(sdpa_bwd(DT.HALF, causal=False, scale=0.3))
     kw = cg.calls[0][2]
     assert kw["use_causal_mask"] is False and kw["attn_scale"] == pytest.approx(0.3) and "bias" not in kw
+
+
+def sdpa_fwd(dt: DT = DT.BFLOAT16, *, hq: int = 4, hkv: int = 4, s: int = 128, d: int = 64, causal: bool = True,
+             stats_output: bool = True) -> fg.Graph:
+    """The training forward: sdpa with the statistics its backward reads."""
+    g = _g("sdpa_fwd_stats", dt)
+    q, k, v = g.tensor("q", [2, hq, s, d]), g.tensor("k", [2, hkv, s, d]), g.tensor("v", [2, hkv, s, d])
+    o, st = g.sdpa(q, k, v, causal=causal, generate_stats=True, name="att")
+    o.set_output(True)
+    st.set_output(stats_output)
+    if not stats_output:
+        g.relu(st).set_output(True)  # read, but not written out
+    return g
+
+
+def test_forward_statistics_for_the_backward() -> None:
+    g = sdpa_fwd().validate()
+    assert declared_unsupported("cudnn", g) is None and lower.refusal(g) is None
+    b = lower.binding(g)
+    assert b.described["att::stats"].dims == (2, 4, 128, 1) and "att::stats" in b.uids
+    (name, _, kw), = _lowered(g).calls
+    assert name == "sdpa" and kw["generate_stats"] is True
+    (name, _, kw), = _lowered(sdpa_inference_graph()).calls
+    assert name == "sdpa" and kw["generate_stats"] is False
+    assert "float32 graph output" in _refusal(sdpa_fwd(stats_output=False))
+
+
+def sdpa_inference_graph() -> fg.Graph:
+    g = _g("sdpa_inference", DT.HALF)
+    q = g.tensor("q", [1, 2, 16, 8])
+    g.sdpa(q, q, q).set_output(True)
+    return g
 
 
 # ---- GPU ---------------------------------------------------------------------------------------
@@ -313,3 +348,26 @@ def test_gpu_selection_asks_cudnn_first_for_attention_backward() -> None:
     assert f.flops == pytest.approx(2.5 * 4 * 64 * 4096 * 4096 * 128)  # 2.5x the forward's matmul work
     rule = matching_rule(f, GPU)
     assert rule is not None and rule.name == "gpu.compute" and rule.order[0][0] == "cudnn"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [DT.HALF, DT.BFLOAT16])
+def test_training_forward_then_backward_on_cudnn(dt: DT, rng: np.random.Generator) -> None:
+    """sdpa with statistics on cuDNN, its o and statistics fed to sdpa_backward on cuDNN:
+    each against the float64 reference (the backward's on the same o and statistics)."""
+    import torch
+
+    fwd = sdpa_fwd(dt, hq=8, hkv=2, s=256).validate()
+    pack = random_inputs(fwd, rng)
+    _run(fwd, pack, TOL[dt])
+    plan = ENGINE.build(fwd, GPU)
+    dev = {k: torch.from_numpy(np.asarray(v, np.float32)).to("cuda", torch.float16 if dt == DT.HALF else torch.bfloat16)
+           for k, v in pack.items()}
+    got = plan.execute(dev)
+    bwd = sdpa_bwd(dt, hq=8, hkv=2, s=256, causal=True).validate()
+    feeds = random_inputs(bwd, rng)
+    for name in ("q", "k", "v"):
+        feeds[name] = np.asarray(pack[name])
+    feeds["o"] = got["att::o"].float().cpu().numpy().astype(dt.numpy)
+    feeds["stats"] = got["att::stats"].float().cpu().numpy()
+    _run(bwd, feeds, TOL[dt])

@@ -78,7 +78,6 @@ UNSUPPORTED_PORTS: dict[str, dict[tuple[OpKind, str], str]] = {
         (OpKind.BATCHNORM, "in_running_mean"): _NOT_EMITTED,
     },
     "cudnn": {
-        (OpKind.SDPA, "stats"): _NOT_WIRED,
         (OpKind.SDPA, "seed"): _DROPOUT_RNG,
         (OpKind.SDPA_BACKWARD, "seed"): _DROPOUT_RNG,
         (OpKind.BATCHNORM, "in_running_mean"): _NOT_WIRED,

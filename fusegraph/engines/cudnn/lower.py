@@ -259,7 +259,7 @@ PORTS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     OpKind.BATCHNORM: (frozenset({"x", "scale", "bias", "epsilon"}), frozenset({"y", "mean", "inv_var"})),
     OpKind.LAYERNORM: (frozenset({"x", "scale", "bias", "epsilon"}), frozenset({"y", "mean", "inv_var"})),
     OpKind.RMSNORM: (frozenset({"x", "scale", "bias", "epsilon"}), frozenset({"y", "inv_rms"})),
-    OpKind.SDPA: (frozenset({"q", "k", "v", "mask"}), frozenset({"o"})),
+    OpKind.SDPA: (frozenset({"q", "k", "v", "mask"}), frozenset({"o", "stats"})),
     OpKind.LAYERNORM_BACKWARD: (frozenset({"dy", "x", "scale", "mean", "inv_var"}), frozenset({"dx", "dscale", "dbias"})),
     OpKind.RMSNORM_BACKWARD: (frozenset({"dy", "x", "scale", "inv_rms"}), frozenset({"dx", "dscale", "dbias"})),
     OpKind.SDPA_BACKWARD: (frozenset({"q", "k", "v", "o", "do", "stats", "mask"}), frozenset({"dq", "dk", "dv"})),
@@ -733,13 +733,14 @@ def _sdpa(bld: _Builder, node: Node, prep: Prep | None) -> dict[str, Any]:
     assert isinstance(a, SdpaAttrs)
     q = node.inputs["q"]
     scale = a.attn_scale if a.attn_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    kw: dict[str, Any] = {"attn_scale": float(scale), "generate_stats": False, "use_causal_mask": bool(a.causal),
+    stats = "stats" in node.outputs  # the log-sum-exp sdpa_backward reads (cuDNN's Stats, float32)
+    kw: dict[str, Any] = {"attn_scale": float(scale), "generate_stats": stats, "use_causal_mask": bool(a.causal),
                           "compute_data_type": _cdt(bld, node), "name": _safe(node.name)}
     if "mask" in node.inputs:
         kw["bias"] = bld.tensor(node.inputs["mask"])
     outs = bld.g.sdpa(bld.tensor(q), bld.tensor(node.inputs["k"]), bld.tensor(node.inputs["v"]), **kw)
     o = outs[0] if isinstance(outs, list | tuple) else outs
-    return {"o": o}
+    return {"o": o, "stats": outs[1]} if stats else {"o": o}
 
 
 Lowering = Callable[[_Builder, Node, Prep | None], dict[str, Any]]

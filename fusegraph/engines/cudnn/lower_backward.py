@@ -29,9 +29,17 @@ SAVED_STATS: dict[OpKind, tuple[str, ...]] = {
 
 
 def backward_refusal(graph: Graph) -> str | None:
-    """Why a graph holding a backward op cannot go to cuDNN, or None: the op is its cuDNN
-    graph alone (no fused neighbours: none were checked on the GPU), its saved statistics
-    are float32, and every gradient it makes is a graph output (cuDNN writes them all)."""
+    """Why a graph holding a backward op, or an sdpa writing the statistics its backward
+    reads, cannot go to cuDNN, or None. Those statistics are a float32 graph output; a
+    backward op is its cuDNN graph alone (no fused neighbours: none were checked on the
+    GPU), its saved statistics are float32, and every gradient it makes is a graph output
+    (cuDNN writes them all)."""
+    for n in graph.nodes:
+        st = n.outputs.get("stats") if n.kind == OpKind.SDPA else None
+        if st is not None and (not st.is_output or st.dtype != DataType.FLOAT):
+            return (f"node '{n.name}' (sdpa): its statistics '{st.name}' must be a float32 graph output "
+                    f"(cuDNN writes its Stats as float32 and needs their memory), got {st.dtype.name}"
+                    f"{'' if st.is_output else ', not an output'}")
     back = [n for n in graph.nodes if n.kind in BACKWARD]
     if not back:
         return None
