@@ -133,12 +133,12 @@ def _report(rows: list[Any]) -> dict[str, Any]:
 
 # ---- the float32 check ---------------------------------------------------------------------------
 def check(name: str, size: str, device: torch.device, steps: int, options: dict[str, Any],
-          modes: list[str]) -> dict[str, Any]:
+          modes: list[str], batch: int | None = None) -> dict[str, Any]:
     """Eager against the backend with every region claimed (``options`` added), float32:
     ``steps`` SGD steps (losses, and every gradient after the first step) and, in eval mode
     under no_grad, the outputs."""
     out: dict[str, Any] = {"model": name, "size": size, "options": {"floor": False, **options}}
-    case = tm.case(name, size)
+    case = tm.case(name, size, batch)
     base, inputs, target = _place(case, device)
     out["describe"] = case.describe
     with _strict_fp32():
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variants", default="eager,inductor,fusegraph", help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--size", choices=("full", "tiny"), help="model size (default: full on a GPU, tiny on the CPU)")
-    ap.add_argument("--batch", type=int, help="training batch (default: each model's)")
+    ap.add_argument("--batch", type=int, help="batch of the training step and the check (default: each model's)")
     ap.add_argument("--train-dtype", choices=sorted(DTYPES), help="autocast dtype of the training step (default bf16 on a GPU, fp32 on the CPU)")
     ap.add_argument("--infer-batch", default="1,32", help="inference batch sizes")
     ap.add_argument("--infer-dtype", default="bf16,fp32", help="inference precisions (bf16, fp16, fp32)")
@@ -413,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
         for m in models:
             t0 = time.perf_counter()
             try:
-                c = check(m, args.check_size or args.size, device, args.check_steps or 5, check_options, modes)
+                c = check(m, args.check_size or args.size, device, args.check_steps or 5, check_options, modes,
+                          args.batch)
             except Exception as exc:
                 c = {"model": m, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
             c["seconds"] = time.perf_counter() - t0

@@ -1,0 +1,139 @@
+"""benchmarks/bench_torch.py's quick mode (issue 23 item 5): tiny versions of every benchmark
+model, trained five float32 steps under eager and under ``torch.compile(backend="fusegraph")``
+(every region claimed), losses within 1e-4 relative and first-step gradients within 1e-3,
+eval outputs within 1e-4; a backend that disagrees fails the run. The full-size models are
+checked to be the published architectures (parameter counts). Timing is the script's, on a
+GPU, never asserted here."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch benchmark needs torch")
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks" / "bench_torch.py"
+
+
+def _load(name: str) -> ModuleType:
+    sys.path.insert(0, str(BENCH.parent))
+    spec = importlib.util.spec_from_file_location(name, BENCH.parent / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    return _load("bench_torch")
+
+
+def _quick(tmp_path: Path, models: list[str]) -> list[dict[str, Any]]:
+    out = tmp_path / "quick.json"
+    env = {**os.environ, "FUSEGRAPH_CACHE_DIR": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, str(BENCH), "--quick", "--models", ",".join(models), "--json", str(out)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert out.exists(), proc.stderr[-3000:]
+    checks: list[dict[str, Any]] = json.loads(out.read_text())["checks"]
+    assert [c["model"] for c in checks] == models
+    for c in checks:
+        assert "error" not in c, f"{c['model']}: {c.get('error')}"
+        t, i = c["train"], c["infer"]
+        assert len(t["fusegraph_losses"]) == 5
+        assert t["loss_rel"] <= 1e-4, f"{c['model']}: losses {t['fusegraph_losses']} vs eager {t['eager_losses']}"
+        assert t["grad_rel"] <= 1e-3, f"{c['model']}: gradients {t['grad_rel']:.2e} (worst {t['worst_param']})"
+        assert i["out_rel"] <= 1e-4, f"{c['model']}: eval outputs {i['out_rel']:.2e}"
+        # the check must have run fusegraph, not eager twice
+        assert c["train_report"]["coverage"] > 0.5, (c["model"], c["train_report"])
+        assert c["infer_report"]["coverage"] > 0.5, (c["model"], c["infer_report"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return checks
+
+
+def test_quick_mode_agrees_with_eager(tmp_path: Path) -> None:
+    """ResNet-50 (batch norm, channels-last), the Llama-style decoder (RMSNorm, rotary,
+    GQA) and the UNet block (group norm, cross-attention) at tiny size: ~15 s on 2 cores."""
+    _quick(tmp_path, ["resnet50", "llama", "unet"])
+
+
+@pytest.mark.slow
+def test_quick_mode_agrees_with_eager_on_the_other_models(tmp_path: Path) -> None:
+    """ViT-B/16 (nn.MultiheadAttention) and GPT-2 (tied head, tanh GELU) at tiny size: with
+    the test above, the five models --quick runs (~10 s on 2 cores)."""
+    _quick(tmp_path, ["vit_b_16", "gpt2"])
+
+
+def test_a_backend_that_disagrees_fails_the_quick_run(bench: ModuleType, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fusegraph variant's outputs nudged by 1e-3: the check must see it and exit 1."""
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    real = bench._compile
+
+    def nudged(variant: str, model: Any, extra: dict[str, Any]) -> Any:
+        fn = real(variant, model, extra)
+        return fn if variant == "eager" else (lambda *xs: fn(*xs) * 1.001)
+
+    monkeypatch.setattr(bench, "_compile", nudged)
+    out = tmp_path / "bad.json"
+    assert bench.main(["--quick", "--models", "convnet", "--json", str(out)]) == 1
+    check = json.loads(out.read_text())["checks"][0]
+    assert not check["train"]["ok"] and check["train"]["loss_rel"] > 1e-4
+    assert not check["infer"]["ok"] and check["infer"]["out_rel"] > 1e-4
+
+
+def test_full_size_models_are_the_published_architectures() -> None:
+    """Built on the meta device (no memory): ResNet-50 and ViT-B/16 have torchvision's
+    parameter counts, GPT-2 small its 124M (tied head); the Llama-style decoder has 8
+    layers of GQA 32/8 at h 2048."""
+    tm = _load("torch_models")
+    with torch.device("meta"):
+        assert tm.parameters(tm.ResNet()) == 25_557_032
+        assert tm.parameters(tm.ViT()) == 86_567_656
+        assert tm.parameters(tm.GPT()) == 124_439_808
+        llama = tm.Llama()
+    assert len(llama.layers) == 8
+    assert llama.layers[0].wk.weight.shape == (512, 2048) and llama.layers[0].wq.weight.shape == (2048, 2048)
+    assert tm.case("resnet50", "tiny").channels_last
+
+
+def test_png_without_matplotlib_says_so(bench: ModuleType, monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--quick", "--png", "chart.png"])
+    assert exc.value.code == 2
+    assert "--png needs matplotlib" in capsys.readouterr().err
+
+
+def test_the_backend_claims_a_graph_inductor_compiled_before(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AOTAutograd's cache keys the graph, not the backend's inner compiler: the benchmark
+    compiles Inductor's variant first, and the fusegraph variant then came back as
+    Inductor's cached code with nothing claimed (the same across processes, from the disk
+    cache). The backend compiles without that cache."""
+    from fusegraph.torch.compile_backend import collecting
+
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    twin = copy.deepcopy(model)
+    x = torch.randn(4, 16)
+    with torch.no_grad():  # one graph each (an inference graph): the same cache, half the compiling
+        want = torch.compile(model, dynamic=False)(x)
+        with collecting() as rows:
+            got = torch.compile(twin, backend="fusegraph", options={"floor": False}, dynamic=False)(x)
+    assert any(r.fusegraph for r in rows), [(r.op, r.where) for r in rows]
+    assert float((got - want).norm() / want.norm()) < 1e-5
