@@ -204,6 +204,46 @@ def test_refusal_rules_directly() -> None:
     assert precision.refusal(h, ("a",), ("b",), {"a": 3e4}, p16) == ""  # nothing float32 left to convert
 
 
+def test_a_region_neither_side_runs_in_fp16_keeps_float32(monkeypatch: pytest.MonkeyPatch,
+                                                          rng: np.random.Generator) -> None:
+    from fusegraph.errors import UnsupportedError
+    from fusegraph.onnx import plan_regions
+
+    def half(graph: Any) -> bool:
+        return any(t.dtype == DataType.HALF for t in graph.tensors)
+
+    real_chooser, real_eager = plan_regions.chooser_for, plan_regions.RegionUnit._eager
+
+    def chooser_for(plan: Any) -> Any:
+        c = real_chooser(plan)
+        builder = c.builder
+        assert builder is not None
+
+        def build(region: Any) -> Any:
+            if region.pattern == "cudnn.matmul.bias" and half(region.graph):
+                raise UnsupportedError("no half GEMM in this test")
+            return builder(region)
+
+        c.builder = build
+        return c
+
+    def eager(self: Any, graph: Any) -> Any:
+        if half(graph) and any(n.kind.value == "matmul" for n in graph.nodes) and len(graph.nodes) <= 2:
+            raise RuntimeError("no half GEMM op by op in this test")
+        return real_eager(self, graph)
+
+    monkeypatch.setattr(plan_regions, "chooser_for", chooser_for)
+    monkeypatch.setattr(plan_regions.RegionUnit, "_eager", eager)
+    make, shape = MODELS["gemm_gelu"]
+    model = make(rng)
+    sess = _session(model, precision="fp16")
+    _versus_ort(sess, model, shape, rng, TOL["fp16"])
+    rows = _rows(sess.partition_report())
+    assert rows[0].why.endswith("[fp16]"), rows[0].why
+    assert "[kept float32: runs neither on fusegraph nor op by op in the reduced type (no half GEMM op by op" \
+        in rows[1].why and rows[1].where == "torch.eager", rows[1].why
+
+
 # ---- tf32 ---------------------------------------------------------------------------------------------
 def test_tf32_on_the_cpu_is_float32_and_says_so(rng: np.random.Generator) -> None:
     make, shape = MODELS["norm_attention"]

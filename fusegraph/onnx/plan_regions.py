@@ -242,6 +242,7 @@ class RegionUnit(FusegraphUnit):
         self.precision = Precision()  # the ``precision`` option (precision.py)
         self.kept_fp32: dict[tuple[str, ...], str] = {}  # a region's nodes -> why it keeps float32
         self._reduced: set[str] = set()  # content keys of the region graphs converted to the reduced type
+        self._fp32: dict[tuple[str, ...], Graph] = {}  # a converted region's nodes -> its float32 graph
         self._tf32_regions = 0  # regions built with an engine's tf32 knob on
         self._sample: dict[str, Any] | None = None  # the unit's sample inputs (reduced precision) ...
         self._reference: dict[str, Any] | None = None  # ... and its outputs on the float32 path
@@ -331,7 +332,15 @@ class RegionUnit(FusegraphUnit):
             regions, cuts = self._reduce(regions, cuts)
         pieces = [self._chosen(c) for c in self._choose(regions)]
         for c in cuts:
-            plan = self._eager(c.graph)
+            try:
+                plan = self._eager(c.graph)
+            except Exception as exc:
+                orig = self._fp32.get(c.nodes)
+                if orig is None:
+                    raise
+                self.kept_fp32[c.nodes] = f"does not run op by op in the reduced type ({exc})"
+                c = dataclasses.replace(c, graph=orig)
+                plan = self._eager(orig)
             pieces.append(_Piece(c.nodes, c.graph, c.inputs, c.outputs, plan, self.chooser.incumbent.name, "",
                                  c.reason, movement=c.movement))
         return pieces
@@ -374,10 +383,11 @@ class RegionUnit(FusegraphUnit):
             if not why:
                 try:
                     g = convert(graph, dtype)
-                except FusegraphError as exc:
-                    why = f"its graph does not validate in {dtype.value}: {exc}"
+                except Exception as exc:
+                    why = f"its graph does not validate in {dtype.value}: {type(exc).__name__}: {exc}"
                 else:
                     self._reduced.add(g.key())
+                    self._fp32[nodes] = graph
                     return g
             self.kept_fp32[nodes] = why
             return None
@@ -501,6 +511,11 @@ class RegionUnit(FusegraphUnit):
         except Exception as exc:  # the incumbent cannot run it: fusegraph's plan must
             built = self.chooser.build(r)
             if not isinstance(built, ExecutionPlan):
+                orig = self._fp32.get(r.nodes)
+                if orig is not None:  # neither side runs it in the reduced type: float32 op by op
+                    self.kept_fp32[r.nodes] = f"runs neither on fusegraph nor op by op in the reduced type ({exc})"
+                    return _Piece(r.nodes, orig, r.inputs, r.outputs, self._eager(orig), self.chooser.incumbent.name,
+                                  r.pattern, v.describe(), v.source, v.fusegraph_ms, v.incumbent_ms)
                 raise UnsupportedError(f"region {r.index} ({r.pattern}) runs neither on fusegraph ({built.why}) "
                                        f"nor op by op on PyTorch ({exc})") from exc
             plan, where = built, f"fusegraph:{built.config}"
