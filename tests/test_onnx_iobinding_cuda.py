@@ -45,7 +45,7 @@ def _model(rng: np.random.Generator, middle: str = "Relu") -> onnx.ModelProto:
     g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(X))],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(Y))],
                           [w("w1", (32, 64)), w("b1", (64,)), w("w2", (64, 16)), w("b2", (16,))])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)  # the GPU machine's ORT reads <= 13
 
 
 def _session(model: onnx.ModelProto, opts: dict[str, Any], **more: Any) -> fgo.InferenceSession:
