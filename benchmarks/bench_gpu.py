@@ -389,8 +389,7 @@ def candidate_configs(case: Case) -> list[EngineConfig]:
             psm = knobs["programs_per_sm"]
             out += [EngineConfig("triton", (("programs_per_sm", p),)) for p in psm.choices if p != psm.default]
             out += [EngineConfig("triton", (("prefetch", "off"),)),
-                    EngineConfig("triton", (("num_warps", 16), ("programs_per_sm", 1))),
-                    EngineConfig("triton", (("num_warps", 4), ("programs_per_sm", 4)))]
+                    EngineConfig("triton", (("num_warps", 8), ("programs_per_sm", 2)))]
     out += [EngineConfig("torch"), EngineConfig("torch", (("cuda_graph", False),))]
     if case.compile:
         out.append(EngineConfig("torch", (("compile", True),)))

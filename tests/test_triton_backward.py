@@ -98,7 +98,7 @@ def test_refusals_say_why() -> None:
     assert "batchnorm_backward" in _refusal(g.validate()) and "one layernorm_backward or rmsnorm_backward" in _refusal(g)
     assert "broadcast within the row" in _refusal(norm_bwd("ln", DT.FLOAT, xs=(2, 3, 4, 5), ps=(1, 1, 4, 5)))
     assert "do not collapse" in _refusal(norm_bwd("ln", DT.FLOAT, xs=(8, 3, 16), x_strides=[96, 32, 1]))
-    assert "up to 16384" in _refusal(norm_bwd("rms", xs=(2, 32768)))
+    assert "up to 4096" in _refusal(norm_bwd("rms", xs=(2, 5120)))
     assert "DOUBLE" in _refusal(norm_bwd("rms", DT.DOUBLE))
     g = fg.Graph("halfmath", io_data_type=DT.HALF, intermediate_data_type=DT.FLOAT, compute_data_type=DT.HALF)
     dx, ds = g.rmsnorm_backward(g.tensor("dy", [4, 8]), g.tensor("x", [4, 8]), g.tensor("s", [8]),
@@ -128,9 +128,11 @@ def test_the_engine_declares_and_refuses_on_the_cpu() -> None:
 
 
 def test_default_tiling() -> None:
-    assert default_tiling(16384, 4096, 132) == (1, 8, 264)  # one 4096 row a tile, 8 warps, 2 programs an SM
-    assert default_tiling(64, 96, 132) == (32, 8, 2)  # few tiles: one program each
-    assert default_tiling(3, 100, 132) == (4, 1, 1)
+    # (rows a tile, warps, programs an SM, programs): 8 elements a thread, 16 warps an SM
+    assert default_tiling(16384, 4096, 132) == (1, 16, 1, 132)
+    assert default_tiling(16384, 1024, 132) == (1, 4, 4, 528)
+    assert default_tiling(64, 96, 132) == (8, 4, 4, 8)  # few tiles: one program each
+    assert default_tiling(3, 100, 132) == (4, 2, 8, 1)
 
 
 def test_kernel_text_sums_in_a_fixed_order() -> None:

@@ -205,7 +205,6 @@ class TritonEngine:
 
     def _norm_backward_knobs(self, graph: Graph) -> list[Knob]:
         from fusegraph.engines.triton.norm_backward import (
-            PROGRAMS_PER_SM,
             analyze_norm_backward,
             block_of,
             default_tiling,
@@ -216,13 +215,14 @@ class TritonEngine:
             view = analyze_norm_backward(graph)
         except Refusal:
             return []
-        per, warps, _ = default_tiling(view.rows, view.cols, 1)
+        per, warps, per_sm, _ = default_tiling(view.rows, view.cols, 1)
         block = block_of(view.cols)
-        rows = tuple(r for r in ROWS_CHOICES if r <= block_of(view.rows) and r * block <= 4 * TILE_TARGET) or (1,)
+        # tiles past 4096 elements spill registers at 16 warps (norm_backward.py)
+        rows = tuple(r for r in ROWS_CHOICES if r <= block_of(view.rows) and r * block <= 4096) or (1,)
         return [
             Knob("rows_per_program", per, rows, description="rows of each tile a program holds in registers"),
             Knob("num_warps", warps, WARPS_CHOICES, description="warps per program of the row pass"),
-            Knob("programs_per_sm", PROGRAMS_PER_SM, (1, 2, 4, 8),
+            Knob("programs_per_sm", per_sm, (1, 2, 4, 8),
                  description="row-pass programs per SM (each adds one row of partial column sums to the workspace)"),
             Knob("prefetch", "on", ("on", "off"),
                  description="load a program's next row tile before computing the current one ('off': one tile at a time)"),

@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass
 
 from fusegraph.dtypes import DataType
-from fusegraph.engines.triton.rows import FLOATS, MAX_COLS, Access, Refusal, access_of
+from fusegraph.engines.triton.rows import FLOATS, Access, Refusal, access_of
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import OpKind
@@ -34,7 +34,13 @@ ROW_KERNEL = "fg_norm_bwd_rows"
 SUM_KERNEL = "fg_norm_bwd_sums"
 SUM_COLS = 64  # columns per program of the column sum
 SUM_PARTS = 64  # workspace rows each of its steps adds
-PROGRAMS_PER_SM = 2  # row-pass programs per SM by default (knob ``programs_per_sm``)
+# Register use decides the tiling. Compiled for sm_90 (Triton 3.9, bf16 16384 x 4096, prefetch
+# on), the row pass took 121 registers a thread at 8 elements a thread (16 warps), 201 at 16
+# (8 warps) and 255 plus 192 bytes of spills at 32 (4 warps); 8192 columns at 16 warps spilled
+# 296 bytes. So: 8 elements a thread, at most 16 warps, and rows up to 4096 elements.
+ELEMENTS_PER_THREAD = 8
+MAX_COLS = 4096
+RESIDENT_WARPS = 16  # ~128 registers a thread leave room for 16 warps an SM (64K registers)
 TL_TYPE = {DataType.HALF: "tl.float16", DataType.BFLOAT16: "tl.bfloat16", DataType.FLOAT: "tl.float32"}
 
 
@@ -80,7 +86,8 @@ def analyze_norm_backward(graph: Graph) -> NormBwdView:
     frame, split = x.shape, 1
     cols = math.prod(frame[1:])
     if cols > MAX_COLS:
-        raise Refusal(f"rows of {cols} elements: the norm-backward kernel holds a row in registers, up to {MAX_COLS}")
+        raise Refusal(f"rows of {cols} elements: the norm-backward row pass holds a row in registers, up to {MAX_COLS} "
+                      "(wider rows spilled registers when compiled for sm_90); cudnn and torch run them")
     scale = node.inputs["scale"]
     padded = (1,) * (len(frame) - len(scale.shape)) + scale.shape
     if padded[1:] != frame[1:]:
@@ -248,12 +255,13 @@ def sum_programs(view: NormBwdView) -> int:
     return -(-view.cols // SUM_COLS) if view.sums else 0
 
 
-def default_tiling(rows: int, cols: int, sms: int) -> tuple[int, int, int]:
-    """(rows per program tile, warps, programs): about 4096 elements a tile and 16 a thread
-    (the backward holds dy, x, xhat, g and the column sums per element), and
-    PROGRAMS_PER_SM programs per SM, fewer where there are fewer tiles."""
+def default_tiling(rows: int, cols: int, sms: int) -> tuple[int, int, int, int]:
+    """(rows a tile, warps, programs per SM, programs): tiles of at least 1024 elements,
+    ELEMENTS_PER_THREAD a thread, RESIDENT_WARPS an SM, fewer programs where there are
+    fewer tiles."""
     block = block_of(cols)
-    per = max(1, min(64, 4096 // block, block_of(rows)))
-    warps = max(1, min(16, per * block // (32 * 16)))
+    per = max(1, min(64, 1024 // block, block_of(rows)))
+    warps = max(1, min(16, per * block // (32 * ELEMENTS_PER_THREAD)))
+    per_sm = max(1, min(8, RESIDENT_WARPS // warps))
     tiles = -(-rows // per)
-    return per, warps, max(1, min(tiles, sms * PROGRAMS_PER_SM))
+    return per, warps, per_sm, max(1, min(tiles, sms * per_sm))
