@@ -252,6 +252,8 @@ def test_tf32_on_the_cpu_is_float32_and_says_so(rng: np.random.Generator) -> Non
     _versus_ort(sess, model, shape, rng, TOL["tf32"])
     floor = sess.partition_report().subgraphs[0].floor
     assert "precision tf32:" in floor and "no effect on the CPU" in floor, floor
+    m = re.search(r"against the float32 path on the unit's sample inputs: relative error (\S+)", floor)
+    assert m is not None and float(m.group(1)) <= 1e-5, floor  # float32 on the CPU: agrees to rounding
 
 
 # ---- verdicts keyed per precision ---------------------------------------------------------------------

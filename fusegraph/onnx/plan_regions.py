@@ -110,8 +110,9 @@ def chooser_for(plan: SessionPlan) -> Chooser:
         reason), never the unit's."""
         try:
             with engine_cache(cache_dir), tf32_allowed(tf32):
-                built: ExecutionPlan = region.graph.build(handle=handle, engine=engine)
-                if tf32:
+                first = _cudnn_tf32(region.graph, handle) if tf32 and engine is None else None
+                built: ExecutionPlan = first or region.graph.build(handle=handle, engine=engine)
+                if tf32 and first is None:
                     built = _with_tf32(built, region.graph, handle)
         except FusegraphError:
             raise
@@ -132,6 +133,28 @@ def chooser_for(plan: SessionPlan) -> Chooser:
     return Chooser(handle, incumbent_for(handle), floor=floor, engine=engine,
                    store=VerdictStore(cache_dir) if floor else None, sync=sync,
                    timing_options=dict(TIMING), builder=build, build_options=options)
+
+
+def _cudnn_tf32(graph: Graph, handle: Handle) -> ExecutionPlan | None:
+    """With ``precision=tf32`` on a GPU: a region holding a convolution, matmul or attention
+    built on the cudnn engine with its ``tf32`` knob on (the selection never picks cudnn for
+    such a float32 graph: its TF32-free plans refuse float32 matmuls); None where cudnn is
+    absent, has no such knob for the graph, or the build fails (then the selection decides)."""
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.engines.registry import REGISTRY
+    from fusegraph.graph.ops import CONVOLUTIONS, OpKind
+
+    if not handle.device.is_gpu or not any(n.kind in CONVOLUTIONS | {OpKind.MATMUL, OpKind.SDPA} for n in graph.nodes):
+        return None
+    try:
+        engine = REGISTRY.get("cudnn")
+        if not engine.available() or not any(k.name == "tf32" for k in engine.knobs(graph, handle)):
+            return None
+        plan: ExecutionPlan = engine.build(graph, handle, EngineConfig("cudnn", (("tf32", True),)))
+    except Exception as exc:
+        log.info("no cudnn TF32 plan of %s: %s", graph.name, exc)
+        return None
+    return plan
 
 
 def _with_tf32(built: ExecutionPlan, graph: Graph, handle: Handle) -> ExecutionPlan:
@@ -308,18 +331,21 @@ class RegionUnit(FusegraphUnit):
                                    "plans pin TF32 off)")
             if not self.handle.device.is_gpu:
                 self.precision_note += "; no effect on the CPU"
-        if p.reduced is None or self._sample is None or self._reference is None:
+        if self._sample is None or self._reference is None:
             return
         import torch
 
         assert self.plan is not None
-        with torch.inference_mode():
+        with torch.inference_mode(), tf32_allowed(p.tf32):
             got = self.plan.execute(self._sample)
         got = {k: _declared(v, self.graph.tensor_by_name(k)) for k, v in got.items()}
         acc = accuracy(got, self._reference)
         kept = len(self.kept_fp32)
-        self.precision_note = f"precision {p.name}: {n - kept}/{n} regions in {p.name}" + (
-            f", {kept} kept float32 (see their rows)" if kept else "") + f"; {acc.describe()}"
+        if p.tf32:
+            self.precision_note += f"; {acc.describe()}"
+        else:
+            self.precision_note = f"precision {p.name}: {n - kept}/{n} regions in {p.name}" + (
+                f", {kept} kept float32 (see their rows)" if kept else "") + f"; {acc.describe()}"
         self.accuracy = acc
         self._sample = self._reference = None
 
@@ -330,6 +356,9 @@ class RegionUnit(FusegraphUnit):
         regions, cuts = list(found.regions), self._cuts(found.rejected)
         if self.precision.reduced is not None:
             regions, cuts = self._reduce(regions, cuts)
+        elif self.precision.tf32:  # only the float32 reference the report's accuracy is stated against
+            self._observe([(r.nodes, r.graph, r.inputs, r.outputs) for r in regions]
+                          + [(c.nodes, c.graph, c.inputs, c.outputs) for c in cuts])
         pieces = [self._chosen(c) for c in self._choose(regions)]
         for c in cuts:
             try:
@@ -417,11 +446,12 @@ class RegionUnit(FusegraphUnit):
             feed[t.name] = x.normal_(generator=gen) if x.is_floating_point() else x.zero_()
         env: dict[str, Any] = {**self._weights_dev, **feed}
         shells = [_Piece(n, g, i, o, None, "", "", "") for n, g, i, o in items]  # type: ignore[arg-type]
-        for k in _run_order(shells, self.graph):
-            p = shells[k]
-            res = self._eager(p.graph).execute({f"in{i}": env[name] for i, name in enumerate(p.inputs)})
-            for j, name in enumerate(p.outputs):
-                env[name] = res[f"out{j}"]
+        with tf32_allowed(False, force=True):
+            for k in _run_order(shells, self.graph):
+                p = shells[k]
+                res = self._eager(p.graph).execute({f"in{i}": env[name] for i, name in enumerate(p.inputs)})
+                for j, name in enumerate(p.outputs):
+                    env[name] = res[f"out{j}"]
         self._sample = feed
         self._reference = {tname: env[tname] for tname in self._out.values()}
         return {name: max_abs(v) for name, v in env.items()}

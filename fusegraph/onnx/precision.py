@@ -40,7 +40,7 @@ HEADROOM = 4.0
 # Relative error (||a-b||/||b||) two implementations of one reduced-precision region may
 # differ by and still agree (the project's per-dtype tolerances): the region floor's trial
 # run uses it in place of the float32 bar (1e-3).
-AGREE = {"fp16": 1e-2, "bf16": 2e-2}
+AGREE = {"fp16": 1e-2, "bf16": 2e-2, "tf32": 1e-2}  # TF32 keeps fp16's 10-bit mantissa in products
 
 _TYPES = {"fp16": DataType.HALF, "bf16": DataType.BFLOAT16}
 # Ports whose float32 type is the op's own (graph.OWN_TYPE_PORTS): kept float32.
@@ -159,11 +159,12 @@ def _unscaled(graphs: list[tuple[Graph, Mapping[str, str]]], name: str, label: M
 
 
 @contextlib.contextmanager
-def tf32_allowed(on: bool) -> Iterator[None]:
+def tf32_allowed(on: bool, *, force: bool = False) -> Iterator[None]:
     """torch's TF32 flags on while the region unit builds or runs (restored after; no-op
-    where ``on`` is False or torch is absent). Plans that pin their own numerics (the torch
-    engine's convolutions and matmuls on a GPU) set theirs inside."""
-    if not on:
+    where ``on`` is False -- unless ``force``, which sets them off -- or torch is absent).
+    Plans that pin their own numerics (the torch engine's convolutions and matmuls on a GPU)
+    set theirs inside."""
+    if not on and not force:
         yield
         return
     try:
@@ -172,8 +173,8 @@ def tf32_allowed(on: bool) -> Iterator[None]:
         yield
         return
     saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = on
+    torch.backends.cudnn.allow_tf32 = on
     try:
         yield
     finally:
