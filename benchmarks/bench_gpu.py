@@ -388,8 +388,8 @@ def candidate_configs(case: Case) -> list[EngineConfig]:
         if "programs_per_sm" in knobs:  # norm backward: the row pass's grid and its prefetch
             psm = knobs["programs_per_sm"]
             out += [EngineConfig("triton", (("programs_per_sm", p),)) for p in psm.choices if p != psm.default]
-            out += [EngineConfig("triton", (("prefetch", "off"),)),
-                    EngineConfig("triton", (("num_warps", 8), ("programs_per_sm", 2)))]
+            out += [EngineConfig("triton", (("prefetch", n),)) for n in knobs["prefetch"].choices if n != knobs["prefetch"].default]
+            out.append(EngineConfig("triton", (("num_warps", 8), ("programs_per_sm", 2))))
     out += [EngineConfig("torch"), EngineConfig("torch", (("cuda_graph", False),))]
     if case.compile:
         out.append(EngineConfig("torch", (("compile", True),)))

@@ -147,8 +147,10 @@ def test_kernel_text_sums_in_a_fixed_order() -> None:
     assert workspace_floats(v, 264) == 264 * 2 * 4096 and sum_programs(v) == 4096 // 64
     rms = norm_bwd("rms", dbias=False)
     rv = analyze_norm_backward(rms)
-    rtext = norm_backward_source(rms, rv, 4, 3)
-    assert "c2" not in rtext and "acc1" not in rtext and "rm = r < 64" not in rtext
+    rtext = norm_backward_source(rms, rv, 4, 3, prefetch=0)
+    assert "c2" not in rtext and "acc1" not in rtext and "rm = r < 64" not in rtext  # 16 tiles of 4 rows: no row mask
+    ahead = norm_backward_source(rms, rv, 4, 3, prefetch=2)
+    assert "dy_p1 = tl.load(" in ahead and "rnm = rn < 64" in ahead and "rn = r + 24" in ahead  # tiles ahead are masked
 
 
 # Run in a fresh interpreter: TRITON_INTERPRET must be set before triton is imported.
@@ -199,12 +201,12 @@ def test_kernels_under_the_triton_interpreter(tmp_path: Any) -> None:
         pytest.skip("Triton's interpreter needs triton and torch importable (not installed here); "
                     "the same kernels run on the GPU in the gpu-marked tests below")
     cases = [
-        ["ln", "float", [37, 100], 32, 2, True],  # masked rows and columns, one tile per program
-        ["ln", "bfloat16", [130, 64], 1, 7, True],  # programs walking several tiles
-        ["ln", "half", [130, 64], 4, 5, False],
-        ["rms", "half", [5, 3, 24], 2, 2, True],  # rank 3: rows x (3 * 24) columns
-        ["rms", "float", [64, 128], 4, 3, False],
-        ["rms", "bfloat16", [67, 128], 4, 3, True],  # a partial last tile, prefetched
+        ["ln", "float", [37, 100], 32, 2, 2],  # masked rows and columns, one tile per program
+        ["ln", "bfloat16", [130, 64], 1, 7, 3],  # programs walking several tiles, 3 in flight
+        ["ln", "half", [130, 64], 4, 5, 0],
+        ["rms", "half", [5, 3, 24], 2, 2, 1],  # rank 3: rows x (3 * 24) columns
+        ["rms", "float", [64, 128], 4, 3, 0],
+        ["rms", "bfloat16", [67, 128], 4, 3, 2],  # a partial last tile, prefetched
     ]
     code = _INTERPRET.format(tests=os.path.dirname(__file__), cases=cases)
     env = {**os.environ, "TRITON_INTERPRET": "1", "FG_INTERPRET_DIR": str(tmp_path)}

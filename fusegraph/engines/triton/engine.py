@@ -205,6 +205,7 @@ class TritonEngine:
 
     def _norm_backward_knobs(self, graph: Graph) -> list[Knob]:
         from fusegraph.engines.triton.norm_backward import (
+            PREFETCH,
             analyze_norm_backward,
             block_of,
             default_tiling,
@@ -224,8 +225,8 @@ class TritonEngine:
             Knob("num_warps", warps, WARPS_CHOICES, description="warps per program of the row pass"),
             Knob("programs_per_sm", per_sm, (1, 2, 4, 8),
                  description="row-pass programs per SM (each adds one row of partial column sums to the workspace)"),
-            Knob("prefetch", "on", ("on", "off"),
-                 description="load a program's next row tile before computing the current one ('off': one tile at a time)"),
+            Knob("prefetch", PREFETCH, (0, 1, 2, 3),
+                 description="row tiles a program has loading ahead of the one it computes (0: one tile at a time)"),
         ]
 
     def _build_norm_backward(self, graph: Graph, handle: Handle, config: EngineConfig | None) -> Any:
@@ -249,7 +250,7 @@ class TritonEngine:
         per, warps = int(values["rows_per_program"]), int(values["num_warps"])
         tiles = -(-view.rows // per)
         programs = max(1, min(tiles, self._sm_count(handle) * int(values["programs_per_sm"])))
-        text = norm_backward_source(graph, view, per, programs, prefetch=str(values["prefetch"]) == "on")
+        text = norm_backward_source(graph, view, per, programs, prefetch=int(values["prefetch"]))
         key = hashlib.sha256(f"{text}|{self.version}".encode()).hexdigest()[:24]
         path = _kernel_file(key, text)
         _, torch = self._load()

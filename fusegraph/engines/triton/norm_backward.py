@@ -37,10 +37,13 @@ SUM_PARTS = 64  # workspace rows each of its steps adds
 # Register use decides the tiling. Compiled for sm_90 (Triton 3.9, bf16 16384 x 4096, prefetch
 # on), the row pass took 121 registers a thread at 8 elements a thread (16 warps), 201 at 16
 # (8 warps) and 255 plus 192 bytes of spills at 32 (4 warps); 8192 columns at 16 warps spilled
-# 296 bytes. So: 8 elements a thread, at most 16 warps, and rows up to 4096 elements.
+# 296 bytes. So: 8 elements a thread, at most 16 warps, and rows up to 4096 elements. Tiles
+# loading ahead cost little (raw 16-bit values): 108 registers with none, 118 with two, 128
+# with three (f32 layer norm with three spilled 24 bytes).
 ELEMENTS_PER_THREAD = 8
 MAX_COLS = 4096
 RESIDENT_WARPS = 16  # ~128 registers a thread leave room for 16 warps an SM (64K registers)
+PREFETCH = 2  # tiles each program has loading ahead of the one it computes (knob ``prefetch``)
 TL_TYPE = {DataType.HALF: "tl.float16", DataType.BFLOAT16: "tl.bfloat16", DataType.FLOAT: "tl.float32"}
 
 
@@ -115,15 +118,15 @@ def _lit(x: float) -> str:
 
 
 def norm_backward_source(graph: Graph, view: NormBwdView, rows_per_program: int, programs: int,
-                         prefetch: bool = True) -> str:
+                         prefetch: int = PREFETCH) -> str:
     """The module text: ``fg_norm_bwd_rows`` launched on ``programs`` programs, then
     ``fg_norm_bwd_sums`` on ``ceil(cols / SUM_COLS)`` (or none where no column sum is
     asked), both taking ``(inputs..., outputs..., workspace)`` in ``graph.inputs()`` and
     ``graph.outputs()`` order; the workspace holds ``workspace_floats(...)`` float32.
 
-    ``prefetch``: each program loads its next tile (dy, x and the statistics, in their own
-    types) before computing the current one, so the loads of one tile are in flight while
-    the previous one is reduced and stored (the knob of that name; without it a tile's
+    ``prefetch``: how many of its next tiles each program has loading (dy, x and the
+    statistics, held in their own types) while it computes the current one -- the bytes a
+    program keeps in flight, at a few registers a tile (the knob of that name; 0: a tile's
     loads wait for the previous tile's stores to be issued)."""
     node, rows, cols, acc = view.node, view.rows, view.cols, view.access
     block = block_of(cols)
@@ -182,11 +185,11 @@ def norm_backward_source(graph: Graph, view: NormBwdView, rows_per_program: int,
     for k in range(nsum):
         e(f"acc{k} = tl.zeros([ROWS, BLOCK], tl.float32)")
     int64 = ".to(tl.int64)" if wide else ""
-    if prefetch:
-        e(f"r = pid * ROWS + tl.arange(0, ROWS)[:, None]{int64}")
-        if row_mask:
+    for j in range(prefetch):  # tiles pid, pid + P, ... in flight before the loop
+        e(f"r = (pid + {j * programs}) * ROWS + tl.arange(0, ROWS)[:, None]{int64}")
+        if row_mask or j:
             e(f"rm = r < {rows}")
-        body.extend(loads("r", "rm" if row_mask else None, "_n", ""))
+        body.extend(loads("r", "rm" if (row_mask or j) else None, f"_p{j}", ""))
     e(f"for t in range(pid, {tiles}, {programs}):")
     body_in: list[str] = []
     f = body_in.append
@@ -194,11 +197,15 @@ def norm_backward_source(graph: Graph, view: NormBwdView, rows_per_program: int,
     if row_mask:
         f(f"rm = r < {rows}")
     if prefetch:
-        for name in ("dy", "x", *(stat_names[sp] for sp in stat_ports)):
-            f(f"{name} = {name}_n.to(tl.float32)")
-        f(f"rn = r + {programs * rows_per_program}")
+        names = ("dy", "x", *(stat_names[sp] for sp in stat_ports))
+        for name in names:
+            f(f"{name} = {name}_p0.to(tl.float32)")
+        for j in range(1, prefetch):
+            for name in names:
+                f(f"{name}_p{j - 1} = {name}_p{j}")
+        f(f"rn = r + {prefetch * programs * rows_per_program}")
         f(f"rnm = rn < {rows}")
-        body_in.extend(loads("rn", "rnm", "_n", ""))
+        body_in.extend(loads("rn", "rnm", f"_p{prefetch - 1}", ""))
     else:
         body_in.extend(loads("r", "rm" if row_mask else None, "", ".to(tl.float32)"))
     full_mask = both("rm" if row_mask else None)
