@@ -144,7 +144,7 @@ def test_kernel_text_sums_in_a_fixed_order() -> None:
     assert f"def {SUM_KERNEL}(p0, p1, p2, p3, p4, p5, p6, p7, ws):" in text
     assert "for t in range(pid, 16384, 264):" in text and "cm =" not in text.split(SUM_KERNEL)[0]  # no masks needed
     assert "c2 = tl.sum(g, 1)" in text and ".to(tl.bfloat16)" in text
-    assert workspace_floats(v, 264) == 264 * 2 * 4096 and sum_programs(v) == 4096 // 64
+    assert workspace_floats(v, 264) == 264 * 2 * 4096 and sum_programs(v) == 4096 // 32
     rms = norm_bwd("rms", dbias=False)
     rv = analyze_norm_backward(rms)
     rtext = norm_backward_source(rms, rv, 4, 3, prefetch=0)

@@ -32,7 +32,7 @@ from fusegraph.graph.ops import OpKind
 NORM_BACKWARD_OPS = frozenset({OpKind.LAYERNORM_BACKWARD, OpKind.RMSNORM_BACKWARD})
 ROW_KERNEL = "fg_norm_bwd_rows"
 SUM_KERNEL = "fg_norm_bwd_sums"
-SUM_COLS = 64  # columns per program of the column sum
+SUM_COLS = 32  # columns per program of the column sum (128 programs for 4096 columns)
 SUM_PARTS = 64  # workspace rows each of its steps adds
 # Register use decides the tiling. Compiled for sm_90 (Triton 3.9, bf16 16384 x 4096, prefetch
 # on), the row pass took 121 registers a thread at 8 elements a thread (16 warps), 201 at 16
