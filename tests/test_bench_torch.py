@@ -137,3 +137,22 @@ def test_the_backend_claims_a_graph_inductor_compiled_before(tmp_path: Path, mon
             got = torch.compile(twin, backend="fusegraph", options={"floor": False}, dynamic=False)(x)
     assert any(r.fusegraph for r in rows), [(r.op, r.where) for r in rows]
     assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_the_floor_measures_a_region_fed_an_expanded_value(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A global average pool's gradient reaches the backward as an expanded tensor (stride 0):
+    the floor's random inputs for such a region were written element by element, which
+    PyTorch refuses ("more than one element of the written-to tensor refers to a single
+    memory location"; found by bench_torch.py on the conv net, floor on)."""
+    tm = _load("torch_models")
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    torch._dynamo.reset()
+    case = tm.case("convnet", "tiny")
+    model, twin = case.model, copy.deepcopy(case.model)
+    options = {"floor": True, "incumbent": "eager", "rest": "eager", "warmup_s": 0.02}
+    compiled = torch.compile(twin, backend="fusegraph", options=options, dynamic=False)
+    x = case.inputs[0]
+    compiled(x).mean().backward()
+    model(x).mean().backward()
+    for p, q in zip(twin.parameters(), model.parameters(), strict=True):
+        assert float((p.grad - q.grad).norm() / q.grad.norm()) < 1e-4

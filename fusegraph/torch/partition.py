@@ -198,8 +198,12 @@ def _inputs(device: torch.device) -> Callable[[Region], dict[str, torch.Tensor]]
 
         out = {}
         for t in region.graph.inputs():
-            x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=device)
-            out[t.name] = x.normal_() if x.is_floating_point() else x.zero_()
+            # the storage the strides reach, filled, then viewed: an input with a zero stride
+            # (an expanded value: a mean's gradient) cannot be written element by element
+            extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.strides, strict=True)) if all(t.shape) else 0
+            flat = torch.empty(extent, dtype=torch_dtype(t.dtype), device=device)
+            flat = flat.normal_() if flat.is_floating_point() else flat.zero_()
+            out[t.name] = flat.as_strided(t.shape, t.strides)
         return out
 
     return make
