@@ -99,7 +99,7 @@ def analyze_norm_backward(graph: Graph) -> NormBwdView:
             f"(columns {list(frame[1:])}); the kernels take one scale value per column"
         )
     port_kind = {"dy": "full", "x": "full", "scale": "col", "mean": "row", "inv_var": "row", "inv_rms": "row",
-             "dx": "full", "dscale": "col", "dbias": "col"}
+                 "dx": "full", "dscale": "col", "dbias": "col"}
     access: dict[str, Access] = {}
     for port, t in [*node.inputs.items(), *node.outputs.items()]:
         if t.is_virtual or t.name in access:
