@@ -447,3 +447,29 @@ def test_serialized_plans_load_back(engine: str, rng: np.random.Generator) -> No
     again = api.load_plan(data, CPU)
     pack = random_inputs(g, rng)
     assert rel_error(again.execute(pack)["y"], plan.execute(pack)["y"]) < 1e-6
+
+
+def test_tuning_never_tries_a_knob_that_changes_the_numbers() -> None:
+    """TF32 rounding is faster and ~1e-3 off: the tuner keeps such a knob at its default (a
+    caller pins it), so a tuned float32 graph never comes back at TF32's precision."""
+    from fusegraph.engines.base import Knob
+    from fusegraph.select.heuristics import knob_configs
+
+    knobs = [Knob("tf32", False, (False, True), numerics=True), Knob("split", 1, (1, 2))]
+    assert knob_configs(knobs) == [(), (("split", 2),)]
+
+
+def test_the_torch_engine_offers_tf32_only_where_it_changes_something() -> None:
+    pytest.importorskip("torch", reason="the torch engine needs torch")
+    from fusegraph.engines.registry import REGISTRY
+
+    engine = REGISTRY.get("torch")
+    f32 = fg.Graph("mm32", io_data_type=fg.DataType.FLOAT)
+    f32.matmul(f32.tensor("a", [4, 8]), f32.tensor("b", [8, 4])).set_output(True)
+    f16 = fg.Graph("mm16", io_data_type=fg.DataType.HALF)
+    f16.matmul(f16.tensor("a", [4, 8]), f16.tensor("b", [8, 4])).set_output(True)
+    gpu, cpu = fg.Handle("cuda:0"), fg.Handle("cpu")
+    tf32 = [k for k in engine.knobs(f32.validate(), gpu) if k.name == "tf32"]
+    assert len(tf32) == 1 and tf32[0].numerics and tf32[0].default is False
+    assert not any(k.name == "tf32" for k in engine.knobs(f32, cpu))
+    assert not any(k.name == "tf32" for k in engine.knobs(f16.validate(), gpu))

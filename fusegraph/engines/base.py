@@ -42,6 +42,10 @@ class Knob:
     choices: tuple[Any, ...] = ()
     range: tuple[float, float] | None = None
     description: str = ""
+    # a knob that changes the numbers (TF32 rounding), not only the speed: tuning never
+    # tries its other values; a caller pins them (a faster answer is no answer to a
+    # float32 graph that must stay float32)
+    numerics: bool = False
 
     @property
     def type(self) -> type:

@@ -89,9 +89,11 @@ def unavailable() -> str:
     return "" if state else f"the torch engine is unavailable ({state.reason})"
 
 
-def incumbent_for(handle: Handle) -> Incumbent:
-    """The bar a region must clear on ``handle``'s device: the same nodes op by op on PyTorch."""
-    return TorchOpByOp(handle)
+def incumbent_for(handle: Handle, *, tf32: bool = False) -> Incumbent:
+    """The bar a region must clear on ``handle``'s device: the same nodes op by op on PyTorch,
+    at the session's precision (``tf32``: TF32 allowed, as PyTorch allows it by default for
+    convolutions)."""
+    return TorchOpByOp(handle, tf32=tf32)
 
 
 def chooser_for(plan: SessionPlan) -> Chooser:
@@ -130,7 +132,7 @@ def chooser_for(plan: SessionPlan) -> Chooser:
         sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
     # a precision's verdicts are its own (fp16 / bf16 regions also differ in content; tf32's do not)
     options = {} if plan.opts.precision == "fp32" else {"precision": plan.opts.precision}
-    return Chooser(handle, incumbent_for(handle), floor=floor, engine=engine,
+    return Chooser(handle, incumbent_for(handle, tf32=plan.opts.precision == "tf32"), floor=floor, engine=engine,
                    store=VerdictStore(cache_dir) if floor else None, sync=sync,
                    timing_options=dict(TIMING), builder=build, build_options=options)
 

@@ -43,19 +43,21 @@ class CallableIncumbent:
 class TorchOpByOp:
     """The region's nodes run one by one on PyTorch, as the torch engine runs a graph
     eagerly (no compile, no CUDA graph, no oneDNN fused steps' weight packing): what the
-    ONNX provider did on the GPU before regions, so the bar fusegraph's engines must clear."""
+    ONNX provider did on the GPU before regions, so the bar fusegraph's engines must clear.
+    ``tf32``: float32 convolutions and matmuls with TF32 allowed (a session asking for tf32
+    measures against PyTorch at tf32, not at strict float32)."""
 
-    name = "torch.eager"
-
-    def __init__(self, handle: Handle) -> None:
+    def __init__(self, handle: Handle, *, tf32: bool = False) -> None:
         self.handle = handle
+        self.tf32 = tf32
+        self.name = "torch.eager[tf32]" if tf32 else "torch.eager"
 
     def runnable(self, region: Region, inputs: Mapping[str, Any]) -> Callable[[], object]:
         from fusegraph.engines.base import EngineConfig
         from fusegraph.engines.registry import REGISTRY
 
         engine = REGISTRY.get("torch")
-        config = EngineConfig("torch", (("compile", False), ("cuda_graph", False)))
+        config = EngineConfig("torch", (("compile", False), ("cuda_graph", False), ("tf32", self.tf32)))
         known = {k.name for k in engine.knobs(region.graph, self.handle)}
         config = EngineConfig("torch", tuple(kv for kv in config.knobs if kv[0] in known))
         plan = engine.build(region.graph, self.handle, config)

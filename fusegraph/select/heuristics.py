@@ -146,6 +146,10 @@ RULES: tuple[Rule, ...] = (
        "H100: one fused cuDNN kernel for conv+bias+ReLU 0.037 ms vs eager 0.057 (n32 c64 56x56), "
        "0.146 vs 0.372 ms at n256; GEMM+bias+GELU 8192x4096x4096 0.411 vs 0.461 ms; sdpa "
        "causal s2048 0.266 vs 0.274 ms (flash); IREE 5.5-9x behind cuDNN/cuBLAS (H200)"),
+    _r("gpu.norm_backward", "gpu", "reduction", ["cudnn", "triton", "torch", "iree"],
+       "cuDNN's frontend publishes RMSNorm backward 16384x4096 bf16 at 0.106 ms on the H200 "
+       "(PyTorch 0.223); the Triton kernel pair (engines/triton/norm_backward.py) is not measured "
+       "yet: bench_gpu.py --group backward decides the order", kinds=NORM_BACKWARD),
     _r("gpu.reduction", "gpu", "reduction", ["triton", "cudnn", ("torch", COMPILE), "torch", "iree"],
        "H200 8192x4096 f16: a Triton row kernel runs layernorm+GELU in 0.059-0.064 ms vs cuDNN's "
        "fused 0.065-0.069 / eager 0.101, softmax 0.039 vs compile 0.080 / eager 0.109, plain "
@@ -209,11 +213,14 @@ def _valid_knobs(
 
 
 def knob_configs(knobs: Sequence[Knob], limit: int = MAX_CONFIGS_PER_ENGINE) -> list[tuple[tuple[str, Any], ...]]:
-    """Every combination of knob values (defaults first); range knobs try low, default, high."""
+    """Every combination of knob values (defaults first); range knobs try low, default, high;
+    a knob that changes the numbers keeps its default."""
     names = [k.name for k in knobs]
     values: list[list[Any]] = []
     for k in knobs:
-        if k.choices:
+        if k.numerics:
+            vals = [k.default]
+        elif k.choices:
             vals = [k.default, *(c for c in k.choices if c != k.default)]
         elif k.range is not None:
             lo, hi = k.range

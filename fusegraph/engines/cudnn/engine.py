@@ -245,7 +245,7 @@ class CudnnEngine:
                  description="which of cuDNN's ranked execution plans (0: its first choice that builds)"),
         ]
         if _wide_floats_only(graph):
-            out.append(Knob("tf32", False, choices=(False, True),
+            out.append(Knob("tf32", False, choices=(False, True), numerics=True,
                             description="allow tensor-core plans that round float32 inputs to TF32 (faster, ~1e-3 relative error)"))
         return out
 

@@ -18,6 +18,7 @@ import importlib.util
 import json
 from collections.abc import Sequence
 
+from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support, knob_values
 from fusegraph.engines.torch.convert import _FP8, _torch, torch_build_info, torch_installed
 from fusegraph.graph.graph import Graph
@@ -152,6 +153,17 @@ class TorchEngine:
                     description="let cuDNN time its algorithms on first use of each shape",
                 )
             )
+        if handle.device.is_gpu and _float32_tensor_core_op(graph):
+            out.append(
+                Knob(
+                    "tf32",
+                    False,
+                    (False, True),
+                    numerics=True,
+                    description="float32 convolutions, matmuls and attention may round their operands to "
+                    "TF32 (PyTorch's default for convolutions; off: float32 as declared)",
+                )
+            )
         if handle.device.is_gpu:
             out.append(
                 Knob(
@@ -281,3 +293,10 @@ def _node_unsupported(node: Node, graph: Graph, handle: Handle) -> str:
         return f"compute type {cd.name} is not available for {kind.value} in torch"
     return ""
 
+
+def _float32_tensor_core_op(graph: Graph) -> bool:
+    """A convolution, matmul or attention reading float32: where TF32 changes anything."""
+    from fusegraph.engines.torch.context import _TENSOR_CORE_OPS
+
+    return any(n.kind in _TENSOR_CORE_OPS and any(t.dtype == DataType.FLOAT for t in n.inputs.values())
+               for n in graph.nodes)

@@ -66,6 +66,7 @@ class TorchPlan(LeanCall, CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
         self._ctx = _Ctx(graph, handle, config)
         self._compiled = self._ctx.compiled
         self._benchmark = bool(config.get("cudnn_benchmark", True))
+        self._tf32 = bool(config.get("tf32", False))
         self._threads = int(config.get("threads", 0))
         self._has_flags = handle.device.is_gpu or bool(self._threads)  # else _flags() sets nothing
         # On a GPU the numerics flags (TF32 and reduced-precision reductions off,
@@ -150,8 +151,8 @@ class TorchPlan(LeanCall, CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
         )
         torch.backends.cudnn.benchmark = self._benchmark
-        torch.backends.cudnn.allow_tf32 = False
-        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = self._tf32
+        torch.backends.cuda.matmul.allow_tf32 = self._tf32
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
         try:
