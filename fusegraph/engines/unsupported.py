@@ -62,8 +62,7 @@ UNSUPPORTED: dict[str, dict[Op, str]] = {
         **{m: "no Triton expression for this mode yet (engines/triton/codegen.py)" for m in _NEW_BACKWARD_MODES},
     },
     "cudnn": {
-        # layer/RMS norm backward and sdpa backward are lowered (engines/cudnn/lower.py)
-        OpKind.BATCHNORM_BACKWARD: _NOT_WIRED,
+        # norm backward and sdpa backward are lowered (engines/cudnn/lower_backward.py)
         **{m: _NOT_WIRED for m in _NEW_BACKWARD_MODES},
     },
 }

@@ -75,7 +75,6 @@ NOT_LOWERED: dict[OpKind, str] = {
     OpKind.SOFTMAX: "cuDNN's graph API has no softmax node (softmax exists only inside its sdpa)",
     OpKind.POOLING: "the cuDNN frontend's Python graph (1.32) exposes no resample (pooling) node",
     **{k: f"cuDNN graphs here take no {k.value} node (data movement stays with other engines)" for k in DATA_MOVEMENT},
-    OpKind.BATCHNORM_BACKWARD: "not wired to cuDNN's frontend yet (the reference and torch engines run it)",
 }
 
 
@@ -130,7 +129,7 @@ class Binding:
 def _graph_rank(graph: Graph) -> tuple[int, bool]:
     kinds = {n.kind for n in graph.nodes}
     r = max((len(t.shape) for t in graph.tensors if not t.is_scalar), default=1)
-    norms = kinds & ((NORMS - {OpKind.BATCHNORM_INFERENCE}) | NORM_BACKWARD_LOWERED)
+    norms = kinds & ((NORMS - {OpKind.BATCHNORM_INFERENCE}) | NORM_BACKWARD_LOWERED | {OpKind.BATCHNORM_BACKWARD})
     if norms and OpKind.MATMUL in kinds:
         raise Refused(
             "a matmul and a layer/rms/batch norm in one graph: cuDNN describes the norm at rank 4 "
@@ -262,6 +261,7 @@ PORTS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     OpKind.SDPA: (frozenset({"q", "k", "v", "mask"}), frozenset({"o", "stats"})),
     OpKind.LAYERNORM_BACKWARD: (frozenset({"dy", "x", "scale", "mean", "inv_var"}), frozenset({"dx", "dscale", "dbias"})),
     OpKind.RMSNORM_BACKWARD: (frozenset({"dy", "x", "scale", "inv_rms"}), frozenset({"dx", "dscale", "dbias"})),
+    OpKind.BATCHNORM_BACKWARD: (frozenset({"dy", "x", "scale", "mean", "inv_var"}), frozenset({"dx", "dscale", "dbias"})),
     OpKind.SDPA_BACKWARD: (frozenset({"q", "k", "v", "o", "do", "stats", "mask"}), frozenset({"dq", "dk", "dv"})),
 }
 
@@ -367,7 +367,7 @@ def _check_flow(graph: Graph) -> None:
 
 
 # Nodes that anchor a cuDNN graph: everything else must be an epilogue reading their result.
-ANCHORS = MAIN_OPS | {OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.BATCHNORM} | NORM_BACKWARD_LOWERED
+ANCHORS = MAIN_OPS | {OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.BATCHNORM, OpKind.BATCHNORM_BACKWARD} | NORM_BACKWARD_LOWERED
 
 
 def _check_epilogues(graph: Graph) -> None:
@@ -452,12 +452,16 @@ def _family(graph: Graph) -> tuple[str, set[str]]:
 
 
 def _per_channel(graph: Graph) -> dict[str, int]:
-    """A batchnorm's [C] tensors -> the rank of its x (see _describe)."""
+    """A batchnorm's (or its backward's) [C] tensors -> the rank of its x (see _describe)."""
     out: dict[str, int] = {}
     for node in graph.nodes:
         if node.kind == OpKind.BATCHNORM:
             for port in ("scale", "bias"):
                 t = node.inputs[port]
+                if len(t.shape) == 1:
+                    out[t.name] = len(node.inputs["x"].shape)
+        if node.kind == OpKind.BATCHNORM_BACKWARD:
+            for t in (*(node.inputs[p] for p in ("scale", "mean", "inv_var")), *node.outputs.values()):
                 if len(t.shape) == 1:
                     out[t.name] = len(node.inputs["x"].shape)
     return out

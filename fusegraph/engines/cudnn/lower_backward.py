@@ -1,8 +1,10 @@
-"""The backward (training) ops given to cuDNN's frontend: layer and RMS norm backward
-(``layernorm_backward``, ``rmsnorm_backward``) and attention backward (``sdpa_backward``),
-each its cuDNN graph alone. lower.py describes their tensors (norm backward as its forward,
-at rank 4 with unit dims appended; attention backward at [b, h, s, d], row-major or
-heads-interleaved) and calls the lowerings here through its LOWER table.
+"""The backward (training) ops given to cuDNN's frontend: layer, RMS and batch norm backward
+(``layernorm_backward``, ``rmsnorm_backward``, ``batchnorm_backward``) and attention
+backward (``sdpa_backward``), each its cuDNN graph alone. lower.py describes their tensors
+(norm backward as its forward: layer/RMS at rank 4 with unit dims appended, row-major;
+batch norm's per-channel tensors as [1, C, 1, ...], its images row-major or channels-last;
+attention backward at [b, h, s, d], row-major or heads-interleaved) and calls the lowerings
+here through its LOWER table.
 
 Pure Python: the refusal rules run on machines without cuDNN."""
 
@@ -23,6 +25,7 @@ NORM_BACKWARD_LOWERED = frozenset({OpKind.LAYERNORM_BACKWARD, OpKind.RMSNORM_BAC
 # the saved statistics each backward op reads (cuDNN reads them as float32, as its forwards write them)
 SAVED_STATS: dict[OpKind, tuple[str, ...]] = {
     OpKind.LAYERNORM_BACKWARD: ("mean", "inv_var"),
+    OpKind.BATCHNORM_BACKWARD: ("mean", "inv_var"),
     OpKind.RMSNORM_BACKWARD: ("inv_rms",),
     OpKind.SDPA_BACKWARD: ("stats",),
 }
@@ -81,6 +84,16 @@ def _rmsnorm_backward(bld: Any, node: Node, prep: object) -> dict[str, Any]:
     return {"dx": dx, "dscale": dscale, **({"dbias": dbias} if has_dbias else {})}
 
 
+def _batchnorm_backward(bld: Any, node: Node, prep: object) -> dict[str, Any]:
+    """Batch norm backward from the saved per-channel mean and inverse variance (one GPU:
+    no peer statistics)."""
+    ins = node.inputs
+    dx, dscale, dbias = bld.g.batchnorm_backward(
+        bld.tensor(ins["dy"]), bld.tensor(ins["x"]), bld.tensor(ins["scale"]), bld.tensor(ins["mean"]),
+        bld.tensor(ins["inv_var"]), peer_stats=[], compute_data_type=bld.compute(node), name=bld.name(node))
+    return {"dx": dx, "dscale": dscale, "dbias": dbias}
+
+
 def _sdpa_backward(bld: Any, node: Node, prep: object) -> dict[str, Any]:
     """dQ, dK, dV from the forward's output and log-sum-exp statistics (cuDNN's ``Stats``
     is the same quantity, [b, h_q, s_q, 1] float32); grouped-query heads as the forward's,
@@ -102,5 +115,6 @@ def _sdpa_backward(bld: Any, node: Node, prep: object) -> dict[str, Any]:
 BACKWARD_LOWER: dict[OpKind, Callable[[Any, Node, Any], dict[str, Any]]] = {
     OpKind.LAYERNORM_BACKWARD: _layernorm_backward,
     OpKind.RMSNORM_BACKWARD: _rmsnorm_backward,
+    OpKind.BATCHNORM_BACKWARD: _batchnorm_backward,
     OpKind.SDPA_BACKWARD: _sdpa_backward,
 }
