@@ -10,6 +10,7 @@ steps under eager and under the backend (every region claimed) and compares the 
     python benchmarks/bench_torch.py --models resnet50 --modes train          # GPU, one model
     python benchmarks/bench_torch.py --models resnet50,vit_b_16 --modes infer --infer-batch 1,32
     python benchmarks/bench_torch.py --json out.json --png out.png            # everything
+    python benchmarks/bench_torch.py --check-only --models llama              # the float32 check at full size
     python benchmarks/bench_torch.py --quick                                  # CPU, tiny: agreement only (CI)
 
 Models (benchmarks/torch_models.py, random weights, no downloads): ``resnet50``
@@ -238,8 +239,10 @@ def bench(name: str, mode: str, batch: int | None, dtype: str, args: argparse.Na
             continue
         d["compile_s"] = time.perf_counter() - t0
         firsts[variant] = first.detach().float()
-        if variant.startswith("fusegraph") and rows:
+        if variant.startswith("fusegraph"):
             d.update(_report(rows))
+            if not rows:  # compiled code came from somewhere other than the backend (a cache)
+                print(f"{name} {mode} {variant}: the backend saw no graph (nothing claimed)", file=sys.stderr)
         calls[variant] = call
     ref = firsts.get("eager")
     tol = FIRST_TOL_GPU_FP32 if (gpu and dtype == "fp32") else FIRST_TOL[dtype]
@@ -265,7 +268,8 @@ def bench(name: str, mode: str, batch: int | None, dtype: str, args: argparse.Na
 
 def _ratios(row: dict[str, Any]) -> dict[str, float]:
     v = row["variants"]
-    fg = v.get("fusegraph", {}).get("ms") or v.get("fusegraph-claim", {}).get("ms")
+    first = next((name for name in v if name.startswith("fusegraph")), "")  # as --variants lists them
+    fg = v.get(first, {}).get("ms")
     out = {}
     for other in ("eager", "inductor"):
         ms = v.get(other, {}).get("ms")
@@ -374,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-steps", type=int, default=5, help="float32 training steps compared with eager (0: no check)")
     ap.add_argument("--check-size", choices=("full", "tiny"), help="model size of the float32 check (default: --size)")
     ap.add_argument("--options", default="", help="backend options for the fusegraph variants, k=v,k=v")
+    ap.add_argument("--check-only", action="store_true", help="the float32 check, no timed rows (any device)")
     ap.add_argument("--quick", action="store_true", help="CPU, tiny models, the float32 check only (CI); non-zero exit on disagreement")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--png", help="write a chart here (needs matplotlib)")
@@ -409,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device_name}, torch {torch.__version__}, size {args.size}")
 
     checks: list[dict[str, Any]] = []
-    if args.check_steps > 0 or args.quick:
+    if args.check_steps > 0 or args.quick or args.check_only:
         for m in models:
             t0 = time.perf_counter()
             try:
@@ -421,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
             checks.append(c)
             _print_check(c)
     rows: list[dict[str, Any]] = []
-    if not args.quick:
+    if not (args.quick or args.check_only):
         for m in models:
             if "train" in modes:
                 rows.append(bench(m, "train", args.batch, train_dtype, args, device))
@@ -431,6 +436,8 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append(bench(m, "infer", b, dt, args, device))
         print()
         print_table(rows, args.variants)
+        for m in models:
+            print(f"  {m}: {next((r['describe'] for r in rows if r['model'] == m), '')}")
         train_ratios = [_ratios(r).get("vs_inductor") for r in rows if r["mode"] == "train"]
         got = [x for x in train_ratios if x]
         if got:
@@ -438,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"(over {len(got)} models; above 1: fusegraph faster)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"device": device_name, "torch": torch.__version__, "size": args.size,
+            json.dump({"device": device_name, "torch": torch.__version__, "size": args.size, "argv": sys.argv[1:],
                        "options": args.options, "checks": checks, "rows": rows}, f, indent=1)
     if args.png and rows:
         plot(rows, args.variants, args.png, device_name)
