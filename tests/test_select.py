@@ -473,3 +473,10 @@ def test_the_torch_engine_offers_tf32_only_where_it_changes_something() -> None:
     assert len(tf32) == 1 and tf32[0].numerics and tf32[0].default is False
     assert not any(k.name == "tf32" for k in engine.knobs(f32, cpu))
     assert not any(k.name == "tf32" for k in engine.knobs(f16.validate(), gpu))
+
+
+def test_an_engine_config_takes_its_knobs_as_pairs_or_a_mapping() -> None:
+    a = EngineConfig("triton", {"num_warps": 8, "rows_per_program": 2})
+    assert a == EngineConfig("triton", (("num_warps", 8), ("rows_per_program", 2))) and a.get("num_warps") == 8
+    with pytest.raises(TypeError, match="knobs must be"):
+        EngineConfig("triton", ("num_warps", 8))  # type: ignore[arg-type]

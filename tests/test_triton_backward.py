@@ -252,7 +252,7 @@ def test_rmsnorm_backward_without_dbias_and_padded_rows(rng: np.random.Generator
 def test_knob_settings_agree(rng: np.random.Generator) -> None:
     g = norm_bwd("ln", DT.HALF, xs=(300, 512))
     for per, warps, psm in [(1, 4, 1), (4, 8, 2), (8, 2, 8)]:
-        _check(g, rng, EngineConfig("triton", {"rows_per_program": per, "num_warps": warps, "programs_per_sm": psm}))
+        _check(g, rng, EngineConfig("triton", (("num_warps", warps), ("programs_per_sm", psm), ("rows_per_program", per))))
 
 
 @pytest.mark.gpu

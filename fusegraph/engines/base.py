@@ -76,6 +76,14 @@ class EngineConfig:
     engine: str
     knobs: tuple[tuple[str, Any], ...] = ()
 
+    def __post_init__(self) -> None:
+        # a mapping is the natural way to write knobs; it becomes the hashable pairs
+        if isinstance(self.knobs, Mapping):
+            object.__setattr__(self, "knobs", tuple(self.knobs.items()))
+        elif not all(isinstance(kv, tuple) and len(kv) == 2 and isinstance(kv[0], str) for kv in self.knobs):
+            raise TypeError(f"EngineConfig('{self.engine}'): knobs must be (name, value) pairs or a mapping, "
+                            f"got {self.knobs!r}")
+
     def get(self, name: str, default: Any = None) -> Any:
         return dict(self.knobs).get(name, default)
 
