@@ -132,7 +132,7 @@ def _softmax() -> tuple[fg.Graph, Callable[[dict[str, np.ndarray]], np.ndarray]]
 
 def _conv_relu() -> tuple[fg.Graph, Callable[[dict[str, np.ndarray]], np.ndarray]]:
     """Half I/O, float32 accumulation: on the H100 cuDNN proposed no plan without TF32 rounding
-    for a float32 convolution either."""
+    for this small float32 convolution (4 -> 5 channels) either."""
     g = fg.Graph("contract_conv_relu", io_data_type=fg.DataType.HALF, compute_data_type=F32)
     x, w = g.tensor("x", [2, 4, 6, 6]), g.tensor("w", [5, 4, 3, 3])
     g.relu(g.conv_fprop(x, w, padding=[1, 1])).set_name("y").set_output(True)
@@ -146,8 +146,8 @@ def _conv_relu() -> tuple[fg.Graph, Callable[[dict[str, np.ndarray]], np.ndarray
 
 
 # what each GPU engine claims of these graphs (cudnn has no softmax node, and cuDNN
-# proposed no plan without TF32 rounding for a float32 graph on the H100, so its supports()
-# refuses add_relu and its case is a half convolution; triton's row kernels need a
+# proposed no plan without TF32 rounding for these small float32 graphs on the H100, so its
+# supports() refuses them and its case is a half convolution; triton's row kernels need a
 # softmax, norm or reduction; cuDNN's float32 matmul rounds to TF32)
 GPU_GRAPHS = {"cudnn": ["conv_relu"], "triton": ["softmax"], "torch": ["add_relu", "matmul", "softmax"]}
 
