@@ -112,7 +112,12 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str) -> list[Row]:
             device = _device(gm)
             by_name = {n.name: n for n in nodes}
             fx_of = {r.index: _fx_nodes(r, conv, by_name) for r in regions.regions}
-            choices = _chooser(opts, device).choose_all(regions.regions, _inputs(device)) if regions.regions else []
+            # the floor measures on real tensors: a forward graph is compiled under its fake mode
+            # (its incumbent failed on FakeTensors and every region was kept unmeasured)
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily():
+                choices = _chooser(opts, device).choose_all(regions.regions, _inputs(device)) if regions.regions else []
             replaced: dict[aten.Key, torch.fx.Node] = {}
             for choice in choices:
                 fx_names = fx_of[choice.region.index]
