@@ -302,7 +302,7 @@ def _x(ratio: float | None) -> str:
     return f"{ratio:.2f}x" if ratio else "-"
 
 
-def plot(rows: list[dict[str, Any]], variants: list[str], path: str, device_name: str) -> None:
+def plot(rows: list[dict[str, Any]], variants: list[str], path: str, device_name: str, version: str = torch.__version__) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -323,7 +323,7 @@ def plot(rows: list[dict[str, Any]], variants: list[str], path: str, device_name
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(shown)), labels, fontsize=7)
     ax.set_ylabel("speed-up over PyTorch eager (higher is faster)")
-    ax.set_title(f"torch.compile backends, {device_name}, torch {torch.__version__}")
+    ax.set_title(f"torch.compile backends, {device_name}, torch {version}")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
@@ -382,6 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="CPU, tiny models, the float32 check only (CI); non-zero exit on disagreement")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--png", help="write a chart here (needs matplotlib)")
+    ap.add_argument("--replot", metavar="JSON", help="print the table (and --png the chart) of a saved --json run, then exit")
     ap.add_argument("--host", action="store_true", help="the autograd functions' host cost per call, then exit")
     args = ap.parse_args(argv)
     if args.png:
@@ -390,6 +391,14 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             ap.error("--png needs matplotlib, which is not installed here (pip install matplotlib); "
                      "run without --png, or with --json and chart it elsewhere")
+    if args.replot:  # e.g. a GPU machine's run, charted where matplotlib is
+        saved = json.loads(Path(args.replot).read_text(encoding="utf-8"))
+        names = list(dict.fromkeys(v for r in saved["rows"] for v in r["variants"]))
+        print(f"device: {saved['device']}, torch {saved['torch']} ({args.replot})")
+        print_table(saved["rows"], names)
+        if args.png:
+            plot(saved["rows"], names, args.png, saved["device"], saved["torch"])
+        return 0
     device = torch.device("cpu" if args.quick else args.device)
     if args.host:
         for name, us in host_cost(device).items():

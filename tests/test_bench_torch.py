@@ -190,3 +190,18 @@ def test_the_floor_measures_a_forward_graph_on_real_tensors(tmp_path: Path, monk
         got = torch.compile(copy.deepcopy(model), backend="fusegraph", options=options, dynamic=False)(x)
     assert made and not any(made), f"{sum(made)} of {len(made)} floor inputs were FakeTensors"
     assert float((got - model(x)).norm() / model(x).norm()) < 1e-5
+
+
+def test_replot_prints_ratios_above_one_where_fusegraph_is_faster(bench: ModuleType, tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A saved run's table: ratios are other / fusegraph (a faster fusegraph reads > 1x)."""
+    saved = {"device": "test", "torch": torch.__version__, "rows": [
+        {"model": "gpt2", "mode": "train", "batch": 8, "dtype": "bf16", "describe": "", "variants": {
+            "eager": {"ms": 3.0, "compile_s": 0.1, "agrees": True},
+            "inductor": {"ms": 1.5, "compile_s": 30.0, "agrees": True},
+            "fusegraph": {"ms": 1.0, "compile_s": 40.0, "agrees": True, "coverage": 0.5}}}]}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(saved))
+    assert bench.main(["--replot", str(path)]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("gpt2"))
+    assert "3.00x" in line and "1.50x" in line and "50%" in line, line
