@@ -205,9 +205,16 @@ def export(module: nn.Module, inputs: tuple[torch.Tensor, ...], names: list[str]
                               "do_constant_folding": True}
     if "dynamo" in inspect.signature(torch.onnx.export).parameters:
         kwargs["dynamo"] = False
+    # nn.MultiheadAttention's inference fast path (_native_multi_head_attention, taken under
+    # no_grad on CUDA) has no ONNX export: exported as its composite ops, timed with it on
+    fast = torch.backends.mha.get_fastpath_enabled()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(module, inputs, str(path), **kwargs)
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            torch.onnx.export(module, inputs, str(path), **kwargs)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fast)
 
 
 def _rel(got: np.ndarray, want: np.ndarray) -> float:

@@ -132,9 +132,10 @@ def _softmax() -> tuple[fg.Graph, Callable[[dict[str, np.ndarray]], np.ndarray]]
 
 def _conv_relu() -> tuple[fg.Graph, Callable[[dict[str, np.ndarray]], np.ndarray]]:
     """Half I/O, float32 accumulation: on the H100 cuDNN proposed no plan without TF32 rounding
-    for this small float32 convolution (4 -> 5 channels) either."""
+    for a small float32 convolution either (4 -> 5 channels; 8 -> 16 here: tensor cores'
+    multiples of 8)."""
     g = fg.Graph("contract_conv_relu", io_data_type=fg.DataType.HALF, compute_data_type=F32)
-    x, w = g.tensor("x", [2, 4, 6, 6]), g.tensor("w", [5, 4, 3, 3])
+    x, w = g.tensor("x", [2, 8, 6, 6]), g.tensor("w", [16, 8, 3, 3])
     g.relu(g.conv_fprop(x, w, padding=[1, 1])).set_name("y").set_output(True)
 
     def want(v: dict[str, np.ndarray]) -> np.ndarray:
