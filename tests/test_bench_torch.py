@@ -205,3 +205,24 @@ def test_replot_prints_ratios_above_one_where_fusegraph_is_faster(bench: ModuleT
     assert bench.main(["--replot", str(path)]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("gpt2"))
     assert "3.00x" in line and "1.50x" in line and "50%" in line, line
+
+
+@pytest.mark.slow
+def test_the_floor_leaves_the_outer_compile_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The floor compiles each region's incumbent with Inductor in the middle of Dynamo's
+    compile of the model: run inside the outer tracing context, that compile added guards to
+    the outer shape environment and Dynamo failed building its guards (IndexError in
+    produce_guards; GPT-2's inference graph after its training graph, found by
+    bench_torch.py). ~15 s: Inductor compiles each region on the CPU."""
+    tm = _load("torch_models")
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    case = tm.case("gpt2", "tiny")
+    torch._dynamo.reset()
+    train = copy.deepcopy(case.model).train()
+    torch.compile(train, backend="fusegraph", dynamic=False)(*case.inputs).sum().backward()
+    torch._dynamo.reset()
+    infer = copy.deepcopy(case.model).eval()
+    with torch.no_grad():
+        got = torch.compile(infer, backend="fusegraph", dynamic=False)(*case.inputs)
+        want = case.model.eval()(*case.inputs)
+    assert float((got - want).norm() / want.norm()) < 1e-5

@@ -112,11 +112,14 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str) -> list[Row]:
             device = _device(gm)
             by_name = {n.name: n for n in nodes}
             fx_of = {r.index: _fx_nodes(r, conv, by_name) for r in regions.regions}
-            # the floor measures on real tensors: a forward graph is compiled under its fake mode
-            # (its incumbent failed on FakeTensors and every region was kept unmeasured)
+            # the floor measures on real tensors, outside the compile it sits in: a forward graph
+            # is compiled under its fake mode (the incumbent failed on FakeTensors, every region
+            # was kept unmeasured), and the incumbent's own Inductor compile must not add guards
+            # to the outer graph's shape environment (Dynamo then failed building its guards)
+            from torch._guards import tracing
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-            with unset_fake_temporarily():
+            with unset_fake_temporarily(), tracing(None):
                 choices = _chooser(opts, device).choose_all(regions.regions, _inputs(device)) if regions.regions else []
             replaced: dict[aten.Key, torch.fx.Node] = {}
             for choice in choices:
