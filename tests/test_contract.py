@@ -131,11 +131,12 @@ def _softmax() -> tuple[fg.Graph, Callable[[dict[str, np.ndarray]], np.ndarray]]
 
 
 def _conv_relu() -> tuple[fg.Graph, Callable[[dict[str, np.ndarray]], np.ndarray]]:
-    """Half I/O, float32 accumulation: on the H100 cuDNN proposed no plan without TF32 rounding
-    for a small float32 convolution either (4 -> 5 channels; 8 -> 16 here: tensor cores'
-    multiples of 8)."""
+    """Half I/O, float32 accumulation, channels-last: on the H100 cuDNN proposed no plan for
+    this convolution with its ReLU in float32 (none without TF32 rounding) nor in NCHW order
+    (its fused convolutions run channels-last)."""
     g = fg.Graph("contract_conv_relu", io_data_type=fg.DataType.HALF, compute_data_type=F32)
-    x, w = g.tensor("x", [2, 8, 6, 6]), g.tensor("w", [16, 8, 3, 3])
+    x = g.tensor("x", [2, 16, 6, 6], fg.strides_for([2, 16, 6, 6], "NHWC"))
+    w = g.tensor("w", [32, 16, 3, 3], fg.strides_for([32, 16, 3, 3], "KRSC"))
     g.relu(g.conv_fprop(x, w, padding=[1, 1])).set_name("y").set_output(True)
 
     def want(v: dict[str, np.ndarray]) -> np.ndarray:
@@ -148,7 +149,7 @@ def _conv_relu() -> tuple[fg.Graph, Callable[[dict[str, np.ndarray]], np.ndarray
 
 # what each GPU engine claims of these graphs (cudnn has no softmax node, and cuDNN
 # proposed no plan without TF32 rounding for these small float32 graphs on the H100, so its
-# supports() refuses them and its case is a half convolution; triton's row kernels need a
+# supports() refuses them and its case is a half channels-last convolution; triton's row kernels need a
 # softmax, norm or reduction; cuDNN's float32 matmul rounds to TF32)
 GPU_GRAPHS = {"cudnn": ["conv_relu"], "triton": ["softmax"], "torch": ["add_relu", "matmul", "softmax"]}
 
@@ -165,13 +166,18 @@ def test_same_pack_same_result_on_every_gpu_engine(engine: str, graph: str, rng:
 
     g, want_of = {**GRAPHS, "softmax": _softmax, "conv_relu": _conv_relu}[graph]()
     shapes = {t.name: t.shape for t in g.inputs()}
+    declared = {t.name: t.strides for t in g.inputs()}
     half = all(t.dtype == fg.DataType.HALF for t in g.inputs())
     dtype, tol = (np.float16, 2e-3) if half else (np.float32, 1e-5)  # half: the output's rounding
     for kind in [*PACKS[:-1], "cuda", "cuda_strided", "dlpack"]:
         host = _pack("writable" if kind in ("cuda", "cuda_strided", "dlpack") else kind, shapes, rng, dtype)
         pack: dict[str, Any]
+        def on_device(k: str, v: np.ndarray) -> Any:  # dense, in the declared layout
+            src = torch.from_numpy(np.ascontiguousarray(v))
+            return torch.empty_strided(src.shape, declared[k], dtype=src.dtype, device="cuda").copy_(src)
+
         if kind == "cuda":
-            pack = {k: torch.from_numpy(np.ascontiguousarray(v)).cuda() for k, v in host.items()}
+            pack = {k: on_device(k, v) for k, v in host.items()}
         elif kind == "cuda_strided":  # every other column of a wider tensor: a view, not a copy
             pack = {}
             for k, v in host.items():
@@ -179,7 +185,7 @@ def test_same_pack_same_result_on_every_gpu_engine(engine: str, graph: str, rng:
                 wide[..., ::2] = torch.from_numpy(np.ascontiguousarray(v)).cuda()
                 pack[k] = wide[..., ::2]
         elif kind == "dlpack":
-            pack = {k: DLPackOnly(torch.from_numpy(np.ascontiguousarray(v)).cuda()) for k, v in host.items()}
+            pack = {k: DLPackOnly(on_device(k, v)) for k, v in host.items()}
         else:
             pack = host
         logical = {k: np.asarray(v, np.float64) for k, v in host.items()}
