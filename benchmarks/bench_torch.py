@@ -278,10 +278,11 @@ def _ratios(row: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def print_table(rows: list[dict[str, Any]], variants: list[str]) -> None:
+def print_table(rows: list[dict[str, Any]], variants: list[str], header: bool = True) -> None:
     head = f"{'model':<10} {'mode':<5} {'batch':>5} {'dtype':<5} " + " ".join(f"{v + ' ms':>20}" for v in variants)
     head += f" {'fg/eager':>8} {'fg/ind':>7}  compile s ({', '.join(variants)})  coverage"
-    print(head)
+    if header:
+        print(head, flush=True)
     for r in rows:
         vs = r["variants"]
         cells = []
@@ -295,7 +296,7 @@ def print_table(rows: list[dict[str, Any]], variants: list[str]) -> None:
         comp = ", ".join(f"{vs[v]['compile_s']:.1f}" if "compile_s" in vs.get(v, {}) else "-" for v in variants)
         cov = next((f"{vs[v]['coverage']:.0%}" for v in ("fusegraph", "fusegraph-claim") if "coverage" in vs.get(v, {})), "-")
         print(f"{r['model']:<10} {r['mode']:<5} {r['batch']:>5} {r['dtype']:<5} " + " ".join(cells)
-              + f" {_x(ratio.get('vs_eager')):>8} {_x(ratio.get('vs_inductor')):>7}  {comp:<28}  {cov}")
+              + f" {_x(ratio.get('vs_eager')):>8} {_x(ratio.get('vs_inductor')):>7}  {comp:<28}  {cov}", flush=True)
 
 
 def _x(ratio: float | None) -> str:
@@ -423,6 +424,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: {device_name}, torch {torch.__version__}, size {args.size}")
 
     checks: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = []
+
+    def save() -> None:  # after every check and row: a run stopped by a time limit keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(
+                {"device": device_name, "torch": torch.__version__, "size": args.size, "argv": sys.argv[1:],
+                 "options": args.options, "checks": checks, "rows": rows}, indent=1), encoding="utf-8")
+
     if args.check_steps > 0 or args.quick or args.check_only:
         for m in models:
             t0 = time.perf_counter()
@@ -431,31 +440,37 @@ def main(argv: list[str] | None = None) -> int:
                           args.batch)
             except Exception as exc:
                 c = {"model": m, "error": f"{type(exc).__name__}: {str(exc)[:2000]}"}
+                _free(device)
             c["seconds"] = time.perf_counter() - t0
             checks.append(c)
             _print_check(c)
-    rows: list[dict[str, Any]] = []
+            save()
     if not (args.quick or args.check_only):
-        for m in models:
-            if "train" in modes:
-                rows.append(bench(m, "train", args.batch, train_dtype, args, device))
-            if "infer" in modes:
-                for b in (int(x) for x in args.infer_batch.split(",") if x):
-                    for dt in (x for x in args.infer_dtype.split(",") if x):
-                        rows.append(bench(m, "infer", b, dt, args, device))
+        todo = [(m, "train", args.batch, train_dtype) for m in models if "train" in modes]
+        todo += [(m, "infer", int(b), dt) for m in models if "infer" in modes
+                 for b in args.infer_batch.split(",") if b for dt in args.infer_dtype.split(",") if dt]
+        todo.sort(key=lambda t: models.index(t[0]))
+        for m, mode, b, dt in todo:
+            try:
+                row = bench(m, mode, b, dt, args, device)
+            except Exception as exc:  # the row's setup failed (out of memory, a model that cannot be built)
+                row = {"model": m, "mode": mode, "batch": b or 0, "dtype": dt, "describe": "",
+                       "error": f"{type(exc).__name__}: {str(exc)[:2000]}",
+                       "variants": {v: {"error": "the row failed"} for v in args.variants}}
+                _free(device)
+            rows.append(row)
+            print_table([row], args.variants, header=len(rows) == 1)
+            save()
         print()
         print_table(rows, args.variants)
         for m in models:
-            print(f"  {m}: {next((r['describe'] for r in rows if r['model'] == m), '')}")
+            print(f"  {m}: {next((r['describe'] for r in rows if r['model'] == m and r['describe']), '')}")
         train_ratios = [_ratios(r).get("vs_inductor") for r in rows if r["mode"] == "train"]
         got = [x for x in train_ratios if x]
         if got:
             print(f"\ntraining step, fusegraph vs inductor geomean: {math.prod(got) ** (1 / len(got)):.3f}x "
                   f"(over {len(got)} models; above 1: fusegraph faster)")
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"device": device_name, "torch": torch.__version__, "size": args.size, "argv": sys.argv[1:],
-                       "options": args.options, "checks": checks, "rows": rows}, f, indent=1)
+    save()
     if args.png and rows:
         plot(rows, args.variants, args.png, device_name)
     bad = [c["model"] for c in checks if "error" in c or not all(c[k]["ok"] for k in ("train", "infer") if k in c)]
@@ -484,7 +499,7 @@ def _print_check(c: dict[str, Any]) -> None:
         parts.append(f"infer outputs {i['out_rel']:.1e} rel {'ok' if i['ok'] else 'DISAGREES'}")
         if "infer_report" in c:
             parts.append(f"coverage {c['infer_report']['coverage']:.0%}")
-    print(f"{head} " + "; ".join(parts))
+    print(f"{head} " + "; ".join(parts), flush=True)
 
 
 if __name__ == "__main__":
