@@ -226,3 +226,41 @@ def test_the_floor_leaves_the_outer_compile_alone(tmp_path: Path, monkeypatch: p
         got = torch.compile(infer, backend="fusegraph", dynamic=False)(*case.inputs)
         want = case.model.eval()(*case.inputs)
     assert float((got - want).norm() / want.norm()) < 1e-5
+
+
+def test_the_floor_keeps_no_region_that_only_moves_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A region of views, selects and copies alone can beat Inductor's one-op kernel when
+    measured by itself, but in the graph Inductor fuses it into its neighbours: kept, it
+    made the tiny ResNet-50's inference 0.68x Inductor's with no compute node on fusegraph
+    (bench_torch.py). Here the incumbent fails whenever timed, so the floor would keep every
+    region it measured: ViT's attention plumbing (clone, select, transpose) must stay out."""
+    import collections
+
+    from fusegraph.torch import partition
+    from fusegraph.torch.compile_backend import collecting
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        def call() -> None:
+            raise RuntimeError("this test's incumbent fails when timed")
+
+        return call
+
+    monkeypatch.setattr(partition, "_incumbent_call", failing)
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    tm = _load("torch_models")
+    case = tm.case("vit_b_16", "tiny")
+    model = case.model.eval()
+    torch._dynamo.reset()
+    options = {"floor": True, "incumbent": "eager", "rest": "eager", "warmup_s": 0.01}
+    with torch.no_grad(), collecting() as rows:
+        got = torch.compile(copy.deepcopy(model), backend="fusegraph", options=options, dynamic=False)(*case.inputs)
+        want = model(*case.inputs)
+    regions = collections.defaultdict(list)
+    for r in rows:
+        if r.region is not None:
+            regions[r.region].append(r)
+    data_only = [rs for rs in regions.values() if not any(r.compute for r in rs)]
+    assert data_only, "the test needs a region without compute nodes"
+    assert not any(r.fusegraph for rs in data_only for r in rs), [(r.op, r.why) for rs in data_only for r in rs]
+    assert any(r.fusegraph for r in rows)  # the compute regions are still kept
+    assert float((got - want).norm() / want.norm()) < 1e-5

@@ -126,6 +126,12 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str) -> list[Row]:
                 fx_names = fx_of[choice.region.index]
                 for name in fx_names:
                     region_of[name] = (choice, "")
+                if choice.claimed and opts.floor and not any(is_compute(by_name[n]) for n in fx_names):
+                    # measured alone it can beat Inductor's one-op kernel; in the graph Inductor
+                    # fuses it into its neighbours for free, and a call of its own costs more
+                    for name in fx_names:
+                        region_of[name] = (choice, "not kept: it only moves data (Inductor fuses that into its neighbours)")
+                    continue
                 if choice.claimed:
                     try:
                         _check_convex(gm, fx_names)
