@@ -221,7 +221,7 @@ def bench(name: str, mode: str, batch: int | None, dtype: str, args: argparse.Na
                 opt.step()
                 return loss.detach()
         else:
-            def call(fn: Any = fn) -> torch.Tensor:
+            def call(fn: Any = fn, opt: Any = None) -> torch.Tensor:
                 with torch.no_grad(), _precision(device, dtype):
                     return fn(*inputs)  # type: ignore[no-any-return]
 

@@ -202,6 +202,9 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
+    cos: torch.Tensor  # buffers: the rotary tables
+    sin: torch.Tensor
+
     def __init__(self, d: int = 2048, layers: int = 8, heads: int = 32, kv_heads: int = 8, ffn: int = 5632,
                  vocab: int = 32000, ctx: int = 2048) -> None:
         super().__init__()
