@@ -57,6 +57,7 @@ from fusegraph.regions.split import Region
 from fusegraph.regions.subgraph import cut
 from fusegraph.regions.verdicts import VerdictStore
 from fusegraph.runtime.handle import Handle
+from fusegraph.runtime.progress import working
 
 if TYPE_CHECKING:
     from fusegraph.onnx.options import ProviderOptions
@@ -482,7 +483,10 @@ class RegionUnit(FusegraphUnit):
                 if cached is not None and not cached.fusegraph:
                     known[r.index] = Choice(r, cached)
         rest = [r for r in regions if r.index not in known]
-        chosen = {ch.region.index: ch for ch in c.choose_all(rest, self._example)} if rest else {}
+        chosen: dict[int, Choice] = {}
+        if rest:  # seconds on a cold cache (every region built and timed): a sign of life
+            with working(f"fusegraph {self.name}: {len(rest)} regions measured against {c.incumbent.name}"):
+                chosen = {ch.region.index: ch for ch in c.choose_all(rest, self._example)}
         return [known.get(r.index) or chosen[r.index] for r in regions]
 
     def _checked(self, build: Callable[[Region], ExecutionPlan]) -> Callable[[Region], ExecutionPlan]:
