@@ -330,8 +330,8 @@ class RegionUnit(FusegraphUnit):
         p = self.precision
         if p.tf32:
             self.precision_note = (f"precision tf32: torch's TF32 flags on while the unit runs; {self._tf32_regions}/{n} "
-                                   "regions built with an engine's tf32 knob (the torch engine's convolution / matmul "
-                                   "plans pin TF32 off)")
+                                   "regions built with an engine's tf32 knob (cudnn's, or the torch engine's for its "
+                                   "float32 convolutions / matmuls / attention; the incumbent runs at tf32 too)")
             if not self.handle.device.is_gpu:
                 self.precision_note += "; no effect on the CPU"
         if self._sample is None or self._reference is None:
