@@ -235,6 +235,29 @@ def _no_zero_parameters(module: nn.Module) -> None:
                 p.normal_(0.0, 0.02)
 
 
+def profile(call: Callable[[], object], device: torch.device, top: int, runs: int = 5) -> list[dict[str, Any]]:
+    """The ``top`` device kernels (or host ops on the CPU) of ``runs`` warm calls by total
+    time, per call: where a variant's time goes, without a separate profiling session."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    call()
+    with torch_profile(activities=acts) as prof:
+        for _ in range(runs):
+            call()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    on_device = device.type == "cuda"
+    rows = []
+    for e in prof.key_averages():
+        us = (e.device_time_total if on_device else e.self_cpu_time_total) / runs
+        if us > 0:
+            rows.append({"name": e.key[:120], "us_per_call": round(us, 1), "calls": e.count // runs})
+    rows.sort(key=lambda r: -r["us_per_call"])
+    return rows[:top]
+
+
 def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     device = torch.device(args.device)
     family, make = MODELS[name]
@@ -320,6 +343,8 @@ def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dic
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     timings = time_candidates(calls, sync=sync, warmup_s=args.warmup_s, min_rounds=args.rounds)
     row["ms"] = {k: t.median_ms for k, t in timings.items()}
+    if args.profile:
+        row["profile"] = {k: profile(call, device, args.profile) for k, call in calls.items()}
     fg = row["ms"].get("fusegraph")
     for base in ("eager", "compile"):
         if fg and base in row["ms"]:
@@ -372,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", help="a chart of the ratios (needs matplotlib)")
     p.add_argument("--quick", action="store_true", help="CPU smoke: convnet and block, batch 1, few rounds")
     p.add_argument("--verbose", action="store_true", help="print each partition report (stderr)")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="after timing, the N costliest device kernels of each variant per call (torch.profiler; "
+                        "in the JSON and printed)")
     args = p.parse_args(argv)
     if args.quick:
         args.models, args.batch, args.device, args.rounds, args.warmup_s = "convnet,block", "1", "cpu", 3, 0.05
@@ -432,6 +460,11 @@ def _print(row: dict[str, Any]) -> None:
         print(f"    {row['fusegraph_report']}")
     for line in dict.fromkeys(row.get("fusegraph_precision", [])):
         print(f"    {line}")
+    for variant, kernels in row.get("profile", {}).items():
+        total = sum(k["us_per_call"] for k in kernels)
+        print(f"    {variant}: top {len(kernels)} kernels, {total:.0f} us a call")
+        for k in kernels:
+            print(f"      {k['us_per_call']:9.1f} us  x{k['calls']:<4} {k['name']}")
 
 
 if __name__ == "__main__":
