@@ -25,6 +25,10 @@ from fusegraph.runtime.cache_dir import cache_enabled, cache_root, read_table, u
 log = logging.getLogger("fusegraph.regions")
 
 FILE = "regions-verdicts.json"
+# What a verdict's measurement means; part of every key, so verdicts measured the old way are
+# never read back. 2: torch.compile's regions timed through their call in the graph (the op
+# ``fusegraph::region``, host cost included), no longer as the plan alone.
+KEY_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ def verdict_key(region_key: str, device: str, incumbent: str, versions: Mapping[
                 settings: Mapping[str, Any] | None = None) -> str:
     """The table key: everything a verdict depends on, hashed."""
     text = json.dumps(
-        {"region": region_key, "device": device, "incumbent": incumbent, "versions": dict(versions),
+        {"version": KEY_VERSION, "region": region_key, "device": device, "incumbent": incumbent, "versions": dict(versions),
          "settings": dict(settings or {})},
         sort_keys=True, separators=(",", ":"), default=str,
     )

@@ -176,7 +176,13 @@ def _chooser(opts: Options, device: torch.device) -> Chooser:
     incumbent = CallableIncumbent(opts.incumbent, lambda region, inputs: _incumbent_call(region, inputs, opts))
     def build(region: Region) -> ExecutionPlan:
         with plans.engine(engine):
-            return PLANS.get(("region", region.key), device, lambda: region.graph)
+            plan = PLANS.get(("region", region.key), device, lambda: region.graph)
+        if not opts.floor:
+            return plan
+        # the floor times the region as the rewritten graph will call it: through the op
+        sub = _SUBS[region.key]
+        extra = _extra_args(sub, len(region.inputs))
+        return runtime.RegionCall(plan, runtime.register(sub, region.key), len(region.inputs), extra)
 
     return Chooser(handle, incumbent, floor=opts.floor, engine=engine, margin=opts.margin,
                    store=VerdictStore() if opts.floor else None, sync=sync,
@@ -189,19 +195,27 @@ _SUBS: dict[str, torch.fx.GraphModule] = {}  # region content key -> its ATen no
 
 def _incumbent_call(region: Region, inputs: Mapping[str, Any], opts: Options) -> Callable[[], object]:
     sub = _SUBS[region.key]
-    args = [inputs[f"in{i}"] for i in range(len(region.inputs))]
-    for n in [n for n in sub.graph.nodes if n.op == "placeholder"][len(args):]:  # operands nothing reads
-        v = n.meta["val"]
-        if isinstance(v, torch.Tensor):
-            args.append(torch.zeros(tuple(aten.hint(d) for d in v.shape), dtype=v.dtype, device=v.device))
-        else:
-            args.append(aten.hint(v))
+    args: list[Any] = [inputs[f"in{i}"] for i in range(len(region.inputs))]
+    args += _extra_args(sub, len(args))
     if opts.incumbent == "eager":
         return lambda: sub(*args)
     from torch._inductor import compile as inductor_compile
 
     compiled = inductor_compile(sub, args)
     return lambda: compiled(*args)
+
+
+def _extra_args(sub: torch.fx.GraphModule, arity: int) -> list[torch.Tensor | int]:
+    """Values for the placeholders after the region graph's inputs: operands nothing in the
+    region reads (zeros) and symbolic sizes (their hints)."""
+    args: list[torch.Tensor | int] = []
+    for n in [n for n in sub.graph.nodes if n.op == "placeholder"][arity:]:
+        v = n.meta["val"]
+        if isinstance(v, torch.Tensor):
+            args.append(torch.zeros(tuple(aten.hint(d) for d in v.shape), dtype=v.dtype, device=v.device))
+        else:
+            args.append(aten.hint(v))
+    return args
 
 
 def _inputs(device: torch.device) -> Callable[[Region], dict[str, torch.Tensor]]:
@@ -224,7 +238,7 @@ def _inputs(device: torch.device) -> Callable[[Region], dict[str, torch.Tensor]]
 
 
 def _fx_nodes(region: Region, conv: aten.Converted, by_name: Mapping[str, torch.fx.Node]) -> list[str]:
-    names = {conv.atoms[g] for g in region.nodes}
+    names = {m for g in region.nodes for m in conv.members.get(conv.atoms[g], [conv.atoms[g]])}
     for name in list(names):
         for user in by_name[name].users:
             if user.op == "call_function" and user.target is operator.getitem:

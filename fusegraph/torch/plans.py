@@ -103,12 +103,13 @@ def _options(graph: Graph, handle: Handle, engine: str | None) -> dict[str, Any]
 
 def run(plan: ExecutionPlan, feed: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Executes with torch tensors in and out, autocast off around it."""
-    device = next(iter(feed.values())).device.type
+    pack = feed if type(feed) is dict else dict(feed)  # a plain dict: the torch engine's lean call
+    device = next(iter(pack.values())).device.type
     if torch.is_autocast_enabled(device):
         with torch.autocast(device, enabled=False):
-            out = plan.execute(dict(feed))
+            out = plan.execute(pack)
     else:
-        out = plan.execute(dict(feed))
+        out = plan.execute(pack)
     # A plan that ran under torch.inference_mode (the torch engine's general path, its
     # CUDA-graph replays) returns inference tensors, which autograd may not save.
     for name, t in out.items():
