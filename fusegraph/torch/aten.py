@@ -95,6 +95,9 @@ class Converted:
     opaque: dict[str, list[str]] = field(default_factory=dict)  # graph input -> graph tensors it depends on
     converted: list[str] = field(default_factory=list)  # FX nodes converted, in order
     constants: dict[Key, Zeros] = field(default_factory=dict)  # FX values the runner fills with zeros
+    # FX node -> every FX node its graph nodes stand for (a matched pattern: the decomposed
+    # RMSNorm's pow ... mul(weight) becomes one rmsnorm, its atoms named after the first node)
+    members: dict[str, list[str]] = field(default_factory=dict)
 
 
 class Ctx:
@@ -105,6 +108,16 @@ class Ctx:
         self.g = out.graph
         self._tensors: dict[Key, TensorAttr] = {}
         self._inputs: dict[Key, TensorAttr] = {}
+        self.absorbed: list[str] = []  # later FX nodes the node being converted took in
+        self.skip: set[str] = set()  # FX nodes an earlier pattern took in
+
+    def absorb(self, node: torch.fx.Node, result: TensorAttr | None) -> None:
+        """A later FX node is part of the pattern being converted: ``result`` (None where
+        nothing outside the pattern reads it) is its value, and ``convert`` passes it by."""
+        if result is not None:
+            self._tensors[(node.name, None)] = _typed(result, meta(node))
+            self.out.values[(node.name, None)] = result.name
+        self.absorbed.append(node.name)
 
     def value(self, arg: Any) -> TensorAttr:
         if not isinstance(arg, torch.fx.Node):
@@ -127,6 +140,10 @@ class Ctx:
             self._inputs[key] = t
             self.out.inputs[t.name] = key
         return t
+
+    def forget(self, name: str) -> None:
+        self._tensors.pop((name, None), None)
+        self.out.values.pop((name, None), None)
 
     def scalar(self, v: Any, like: TensorAttr) -> TensorAttr:
         if isinstance(v, bool) or not isinstance(v, int | float):
@@ -533,6 +550,8 @@ def convert(graph: torch.fx.Graph, name: str = "aten") -> Converted:
     ctx = Ctx(out)
     deps: dict[str, set[str]] = {}  # FX node -> graph tensors it reads through unconverted code
     for n in graph.nodes:
+        if n.name in ctx.skip:
+            continue
         if n.op != "call_function" or n.target is operator.getitem:
             if n.op == "call_function":  # getitem: the tuple's item (a graph tensor where converted)
                 src, idx = _args(n)
@@ -546,6 +565,7 @@ def convert(graph: torch.fx.Graph, name: str = "aten") -> Converted:
         elif not _float_results(n):
             out.refused[n.name] = "results are not floating-point tensors"
         else:
+            ctx.absorbed = []
             try:
                 result = fn(ctx, n)
                 _check_dims(n, result)
@@ -553,10 +573,16 @@ def convert(graph: torch.fx.Graph, name: str = "aten") -> Converted:
                 for node in out.graph.nodes[before:]:
                     out.atoms[node.name] = n.name
                 out.converted.append(n.name)
+                if ctx.absorbed:
+                    out.members[n.name] = [n.name, *ctx.absorbed]
+                    out.converted += ctx.absorbed
+                    ctx.skip.update(ctx.absorbed)
                 continue
             except (Refused, FusegraphError, NotImplementedError) as exc:
                 out.refused[n.name] = str(exc) or type(exc).__name__
                 del out.graph.nodes[before:]  # a half-converted node leaves nothing behind
+                for name in ctx.absorbed:
+                    ctx.forget(name)
         reads: set[str] = set()
         for a in n.all_input_nodes:
             reads |= deps.get(a.name, set())
@@ -611,8 +637,13 @@ def _mark_outputs(graph: torch.fx.Graph, out: Converted) -> None:
                 out.graph.tensor_by_name(tname).set_output(True)
 
 
+# ops with results that are no floating-point tensor, which their converters handle
+# (attention's sizes and RNG state; max pooling's indices, refused where they are read)
+MIXED_RESULTS: set[Any] = set(_ATTENTION)
+
+
 def _float_results(n: torch.fx.Node) -> bool:
-    if n.target in _ATTENTION:  # sizes and RNG state besides (handled by its converter)
+    if n.target in MIXED_RESULTS:
         return True
     v = n.meta.get("val")
     vals = v if isinstance(v, list | tuple) else [v]
@@ -622,3 +653,6 @@ def _float_results(n: torch.fx.Node) -> bool:
 def _op_name(n: torch.fx.Node) -> str:
     t = n.target
     return str(getattr(t, "__name__", t)) if not hasattr(t, "_schema") else f"aten.{t._schema.name.split('::')[-1]}"
+
+
+from fusegraph.torch import aten_norms  # noqa: E402,F401  (registers its converters in CONVERTERS)
