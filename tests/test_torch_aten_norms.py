@@ -45,20 +45,20 @@ def _rel(got: Any, want: Any) -> float:
     return float(np.linalg.norm(g - w)) / max(float(np.linalg.norm(w)), 1e-300)
 
 
-def _outputs(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+def _outputs(gm: Any) -> list[Any]:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     res = out.args[0]
     return list(res) if isinstance(res, tuple | list) else [res]
 
 
-def _key(n: torch.fx.Node) -> conv_aten.Key:
+def _key(n: Any) -> conv_aten.Key:
     if n.op == "call_function" and n.target.__name__ == "getitem":  # type: ignore[union-attr]
         return (n.args[0].name, int(n.args[1]))  # type: ignore[union-attr, arg-type]
     return (n.name, None)
 
 
 def converted(fn: Callable[..., Any], inputs: Sequence[Any], whole: bool = False,
-              ) -> tuple[torch.fx.GraphModule, conv_aten.Converted]:
+              ) -> tuple[Any, conv_aten.Converted]:
     """``fn`` traced (functionalized, as AOTAutograd hands it over) and converted; ``whole``:
     its ATen calls recorded as they are (the fused RMSNorm, which tracing would decompose
     outside autograd), their values propagated on fake tensors."""
@@ -74,7 +74,7 @@ def converted(fn: Callable[..., Any], inputs: Sequence[Any], whole: bool = False
     return gm, conv_aten.convert(gm.graph)
 
 
-def check(fn: Callable[..., Any], inputs: Sequence[Any], op: Any, tol: dict[torch.dtype, float],
+def check(fn: Callable[..., Any], inputs: Sequence[Any], op: Any, tol: dict[Any, float],
           compare: Sequence[int] | None = None, whole: bool = False,
           want: Callable[..., Any] | None = None) -> conv_aten.Converted:
     """Traces ``fn``, asserts its ``op`` node converted, runs the graph on each engine and
@@ -85,8 +85,8 @@ def check(fn: Callable[..., Any], inputs: Sequence[Any], op: Any, tol: dict[torc
     placeholders = {n.name: x for n, x in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs,
                                               strict=True)}
     feeds = {t: placeholders[k[0]].detach().numpy() for t, k in conv.inputs.items()}
-    want = (want or fn)(*inputs)
-    want = list(want) if isinstance(want, tuple | list) else [want]
+    ref = (want or fn)(*inputs)
+    refs = list(ref) if isinstance(ref, tuple | list) else [ref]
     outs = _outputs(gm)
     for i in compare if compare is not None else range(len(outs)):
         conv.graph.tensor_by_name(conv.values[_key(outs[i])]).set_output(True)
@@ -95,12 +95,12 @@ def check(fn: Callable[..., Any], inputs: Sequence[Any], op: Any, tol: dict[torc
     for engine in ENGINES:
         got = graph.execute(dict(feeds), engine=engine)
         for i in compare if compare is not None else range(len(outs)):
-            err = _rel(got[conv.values[_key(outs[i])]], want[i])
+            err = _rel(got[conv.values[_key(outs[i])]], refs[i])
             assert err <= tol[dtype], f"{op} on {engine}, {dtype}: result {i} rel err {err:.3g}"
     return conv
 
 
-def randn(rng: np.random.Generator, *shape: int, dtype: torch.dtype) -> Any:
+def randn(rng: np.random.Generator, *shape: int, dtype: Any) -> Any:
     return torch.from_numpy(rng.standard_normal(shape)).to(dtype)
 
 
@@ -112,7 +112,7 @@ def refused(fn: Callable[..., Any], inputs: Sequence[Any], op: Any, whole: bool 
 
 
 # ---- batch norm --------------------------------------------------------------------------------------------
-def _bn_inputs(rng: np.random.Generator, dtype: torch.dtype, shape: tuple[int, ...] = (4, 3, 5, 6)) -> list[Any]:
+def _bn_inputs(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...] = (4, 3, 5, 6)) -> list[Any]:
     c = shape[1]
     return [randn(rng, *shape, dtype=dtype) * 2 + 0.5, randn(rng, c, dtype=dtype), randn(rng, c, dtype=dtype),
             randn(rng, c, dtype=dtype), randn(rng, c, dtype=dtype).abs() + 0.5]
@@ -120,7 +120,7 @@ def _bn_inputs(rng: np.random.Generator, dtype: torch.dtype, shape: tuple[int, .
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(4, 3, 5, 6), (6, 5)])
-def test_batch_norm_training_with_running_statistics(rng: np.random.Generator, dtype: torch.dtype,
+def test_batch_norm_training_with_running_statistics(rng: np.random.Generator, dtype: Any,
                                                      shape: tuple[int, ...]) -> None:
     def fn(x: Any, w: Any, b: Any, rm: Any, rv: Any) -> Any:
         return a._native_batch_norm_legit_functional(x, w, b, rm, rv, True, 0.3, 1e-3)
@@ -129,7 +129,7 @@ def test_batch_norm_training_with_running_statistics(rng: np.random.Generator, d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_batch_norm_eval_and_no_running_statistics(rng: np.random.Generator, dtype: torch.dtype) -> None:
+def test_batch_norm_eval_and_no_running_statistics(rng: np.random.Generator, dtype: Any) -> None:
     def eval_fn(x: Any, w: Any, b: Any, rm: Any, rv: Any) -> Any:
         return a._native_batch_norm_legit_no_training(x, w, b, rm, rv, 0.1, 1e-5)[0]
 
@@ -143,7 +143,7 @@ def test_batch_norm_eval_and_no_running_statistics(rng: np.random.Generator, dty
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mask", [(True, True, True), (True, False, True)])
-def test_batch_norm_backward(rng: np.random.Generator, dtype: torch.dtype, mask: tuple[bool, bool, bool]) -> None:
+def test_batch_norm_backward(rng: np.random.Generator, dtype: Any, mask: tuple[bool, bool, bool]) -> None:
     def fn(dy: Any, x: Any, w: Any, b: Any, rm: Any, rv: Any) -> Any:
         _, mean, inv = a._native_batch_norm_legit.no_stats(x, w, b, True, 0.1, 1e-5)
         grads = a.native_batch_norm_backward(dy, x, w, rm, rv, mean, inv, True, 1e-5, list(mask))
@@ -170,7 +170,7 @@ def test_batch_norm_refusals(rng: np.random.Generator) -> None:
 # ---- RMSNorm -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("shape", "normalized", "eps"), [((3, 4, 16), [16], 1e-6), ((2, 3, 4, 8), [4, 8], None)])
-def test_fused_rms_norm_and_backward(rng: np.random.Generator, dtype: torch.dtype, shape: tuple[int, ...],
+def test_fused_rms_norm_and_backward(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...],
                                      normalized: list[int], eps: float | None) -> None:
     x, w = randn(rng, *shape, dtype=dtype), randn(rng, *normalized, dtype=dtype)
     def fwd(x: Any, w: Any) -> Any:
@@ -199,7 +199,7 @@ def _rms_kinds(conv: conv_aten.Converted) -> list[OpKind]:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_decomposed_rms_norm_becomes_one_rmsnorm(rng: np.random.Generator, dtype: torch.dtype) -> None:
+def test_decomposed_rms_norm_becomes_one_rmsnorm(rng: np.random.Generator, dtype: Any) -> None:
     """F.rms_norm on the CPU is, in AOTAutograd's graphs, pow -> mean -> add.Scalar -> rsqrt ->
     mul -> mul(weight): one rmsnorm, its six nodes its members; where the rsqrt and x * rsqrt are
     read (the backward saves them), they come from the norm's inverse RMS."""
@@ -251,7 +251,7 @@ def test_rms_norm_refusals(rng: np.random.Generator) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("kernel", "stride", "padding", "ceil"),
                          [([3, 3], [2, 2], [1, 1], False), ([2, 2], [], [0, 0], False), ([3, 2], [2, 1], [1, 0], True)])
-def test_max_pool(rng: np.random.Generator, dtype: torch.dtype, kernel: list[int], stride: list[int],
+def test_max_pool(rng: np.random.Generator, dtype: Any, kernel: list[int], stride: list[int],
                   padding: list[int], ceil: bool) -> None:
     def fn(x: Any) -> Any:
         return a.max_pool2d_with_indices(x, kernel, stride, padding, [1, 1], ceil)[0]
@@ -270,7 +270,7 @@ def test_max_pool_refusals(rng: np.random.Generator) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [0, 1, -1])
-def test_cat(rng: np.random.Generator, dtype: torch.dtype, dim: int) -> None:
+def test_cat(rng: np.random.Generator, dtype: Any, dim: int) -> None:
     shapes = [[2, 3, 4], [2, 3, 4], [2, 3, 4]]
     for i, s in enumerate(shapes):
         s[dim] += i
@@ -305,7 +305,7 @@ class RMSBlock(nn.Module):
 
 def _step(model: nn.Module, fn: Callable[[Any], Any], x: Any, target: Any) -> float:
     loss = F.mse_loss(fn(x), target)
-    loss.backward()
+    loss.backward()  # type: ignore[no-untyped-call]
     return float(loss.detach())
 
 

@@ -53,7 +53,7 @@ def _read(n: torch.fx.Node) -> set[int]:
     for u in n.users:
         if u.op == "call_function" and u.target is operator.getitem:
             if u.users:
-                out.add(int(u.args[1]))  # type: ignore[call-overload]
+                out.add(int(u.args[1]))  # type: ignore[arg-type]
         else:
             out.update(range(len(meta(n))))
     return out
