@@ -166,6 +166,64 @@ def test_the_floor_measures_each_region_against_the_incumbent(tmp_path: Any, mon
     assert _rel(compiled(x), eager(x)) < 1e-5
 
 
+def test_the_floor_times_a_region_through_its_call_in_the_graph(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The floor times fusegraph's side as the rewritten graph will call it (the op
+    ``fusegraph::region`` and its runner), not the plan alone. On a virtual clock (this
+    machine's load would drown real milliseconds): a region call costs 3 ms, the plan
+    itself nothing, the incumbent 1 ms -- every measured region goes to the incumbent.
+    Timed as the plan alone (before), fusegraph's 0 ms won them all."""
+    from fusegraph.select import timing
+    from fusegraph.torch import partition, runtime
+
+    clock = [0.0]
+    real_call = runtime.RegionRunner.__call__
+
+    def costly(self: Any, inputs: Any, sizes: Any) -> Any:
+        clock[0] += 3.0
+        return real_call(self, inputs, sizes)
+
+    real_incumbent = partition._incumbent_call
+
+    def slow(region: Any, inputs: Any, opts: Any) -> Any:
+        call = real_incumbent(region, inputs, opts)
+
+        def run() -> Any:
+            clock[0] += 1.0
+            return call()
+
+        return run
+
+    def virtual(candidates: Any, *, on_error: Any = None, **_: Any) -> dict[str, timing.Timing]:
+        out = {}
+        for name, call in candidates.items():
+            try:
+                call()  # warm: the runner builds its plan on its first call
+                start = clock[0]
+                call()
+            except Exception as exc:
+                if on_error is not None:
+                    on_error(name, exc)
+                continue
+            ms = clock[0] - start
+            out[name] = timing.Timing(name, ms, ms, (ms,))
+        return out
+
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime.RegionRunner, "__call__", costly)
+    monkeypatch.setattr(partition, "_incumbent_call", slow)
+    monkeypatch.setattr(timing, "time_candidates", virtual)
+    report = explain(ConvNet(), torch.randn(2, 3, 8, 8), options={"floor": True, "incumbent": "eager", "rest": "eager"})
+    measured = [r for r in report.rows if r.region is not None and "measured" in r.why]
+    assert measured, [r.why for r in report.rows]
+    assert all("fusegraph 3.0000 ms vs eager 1.0000 ms" in r.why for r in measured), [r.why for r in measured]
+    assert not any(r.fusegraph for r in report.rows), [(r.node, r.why) for r in report.rows if r.fusegraph]
+    # the control: the incumbent made slower than the call, the same regions are kept
+    monkeypatch.setattr(partition, "_incumbent_call", lambda region, inputs, opts: lambda: clock.__setitem__(0, clock[0] + 9))
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "again"))
+    kept = explain(ConvNet(), torch.randn(2, 3, 8, 8), options={"floor": True, "incumbent": "eager", "rest": "eager"})
+    assert any(r.fusegraph for r in kept.rows), [r.why for r in kept.rows]
+
+
 def test_the_rest_compiled_by_inductor(monkeypatch: pytest.MonkeyPatch) -> None:
     """Layer norms made unbuildable for the torch engine stay unclaimed: Inductor gets them
     decomposed (as it would without fusegraph), never as whole-op fallbacks."""
