@@ -129,6 +129,26 @@ def test_batch_norm_training_with_running_statistics(rng: np.random.Generator, d
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_norm_where_pytorch_would_call_cudnn(rng: np.random.Generator, dtype: Any) -> None:
+    """The forms a CUDA training step takes with cuDNN: the update op with its reserve (handed
+    back as zeros: only batch_norm_backward reads it, and not in its formula) and its backward."""
+    def fn(dy: Any, x: Any, w: Any, b: Any, rm: Any, rv: Any) -> Any:
+        y, mean, inv, reserve, nrm, nrv = a._batch_norm_with_update_functional(x, w, b, rm, rv, 0.2, 1e-4)
+        grads = a.batch_norm_backward(dy, x, w, rm, rv, mean, inv, True, 1e-4, [True, True, True], reserve)
+        return y, mean, inv, nrm, nrv, *grads
+
+    x, w, b, rm, rv = _bn_inputs(rng, dtype)
+    conv = check(fn, [randn(rng, *x.shape, dtype=dtype), x, w, b, rm, rv],
+                 a._batch_norm_with_update_functional.default, NORM_TOL)
+    assert any(n.startswith("batch_norm_backward") for n in conv.converted), conv.refused
+
+    def eval_fn(x: Any, w: Any, b: Any, rm: Any, rv: Any) -> Any:
+        return a._batch_norm_no_update(x, w, b, rm, rv, 0.1, 1e-5)[0]
+
+    check(eval_fn, [x, w, b, rm, rv], a._batch_norm_no_update.default, NORM_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_batch_norm_eval_and_no_running_statistics(rng: np.random.Generator, dtype: Any) -> None:
     def eval_fn(x: Any, w: Any, b: Any, rm: Any, rv: Any) -> Any:
         return a._native_batch_norm_legit_no_training(x, w, b, rm, rv, 0.1, 1e-5)[0]
@@ -165,6 +185,13 @@ def test_batch_norm_refusals(rng: np.random.Generator) -> None:
     why = refused(lambda x, w, b, rm, rv: a.native_batch_norm(x, w, b, rm, rv, True, 0.1, 1e-5),
                   [x, w, b, rm, rv], a.native_batch_norm.default)
     assert "in place" in why
+
+    def reserve_read(x: Any, w: Any, b: Any, rm: Any, rv: Any) -> Any:
+        out = a._batch_norm_with_update_functional(x, w, b, rm, rv, 0.1, 1e-5)
+        return out[0], out[3].float()
+
+    why = refused(reserve_read, [x, w, b, rm, rv], a._batch_norm_with_update_functional.default)
+    assert "reserve" in why
 
 
 # ---- RMSNorm -----------------------------------------------------------------------------------------------
@@ -373,3 +400,33 @@ def test_training_step_with_inductor_as_the_rest(rng: np.random.Generator) -> No
     assert abs(got - want) <= 1e-5 * abs(want)
     for (name, p), q in zip(eager.named_parameters(), twin.parameters(), strict=True):
         assert q.grad is not None and _rel_t(q.grad, p.grad) < 1e-4, name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rest", ["inductor", "eager"])
+def test_cuda_training_step_claims_batch_norm_and_rms_norm(rng: np.random.Generator, rest: str) -> None:
+    """On CUDA PyTorch takes other forms: batch norm goes through cuDNN's update op
+    (``_batch_norm_with_update_functional`` / ``batch_norm_backward``) and RMSNorm through
+    ``_fused_rms_norm`` and its backward. Each is claimed, and the step matches eager."""
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    for make, shape, out, ops in (
+        (BNNet, (4, 3, 8, 8), 10, ({"aten._batch_norm_with_update_functional", "aten._native_batch_norm_legit_functional"},
+                                   {"aten.batch_norm_backward", "aten.native_batch_norm_backward"})),
+        (RMSBlock, (2, 8, 16), 16, ({"aten._fused_rms_norm"}, {"aten._fused_rms_norm_backward"})),
+    ):
+        eager = make().cuda()
+        twin = copy.deepcopy(eager)
+        x = randn(rng, *shape, dtype=torch.float32).cuda()
+        target = (randn(rng, *shape[:-1], out, dtype=torch.float32) if make is RMSBlock
+                  else randn(rng, shape[0], out, dtype=torch.float32)).cuda()
+        report = explain(copy.deepcopy(eager), x, options={"rest": rest})
+        claimed = {r.op for r in report.rows if r.fusegraph}
+        assert all(claimed & group for group in ops), report.summary()
+        torch._dynamo.reset()
+        compiled = torch.compile(twin, backend=partial(fusegraph_backend, options={"floor": False, "rest": rest}))
+        want, got = _step(eager, eager, x, target), _step(twin, compiled, x, target)
+        assert abs(got - want) <= 1e-4 * abs(want)
+        for (name, p), q in zip(eager.named_parameters(), twin.parameters(), strict=True):
+            assert q.grad is not None and _rel_t(q.grad, p.grad) < 1e-3, name
+        for (name, b), c in zip(eager.named_buffers(), twin.buffers(), strict=True):
+            assert torch.equal(b, c) if not b.is_floating_point() else _rel_t(c, b) < 1e-4, name

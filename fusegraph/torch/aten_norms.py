@@ -95,6 +95,31 @@ def _bn_functional(c: Ctx, n: torch.fx.Node) -> list[Result]:
     return [y, _channels(c, mean, v[1]), _channels(c, inv, v[2]), nrm, nrv]
 
 
+@converts(aten._batch_norm_with_update_functional.default)
+def _bn_with_update(c: Ctx, n: torch.fx.Node) -> list[Result]:
+    """(input, weight, bias, running_mean, running_var, momentum, eps) -> (y, save_mean,
+    save_invstd, reserve, running_mean_out, running_var_out): what a training batch norm
+    becomes where PyTorch would call cuDNN's (CUDA). The reserve (cuDNN's workspace, uint8)
+    is handed back as zeros, and only to ``batch_norm_backward``, whose training formula
+    does not read it (PyTorch's own decomposition of it ignores it too)."""
+    x, w, b, rm, rv, momentum, eps = _args(n)
+    _affine(w, b)
+    v = meta(n)
+    reserve = v[3]
+    readers = [r for u in n.users if u.target is operator.getitem and u.args[1] == 3 for r in u.users]
+    if any(r.target is not aten.batch_norm_backward.default for r in readers):
+        raise Refused("batch norm's cuDNN reserve is read by something other than batch_norm_backward")
+    tx = c.value(x)
+    y, mean, inv, nrm, nrv = c.g.batchnorm(tx, c.value(w), c.value(b), _const(c, eps, tx),
+                                           in_running_mean=c.value(rm), in_running_var=c.value(rv),
+                                           momentum=_const(c, momentum, tx))
+    return [y, _channels(c, mean, v[1]), _channels(c, inv, v[2]), Zeros(tuple(_shape(reserve)), reserve.dtype),
+            nrm, nrv]
+
+
+MIXED_RESULTS.add(aten._batch_norm_with_update_functional.default)
+
+
 @converts(aten._native_batch_norm_legit.no_stats)
 def _bn_no_stats(c: Ctx, n: torch.fx.Node) -> list[Result]:
     """(input, weight, bias, training, momentum, eps) -> (y, save_mean, save_invstd):
@@ -134,7 +159,7 @@ def _inference(c: Ctx, n: torch.fx.Node, x: Any, w: Any, b: Any, rm: Any, rv: An
     tx = c.value(x)
     y = c.g.batchnorm_inference(tx, c.value(w), c.value(b), c.value(rm), c.value(rv), _const(c, eps, tx))
     out: list[Result] = [y]
-    for i in (1, 2):  # empty save_mean / save_invstd in eval mode
+    for i in range(1, len(v)):  # empty save_mean / save_invstd (/ reserve) in eval mode
         if i in _read(n):
             if v[i].numel() != 0:
                 raise Refused(f"eval-mode batch norm result {i} is read")
@@ -153,11 +178,27 @@ def _bn_no_training(c: Ctx, n: torch.fx.Node) -> list[Result]:
     return _inference(c, n, x, w, b, rm, rv, eps)
 
 
-@converts(aten.native_batch_norm_backward.default)
+@converts(aten._batch_norm_no_update.default)
+def _bn_no_update(c: Ctx, n: torch.fx.Node) -> list[Result]:
+    """(input, weight, bias, running_mean, running_var, momentum, eps) -> (y, empty, empty,
+    empty reserve): eval mode where PyTorch would call cuDNN's."""
+    x, w, b, rm, rv, _momentum, eps = _args(n)
+    _affine(w, b)
+    if rm is None or rv is None:
+        raise Refused("eval-mode batch norm without running statistics")
+    return _inference(c, n, x, w, b, rm, rv, eps)
+
+
+MIXED_RESULTS.add(aten._batch_norm_no_update.default)
+
+
+@converts(aten.native_batch_norm_backward.default, aten.batch_norm_backward.default)
 def _bn_backward(c: Ctx, n: torch.fx.Node) -> list[Result]:
     """(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train,
-    eps, output_mask) -> (dx, dweight, dbias), from the batch statistics the forward saved."""
-    dy, x, w, _rm, _rv, mean, invstd, train, _eps, mask = _args(n)
+    eps, output_mask[, reserve]) -> (dx, dweight, dbias), from the batch statistics the
+    forward saved (``batch_norm_backward``'s "save_var" is the inverse standard deviation,
+    its ``update`` the training flag; its cuDNN reserve is not read)."""
+    dy, x, w, _rm, _rv, mean, invstd, train, _eps, mask = _args(n)[:10]
     if not train:
         raise Refused("eval-mode batch norm backward (normalized by the running statistics): "
                       "the graph API's batchnorm_backward is the training one")
