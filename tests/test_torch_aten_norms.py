@@ -430,3 +430,17 @@ def test_cuda_training_step_claims_batch_norm_and_rms_norm(rng: np.random.Genera
             assert q.grad is not None and _rel_t(q.grad, p.grad) < 1e-3, name
         for (name, b), c in zip(eager.named_buffers(), twin.buffers(), strict=True):
             assert torch.equal(b, c) if not b.is_floating_point() else _rel_t(c, b) < 1e-4, name
+
+
+def test_a_0_dim_value_is_refused_alone(rng: np.random.Generator) -> None:
+    """A scalar (a loss summed inside the compiled graph) is refused where it is read: as a
+    graph tensor without dims it failed the whole graph's validation, so nothing was claimed."""
+    def fn(x: Any, w: Any, b: Any) -> Any:
+        y = a._native_batch_norm_legit.no_stats(x, w, b, True, 0.1, 1e-5)[0]
+        return y, torch.relu(y).sum() + x.mean()
+
+    x, w, b = _bn_inputs(rng, torch.float32)[:3]
+    _, conv = converted(fn, [x, w, b])
+    conv.graph.validate()
+    assert any(n.startswith("_native_batch_norm_legit") for n in conv.converted)
+    assert any("0-dim" in why for why in conv.refused.values()), conv.refused

@@ -135,6 +135,8 @@ class Ctx:
             v = meta(arg)
             if not isinstance(v, torch.Tensor) or v.dtype not in _FLOATS:
                 raise Refused(f"operand '{arg.name}' is not a floating-point tensor")
+            if v.dim() == 0:  # it would fail the whole graph's validation, not only this node
+                raise Refused(f"operand '{arg.name}' is a 0-dim tensor (a graph tensor has at least one dim)")
             name = f"{key[0]}" if key[1] is None else f"{key[0]}.{key[1]}"
             t = self.g.tensor(f"in:{name}", _shape(v), _stride(v), data_type(v.dtype))
             self._inputs[key] = t
@@ -617,6 +619,8 @@ def _check_dims(n: torch.fx.Node, result: TensorAttr | Sequence[Result]) -> None
             continue
         if not t.dim_set and t._dim is None:
             raise Refused("its result's dims could not be inferred")
+        if not _shape(m):
+            raise Refused("its result is a 0-dim tensor (a graph tensor has at least one dim)")
         if list(t.dim) != _shape(m):
             raise Refused(f"converted to dims {t.dim}, PyTorch has {_shape(m)}")
 
