@@ -286,6 +286,26 @@ def test_max_pool(rng: np.random.Generator, dtype: Any, kernel: list[int], strid
     check(fn, [randn(rng, 2, 3, 8, 7, dtype=dtype)], a.max_pool2d_with_indices.default, EXACT_TOL)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("kernel", "stride", "padding", "ceil", "include_pad"),
+                         [([3, 3], [2, 2], [1, 1], False, True), ([3, 3], [2, 2], [1, 1], False, False),
+                          ([2, 2], [], [0, 0], False, True), ([3, 2], [2, 1], [1, 0], True, False)])
+def test_avg_pool(rng: np.random.Generator, dtype: Any, kernel: list[int], stride: list[int], padding: list[int],
+                  ceil: bool, include_pad: bool) -> None:
+    def fn(x: Any) -> Any:
+        return a.avg_pool2d(x, kernel, stride, padding, ceil, include_pad)
+
+    check(fn, [randn(rng, 2, 3, 8, 7, dtype=dtype)], a.avg_pool2d.default, NORM_TOL)
+
+
+def test_avg_pool_refusals(rng: np.random.Generator) -> None:
+    x = randn(rng, 2, 3, 8, 7, dtype=torch.float32)
+    why = refused(lambda x: a.avg_pool2d(x, [2, 2], [2, 2], [0, 0], False, True, 3), [x], a.avg_pool2d.default)
+    assert "divisor_override" in why
+    why = refused(lambda x: a.avg_pool2d(x, [3, 2], [2, 1], [1, 0], True, True), [x], a.avg_pool2d.default)
+    assert "ceil_mode" in why
+
+
 def test_max_pool_refusals(rng: np.random.Generator) -> None:
     x = randn(rng, 2, 3, 8, 8, dtype=torch.float32)
     why = refused(lambda x: a.max_pool2d_with_indices(x, [2, 2]), [x], a.max_pool2d_with_indices.default)

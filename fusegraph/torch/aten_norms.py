@@ -384,17 +384,46 @@ def _max_pool(c: Ctx, n: torch.fx.Node) -> list[Result]:
     xs = _shape(meta(x))
     if len(xs) != 4:
         raise Refused(f"max pooling of a rank-{len(xs)} input (unbatched)")
-    want = _shape(meta(n)[0])[2:]
     # ceil_mode's extra window: padded after with -inf, as the reference pads max pooling
-    post = [max(0, (o - 1) * s + k - (i + p)) for o, s, k, i, p in zip(want, stride, kernel, xs[2:], padding,
-                                                                     strict=True)]
-    if any(q >= k for q, k in zip(post, kernel, strict=True)):
-        raise Refused("ceil_mode's last window lies in the padding")
+    post = _ceil_padding(_shape(meta(n)[0])[2:], stride, kernel, xs[2:], padding)
     y = c.g.pooling(c.value(x), PoolingMode.MAX, kernel, stride, pre_padding=padding, post_padding=post)
     return [y, None]
 
 
 MIXED_RESULTS.add(aten.max_pool2d_with_indices.default)
+
+
+@converts(aten.avg_pool2d.default)
+def _avg_pool(c: Ctx, n: torch.fx.Node) -> TensorAttr:
+    """(self, kernel_size, stride=[] (= kernel), padding=0, ceil_mode=False,
+    count_include_pad=True, divisor_override=None) -> y. Its backward reads no forward
+    result, so the forward is claimed in training too (the backward stays with Inductor)."""
+    x = _args(n)[0]
+    kernel = _pair(_arg(n, 1, "kernel_size", None), 2, ())
+    stride = _pair(_arg(n, 2, "stride", []), 2, kernel)
+    padding = _pair(_arg(n, 3, "padding", 0), 2, (0, 0))
+    include_pad = bool(_arg(n, 5, "count_include_pad", True))
+    if _arg(n, 6, "divisor_override", None) is not None:
+        raise Refused("average pooling with divisor_override")
+    xs = _shape(meta(x))
+    if len(xs) != 4:
+        raise Refused(f"average pooling of a rank-{len(xs)} input (unbatched)")
+    post = _ceil_padding(_shape(meta(n))[2:], stride, kernel, xs[2:], padding)
+    if include_pad and any(q > p for q, p in zip(post, padding, strict=True)):
+        raise Refused("ceil_mode's last window counting padding: PyTorch divides it by the part inside the padding")
+    mode = PoolingMode.AVG_INCLUDE_PAD if include_pad else PoolingMode.AVG_EXCLUDE_PAD
+    return c.g.pooling(c.value(x), mode, kernel, stride, pre_padding=padding, post_padding=post)
+
+
+def _ceil_padding(want: Sequence[int], stride: Sequence[int], kernel: Sequence[int], size: Sequence[int],
+                  padding: Sequence[int]) -> list[int]:
+    """The padding after each spatial axis that gives PyTorch's output size (ceil_mode's
+    extra window included)."""
+    post = [max(p, (o - 1) * s + k - (i + p)) for o, s, k, i, p in zip(want, stride, kernel, size, padding,
+                                                                      strict=True)]
+    if any(q >= k for q, k in zip(post, kernel, strict=True)):
+        raise Refused("ceil_mode's last window lies in the padding")
+    return post
 
 
 @converts(aten.cat.default)
