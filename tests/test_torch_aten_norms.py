@@ -194,6 +194,26 @@ def test_batch_norm_refusals(rng: np.random.Generator) -> None:
     assert "reserve" in why
 
 
+# ---- group norm ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("shape", "groups", "affine"), [((2, 6, 4, 5), 3, True), ((3, 4, 7), 2, False)])
+def test_group_norm_and_backward(rng: np.random.Generator, dtype: Any, shape: tuple[int, ...], groups: int,
+                                 affine: bool) -> None:
+    n, c = shape[:2]
+    hw = int(np.prod(shape[2:]))
+
+    def fn(dy: Any, x: Any, w: Any, b: Any) -> Any:
+        wt, bt = (w, b) if affine else (None, None)
+        y, mean, rstd = a.native_group_norm(x, wt, bt, n, c, hw, groups, 1e-4)
+        grads = a.native_group_norm_backward(dy, x, mean, rstd, wt, n, c, hw, groups, [True, affine, affine])
+        return (y, mean, rstd, *(g for g in grads if g is not None))
+
+    x = randn(rng, *shape, dtype=dtype) * 3 + 1
+    inputs = [randn(rng, *shape, dtype=dtype), x, randn(rng, c, dtype=dtype), randn(rng, c, dtype=dtype)]
+    conv = check(fn, inputs, a.native_group_norm.default, NORM_TOL)
+    assert any(name.startswith("native_group_norm_backward") for name in conv.converted), conv.refused
+
+
 # ---- RMSNorm -----------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("shape", "normalized", "eps"), [((3, 4, 16), [16], 1e-6), ((2, 3, 4, 8), [4, 8], None)])
@@ -340,6 +360,17 @@ class BNNet(nn.Module):
         return self.fc(y.flatten(1))
 
 
+class GNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.gn = nn.Conv2d(3, 8, 3, padding=1), nn.GroupNorm(4, 8)
+        self.pool = nn.AvgPool2d(2)
+        self.fc = nn.Linear(8 * 4 * 4, 10)
+
+    def forward(self, x: Any) -> Any:
+        return self.fc(self.pool(F.silu(self.gn(self.c1(x)))).flatten(1))
+
+
 class RMSBlock(nn.Module):
     def __init__(self, d: int = 16) -> None:
         super().__init__()
@@ -361,7 +392,8 @@ def _rel_t(got: Any, want: Any) -> float:
     return float((got.detach().double() - want.detach().double()).norm() / want.detach().double().norm())
 
 
-@pytest.mark.parametrize(("make", "shape", "out"), [(BNNet, (4, 3, 8, 8), 10), (RMSBlock, (2, 8, 16), 16)])
+@pytest.mark.parametrize(("make", "shape", "out"),
+                         [(BNNet, (4, 3, 8, 8), 10), (GNNet, (2, 3, 8, 8), 10), (RMSBlock, (2, 8, 16), 16)])
 def test_training_step_matches_eager(rng: np.random.Generator, make: Callable[[], nn.Module],
                                      shape: tuple[int, ...], out: int) -> None:
     torch.manual_seed(int(rng.integers(1 << 31)))
@@ -397,6 +429,9 @@ def test_explain_claims_batch_norm_max_pool_and_rms_norm(rng: np.random.Generato
     claimed = {r.op for r in infer.rows if r.fusegraph}
     assert {"aten._native_batch_norm_legit_no_training", "aten.max_pool2d_with_indices"} <= claimed, infer.summary()
     assert infer.coverage == 1.0, infer.summary()
+    gn = explain(GNNet(), x, options={"rest": "eager"})
+    claimed = {r.op for r in gn.rows if r.fusegraph}
+    assert {"aten.native_group_norm", "aten.native_group_norm_backward", "aten.avg_pool2d"} <= claimed, gn.summary()
     block = explain(RMSBlock(), randn(rng, 2, 8, 16, dtype=torch.float32), options={"rest": "eager"})
     rms = [r for r in block.rows if r.pattern.startswith("triton.norm.rmsnorm") and r.node.startswith("fw")]
     assert {r.op for r in rms} >= {"aten.pow", "aten.mean", "aten.rsqrt", "aten.mul"}, block.summary()

@@ -21,7 +21,7 @@ import torch.fx
 
 from fusegraph.dtypes import DataType
 from fusegraph.errors import FusegraphError
-from fusegraph.graph.ops import NormFwdPhase, PoolingMode
+from fusegraph.graph.ops import NormFwdPhase, PoolingMode, ReductionMode
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.torch.aten import (
     CONVERTERS,
@@ -208,6 +208,68 @@ def _bn_backward(c: Ctx, n: torch.fx.Node) -> list[Result]:
         raise Refused("batch norm backward without the saved statistics")
     dx, dw, db = c.g.batchnorm_backward(c.value(dy), c.value(x), c.value(w), c.value(mean), c.value(invstd))
     return [dx if mask[0] else None, dw if mask[1] else None, db if mask[2] else None]
+
+
+# ---- group norm -------------------------------------------------------------------------------------
+def _groups(c: Ctx, x: Any, n_: Any, ch: Any, hw: Any, group: Any) -> tuple[list[int], int, int, int, int]:
+    shape = _shape(meta(x))
+    nb, channels, spatial, g = _int(n_), _int(ch), _int(hw), _int(group)
+    if len(shape) < 2 or shape[0] != nb or shape[1] != channels or g < 1 or channels % g or \
+            math.prod(shape[2:]) != spatial:
+        raise Refused(f"group norm sizes N={nb}, C={channels}, HxW={spatial}, group={g} do not match {shape}")
+    return shape, nb, channels, spatial, g
+
+
+def _unit(c: Ctx, like: TensorAttr) -> tuple[TensorAttr, TensorAttr]:
+    return _const(c, 1.0, like), _const(c, 0.0, like)
+
+
+@converts(aten.native_group_norm.default)
+def _group_norm(c: Ctx, n: torch.fx.Node) -> list[Result]:
+    """(input, weight?, bias?, N, C, HxW, group, eps) -> (y, mean [N, group], rstd [N, group]):
+    a layer norm over each group's rows ([N * group, C / group * HxW], unit scale), then the
+    per-channel weight and bias."""
+    x, w, b, n_, ch, hw, group, eps = _args(n)
+    shape, nb, channels, spatial, g = _groups(c, x, n_, ch, hw, group)
+    tx = c.value(x)
+    one, zero = _unit(c, tx)
+    stats = bool({1, 2} & _read(n))
+    yn, mean, inv = c.g.layernorm(_reshape(c, tx, [nb * g, channels // g * spatial]), one, zero, _const(c, eps, tx),
+                                  NormFwdPhase.TRAINING if stats else NormFwdPhase.INFERENCE)
+    y = _reshape(c, yn, [nb, channels, spatial])
+    if w is not None:
+        y = c.g.mul(y, _reshape(c, c.value(w), [1, channels, 1]))
+    if b is not None:
+        y = c.g.add(y, _reshape(c, c.value(b), [1, channels, 1]))
+    v = meta(n)
+    return [_reshape(c, y, shape), _reshape(c, mean, _shape(v[1])) if mean is not None else None,
+            _reshape(c, inv, _shape(v[2])) if inv is not None else None]
+
+
+@converts(aten.native_group_norm_backward.default)
+def _group_norm_bwd(c: Ctx, n: torch.fx.Node) -> list[Result]:
+    """(grad_out, input, mean, rstd, weight?, N, C, HxW, group, output_mask) -> (dx, dweight,
+    dbias): dx is the layer norm backward of each group's rows fed dy * weight; dweight and
+    dbias are sums over batch and space of dy * x_hat and dy."""
+    dy, x, mean, rstd, w, n_, ch, hw, group, mask = _args(n)
+    shape, nb, channels, spatial, g = _groups(c, x, n_, ch, hw, group)
+    rows, f = nb * g, channels // g * spatial
+    gr = c.g
+    tdy, tx = c.value(dy), c.value(x)
+    dy3 = _reshape(c, tdy, [nb, channels, spatial])
+    m, r = _reshape(c, c.value(mean), [rows, 1]), _reshape(c, c.value(rstd), [rows, 1])
+    out: list[Result] = [None, None, None]
+    if mask[0]:
+        ghat = gr.mul(dy3, _reshape(c, c.value(w), [1, channels, 1])) if w is not None else dy3
+        one, _ = _unit(c, tx)
+        dx, _, _ = gr.layernorm_backward(_reshape(c, ghat, [rows, f]), _reshape(c, tx, [rows, f]), one, m, r)
+        out[0] = _reshape(c, dx, shape)
+    if mask[1]:
+        xhat = _reshape(c, gr.mul(gr.sub(_reshape(c, tx, [rows, f]), m), r), [nb, channels, spatial])
+        out[1] = _reshape(c, gr.reduction(gr.mul(dy3, xhat), ReductionMode.SUM, [1, channels, 1]), [channels])
+    if mask[2]:
+        out[2] = _reshape(c, gr.reduction(dy3, ReductionMode.SUM, [1, channels, 1]), [channels])
+    return out
 
 
 # ---- RMSNorm ----------------------------------------------------------------------------------------
