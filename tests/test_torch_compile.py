@@ -224,6 +224,26 @@ def test_the_floor_times_a_region_through_its_call_in_the_graph(tmp_path: Any, m
     assert any(r.fusegraph for r in kept.rows), [r.why for r in kept.rows]
 
 
+def test_the_floor_keeps_no_region_whose_call_runs_its_aten_nodes(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A region whose runner falls back to its ATen nodes (its plan failed in the graph's
+    call path) is refused by the floor, not timed as a fusegraph win."""
+    from fusegraph.errors import ExecutionError
+    from fusegraph.torch import runtime
+
+    def broken(plan: Any, feed: Any) -> Any:
+        raise ExecutionError("made to fail in this test")
+
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(runtime, "run", broken)
+    monkeypatch.setattr(runtime, "RUNNERS", {})  # the runners that fell back go with the test
+    report = explain(ConvNet(), torch.randn(2, 3, 8, 8),
+                     options={"floor": True, "incumbent": "eager", "rest": "eager", "warmup_s": 0.02})
+    regions = [r for r in report.rows if r.region is not None]
+    assert regions and not any(r.fusegraph for r in report.rows)
+    assert all("made to fail in this test" in r.why for r in regions if "refused" in r.why)
+    assert any("ran its ATen nodes" in r.why for r in regions), [r.why for r in regions]
+
+
 def test_the_rest_compiled_by_inductor(monkeypatch: pytest.MonkeyPatch) -> None:
     """Layer norms made unbuildable for the torch engine stay unclaimed: Inductor gets them
     decomposed (as it would without fusegraph), never as whole-op fallbacks."""

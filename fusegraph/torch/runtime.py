@@ -58,6 +58,7 @@ class RegionRunner:
         self.sub = sub
         self._bound: dict[Signature, _Bound] = {}
         self._lock = threading.Lock()
+        self.fallbacks = 0  # calls that ran the region's ATen nodes instead of fusegraph's plan
 
     def __call__(self, inputs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
         sig: Signature = tuple([(t.shape, t.stride(), t.dtype, t.device) for t in inputs])  # Size hashes as tuple
@@ -68,6 +69,7 @@ class RegionRunner:
                 self._bound[sig] = b
         plan = b.plan
         if plan is None:
+            self.fallbacks += 1
             return _unaliased(list(self.sub(*inputs, *sizes)), inputs)
         feed = {}
         for tname, i in b.feed:
@@ -78,6 +80,7 @@ class RegionRunner:
         except FusegraphError as exc:  # from now on this signature runs its ATen nodes
             log.warning("region %s: fusegraph's plan failed, running its ATen nodes (%s)", self.key, exc)
             self._bound[sig] = _Bound(None, [], [], f"{type(exc).__name__}: {exc}")
+            self.fallbacks += 1
             return _unaliased(list(self.sub(*inputs, *sizes)), inputs)
         outs = []
         for name, stride in b.outputs:
@@ -90,12 +93,11 @@ class RegionRunner:
             outs.append(t)
         return _unaliased(outs, inputs)
 
-    def fallback(self, inputs: list[torch.Tensor]) -> str | None:
-        """Why this signature runs the region's ATen nodes instead of fusegraph's plan (None:
-        it runs the plan, or has not been called yet)."""
+    def fallback(self, inputs: list[torch.Tensor]) -> str:
+        """Why this signature runs the region's ATen nodes instead of fusegraph's plan."""
         sig: Signature = tuple([(t.shape, t.stride(), t.dtype, t.device) for t in inputs])
         b = self._bound.get(sig)
-        return b.why or "no plan" if b is not None and b.plan is None else None
+        return (b.why if b is not None else "") or "no plan"
 
     def fake(self, inputs: list[torch.Tensor], sizes: list[int]) -> list[torch.Tensor]:
         return list(self.sub(*inputs, *sizes))
@@ -193,10 +195,11 @@ class RegionCall(ExecutionPlan):
 
     def execute(self, variant_pack: Mapping[Any, Any]) -> dict[str, Any]:
         inputs = [variant_pack[f"in{i}"] for i in range(self.arity)] + self.extra_tensors
+        runner = RUNNERS[self.key]
+        before = runner.fallbacks
         outs = torch.ops.fusegraph.region.default(self.key, inputs, self.sizes)
-        why = RUNNERS[self.key].fallback(inputs)
-        if why is not None:
-            raise ExecutionError(f"region {self.key} ran its ATen nodes, not fusegraph's plan: {why}")
+        if runner.fallbacks != before:
+            raise ExecutionError(f"region {self.key} ran its ATen nodes, not fusegraph's plan: {runner.fallback(inputs)}")
         return {f"out{i}": o for i, o in enumerate(outs)}
 
 
