@@ -112,15 +112,7 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str) -> list[Row]:
             device = _device(gm)
             by_name = {n.name: n for n in nodes}
             fx_of = {r.index: _fx_nodes(r, conv, by_name) for r in regions.regions}
-            # the floor measures on real tensors, outside the compile it sits in: a forward graph
-            # is compiled under its fake mode (the incumbent failed on FakeTensors, every region
-            # was kept unmeasured), and the incumbent's own Inductor compile must not add guards
-            # to the outer graph's shape environment (Dynamo then failed building its guards)
-            from torch._guards import tracing
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-            with unset_fake_temporarily(), tracing(None):
-                choices = _chooser(opts, device).choose_all(regions.regions, _inputs(device)) if regions.regions else []
+            choices = _choose(opts, device, regions.regions) if regions.regions else []
             replaced: dict[aten.Key, torch.fx.Node] = {}
             for choice in choices:
                 fx_names = fx_of[choice.region.index]
@@ -159,6 +151,27 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str) -> list[Row]:
             rows.append(Row(f"{phase}:{n.name}", op_name(n), rest, None, "", why.get(n.name, "not converted"),
                             is_compute(n)))
     return rows
+
+
+def _choose(opts: Options, device: torch.device, regions: Sequence[Region]) -> list[Choice]:
+    """The regions' verdicts, taken in a thread of their own: the floor measures on real
+    tensors, outside the compile it sits in, as the compiled graph will run -- a forward graph
+    is compiled under its fake mode (the incumbent failed on FakeTensors, every region was
+    kept unmeasured), the incumbent's own Inductor compile must not add guards to the outer
+    graph's shape environment (Dynamo then failed building its guards), and AOTAutograd's
+    dispatch state (the Python dispatcher among its thread's dispatch keys) made every ATen
+    call on either side go through Python (region calls timed ~60 us slower than they run).
+    A new thread starts with none of it; gradients off, as inside AOTAutograd's graphs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch._dispatch.python import no_python_dispatcher
+
+    def run() -> list[Choice]:
+        with torch.no_grad(), no_python_dispatcher():
+            return _chooser(opts, device).choose_all(regions, _inputs(device))
+
+    with ThreadPoolExecutor(1, thread_name_prefix="fusegraph-floor") as pool:
+        return pool.submit(run).result()
 
 
 def _device(gm: torch.fx.GraphModule) -> torch.device:
