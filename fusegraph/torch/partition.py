@@ -9,6 +9,7 @@ ATen node: where it runs and why.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -167,7 +168,9 @@ def _choose(opts: Options, device: torch.device, regions: Sequence[Region]) -> l
     from torch._dispatch.python import no_python_dispatcher
 
     def run() -> list[Choice]:
-        with torch.no_grad(), no_python_dispatcher():
+        # a new thread's current CUDA device is 0: the region's device, as the graph runs it
+        on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        with torch.no_grad(), no_python_dispatcher(), on_device:
             return _chooser(opts, device).choose_all(regions, _inputs(device))
 
     with ThreadPoolExecutor(1, thread_name_prefix="fusegraph-floor") as pool:
