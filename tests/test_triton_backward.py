@@ -220,18 +220,11 @@ def test_kernels_under_the_triton_interpreter(tmp_path: Any) -> None:
 
 # ---- GPU ---------------------------------------------------------------------------------------
 def _check(g: fg.Graph, rng: np.random.Generator, config: EngineConfig | None = None) -> Any:
-    s = ENGINE.supports(g, GPU)
-    assert s, s.reason
-    pack = random_inputs(g, rng)
-    plan = ENGINE.build(g, GPU, config)
-    got = plan.execute(pack)
-    ref = g.execute(pack, engine="reference")
-    tol = TOL[g.inputs()[0].dtype]
-    for t in g.outputs():
-        assert got[t.name].strides == ref[t.name].strides, t.name
-        err = rel_error(got[t.name], ref[t.name])
-        assert err <= tol, (t.name, err)
-    return plan
+    """test_triton_engine's check (supported, built, same strides and numbers as the float64
+    reference) at the tolerance of the graph's input type."""
+    from test_triton_engine import _check as check
+
+    return check(g, rng, TOL[g.inputs()[0].dtype], config)
 
 
 @pytest.mark.gpu
