@@ -32,6 +32,7 @@ import json
 import math
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -129,7 +130,17 @@ def _free(device: torch.device) -> None:
 
 def _report(rows: list[Any]) -> dict[str, Any]:
     rep = Report(tuple(rows))
-    return {"coverage": rep.coverage, "patterns": dict(rep.patterns()), "where": dict(rep.where())}
+    # Why the compute nodes fusegraph does not run stayed with the incumbent: the floor's
+    # measurements or the refusal, one line per region or reason, costliest questions first.
+    why: Counter[str] = Counter()
+    kept: Counter[str] = Counter()
+    for r in rep.rows:
+        if r.compute and r.fusegraph:
+            kept[f"{r.pattern}: {r.why[:160]}"] += 1
+        elif r.compute:
+            why[f"{r.pattern or r.op}: {r.why[:160]}" if r.region is not None else f"{r.op}: {r.why[:160]}"] += 1
+    return {"coverage": rep.coverage, "patterns": dict(rep.patterns()), "where": dict(rep.where()),
+            "claimed": dict(kept.most_common(25)), "not_claimed": dict(why.most_common(25))}
 
 
 # ---- the float32 check ---------------------------------------------------------------------------

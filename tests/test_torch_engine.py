@@ -149,6 +149,17 @@ def test_matmul_transposed_operand_strides(rng: np.random.Generator) -> None:
     check(g, rng, TOL[DT.FLOAT])
 
 
+@pytest.mark.parametrize(("a", "a_strides"), [([3, 7, 5], None), ([2, 3, 7, 5], None), ([3, 7, 5], [5, 15, 1])])
+def test_matmul_one_weight_for_every_batch(a: list[int], a_strides: list[int] | None, rng: np.random.Generator) -> None:
+    """A weight broadcast over the batch (a linear layer as an ONNX export writes it) runs as
+    one GEMM over the batch's rows: the result matches, whatever the rows' layout."""
+    g = _g(DT.FLOAT)
+    ta = g.tensor("a", a, a_strides) if a_strides else g.tensor("a", a)
+    b = g.tensor("b", [1] * (len(a) - 2) + [5, 4], None)
+    g.matmul(ta, b).set_output(True)
+    check(g, rng, TOL[DT.FLOAT])
+
+
 def test_matmul_int32(rng: np.random.Generator) -> None:
     g = fg.Graph("imm", io_data_type=DT.INT32)
     g.matmul(g.tensor("a", [3, 4]), g.tensor("b", [4, 5])).set_output(True)
