@@ -476,7 +476,8 @@ def test_cuda_training_step_claims_batch_norm_and_rms_norm(rng: np.random.Genera
                   else randn(rng, shape[0], out, dtype=torch.float32)).cuda()
         report = explain(copy.deepcopy(eager), x, options={"rest": rest})
         claimed = {r.op for r in report.rows if r.fusegraph}
-        assert all(claimed & group for group in ops), report.summary()
+        norms = "\n".join(f"{r.op} {r.where} {r.why}" for r in report.rows if "norm" in r.op)
+        assert all(claimed & group for group in ops), f"{report.summary()}\n{norms}"
         torch._dynamo.reset()
         compiled = torch.compile(twin, backend=partial(fusegraph_backend, options={"floor": False, "rest": rest}))
         want, got = _step(eager, eager, x, target), _step(twin, compiled, x, target)
