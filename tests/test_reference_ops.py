@@ -20,7 +20,7 @@ from onnx import NodeProto, TensorProto, helper, numpy_helper
 import fusegraph as fg
 from fusegraph import DataType, NormFwdPhase, OpKind, PoolingMode, ReductionMode
 from fusegraph import PointwiseMode as PM
-from fusegraph.graph.ops import BACKWARD
+from fusegraph.graph.ops import BACKWARD, INDEXING
 
 F16, BF16, F32, F64 = DataType.HALF, DataType.BFLOAT16, DataType.FLOAT, DataType.DOUBLE
 I8, I32, I64, BOOL = DataType.INT8, DataType.INT32, DataType.INT64, DataType.BOOLEAN
@@ -969,6 +969,7 @@ def test_every_op_kind_is_tested() -> None:
         OpKind.CONCATENATE: test_concatenate_vs_onnxruntime,
         OpKind.SLICE: test_slice_vs_onnxruntime,
         **dict.fromkeys(BACKWARD, "tests/test_backward_ops.py (against torch.autograd)"),
+        **dict.fromkeys(INDEXING, "tests/test_gather.py (against numpy.take / np.add.at and torch)"),
     }
     assert set(tested) == set(OpKind), f"untested: {set(OpKind) - set(tested)}"
     assert set(POOL_ONNX) == set(PoolingMode)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from fusegraph.graph.ops import BACKWARD, OpKind, PointwiseAttrs, PointwiseMode
+from fusegraph.graph.ops import BACKWARD, INDEXING, OpKind, PointwiseAttrs, PointwiseMode
 
 if TYPE_CHECKING:
     from fusegraph.graph.graph import Graph
@@ -36,6 +36,7 @@ _NOT_EMITTED = "not emitted for IREE yet (the reference and torch engines run it
 _NOT_WIRED = (
     "not wired to cuDNN's frontend yet in engines/cudnn/lower.py (the reference and torch engines run it)"
 )
+_NO_GATHER = "cuDNN's graph API has no gather (indexing) node; the torch engine runs it"
 _DROPOUT_RNG = (
     "fusegraph's dropout mask is its own Philox stream (reference/dropout.py); cuDNN draws its "
     "own, so its masks would differ"
@@ -50,6 +51,7 @@ UNSUPPORTED: dict[str, dict[Op, str]] = {
     "iree": {
         **{k: _NOT_EMITTED for k in BACKWARD},
         **{m: _NOT_EMITTED for m in _NEW_BACKWARD_MODES},
+        **{k: _NOT_EMITTED for k in INDEXING},
     },
     "torch": {},
     "triton": {
@@ -64,6 +66,7 @@ UNSUPPORTED: dict[str, dict[Op, str]] = {
     "cudnn": {
         # norm backward and sdpa backward are lowered (engines/cudnn/lower_backward.py)
         **{m: _NOT_WIRED for m in _NEW_BACKWARD_MODES},
+        **{k: _NO_GATHER for k in INDEXING},
     },
 }
 

@@ -1,6 +1,7 @@
 """Graph: the IR users build (cuDNN Python frontend style), and its validation.
 
-Ops are added through the builder methods (graph/builder.py, graph/builder_pointwise.py)
+Ops are added through the builder methods (graph/builder.py, graph/builder_pointwise.py,
+graph/builder_backward.py, graph/builder_gather.py)
 that return their output TensorAttr(s); ``validate()`` infers every dim, stride and dtype
 that was left unset and checks the whole graph. The validated graph is the descriptor every engine reads. The plan
 methods (``build``, ``execute``...) come from graph/seam.py, which forwards them to the
@@ -21,6 +22,7 @@ from fusegraph.errors import ValidationError
 from fusegraph.graph import layout
 from fusegraph.graph.builder import GraphBuilder
 from fusegraph.graph.builder_backward import BackwardBuilder
+from fusegraph.graph.builder_gather import GatherBuilder
 from fusegraph.graph.builder_pointwise import PointwiseBuilder
 from fusegraph.graph.infer import INFER, INHERIT_LAYOUT, LAYOUT_SOURCE
 from fusegraph.graph.node import Node
@@ -38,7 +40,7 @@ Ints = Sequence[int]
 OWN_TYPE_PORTS = {OpKind.SDPA: "stats"}
 
 
-class Graph(GraphBuilder, BackwardBuilder, PointwiseBuilder, PlanMethods):
+class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, PlanMethods):
     """A graph of tensor operations; see the README for a walk-through."""
 
     def __init__(

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 from fusegraph.dtypes import DataType, family, promote
 from fusegraph.errors import ValidationError
+from fusegraph.graph.infer_gather import GATHER_INFER
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import (
     POINTWISE,
@@ -635,6 +636,7 @@ INFER: dict[OpKind, Callable[[Node], Proposal]] = {
     OpKind.TRANSPOSE: infer_transpose,
     OpKind.CONCATENATE: infer_concatenate,
     OpKind.SLICE: infer_slice,
+    **GATHER_INFER,
 }
 
 # The backward ops' inference lives in its own module, which reads the helpers above.

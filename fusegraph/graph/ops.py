@@ -38,6 +38,9 @@ class OpKind(enum.Enum):
     LAYERNORM_BACKWARD = "layernorm_backward"
     RMSNORM_BACKWARD = "rmsnorm_backward"
     SDPA_BACKWARD = "sdpa_backward"
+    # indexing: ONNX Gather (an embedding lookup) and its backward (embedding backward)
+    GATHER = "gather"
+    GATHER_BACKWARD = "gather_backward"
 
 
 class PointwiseMode(enum.Enum):
@@ -211,6 +214,9 @@ BACKWARD = NORM_BACKWARD | {OpKind.SDPA_BACKWARD}
 DATA_MOVEMENT = frozenset(
     {OpKind.RESHAPE, OpKind.TRANSPOSE, OpKind.CONCATENATE, OpKind.SLICE}
 )
+# Ops whose result depends on the values of an integer index tensor, not only on shapes:
+# engines that compile for static shapes alone (cuDNN, the Triton row kernels) never see them.
+INDEXING = frozenset({OpKind.GATHER, OpKind.GATHER_BACKWARD})
 
 
 # ---- attributes: one frozen dataclass per op family -------------------------------------
@@ -312,6 +318,24 @@ class SliceAttrs:
     steps: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class GatherAttrs:
+    """ONNX Gather: ``y = take(data, indices, axis)``; negative indices count from the end."""
+
+    axis: int = 0
+
+
+@dataclass(frozen=True)
+class GatherBackwardAttrs:
+    """Embedding backward: ``d_data`` has ``num_rows`` rows along ``axis`` (0 only), each the
+    sum of the ``dy`` slices whose index names it; row ``padding_idx`` gets none."""
+
+    num_rows: int
+    padding_idx: int | None = None
+    axis: int = 0
+    compute_data_type: DataType | None = None
+
+
 OpAttrs = (
     ConvAttrs
     | MatmulAttrs
@@ -326,6 +350,8 @@ OpAttrs = (
     | TransposeAttrs
     | ConcatAttrs
     | SliceAttrs
+    | GatherAttrs
+    | GatherBackwardAttrs
 )
 
 
@@ -403,4 +429,6 @@ OPS: dict[OpKind, OpSpec] = {
         SdpaAttrs,
         optional_inputs=frozenset({"mask", "seed", "offset"}),
     ),
+    OpKind.GATHER: OpSpec(("data", "indices"), ("y",), GatherAttrs),
+    OpKind.GATHER_BACKWARD: OpSpec(("dy", "indices"), ("d_data",), GatherBackwardAttrs),
 }

@@ -7,11 +7,11 @@ from typing import Any
 import numpy as np
 
 from fusegraph.dtypes import DataType
-from fusegraph.errors import ExecutionError
+from fusegraph.errors import ExecutionError, FusegraphError
 from fusegraph.reference.ops import REFERENCE
 
 # Ports read as the integers given, not as float64 (validation makes them graph inputs or constants).
-EXACT_PORTS = frozenset({"seed", "offset"})
+EXACT_PORTS = frozenset({"seed", "offset", "indices"})
 
 
 def as_float64(arr: np.ndarray) -> np.ndarray:
@@ -56,6 +56,8 @@ def run_reference(graph: Any, inputs: dict[str, np.ndarray], *, materialize: boo
         ins = {p: exact[id(t)] if p in EXACT_PORTS and id(t) in exact else env[id(t)] for p, t in node.inputs.items()}
         try:
             outs = REFERENCE[node.kind](node, ins)
+        except FusegraphError:
+            raise  # already typed and placed (an out-of-range gather index names its tensor)
         except Exception as exc:  # a bug or a numeric domain error: say where
             raise ExecutionError(f"reference {node.kind.value} failed: {exc}", node=node.name) from exc
         for port, value in outs.items():

@@ -14,11 +14,14 @@ from collections.abc import Callable
 import numpy as np
 from scipy import special
 
+from fusegraph.errors import ExecutionError
 from fusegraph.graph.infer import conv_groups
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import (
     ConcatAttrs,
     ConvAttrs,
+    GatherAttrs,
+    GatherBackwardAttrs,
     OpKind,
     PointwiseAttrs,
     PointwiseMode,
@@ -354,6 +357,47 @@ def slice_(node: Node, ins: Arrays) -> Arrays:
     return {"y": ins["x"][idx]}
 
 
+# ---- indexing ----------------------------------------------------------------------------------
+def _index_values(node: Node, raw: Arr, rows: int) -> Arr:
+    """The indices as int64 in ``[0, rows)``: negative ones wrap (ONNX), any outside
+    ``[-rows, rows)`` is an ExecutionError naming the indices tensor (never a clamp)."""
+    idx = np.asarray(raw).astype(np.int64)
+    bad = (idx < -rows) | (idx >= rows)
+    if bad.any():
+        first = int(idx[bad].reshape(-1)[0])
+        raise ExecutionError(
+            f"{int(bad.sum())} index value(s) out of range [-{rows}, {rows}) for a gather over {rows} rows "
+            f"(the first: {first})",
+            node=node.name,
+            tensor=node.inputs["indices"].name,
+        )
+    return np.where(idx < 0, idx + rows, idx)
+
+
+def gather(node: Node, ins: Arrays) -> Arrays:
+    attrs = node.attrs
+    assert isinstance(attrs, GatherAttrs)
+    data = ins["data"]
+    axis = attrs.axis % data.ndim
+    return {"y": np.take(data, _index_values(node, ins["indices"], data.shape[axis]), axis=axis)}
+
+
+def gather_backward(node: Node, ins: Arrays) -> Arrays:
+    """Zeros with every ``dy`` slice added into the row its index names (``np.add.at`` sums
+    repeats); the padding row's gradient is zero."""
+    attrs = node.attrs
+    assert isinstance(attrs, GatherBackwardAttrs)
+    dy = ins["dy"]
+    n = attrs.num_rows
+    idx = _index_values(node, ins["indices"], n).reshape(-1)
+    rows = dy.reshape(idx.size, *dy.shape[ins["indices"].ndim:])
+    out = np.zeros((n, *rows.shape[1:]), dtype=dy.dtype)
+    np.add.at(out, idx, rows)
+    if attrs.padding_idx is not None:
+        out[attrs.padding_idx % n] = 0.0
+    return {"d_data": out}
+
+
 REFERENCE: dict[OpKind, Callable[[Node, Arrays], Arrays]] = {
     OpKind.CONV_FPROP: conv_fprop,
     OpKind.CONV_DGRAD: conv_dgrad,
@@ -373,5 +417,7 @@ REFERENCE: dict[OpKind, Callable[[Node, Arrays], Arrays]] = {
     OpKind.CONCATENATE: concatenate,
     OpKind.SLICE: slice_,
     OpKind.SDPA_BACKWARD: sdpa_backward,
+    OpKind.GATHER: gather,
+    OpKind.GATHER_BACKWARD: gather_backward,
     **NORM_BACKWARD,
 }

@@ -35,6 +35,8 @@ ANCHOR_FAMILY: dict[OpKind, str] = {
     OpKind.BATCHNORM_INFERENCE: "triton.norm.batchnorm_inference",
     OpKind.SOFTMAX: "triton.softmax",
     OpKind.POOLING: "cudnn.pooling",
+    OpKind.GATHER: "gather",  # an embedding lookup: a region of its own, no epilogue
+    OpKind.GATHER_BACKWARD: "gather.backward",
 }
 # Backward operations other helpers add to the op table (norm and attention backward):
 # anchors under their own family, found by name so this table needs no edit when they land.

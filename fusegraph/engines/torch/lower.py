@@ -2,7 +2,7 @@
 plan's context, the node and its input tensors, returning the node's outputs by port.
 Convolutions, matmul, reductions and data movement live here; pointwise nodes in
 ``lower_pointwise``, norms, pooling and attention in ``lower_nn``, the backward ops in
-``lower_backward``."""
+``lower_backward``, gather and its backward in ``lower_gather``."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from fusegraph.engines.torch.lower_backward import (
     _lower_rmsnorm_backward,
     _lower_sdpa_backward,
 )
+from fusegraph.engines.torch.lower_gather import _lower_gather, _lower_gather_backward
 from fusegraph.engines.torch.lower_nn import (
     _lower_bn_inference,
     _lower_bn_training,
@@ -207,4 +208,6 @@ LOWER: dict[OpKind, Lowering] = {
     OpKind.LAYERNORM_BACKWARD: _lower_layernorm_backward,
     OpKind.RMSNORM_BACKWARD: _lower_rmsnorm_backward,
     OpKind.SDPA_BACKWARD: _lower_sdpa_backward,
+    OpKind.GATHER: _lower_gather,
+    OpKind.GATHER_BACKWARD: _lower_gather_backward,
 }
