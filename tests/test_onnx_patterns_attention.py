@@ -492,7 +492,7 @@ def test_torch_exports_are_recognised(rng: np.random.Generator, tmp_path: Path, 
 def test_onnxruntime_optimized_bert_runs_on_fusegraph(tmp_path: Path) -> None:
     """tiny_bert through ONNX Runtime's transformer optimizer (SkipLayerNormalization,
     BiasGelu; its attention left as exported): the contrib ops lowered, the values after
-    them typed, the attention recognised; only the embedding Gather stays on ONNX Runtime."""
+    them typed, the attention recognised; the embedding Gather claimed too (the gather op)."""
     optimizer = pytest.importorskip("onnxruntime.transformers.optimizer", reason="ships with onnxruntime")
     opt = optimizer.optimize_model(str(DATA / "tiny_bert.onnx"), model_type="bert", num_heads=2, hidden_size=64,
                                    opt_level=0)
@@ -506,7 +506,7 @@ def test_onnxruntime_optimized_bert_runs_on_fusegraph(tmp_path: Path) -> None:
     want = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, feed)
     sess = _session(model)
     rep = sess.partition_report()
-    assert {u.op_type for u in rep.unclaimed} == {"Gather"}, [(u.node, u.reason) for u in rep.unclaimed]
+    assert not rep.unclaimed, [(u.node, u.reason) for u in rep.unclaimed]
     assert rep.rewrites == {"onnx.attention.sdpa": 2}
     fused = next(s for s in rep.subgraphs if s.kind == "fusegraph").fusions
     assert fused["attention.sdpa"] == 2 and fused["norm.layer"] == 4

@@ -108,28 +108,32 @@ GATHER_MAX_RUNS = 32  # constant Gather indices split into at most this many sli
 
 @lowers("Gather")
 def lower_gather(imp: Importer, node: ONode) -> None:
-    """Gather with constant indices: each increasing arithmetic run of them is one slice, the
-    runs concatenated along the axis, then reshaped to the output."""
+    """Gather. Indices computed at run time (an embedding lookup: the ids are a model input)
+    become the graph's gather op. Constant indices (what shape folding left: a row or a
+    few picked from an activation) become slices instead -- each increasing arithmetic run
+    of them one slice, the runs concatenated along the axis, then reshaped to the output --
+    which every engine runs; past GATHER_MAX_RUNS runs they are a gather of a constant."""
     xs = imp.shape(node.inputs[0])
     axis = int(node.attr("axis", 0)) % len(xs)
+    out = out_dims(imp, node)
+    if not out:
+        raise Unmappable("Gather: rank-0 output")
     if not imp.is_const(node.inputs[1]):
-        raise Unmappable(
-            f"Gather: indices ('{node.inputs[1]}') are computed at run time "
-            "(fusegraph has no gather op: data-dependent lookups such as embeddings stay on ONNX Runtime)"
-        )
+        ids = imp.tensor(node.inputs[1], "plain")
+        imp.set(node.outputs[0], imp.g.gather(imp.tensor(node.inputs[0]), ids, axis=axis))
+        return
     idx = imp.const(node.inputs[1], "indices").astype(np.int64)
     flat = np.where(idx < 0, idx + xs[axis], idx).reshape(-1)
     if flat.size == 0:
         raise Unmappable("Gather: empty indices")
     if flat.min() < 0 or flat.max() >= xs[axis]:
         raise Unmappable(f"Gather: indices out of range for axis {axis} of dims {list(xs)}")
-    out = out_dims(imp, node)
-    if not out:
-        raise Unmappable("Gather: rank-0 output")
     runs = arithmetic_runs(flat)
-    if len(runs) > GATHER_MAX_RUNS:
-        raise Unmappable(f"Gather: indices {flat.tolist()[:8]}... form {len(runs)} runs (at most {GATHER_MAX_RUNS} slices)")
     x = imp.tensor(node.inputs[0])
+    if len(runs) > GATHER_MAX_RUNS:
+        ids = imp.constant(flat.reshape(idx.shape) if idx.ndim else flat, node.inputs[1], "plain")
+        imp.set(node.outputs[0], reshape(imp, imp.g.gather(x, ids, axis=axis), out))
+        return
     parts = [imp.g.slice(x, [first], [last + 1], [step], axes=[axis]) for first, last, step in runs]
     y = parts[0] if len(parts) == 1 else imp.g.concatenate(parts, axis=axis)
     imp.set(node.outputs[0], reshape(imp, y, out))
