@@ -323,3 +323,24 @@ def test_regions_take_gather_as_an_anchor() -> None:
     y.set_output(True)
     s = split(g.validate())
     assert [r.pattern for r in s.regions] == ["gather", "triton.pointwise"] and not s.rejected
+
+
+# ---- CUDA (the GPU machine) -------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dt", [DT.FLOAT, DT.HALF, DT.BFLOAT16])
+def test_torch_engine_on_cuda(dt: DT, rng: np.random.Generator) -> None:
+    """Gather and its backward on a CUDA handle against the reference, chosen by selection
+    (cudnn, triton and IREE refuse them), negative ids included."""
+    gpu = fg.Handle("cuda:0")
+    for g, pack in (
+        (_gather_graph([300, 64], [8, 128], 0, dt),
+         {"data": rng.standard_normal((300, 64)).astype(dt.numpy), "ids": _ids(rng, [8, 128], 300)}),
+        (_gather_graph([6, 40, 8], [5], -2, dt),
+         {"data": rng.standard_normal((6, 40, 8)).astype(dt.numpy), "ids": _ids(rng, [5], 40, np.int32)}),
+        (_backward_graph([8, 128, 64], [8, 128], 300, 1, dt),
+         {"dy": rng.standard_normal((8, 128, 64)).astype(dt.numpy), "ids": _ids(rng, [8, 128], 300)}),
+    ):
+        got = g.build(gpu).execute(pack)
+        ref = g.execute(pack, engine="reference")
+        for t in g.outputs():
+            assert _rel(got[t.name], ref[t.name]) <= TOL[dt], (g.name, t.name)

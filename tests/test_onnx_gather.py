@@ -166,3 +166,17 @@ def test_an_engine_without_gather_leaves_it_to_onnxruntime_with_its_reason(rng: 
     feed = {"ids": rng.integers(0, 31, (2, 5))}
     (got,) = sess.run(None, feed)
     assert _rel(got, _ort(model, feed)[0]) < 1e-5
+
+
+@pytest.mark.gpu
+def test_embedding_claimed_on_cuda(rng: np.random.Generator) -> None:
+    """On a GPU session the lookup runs on the device (a gather region on the torch engine),
+    not on ONNX Runtime's CPU provider."""
+    model = _embedding_model(rng, 1000, 64, [8, 128], I64)
+    feed = {"ids": rng.integers(-1000, 1000, (8, 128))}
+    sess = fgo.InferenceSession(model.SerializeToString(),
+                                providers=[(fgo.PROVIDER, {"device": "cuda:0", "floor": "off"})])
+    (got,) = sess.run(None, feed)
+    rep = sess.partition_report()
+    assert rep.coverage == 1.0 and not rep.unclaimed, [(u.op_type, u.reason) for u in rep.unclaimed]
+    assert _rel(got, _ort(model, feed)[0]) < 1e-4
