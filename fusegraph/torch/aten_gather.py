@@ -38,7 +38,9 @@ def index(c: Ctx, arg: Any) -> TensorAttr:
     if arg.op == "call_function" and arg.target is operator.getitem:
         src, idx = _args(arg)
         key = (src.name, int(idx))
-    t = c._tensors.get(key) or c._inputs.get(key)
+    t = c._tensors.get(key)
+    if t is None:
+        t = c._inputs.get(key)
     if t is not None:
         return t
     v = meta(arg)
