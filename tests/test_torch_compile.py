@@ -212,7 +212,8 @@ def test_the_floor_times_a_region_through_its_call_in_the_graph(tmp_path: Any, m
     monkeypatch.setattr(runtime.RegionRunner, "__call__", costly)
     monkeypatch.setattr(partition, "_incumbent_call", slow)
     monkeypatch.setattr(timing, "time_candidates", virtual)
-    report = explain(ConvNet(), torch.randn(2, 3, 8, 8), options={"floor": True, "incumbent": "eager", "rest": "eager"})
+    only_regions = {"floor": True, "incumbent": "eager", "rest": "eager", "whole_graph": False}
+    report = explain(ConvNet(), torch.randn(2, 3, 8, 8), options=only_regions)
     measured = [r for r in report.rows if r.region is not None and "measured" in r.why]
     assert measured, [r.why for r in report.rows]
     assert all("fusegraph 3.0000 ms vs eager 1.0000 ms" in r.why for r in measured), [r.why for r in measured]
@@ -220,7 +221,7 @@ def test_the_floor_times_a_region_through_its_call_in_the_graph(tmp_path: Any, m
     # the control: the incumbent made slower than the call, the same regions are kept
     monkeypatch.setattr(partition, "_incumbent_call", lambda region, inputs, opts: lambda: clock.__setitem__(0, clock[0] + 9))
     monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "again"))
-    kept = explain(ConvNet(), torch.randn(2, 3, 8, 8), options={"floor": True, "incumbent": "eager", "rest": "eager"})
+    kept = explain(ConvNet(), torch.randn(2, 3, 8, 8), options=only_regions)
     assert any(r.fusegraph for r in kept.rows), [r.why for r in kept.rows]
 
 

@@ -8,6 +8,10 @@ the rest is compiled by Inductor (``options={"rest": "eager"}``: run as ATen ops
     torch.compile(model, backend="fusegraph", options={"floor": False})  # claim all
     torch.compile(model, backend="fusegraph", mode="reduce-overhead")    # CUDA graphs
 
+With the floor on, a graph whose regions were claimed is then timed whole against the same
+graph with nothing claimed (graph_floor.py), and the faster runs: regions that each won
+alone can still lose together.
+
 With Inductor as the rest, the ops fusegraph converts are kept whole through Inductor's
 decompositions (a layer norm stays ``native_layer_norm``) so that they can be claimed.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -45,11 +50,48 @@ def collecting() -> Iterator[list[Row]]:
         _ROWS.reset(token)
 
 
-def _claim(gm: torch.fx.GraphModule, opts: Options, kind: str) -> None:
+def _claim(gm: torch.fx.GraphModule, opts: Options, kind: str) -> list[Row]:
     rows = partition(gm, opts, f"{kind}{next(_COUNTER)}")
     sink = _ROWS.get()
     if sink is not None:
         sink.extend(rows)
+    return rows
+
+
+def _settle(claimed_fn: Callable[..., Any], compile_original: Callable[[], Callable[..., Any]],
+            original: torch.fx.GraphModule | None, inputs: Sequence[Any], rows: list[Row], opts: Options,
+            rest: str) -> Callable[..., Any]:
+    """The graph-level floor (graph_floor.py) where the floor is on and something was
+    claimed; where the unclaimed graph wins, the report's rows say so."""
+    if original is None or not any(r.fusegraph for r in rows):
+        return claimed_fn
+    from fusegraph.engines.registry import REGISTRY
+    from fusegraph.regions.verdicts import VerdictStore
+    from fusegraph.select.device_id import device_id
+    from fusegraph.select.tuning_db import engine_versions
+    from fusegraph.torch import graph_floor
+    from fusegraph.torch.partition import graph_device
+    from fusegraph.torch.plans import PLANS
+
+    device = graph_device(original)
+    claimed = [f"{r.node.split(':', 1)[-1]}|{r.where}" for r in rows if r.fusegraph]
+    try:
+        fn, verdict = graph_floor.settle(
+            claimed_fn, compile_original, (original, inputs, claimed), device, engine="fusegraph regions",
+            margin=opts.margin, warmup_s=opts.warmup_s, store=VerdictStore(),
+            device_name=device_id(PLANS.handle(device)), versions=engine_versions(REGISTRY.available_engines()))
+    except Exception as exc:  # the claimed graph stands where the check itself cannot run
+        log.warning("the graph-level check did not run (%s: %s); the claimed graph is kept", type(exc).__name__, exc,
+                    exc_info=log.isEnabledFor(logging.DEBUG))
+        return claimed_fn
+    if not verdict.fusegraph:
+        sink = _ROWS.get()
+        mine = {id(r) for r in rows}
+        why = f"handed back with the whole graph: {verdict.describe()}"
+        if sink is not None:
+            sink[:] = [dataclasses.replace(r, where=rest, why=f"{why} (the region: {r.why})")
+                       if id(r) in mine and r.fusegraph else r for r in sink]
+    return fn
 
 
 def _kind(gm: torch.fx.GraphModule) -> str:
@@ -96,12 +138,34 @@ def _decompose_rest(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> torch.fx
 def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                       options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     opts = Options.of(options)
+    from fusegraph.torch.graph_floor import copy_graph as graph_floor_copy
+
     if opts.rest == "inductor":
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
         def inner(graph: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
-            _claim(graph, opts, _kind(graph))
-            return compile_fx_inner(_decompose_rest(graph, inputs), inputs, **kwargs)
+            # under CUDA graphs both sides would be captured and replayed: the regions' verdicts decide
+            original = graph_floor_copy(graph) if opts.floor and opts.whole_graph and patches is None else None
+            rows = _claim(graph, opts, _kind(graph))
+            compiled = compile_fx_inner(_decompose_rest(graph, inputs), inputs, **kwargs)
+            # each compile records its outputs' strides in the tracing context, which must
+            # hold the strides of the one returned
+            from torch._guards import TracingContext
+
+            context = TracingContext.try_get()
+            strides: dict[str, list[Any]] = {}
+
+            def compile_original() -> Any:
+                if context is not None and context.output_strides is not None:
+                    strides["claimed"] = list(context.output_strides)
+                    context.output_strides.clear()
+                assert original is not None
+                return compile_fx_inner(_decompose_rest(original, inputs), inputs, **kwargs)
+
+            chosen = _settle(compiled, compile_original, original, inputs, rows, opts, "inductor")
+            if chosen is compiled and context is not None and context.output_strides is not None and "claimed" in strides:
+                context.output_strides[:] = strides["claimed"]
+            return chosen
 
         import torch._functorch.config as functorch_config
 
@@ -117,8 +181,10 @@ def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *
     from torch._dynamo.backends.common import aot_autograd
 
     def eager(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
-        _claim(graph, opts, _kind(graph))
-        return make_boxed_func(graph.forward)
+        original = graph_floor_copy(graph) if opts.floor and opts.whole_graph else None
+        rows = _claim(graph, opts, _kind(graph))
+        return _settle(make_boxed_func(graph.forward), lambda: make_boxed_func(original.forward),  # type: ignore[union-attr]
+                       original, inputs, rows, opts, "torch.eager")
 
     return aot_autograd(fw_compiler=eager, bw_compiler=eager, inference_compiler=eager)(gm, example_inputs)  # type: ignore[no-any-return]
 

@@ -47,7 +47,9 @@ class Options:
     claims every region fusegraph can build), ``incumbent`` ("inductor" or "eager": the
     region's ATen nodes as PyTorch runs them), ``rest`` (what compiles the unclaimed nodes:
     "inductor" or "eager"), ``engine`` (None: selection's choice on a GPU, torch on the CPU),
-    ``margin`` (how much faster fusegraph must be), ``warmup_s`` (timing's warm-up bound)."""
+    ``margin`` (how much faster fusegraph must be), ``warmup_s`` (timing's warm-up bound),
+    ``whole_graph`` (with the floor on, also time the graph with its claimed regions against
+    the graph with none and run the faster: graph_floor.py)."""
 
     floor: bool = True
     incumbent: str = "inductor"
@@ -55,6 +57,7 @@ class Options:
     engine: str | None = None
     margin: float = MARGIN
     warmup_s: float = 0.3
+    whole_graph: bool = True
 
     @staticmethod
     def of(options: Mapping[str, Any] | None) -> Options:
@@ -110,7 +113,7 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str) -> list[Row]:
             for rej in regions.rejected:
                 for gnode in rej.nodes:
                     why.setdefault(conv.atoms[gnode], rej.reason)
-            device = _device(gm)
+            device = graph_device(gm)
             by_name = {n.name: n for n in nodes}
             fx_of = {r.index: _fx_nodes(r, conv, by_name) for r in regions.regions}
             choices = _choose(opts, device, regions.regions) if regions.regions else []
@@ -177,7 +180,7 @@ def _choose(opts: Options, device: torch.device, regions: Sequence[Region]) -> l
         return pool.submit(run).result()
 
 
-def _device(gm: torch.fx.GraphModule) -> torch.device:
+def graph_device(gm: torch.fx.GraphModule) -> torch.device:
     for n in gm.graph.nodes:
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor):

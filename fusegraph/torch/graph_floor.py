@@ -1,0 +1,127 @@
+"""The floor over a whole ATen graph. Each claimed region won against Inductor's code for
+the same nodes, timed alone; the graph can still lose. Inductor fuses across the region's
+border when nothing is claimed (a claimed region splits its kernels in two), each region
+call adds host time, and a region timed in the measuring thread can mislead: on a CPU,
+Inductor's OpenMP kernels slow down by 2-10x in a second thread while the caller's team
+still exists (a tiny GPT-2 training step kept 42% of its nodes on fusegraph and ran 2.4x
+slower than Inductor on two cores). So once the regions are chosen, the graph with its
+claimed regions is compiled and timed against the graph with none, both as they will run,
+on the compiling thread with real tensors, and the faster one is returned; ties go to
+Inductor. The verdict is cached like a region's, keyed by the graph's code, its inputs'
+shapes and the claimed regions, so a later process compiles only the winner's side twice
+at most (the claimed side is compiled first, to know what was claimed)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from fusegraph.regions.measure import measure
+from fusegraph.regions.verdicts import Verdict, VerdictStore, verdict_key
+from fusegraph.torch import aten
+
+log = logging.getLogger("fusegraph.torch")
+
+INCUMBENT = "graph"  # the incumbent's name in verdict keys: the whole graph unclaimed
+
+
+def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A second module over a copy of ``gm``'s graph (node metadata shared, not copied:
+    fake values deep-copy badly), so the claimed rewrite leaves the copy whole."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    copy = torch.fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    return copy
+
+
+def real_inputs(inputs: Sequence[Any]) -> list[Any]:
+    """Fresh tensors shaped like the example inputs (fake or real): floats random, the rest
+    zero (ids, seeds, counts), symbolic sizes at their hints, strides kept."""
+    out: list[Any] = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            shape = tuple(aten.hint(d) for d in x.shape)
+            strides = tuple(aten.hint(s) for s in x.stride())
+            extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) if all(shape) else 0
+            flat = torch.empty(extent, dtype=x.dtype, device=x.device)
+            flat = flat.normal_() if flat.is_floating_point() else flat.zero_()
+            out.append(flat.as_strided(shape, strides))
+        elif isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
+            out.append(aten.hint(x))
+        else:
+            out.append(x)
+    return out
+
+
+def graph_key(original: torch.fx.GraphModule, inputs: Sequence[Any], claimed: Sequence[str]) -> str:
+    """The graph's content: its code, its inputs' metadata, what fusegraph claimed in it."""
+    metas: list[object] = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            metas.append((str(x.dtype), [aten.hint(d) for d in x.shape], [aten.hint(s) for s in x.stride()], x.device.type))
+        else:
+            metas.append(type(x).__name__)
+    text = repr((original.code, metas, sorted(claimed)))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@contextlib.contextmanager
+def _outside_the_compile(device: torch.device) -> Iterator[None]:
+    """Real tensors, ATen called directly (no Python dispatcher), no autograd: the state
+    the compiled graph runs in, not the tracing state it was compiled in."""
+    from torch._dispatch.python import no_python_dispatcher
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with unset_fake_temporarily(), no_python_dispatcher(), torch.no_grad(), on_device:
+        yield
+
+
+def _boxed(fn: Callable[..., Any], args: list[Any]) -> Callable[[], object]:
+    # a compiled graph takes its arguments as one list, which it may empty
+    return lambda: fn(list(args))
+
+
+def settle(
+    claimed_fn: Callable[..., Any],
+    compile_original: Callable[[], Callable[..., Any]],
+    key_parts: tuple[torch.fx.GraphModule, Sequence[Any], Sequence[str]],
+    device: torch.device,
+    *,
+    engine: str,
+    margin: float,
+    warmup_s: float,
+    store: VerdictStore | None,
+    device_name: str,
+    versions: dict[str, str],
+) -> tuple[Callable[..., Any], Verdict]:
+    """The compiled graph to run (the claimed one or the original) and the verdict that
+    chose it. A claimed graph that fails when timed loses; the original is compiled only
+    where it may be returned."""
+    original, inputs, claimed = key_parts
+    key = verdict_key(graph_key(original, inputs, claimed), device_name, INCUMBENT, versions, {"margin": margin})
+    cached = store.lookup(key) if store is not None else None
+    if cached is not None and cached.fusegraph:
+        return claimed_fn, cached
+    base_fn = compile_original()
+    if cached is not None:
+        return base_fn, cached
+    with _outside_the_compile(device):
+        args = real_inputs(inputs)
+        sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+        verdict = measure(_boxed(claimed_fn, args), _boxed(base_fn, args), incumbent=INCUMBENT, engine=engine,
+                          margin=margin, sync=sync, warmup_s=warmup_s)
+        del args
+    log.info("graph with %d claimed regions: %s", len(claimed), verdict.describe())
+    if store is not None:
+        store.record(key, verdict)
+        store.flush()
+    return (claimed_fn if verdict.fusegraph else base_fn), verdict
