@@ -173,7 +173,22 @@ class SessionPlan:
         except Unmappable as exc:
             return exc.reason
         assert self.engine is not None
+        if self._gather_stays_with_ort(imp.g):
+            return ("a run-time gather (an embedding lookup) on the CPU would move its whole unit off IREE, "
+                    "which has no gather, onto the torch engine; it stays on ONNX Runtime "
+                    "(engine='torch' or regions='on' claim it)")
         return self.engine.why_not(imp.g)
+
+    def _gather_stays_with_ort(self, g: Any) -> bool:
+        """Units run on one engine: on the CPU, where IREE compiles the claimed units by
+        default, a gather would hand a transformer's every unit to the torch engine."""
+        from fusegraph.graph.ops import OpKind
+
+        assert self.engine is not None
+        return (self.engine.name is None and not self.handle.device.is_gpu
+                and not plan_regions.wanted(self.opts, self.handle)
+                and any(e.name == "iree" for e in self.engine.candidates)
+                and any(n.kind == OpKind.GATHER for n in g.nodes))
 
     def _is_read(self, value: str) -> bool:
         if self._read_values is None:  # once: per node, it made claiming quadratic in the node count
