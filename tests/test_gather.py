@@ -335,7 +335,7 @@ def test_torch_engine_on_cuda(dt: DT, rng: np.random.Generator) -> None:
     for g, pack in (
         (_gather_graph([300, 64], [8, 128], 0, dt),
          {"data": rng.standard_normal((300, 64)).astype(dt.numpy), "ids": _ids(rng, [8, 128], 300)}),
-        (_gather_graph([6, 40, 8], [5], -2, dt),
+        (_gather_graph([6, 40, 8], [5], -2, dt, DT.INT32),
          {"data": rng.standard_normal((6, 40, 8)).astype(dt.numpy), "ids": _ids(rng, [5], 40, np.int32)}),
         (_backward_graph([8, 128, 64], [8, 128], 300, 1, dt),
          {"dy": rng.standard_normal((8, 128, 64)).astype(dt.numpy), "ids": _ids(rng, [8, 128], 300)}),

@@ -386,3 +386,23 @@ def test_public_names_stay_functions_after_their_modules_are_imported() -> None:
     for name, module in (("explain", "explainer"), ("backend", "compile_backend")):
         importlib.import_module(f"fusegraph.torch.{module}")
         assert callable(getattr(fgt, name)) and not isinstance(getattr(fgt, name), type(fgt)), name
+
+
+def test_rows_of_a_backward_compiled_in_another_thread_are_collected() -> None:
+    """On CUDA, autograd compiles and runs the backward graph in its own device thread, which
+    does not see the caller's context variables: its rows must reach the open collector
+    all the same (here the backward runs in a thread of the test's own)."""
+    import threading
+
+    from fusegraph.torch.compile_backend import collecting
+
+    model = ConvNet()
+    compiled = _compiled(model)
+    with collecting() as rows:
+        out = compiled(torch.randn(2, 3, 8, 8))
+        worker = threading.Thread(target=lambda: out.sum().backward())
+        worker.start()
+        worker.join()
+    phases = {r.node.split(":", 1)[0].rstrip("0123456789") for r in rows}
+    assert phases == {"fw", "bw"}, phases
+    assert any(r.fusegraph and r.op == "aten.convolution_backward" for r in rows), [r.op for r in rows]

@@ -39,20 +39,34 @@ _ROWS: contextvars.ContextVar[list[Row] | None] = contextvars.ContextVar("fusegr
 _COUNTER = itertools.count()
 
 
+# the collectors open in any thread: on CUDA, autograd compiles and runs the backward graph
+# in its own device thread, which does not see the caller's context variables
+_OPEN: list[list[Row]] = []
+
+
 @contextlib.contextmanager
 def collecting() -> Iterator[list[Row]]:
     """Report rows of every graph compiled inside the block (explainer.py)."""
     rows: list[Row] = []
     token = _ROWS.set(rows)
+    _OPEN.append(rows)
     try:
         yield rows
     finally:
         _ROWS.reset(token)
+        _OPEN.remove(rows)
+
+
+def _sink() -> list[Row] | None:
+    rows = _ROWS.get()
+    if rows is None and _OPEN:
+        rows = _OPEN[-1]
+    return rows
 
 
 def _claim(gm: torch.fx.GraphModule, opts: Options, kind: str) -> list[Row]:
     rows = partition(gm, opts, f"{kind}{next(_COUNTER)}")
-    sink = _ROWS.get()
+    sink = _sink()
     if sink is not None:
         sink.extend(rows)
     return rows
@@ -85,7 +99,7 @@ def _settle(claimed_fn: Callable[..., Any], compile_original: Callable[[], Calla
                     exc_info=log.isEnabledFor(logging.DEBUG))
         return claimed_fn
     if not verdict.fusegraph:
-        sink = _ROWS.get()
+        sink = _sink()
         mine = {id(r) for r in rows}
         why = f"handed back with the whole graph: {verdict.describe()}"
         if sink is not None:
