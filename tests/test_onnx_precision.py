@@ -227,10 +227,10 @@ def test_a_region_neither_side_runs_in_fp16_keeps_float32(monkeypatch: pytest.Mo
         c.builder = build
         return c
 
-    def eager(self: Any, graph: Any) -> Any:
+    def eager(self: Any, graph: Any, **kwargs: Any) -> Any:
         if half(graph) and any(n.kind.value == "matmul" for n in graph.nodes) and len(graph.nodes) <= 2:
             raise RuntimeError("no half GEMM op by op in this test")
-        return real_eager(self, graph)
+        return real_eager(self, graph, **kwargs)
 
     monkeypatch.setattr(plan_regions, "chooser_for", chooser_for)
     monkeypatch.setattr(plan_regions.RegionUnit, "_eager", eager)
@@ -282,3 +282,30 @@ def test_reduced_precision_on_cuda(prec: str, rng: np.random.Generator) -> None:
     tol = {"fp16": 1e-2, "bf16": 2e-2, "tf32": 1e-2}[prec]
     _versus_ort(sess, model, shape, rng, tol)
     assert f"precision {prec}" in sess.partition_report().subgraphs[0].floor
+
+
+@pytest.mark.gpu
+def test_tf32_runs_the_incumbents_steps_at_tf32_on_cuda(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    """The regions left to the incumbent run as the floor measured them: op by op on PyTorch
+    with TF32 allowed (the torch engine pins its own TF32 flags, so the knob must say so;
+    before, ViT-B/16's GEMMs ran strict float32 in a tf32 session). The float32 reference the
+    accuracy is stated against stays strict."""
+    from fusegraph.engines.registry import REGISTRY
+
+    engine = REGISTRY.get("torch")
+    built: list[tuple[tuple[str, Any], ...]] = []
+    real_build = type(engine).build
+
+    def spy(self: Any, graph: Any, handle: Any, config: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if config is not None:
+            built.append(tuple(config.knobs))
+        return real_build(self, graph, handle, config, *args, **kwargs)
+
+    monkeypatch.setattr(type(engine), "build", spy)
+    make, shape = MODELS["norm_attention"]
+    model = make(rng)
+    sess = _session(model, precision="tf32", device="cuda:0", engine="")
+    _versus_ort(sess, model, shape, rng, 1e-2)
+    eager = [dict(k) for k in built if dict(k).get("compile") is False and dict(k).get("cuda_graph") is False]
+    assert any(k.get("tf32") is True for k in eager), built
+    assert any(k.get("tf32") is False for k in eager), built  # the strict float32 reference

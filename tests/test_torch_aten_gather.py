@@ -32,7 +32,7 @@ TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 
 
 def _rel(got: Any, want: Any) -> float:
-    g = np.asarray(got, dtype=np.float64)
+    g = got.detach().cpu().double().numpy() if isinstance(got, torch.Tensor) else np.asarray(got, dtype=np.float64)
     w = want.detach().cpu().double().numpy() if isinstance(want, torch.Tensor) else np.asarray(want, np.float64)
     assert g.shape == w.shape, f"shape {g.shape} != {w.shape}"
     if not np.isfinite(g).all():
