@@ -38,7 +38,7 @@ def main() -> int:
     ap.add_argument("--fsdp", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--variants", default="eager,inductor,fusegraph")
+    ap.add_argument("--variants", default="eager,inductor,fusegraph,fusegraph-floor")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo" if args.cpu else "nccl")
@@ -68,8 +68,10 @@ def main() -> int:
             wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
         if variant == "inductor":
             wrapped = torch.compile(wrapped)
-        elif variant == "fusegraph":
+        elif variant == "fusegraph":  # every region claimed
             wrapped = torch.compile(wrapped, backend=partial(fusegraph_backend, options={"floor": False}))
+        elif variant == "fusegraph-floor":  # the default: regions and graphs measured, on each rank
+            wrapped = torch.compile(wrapped, backend="fusegraph")
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         losses, times = [], []
         for ids, y in data:
