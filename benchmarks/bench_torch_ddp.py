@@ -71,7 +71,7 @@ def main() -> int:
         elif variant == "fusegraph":  # every region claimed
             wrapped = torch.compile(wrapped, backend=partial(fusegraph_backend, options={"floor": False}))
         elif variant == "fusegraph-floor":  # the default: regions and graphs measured, on each rank
-            wrapped = torch.compile(wrapped, backend="fusegraph")
+            wrapped = torch.compile(wrapped, backend=fusegraph_backend)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         losses, times = [], []
         for ids, y in data:
