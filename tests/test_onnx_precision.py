@@ -302,6 +302,7 @@ def test_tf32_runs_the_incumbents_steps_at_tf32_on_cuda(monkeypatch: pytest.Monk
         return real_build(self, graph, handle, config, *args, **kwargs)
 
     monkeypatch.setattr(type(engine), "build", spy)
+    _fake_floor(monkeypatch, lambda region: 0.0, 1.0, [])  # every region to the incumbent
     make, shape = MODELS["norm_attention"]
     model = make(rng)
     sess = _session(model, precision="tf32", device="cuda:0", engine="")
