@@ -470,6 +470,20 @@ def test_torch_compile_knob_on_cpu(rng: np.random.Generator) -> None:
     check(g, rng, TOL[DT.FLOAT], EngineConfig("torch", (("compile", True),)))
 
 
+@pytest.mark.slow
+def test_torch_compile_knob_reshapes_a_tensor_no_view_reaches(rng: np.random.Generator) -> None:
+    """A reshape of a transposed tensor under torch.compile: traced as a reshape into the
+    declared layout, not as a view (Inductor lays buffers out anew, and a view valid on the
+    traced strides failed inside it on the H100)."""
+    if not ENGINE.compile_support(CPU):
+        pytest.skip(f"torch.compile unavailable here: {ENGINE.compile_support(CPU).reason}")
+    g = _g(DT.FLOAT)
+    x = g.tensor("x", [4, 6, 8])
+    t = g.transpose(g.relu(x), [1, 0, 2])
+    g.add(g.reshape(t, [6, 32]), g.tensor("b", [1, 32])).set_output(True)
+    check(g, rng, TOL[DT.FLOAT], EngineConfig("torch", (("compile", True),)))
+
+
 # ---- what torch cannot do, and torch missing ------------------------------------------------------
 def test_unsupported_cases_say_why() -> None:
     g = fg.Graph("iavg", io_data_type=DT.INT32)

@@ -81,7 +81,10 @@ class _Ctx:
         self.gpu = handle.device.is_gpu
         self.memory_format: str = config.get("memory_format", "auto")
         self.compiled = bool(config.get("compile", False))
-        self.functional = False  # lower without in-place writes (for tracing)
+        # lower without in-place writes, for tracing: oneDNN Graph's, and Inductor's, whose
+        # functionalization of a copy into a view re-views the copy's layout -- which failed
+        # ("Cannot view a tensor ... as ...") for a reshape of a transposed tensor
+        self.functional = self.compiled
         self.onednn = (
             not self.gpu
             and not config.get("compile", False)

@@ -151,7 +151,7 @@ def _lower_reshape(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, T
     layout of ``y`` (torch's own reshape would copy to row-major, and a channels-last
     partition would then run on NCHW from a channel shuffle onwards)."""
     x, y = ins["x"], node.outputs["y"]
-    if ctx.functional:  # traced for oneDNN Graph: no in-place copies into views
+    if ctx.functional:  # traced (oneDNN Graph, Inductor): no in-place copies into views
         return {"y": torch_fusion.as_declared(x.reshape(y.shape), y)}
     try:
         return {"y": x.view(y.shape)}
