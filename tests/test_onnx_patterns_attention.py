@@ -422,17 +422,6 @@ def test_contrib_multihead_attention_with_a_key_padding_mask(rng: np.random.Gene
     assert not sess.partition_report().unclaimed and len(_sdpa(sess)) == 1
 
 
-def test_contrib_rotary_embedding_is_refused_with_the_reason(rng: np.random.Generator) -> None:
-    node = helper.make_node("RotaryEmbedding", ["x", "pos", "cos", "sin"], ["y"], domain="com.microsoft")
-    m = _model([node], {"x": (B, S, H * D)}, {"y": (B, S, H * D)},
-               {"cos": _x(rng, 32, D // 2), "sin": _x(rng, 32, D // 2)}, contrib=True)
-    m.graph.node[0].attribute.append(helper.make_attribute("num_heads", H))
-    m.graph.input.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [B, S]))
-    sess = _run(m, {"x": _x(rng, B, S, H * D), "pos": np.tile(np.arange(S, dtype=np.int64), (B, 1))})
-    (u,) = sess.partition_report().unclaimed
-    assert u.op_type == "RotaryEmbedding" and "position_ids" in u.reason
-
-
 # ---- torch.onnx.export ------------------------------------------------------------------------------
 def _torch_modules() -> dict[str, Any]:
     torch = pytest.importorskip("torch", reason="torch exports the modules (the fusegraph[torch] extra)")

@@ -3,8 +3,8 @@ for the engine (``importer.MATRIX_COLUMN_MAJOR``); Gemm folds alpha and beta int
 
 Attention, two products around a softmax, lowers to the graph API's ``sdpa``: the fused
 node of ``patterns_attention`` and ONNX Runtime's contrib ``Attention`` and
-``MultiHeadAttention`` (what its transformer optimizer emits). ``GroupQueryAttention`` and
-``RotaryEmbedding`` are refused with the reason."""
+``MultiHeadAttention`` (what its transformer optimizer emits). ``GroupQueryAttention`` is
+refused with the reason (``RotaryEmbedding`` lowers in ``rotary``)."""
 
 from __future__ import annotations
 
@@ -284,11 +284,4 @@ def lower_contrib_gqa(imp: Importer, node: ONode) -> None:
         "GroupQueryAttention: its key/value cache inputs (past_key/past_value, seqlens_k, "
         "total_sequence_length) decide at run time which keys each query sees; fusegraph's sdpa "
         "has no run-time sequence lengths"
-    )
-
-
-@lowers(contrib("RotaryEmbedding"))
-def lower_contrib_rotary(imp: Importer, node: ONode) -> None:
-    raise Unmappable(
-        "RotaryEmbedding: position_ids index the cos/sin caches at run time (fusegraph has no gather op)"
     )
