@@ -970,6 +970,7 @@ def test_every_op_kind_is_tested() -> None:
         OpKind.SLICE: test_slice_vs_onnxruntime,
         **dict.fromkeys(BACKWARD, "tests/test_backward_ops.py (against torch.autograd)"),
         **dict.fromkeys(INDEXING, "tests/test_gather.py (against numpy.take / np.add.at and torch)"),
+        OpKind.POOLING_BACKWARD: "tests/test_pooling_backward.py (against torch.autograd)",
     }
     assert set(tested) == set(OpKind), f"untested: {set(OpKind) - set(tested)}"
     assert set(POOL_ONNX) == set(PoolingMode)

@@ -52,6 +52,7 @@ UNSUPPORTED: dict[str, dict[Op, str]] = {
         **{k: _NOT_EMITTED for k in BACKWARD},
         **{m: _NOT_EMITTED for m in _NEW_BACKWARD_MODES},
         **{k: _NOT_EMITTED for k in INDEXING},
+        OpKind.POOLING_BACKWARD: _NOT_EMITTED,
     },
     "torch": {},
     "triton": {
@@ -67,6 +68,7 @@ UNSUPPORTED: dict[str, dict[Op, str]] = {
         # norm backward and sdpa backward are lowered (engines/cudnn/lower_backward.py)
         **{m: _NOT_WIRED for m in _NEW_BACKWARD_MODES},
         **{k: _NO_GATHER for k in INDEXING},
+        OpKind.POOLING_BACKWARD: "the cuDNN frontend's Python graph (1.32) exposes no resample backward node",
     },
 }
 

@@ -364,9 +364,45 @@ class GraphBuilder:
         name: str | None = None,
     ) -> TensorAttr:
         """Max / average pooling over the spatial axes; stride defaults to the window."""
+        attrs = self._pooling_attrs(mode, window, stride, padding, pre_padding, post_padding, compute_data_type)
+        return self._add_node(OpKind.POOLING, attrs, {"x": input}, name).outputs["y"]
+
+    def pooling_backward(
+        self,
+        dy: TensorAttr,
+        x: TensorAttr,
+        mode: PoolingMode = PoolingMode.MAX,
+        window: Ints = (2, 2),
+        stride: Ints | None = None,
+        padding: Ints | None = None,
+        *,
+        pre_padding: Ints | None = None,
+        post_padding: Ints | None = None,
+        compute_data_type: Any = None,
+        name: str | None = None,
+    ) -> TensorAttr:
+        """The gradient ``dx`` of ``pooling(x, ...)`` (same attributes) given ``dy``, dims of
+        x (cuDNN frontend's resample backward). Max pooling sends each window's gradient to
+        the window's first maximum in row-major window order (PyTorch's rule on ties), so no
+        indices are kept: they are recomputed from ``x``. Average pooling spreads it evenly
+        over the window (include-pad divides by the whole window, exclude-pad by its real
+        elements)."""
+        attrs = self._pooling_attrs(mode, window, stride, padding, pre_padding, post_padding, compute_data_type)
+        return self._add_node(OpKind.POOLING_BACKWARD, attrs, {"dy": dy, "x": x}, name).outputs["dx"]
+
+    def _pooling_attrs(
+        self,
+        mode: PoolingMode,
+        window: Ints,
+        stride: Ints | None,
+        padding: Ints | None,
+        pre_padding: Ints | None,
+        post_padding: Ints | None,
+        compute_data_type: Any,
+    ) -> PoolingAttrs:
         win = tuple(int(w) for w in window)
         pad = tuple(padding) if padding is not None else (0,) * len(win)
-        attrs = PoolingAttrs(
+        return PoolingAttrs(
             mode=PoolingMode(mode),
             window=win,
             stride=tuple(int(s) for s in (stride if stride is not None else win)),
@@ -374,7 +410,6 @@ class GraphBuilder:
             post_padding=tuple(int(p) for p in (post_padding if post_padding is not None else pad)),
             compute_data_type=self._compute_default(compute_data_type),
         )
-        return self._add_node(OpKind.POOLING, attrs, {"x": input}, name).outputs["y"]
 
     @overload
     def sdpa(

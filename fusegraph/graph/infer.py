@@ -455,6 +455,26 @@ def infer_rmsnorm(node: Node) -> Proposal:
 
 
 def infer_pooling(node: Node) -> Proposal:
+    return {"y": (_pooled_dims(node), node.inputs["x"].dtype)}
+
+
+def infer_pooling_backward(node: Node) -> Proposal:
+    """dx has x's dims and dy's type; dy must have the dims the forward gives for x."""
+    dy, x = node.inputs["dy"], node.inputs["x"]
+    want = _pooled_dims(node)
+    if tuple(dy.shape) != want:
+        raise _fail(
+            node,
+            f"dy dims {list(dy.shape)} must be the pooling output dims {list(want)} of x '{x.name}' {list(x.shape)}",
+            dy,
+        )
+    if not dy.dtype.is_float:
+        raise _fail(node, f"dy must be floating-point, got {dy.dtype.name}", dy)
+    return {"dx": (tuple(x.shape), dy.dtype)}
+
+
+def _pooled_dims(node: Node) -> tuple[int, ...]:
+    """The forward's output dims for the node's x (pooling and its backward share attrs)."""
     x = node.inputs["x"]
     attrs = node.attrs
     assert isinstance(attrs, PoolingAttrs)
@@ -477,7 +497,7 @@ def infer_pooling(node: Node) -> Proposal:
         if size < 1:
             raise _fail(node, f"window {attrs.window[i]} larger than padded input on axis {i}", x)
         spatial.append(size)
-    return {"y": ((*x.shape[:2], *spatial), x.dtype)}
+    return (*x.shape[:2], *spatial)
 
 
 def infer_sdpa(node: Node) -> Proposal:
@@ -630,6 +650,7 @@ INFER: dict[OpKind, Callable[[Node], Proposal]] = {
     OpKind.LAYERNORM: infer_layernorm,
     OpKind.RMSNORM: infer_rmsnorm,
     OpKind.POOLING: infer_pooling,
+    OpKind.POOLING_BACKWARD: infer_pooling_backward,
     OpKind.SDPA: infer_sdpa,
     OpKind.SOFTMAX: infer_softmax,
     OpKind.RESHAPE: infer_reshape,
@@ -670,4 +691,5 @@ INHERIT_LAYOUT = frozenset(
 # gradient of (dq as q: a BSHD query gets a BSHD dq).
 LAYOUT_SOURCE: dict[OpKind, dict[str, str]] = {
     OpKind.SDPA_BACKWARD: {"dq": "q", "dk": "k", "dv": "v"},
+    OpKind.POOLING_BACKWARD: {"dx": "x"},
 }

@@ -41,6 +41,8 @@ class OpKind(enum.Enum):
     # indexing: ONNX Gather (an embedding lookup) and its backward (embedding backward)
     GATHER = "gather"
     GATHER_BACKWARD = "gather_backward"
+    # pooling's backward (cuDNN frontend's resample backward): dx from dy and the forward's x
+    POOLING_BACKWARD = "pooling_backward"
 
 
 class PointwiseMode(enum.Enum):
@@ -431,4 +433,5 @@ OPS: dict[OpKind, OpSpec] = {
     ),
     OpKind.GATHER: OpSpec(("data", "indices"), ("y",), GatherAttrs),
     OpKind.GATHER_BACKWARD: OpSpec(("dy", "indices"), ("d_data",), GatherBackwardAttrs),
+    OpKind.POOLING_BACKWARD: OpSpec(("dy", "x"), ("dx",), PoolingAttrs),
 }

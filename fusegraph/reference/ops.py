@@ -324,6 +324,45 @@ def pooling(node: Node, ins: Arrays) -> Arrays:
     return {"y": acc}
 
 
+def pooling_backward(node: Node, ins: Arrays) -> Arrays:
+    """dx of pooling: each output's dy goes to the first maximum of its window in row-major
+    window order (a later tie never replaces it: PyTorch's rule), or is spread over the
+    window divided as the forward divides. Computed on the padded input, then cropped: what
+    lands on padding is dropped."""
+    dy, x = ins["dy"], ins["x"]
+    attrs = node.attrs
+    assert isinstance(attrs, PoolingAttrs)
+    out_sp = dy.shape[2:]
+    pads = [(0, 0), (0, 0), *zip(attrs.pre_padding, attrs.post_padding, strict=True)]
+    is_max = attrs.mode == PoolingMode.MAX
+    windows = [
+        tuple(slice(k, k + s * (o - 1) + 1, s) for k, s, o in zip(kpos, attrs.stride, out_sp, strict=True))
+        for kpos in itertools.product(*(range(w) for w in attrs.window))
+    ]
+    dxp = np.zeros(np.pad(x, pads).shape)
+    if is_max:
+        xp = np.pad(x, pads, constant_values=-np.inf)
+        best = np.full(dy.shape, -np.inf)
+        arg = np.full(dy.shape, -1)  # which window position holds the first maximum
+        for i, sl in enumerate(windows):
+            patch = xp[(slice(None), slice(None), *sl)]
+            better = (patch > best) | (arg < 0)
+            best = np.where(better, patch, best)
+            arg = np.where(better, i, arg)
+        for i, sl in enumerate(windows):
+            dxp[(slice(None), slice(None), *sl)] += np.where(arg == i, dy, 0.0)
+    else:
+        if attrs.mode == PoolingMode.AVG_INCLUDE_PAD:
+            share = dy / math.prod(attrs.window)
+        else:
+            valid = np.pad(np.ones(x.shape[2:]), pads[2:])
+            share = dy / sum(valid[sl] for sl in windows)
+        for sl in windows:
+            dxp[(slice(None), slice(None), *sl)] += share
+    crop = tuple(slice(p, p + n) for p, n in zip(attrs.pre_padding, x.shape[2:], strict=True))
+    return {"dx": dxp[(slice(None), slice(None), *crop)]}
+
+
 def softmax(node: Node, ins: Arrays) -> Arrays:
     attrs = node.attrs
     assert isinstance(attrs, SoftmaxAttrs)
@@ -410,6 +449,7 @@ REFERENCE: dict[OpKind, Callable[[Node, Arrays], Arrays]] = {
     OpKind.LAYERNORM: layernorm,
     OpKind.RMSNORM: rmsnorm,
     OpKind.POOLING: pooling,
+    OpKind.POOLING_BACKWARD: pooling_backward,
     OpKind.SDPA: sdpa,
     OpKind.SOFTMAX: softmax,
     OpKind.RESHAPE: reshape,

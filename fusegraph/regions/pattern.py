@@ -37,6 +37,7 @@ ANCHOR_FAMILY: dict[OpKind, str] = {
     OpKind.POOLING: "cudnn.pooling",
     OpKind.GATHER: "gather",  # an embedding lookup: a region of its own, no epilogue
     OpKind.GATHER_BACKWARD: "gather.backward",
+    OpKind.POOLING_BACKWARD: "pooling.backward",  # resample backward: a region of its own
 }
 # Backward operations other helpers add to the op table (norm and attention backward):
 # anchors under their own family, found by name so this table needs no edit when they land.

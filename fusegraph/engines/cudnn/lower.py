@@ -75,6 +75,7 @@ DATA_TYPE: dict[DataType, str] = {
 NOT_LOWERED: dict[OpKind, str] = {
     OpKind.SOFTMAX: "cuDNN's graph API has no softmax node (softmax exists only inside its sdpa)",
     OpKind.POOLING: "the cuDNN frontend's Python graph (1.32) exposes no resample (pooling) node",
+    OpKind.POOLING_BACKWARD: "the cuDNN frontend's Python graph (1.32) exposes no resample backward node",
     **{k: f"cuDNN graphs here take no {k.value} node (data movement stays with other engines)" for k in DATA_MOVEMENT},
     **{k: f"cuDNN's graph API has no {k.value} (indexing) node; the torch engine runs it" for k in INDEXING},
 }

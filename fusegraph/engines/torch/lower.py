@@ -2,7 +2,8 @@
 plan's context, the node and its input tensors, returning the node's outputs by port.
 Convolutions, matmul, reductions and data movement live here; pointwise nodes in
 ``lower_pointwise``, norms, pooling and attention in ``lower_nn``, the backward ops in
-``lower_backward``, gather and its backward in ``lower_gather``."""
+``lower_backward``, gather and its backward in ``lower_gather``, pooling's backward in
+``lower_pool``."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from fusegraph.engines.torch.lower_nn import (
     _lower_softmax,
 )
 from fusegraph.engines.torch.lower_pointwise import _lower_pointwise
+from fusegraph.engines.torch.lower_pool import _lower_pooling_backward
 from fusegraph.graph.infer import conv_groups
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import (
@@ -210,4 +212,5 @@ LOWER: dict[OpKind, Lowering] = {
     OpKind.SDPA_BACKWARD: _lower_sdpa_backward,
     OpKind.GATHER: _lower_gather,
     OpKind.GATHER_BACKWARD: _lower_gather_backward,
+    OpKind.POOLING_BACKWARD: _lower_pooling_backward,
 }
