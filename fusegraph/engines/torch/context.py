@@ -91,12 +91,17 @@ class _Ctx:
             and bool(config.get("onednn", True))
             and torch_fusion.available()
         )
+        self._compute: dict[int, DataType] = {}
         self.native = frozenset(
             id(n) for n in graph.nodes if self.gpu and not self.compiled and _native_pointwise(n, graph)
         )
 
     def compute(self, node: Node) -> DataType:
-        return _compute_type(node, self.graph, _main_input_type(node))
+        # on every operand's path (cast_in) at every call: settled once per node
+        cd = self._compute.get(id(node))
+        if cd is None:
+            cd = self._compute[id(node)] = _compute_type(node, self.graph, _main_input_type(node))
+        return cd
 
     def cast_in(self, node: Node, value: Tensor) -> Tensor:
         """An operand in the node's compute type (float operands only), unless the node runs
