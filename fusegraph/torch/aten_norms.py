@@ -2,8 +2,9 @@
 batch norm in training (AOTAutograd's functional form, running statistics updated) and
 inference, its backward; RMSNorm as PyTorch's fused op (CUDA) and its backward, and as the
 pattern PyTorch decomposes it into on the CPU (pow -> mean -> add eps -> rsqrt -> mul ->
-mul weight); max pooling (forward only: the graph API has no pooling backward, so a
-training graph, whose backward reads the indices, leaves it to Inductor); ``aten.cat``.
+mul weight); max pooling (where its indices are not read: the graph's pooling computes
+none, so a training forward, which saves them for the backward, leaves it to Inductor --
+the backward itself is converted without them, in aten_pool.py); ``aten.cat``.
 
 Each reads its ATen signature whole (defaults, dims, eps, momentum, the training flag,
 which results are read) and refuses, with the reason, what the graph API cannot express.
@@ -432,15 +433,18 @@ def _pair(v: Any, n: int, default: Sequence[int]) -> list[int]:
 @converts(aten.max_pool2d_with_indices.default)
 def _max_pool(c: Ctx, n: torch.fx.Node) -> list[Result]:
     """(self, kernel_size, stride=[] (= kernel), padding=0, dilation=1, ceil_mode=False) ->
-    (y, indices). The indices are what the backward reads; the graph API has no pooling
-    backward, so a node whose indices are read (training) stays with Inductor."""
+    (y, indices). The graph's pooling computes no indices, so a node whose indices are
+    read stays with Inductor: in training AOTAutograd saves them for a backward compiled
+    apart, which fusegraph may leave to Inductor (the floor), and Inductor's reads them.
+    (fusegraph's own backward, aten_pool.py, recomputes them from x.)"""
     x = _args(n)[0]
     kernel = _pair(_arg(n, 1, "kernel_size", None), 2, ())
     stride = _pair(_arg(n, 2, "stride", []), 2, kernel)
     padding = _pair(_arg(n, 3, "padding", 0), 2, (0, 0))
     dilation = _pair(_arg(n, 4, "dilation", 1), 2, (1, 1))
     if 1 in _read(n):
-        raise Refused("max pooling's indices are read (by its backward): the graph API has no pooling backward")
+        raise Refused("max pooling's indices are read (saved for its backward, which may run on Inductor): "
+                      "the graph's pooling computes no indices")
     if any(d != 1 for d in dilation):
         raise Refused(f"max pooling with dilation {dilation}")
     xs = _shape(meta(x))
