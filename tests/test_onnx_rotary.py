@@ -17,6 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fusegraph.onnx as fgo
+from fusegraph.engines.registry import REGISTRY
 from fusegraph.errors import FusegraphError
 from fusegraph.graph.ops import OpKind
 from fusegraph.onnx.units import FusegraphUnit
@@ -155,3 +156,38 @@ def test_forms_not_lowered_name_the_reason(attrs: dict[str, Any], half: int, ids
     assert u.op_type == "RotaryEmbedding" and reason in u.reason, u.reason
     (got,) = sess.run(None, feed)
     assert _err(got, _ort(model, feed))[0] <= 1e-6
+
+
+def test_on_iree_runtime_ids_stay_on_onnxruntime_constant_ids_run(rng: np.random.Generator, iree_cache_dir: Any) -> None:
+    """IREE has no gather: run-time position ids leave the node to ONNX Runtime, saying so;
+    constant ids fold the rows, and IREE runs the rotation."""
+    try:
+        ok = bool(REGISTRY.get("iree").available())
+    except Exception as exc:  # a broken engine is reported as the reason
+        pytest.skip(f"engine iree cannot be loaded here: {exc}")
+    if not ok:
+        pytest.skip("engine iree is not available here")
+    model, feed = _model([B, S, H * D], [B, S], D // 2, rng, num_heads=H)
+    sess = _session(model, "iree")
+    (u,) = sess.partition_report().unclaimed
+    assert u.op_type == "RotaryEmbedding" and "no lowering for gather" in u.reason, u.reason
+    assert _err(sess.run(None, feed)[0], _ort(model, feed))[0] <= 1e-6
+    model, feed = _model([B, H, S, D], None, 3, rng, const_ids=np.array([2]), num_heads=H, rotary_embedding_dim=6,
+                         interleaved=1)
+    _claimed_and_equal(model, feed, "iree")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_rotary_embedding_claimed_on_cuda(interleaved: int, rng: np.random.Generator) -> None:
+    """On a GPU session the gather and the rotation run on the device, not on ONNX Runtime's
+    CPU provider."""
+    b, heads, seq, head = 4, 8, 64, 64
+    model, feed = _model([b, seq, heads * head], [b, seq], head // 2, rng, num_heads=heads, interleaved=interleaved)
+    want = _ort(model, feed)
+    sess = fgo.InferenceSession(model.SerializeToString(),
+                                providers=[(fgo.PROVIDER, {"device": "cuda:0", "floor": "off"})])
+    (got,) = sess.run(None, feed)
+    rep = sess.partition_report()
+    assert rep.coverage == 1.0 and not rep.unclaimed, [(u.op_type, u.reason) for u in rep.unclaimed]
+    assert _err(got, want)[0] <= 1e-5
