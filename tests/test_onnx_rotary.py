@@ -127,6 +127,25 @@ def test_constant_position_ids_fold_the_rows(form: str, rng: np.random.Generator
         assert (OpKind.GATHER in _kinds(sess)) != const_caches
 
 
+def test_query_and_key_rotated_in_one_partition(rng: np.random.Generator) -> None:
+    """Two nodes (q and k) reading one start offset and one pair of caches, then a reader
+    of both: one fusegraph partition holding both rotations."""
+    model, feed = _model([B, S, H * D], [1], D // 2, rng, num_heads=H)
+    g = model.graph
+    g.node.append(helper.make_node("RotaryEmbedding", ["k", "pos", "cos", "sin"], ["yk"], domain="com.microsoft",
+                                   num_heads=H))
+    g.node.append(helper.make_node("Mul", ["y", "yk"], ["z"]))
+    g.input.append(helper.make_tensor_value_info("k", TensorProto.FLOAT, [B, S, H * D]))
+    g.output.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [B, S, H * D]))
+    feed["k"] = rng.standard_normal((B, S, H * D)).astype(np.float32)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feed)
+    sess = _session(model, "torch")
+    rep = sess.partition_report()
+    assert not rep.unclaimed and len(rep.subgraphs) == 1 and rep.subgraphs[0].fusions.get("rotary.embedding") == 2
+    for got, w in zip(sess.run(None, feed), want, strict=True):
+        assert _err(got, w)[0] <= 1e-5
+
+
 def test_float16_against_onnxruntime(rng: np.random.Generator) -> None:
     model, feed = _model([B, S, H * D], [B, S], D // 2, rng, elem=TensorProto.FLOAT16, num_heads=H)
     _claimed_and_equal(model, feed, "torch", tol=1e-2)
