@@ -39,6 +39,7 @@ class _Bound:
     feed: list[tuple[str, int]]  # graph input name, index of the runner's input
     outputs: list[tuple[str | aten.Zeros, tuple[int, ...]]]  # graph output (or zeros), PyTorch's strides
     why: str = ""
+    aliases: bool = True  # whether a result may alias an input or another result (False once a call showed none)
 
 
 class RegionRunner:
@@ -91,7 +92,13 @@ class RegionRunner:
             if t.stride() != stride and t.numel() > 1:
                 t = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
             outs.append(t)
-        return _unaliased(outs, inputs)
+        if not b.aliases:
+            return outs
+        fixed = _unaliased(outs, inputs)
+        # the same signature takes the same code path, views included: a first call whose
+        # results alias nothing settles it (storage lookups cost ~1 us a tensor a call)
+        b.aliases = any(f is not o for f, o in zip(fixed, outs, strict=True))
+        return fixed
 
     def fallback(self, inputs: list[torch.Tensor]) -> str:
         """Why this signature runs the region's ATen nodes instead of fusegraph's plan."""
