@@ -234,6 +234,26 @@ def test_torch_engine_channels_last_x(rng: np.random.Generator) -> None:
     _check_engine(g, pack, TOL[DT.FLOAT])
 
 
+def test_torch_engine_compiled_by_inductor(rng: np.random.Generator) -> None:
+    """The plan compiled whole (the ``compile`` knob): every mode on explicitly padded
+    input, one graph, one compile."""
+    from fusegraph.engines.base import EngineConfig
+
+    xd, w, s, pre, post = CASES[2]
+    g = fg.Graph("compiled")
+    x = g.tensor("x", xd, data_type=DT.FLOAT)
+    for i, mode in enumerate(PM):
+        dy = g.tensor(f"dy{i}", _pooled(xd, w, s, pre, post), data_type=DT.FLOAT)
+        g.pooling_backward(dy, x, mode, w, s, pre_padding=pre, post_padding=post).set_output(True)
+    g.validate()
+    pack = random_inputs(g, rng)
+    pack["x"] = _ties(rng, xd).astype(np.float32)
+    got = ENGINE.build(g, CPU, EngineConfig("torch", (("compile", True),))).execute(pack)
+    ref = g.execute(pack, engine="reference")
+    for t in g.outputs():
+        assert _rel(got[t.name], ref[t.name]) <= TOL[DT.FLOAT], t.name
+
+
 def test_selection_on_the_cpu_runs_it(rng: np.random.Generator) -> None:
     """No engine named: the engines that cannot run it are passed over with their reasons."""
     g = _graph(PM.AVG_EXCLUDE_PAD, CASES[2], DT.FLOAT)
