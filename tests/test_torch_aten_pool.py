@@ -22,29 +22,14 @@ torch = pytest.importorskip("torch", reason="the ATen converters need torch")
 
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+from test_torch_aten_gather import _converted, _randn, _refused, _rel  # noqa: E402  (the same checks)
 
 from fusegraph.graph.ops import OpKind  # noqa: E402
-from fusegraph.torch import aten as conv_aten  # noqa: E402
 from fusegraph.torch.compile_backend import fusegraph_backend  # noqa: E402
 from fusegraph.torch.explainer import explain  # noqa: E402
 
 a = torch.ops.aten
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
-
-
-def _rel(got: Any, want: Any) -> float:
-    g = got.detach().cpu().double().numpy() if isinstance(got, torch.Tensor) else np.asarray(got, dtype=np.float64)
-    w = want.detach().cpu().double().numpy() if isinstance(want, torch.Tensor) else np.asarray(want, np.float64)
-    assert g.shape == w.shape, f"shape {g.shape} != {w.shape}"
-    if not np.isfinite(g).all():
-        return float("inf")  # NaN never passes
-    return float(np.linalg.norm(g - w)) / max(float(np.linalg.norm(w)), 1e-300)
-
-
-def _converted(fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, conv_aten.Converted]:
-    gm = make_fx(torch.func.functionalize(fn), tracing_mode="fake")(*inputs)
-    return gm, conv_aten.convert(gm.graph)
 
 
 def _check(fn: Callable[..., Any], inputs: Sequence[Any], op: Any) -> None:
@@ -63,17 +48,6 @@ def _check(fn: Callable[..., Any], inputs: Sequence[Any], op: Any) -> None:
     for engine in ("reference", "torch"):
         err = _rel(graph.execute(dict(feeds), engine=engine)[out.name], want)
         assert err <= TOL[inputs[0].dtype], f"{op} on {engine}, {inputs[0].dtype}: rel err {err:.3g}"
-
-
-def _refused(fn: Callable[..., Any], inputs: Sequence[Any], op: Any) -> str:
-    gm, conv = _converted(fn, inputs)
-    node = next(n for n in gm.graph.nodes if n.target is op)
-    assert node.name in conv.refused, f"{op} converted"
-    return conv.refused[node.name]
-
-
-def _randn(rng: np.random.Generator, *shape: int, dtype: Any = torch.float32) -> Any:
-    return torch.from_numpy(rng.standard_normal(shape)).to(dtype)
 
 
 def _max_backward(kernel: list[int], stride: list[int], padding: list[int], dilation: Sequence[int] = (1, 1),
