@@ -193,6 +193,7 @@ class Fuzz:
             "unary", "unary", "binary", "binary", "reduction", "softmax", "matmul", "conv",
             "dgrad", "wgrad", "pool", "batchnorm_inference", "batchnorm", "layernorm", "rmsnorm",
             "sdpa", "reshape", "transpose", "concat", "slice", "compare_select", "discrete", "backward",
+            "gather", "gather_backward", "pool_backward",
         ]
         if self.io.is_integer:
             kinds = ["int_unary", "int_binary", "int_binary", "int_reduction", "reshape", "transpose",
@@ -440,6 +441,49 @@ class Fuzz:
             return
         self.ops.append(f"pool_{mode.value}")
         self.add(Value(self.g.pooling(x.t, mode, window=win, stride=stride, padding=pad), x.bound))
+
+    def op_pool_backward(self) -> None:
+        x = self._image()
+        mode = self.draw(st.sampled_from(list(PoolingMode)))
+        win = [self.draw(st.sampled_from([1, 2, 3])) for _ in range(2)]
+        stride = [self.draw(st.sampled_from([1, 2])) for _ in range(2)]
+        pad = [self.draw(st.integers(0, w // 2)) for w in win]
+        out = [(s + 2 * p - w) // st_ + 1 for s, p, w, st_ in zip(x.dims[2:], pad, win, stride, strict=True)]
+        if any(o < 1 for o in out):
+            return
+        if mode == PoolingMode.MAX and not x.is_input:
+            # the gradient goes to each window's first maximum: a computed x may tie (a relu's
+            # zeros, a broadcast) where float rounding picks another element on each side
+            return
+        dy = self.input(x.dims[:2] + out, broadcast=False)
+        self.ops.append(f"pool_backward_{mode.value}")
+        overlap = math.prod(-(-w // s) for w, s in zip(win, stride, strict=True))
+        self.add(Value(self.g.pooling_backward(dy.t, x.t, mode, window=win, stride=stride, padding=pad),
+                       dy.bound * overlap))
+
+    def _ids(self, dims: list[int]) -> Value:
+        it = self.draw(st.sampled_from([DataType.INT32, DataType.INT64]))
+        return self.input(dims, broadcast=False, dtype=it)
+
+    def op_gather(self) -> None:
+        data = self.pick(lambda w: len(w.dims) >= 1) or self.add(self.input(self._dims(self.draw(st.integers(1, 3)))))
+        axis = self.draw(st.integers(-len(data.dims), len(data.dims) - 1))
+        ids = self._ids(self._dims(self.draw(st.integers(1, 2))))
+        if len(data.dims) + len(ids.dims) - 1 > 5:
+            return
+        self.ops.append("gather")
+        self.add(Value(self.g.gather(data.t, ids.t, axis=axis), data.bound, flat=frozenset()))
+
+    def op_gather_backward(self) -> None:
+        ids = self._ids(self._dims(self.draw(st.integers(1, 2))))
+        dy = self.pick(lambda w: len(w.dims) == len(ids.dims) + 1 and w.dims[:-1] == ids.dims)
+        if dy is None:
+            dy = self.input([*ids.dims, self.draw(st.sampled_from([1, 3, 8]))])
+        rows = self.draw(st.sampled_from([1, 2, 5, 9]))
+        padding = self.draw(st.one_of(st.none(), st.integers(0, rows - 1)))
+        self.ops.append("gather_backward")
+        self.add(Value(self.g.gather_backward(dy.t, ids.t, rows, padding_idx=padding),
+                       dy.bound * math.prod(ids.dims)))
 
     def _stat(self, dims: list[int], positive: bool = False) -> Value:
         v = self.input(dims, broadcast=False)
