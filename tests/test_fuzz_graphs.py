@@ -455,7 +455,7 @@ class Fuzz:
             # the gradient goes to each window's first maximum: a computed x may tie (a relu's
             # zeros, a broadcast) where float rounding picks another element on each side
             return
-        dy = self.input(x.dims[:2] + out, broadcast=False)
+        dy = self.input(x.dims[:2] + out, keep_dims=True)
         self.ops.append(f"pool_backward_{mode.value}")
         overlap = math.prod(-(-w // s) for w, s in zip(win, stride, strict=True))
         self.add(Value(self.g.pooling_backward(dy.t, x.t, mode, window=win, stride=stride, padding=pad),
@@ -478,7 +478,7 @@ class Fuzz:
         ids = self._ids(self._dims(self.draw(st.integers(1, 2))))
         dy = self.pick(lambda w: len(w.dims) == len(ids.dims) + 1 and w.dims[:-1] == ids.dims)
         if dy is None:
-            dy = self.input([*ids.dims, self.draw(st.sampled_from([1, 3, 8]))])
+            dy = self.input([*ids.dims, self.draw(st.sampled_from([1, 3, 8]))], keep_dims=True)
         rows = self.draw(st.sampled_from([1, 2, 5, 9]))
         padding = self.draw(st.one_of(st.none(), st.integers(0, rows - 1)))
         self.ops.append("gather_backward")
