@@ -151,3 +151,18 @@ def test_on_the_real_clock_the_check_runs_and_the_model_stays_right(
     assert text.count("claimed regions: graph: measured") == 2, text  # the forward and the backward
     table = json.loads((tmp_path / "regions-verdicts.json").read_text())
     assert sum(v.get("incumbent") == "graph" for v in table.values()) == 2
+
+
+def test_a_graph_whose_inputs_would_not_fit_twice_is_not_timed_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timing the graph allocates its inputs again (a forward's parameters, a backward's saved
+    activations): on a GPU they must fit in half the free memory, else the regions' verdicts
+    stand and the report says why."""
+    from fusegraph.torch import graph_floor
+
+    inputs = [torch.empty(256, 1024), torch.empty(1024)]  # 1 MiB + 4 KiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 1 << 30))
+    why = graph_floor._room(inputs, torch.device("cuda", 0))
+    assert "over half of the" in why and "GiB free" in why, why
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 1 << 30))
+    assert graph_floor._room(inputs, torch.device("cuda", 0)) == ""
+    assert graph_floor._room(inputs, torch.device("cpu")) == ""

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -59,6 +60,17 @@ def real_inputs(inputs: Sequence[Any]) -> list[Any]:
         else:
             out.append(x)
     return out
+
+
+def _room(inputs: Sequence[Any], device: torch.device) -> str:
+    """Why the graph cannot be timed whole on this device ('' when it can): its inputs are
+    allocated again for the timing (a forward graph's parameters, a backward graph's saved
+    activations), which must fit in half the device's free memory."""
+    if device.type != "cuda":
+        return ""
+    need = sum(math.prod(aten.hint(d) for d in x.shape) * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
+    free, _ = torch.cuda.mem_get_info(device)
+    return f"its inputs take {need / 2**30:.1f} GiB, over half of the {free / 2**30:.1f} GiB free" if need > free // 2 else ""
 
 
 def graph_key(original: torch.fx.GraphModule, inputs: Sequence[Any], claimed: Sequence[str]) -> str:
@@ -111,9 +123,13 @@ def settle(
     cached = store.lookup(key) if store is not None else None
     if cached is not None and cached.fusegraph:
         return claimed_fn, cached
-    base_fn = compile_original()
     if cached is not None:
-        return base_fn, cached
+        return compile_original(), cached
+    room = _room(inputs, device)
+    if room:
+        log.info("graph with %d claimed regions: not timed whole (%s); the regions' verdicts stand", len(claimed), room)
+        return claimed_fn, Verdict(True, "claimed", f"not timed whole: {room}", engine, incumbent=INCUMBENT)
+    base_fn = compile_original()
     with _outside_the_compile(device):
         args = real_inputs(inputs)
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
