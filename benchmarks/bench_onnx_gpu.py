@@ -280,6 +280,7 @@ def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dic
         dev_inputs = tuple(x.to(low) if x.is_floating_point() else x for x in dev_inputs)
     calls: dict[str, Callable[[], object]] = {}
     sessions: dict[str, Any] = {}
+    opened: dict[str, dict[str, Any]] = {}  # the provider options each session was opened with
     for variant in args.variants:
         t0 = time.perf_counter()
         if variant == "fusegraph-whole" and args.precision in TORCH_TYPES:
@@ -296,6 +297,7 @@ def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dic
                          "floor_mode": "inline"}
             key = "whole" if whole else "regions"
             sess = sessions.get(key)
+            opened[key] = opts
             if sess is None:
                 sess = fgo.InferenceSession(str(path), providers=["FusegraphExecutionProvider", "CPUExecutionProvider"],
                                             provider_options=[opts, {}])
@@ -343,6 +345,14 @@ def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dic
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     timings = time_candidates(calls, sync=sync, warmup_s=args.warmup_s, min_rounds=args.rounds)
     row["ms"] = {k: t.median_ms for k, t in timings.items()}
+    if args.warm_setup and "regions" in opened:
+        # a second session of the same model: plans, verdicts and cuDNN plans in the cache
+        t0 = time.perf_counter()
+        again = fgo.InferenceSession(str(path), providers=["FusegraphExecutionProvider", "CPUExecutionProvider"],
+                                     provider_options=[opened["regions"], {}])
+        again.run(None, feed)
+        row["setup_s"]["fusegraph-warm"] = time.perf_counter() - t0
+        del again
     if args.profile:
         row["profile"] = {k: profile(call, device, args.profile) for k, call in calls.items()}
     fg = row["ms"].get("fusegraph")
@@ -397,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--png", help="a chart of the ratios (needs matplotlib)")
     p.add_argument("--quick", action="store_true", help="CPU smoke: convnet and block, batch 1, few rounds")
     p.add_argument("--verbose", action="store_true", help="print each partition report (stderr)")
+    p.add_argument("--warm-setup", action="store_true",
+                   help="also open each model a second time, its plans and verdicts cached (setup + first run)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, the N costliest device kernels of each variant per call (torch.profiler; "
                         "in the JSON and printed)")
@@ -455,7 +467,10 @@ def _print(row: dict[str, Any]) -> None:
                       for k, key in (("fg", "fusegraph"), ("fg-cuda", "fusegraph_cuda")) if f"{b}_over_{key}" in row)
     err = max((v for v in row["rel_err"].values() if not math.isnan(v)), default=float("nan"))
     setup = row["setup_s"].get("fusegraph", 0.0)
-    print(f"{row['model']:<20} b{row['batch']:<3} {ms}  {ratio}  max rel err {err:.1e}  fusegraph setup {setup:.1f} s")
+    warm = row["setup_s"].get("fusegraph-warm")
+    warm_text = f" (warm {warm:.1f} s)" if warm is not None else ""
+    print(f"{row['model']:<20} b{row['batch']:<3} {ms}  {ratio}  max rel err {err:.1e}  fusegraph setup {setup:.1f} s"
+          f"{warm_text}")
     if "fusegraph_report" in row:
         print(f"    {row['fusegraph_report']}")
     for line in dict.fromkeys(row.get("fusegraph_precision", [])):
