@@ -180,3 +180,23 @@ def test_embedding_claimed_on_cuda(rng: np.random.Generator) -> None:
     rep = sess.partition_report()
     assert rep.coverage == 1.0 and not rep.unclaimed, [(u.op_type, u.reason) for u in rep.unclaimed]
     assert _rel(got, _ort(model, feed)[0]) < 1e-4
+
+
+@pytest.mark.parametrize("bad", [97, -98])
+def test_ids_out_of_the_tables_range_are_a_typed_error_naming_the_input(bad: int, rng: np.random.Generator) -> None:
+    """Ids fed from the host are checked against the table they index before anything runs
+    (on CUDA an out-of-range id would be a device-side assert that poisons the context):
+    the error names the input, the node and the valid range; in-range negative ids run."""
+    from fusegraph.onnx.ort_errors import InvalidFeedError
+
+    model = _embedding_model(rng, 97, 8, [2, 5], I64)
+    sess = _session(model, "torch")
+    ids = rng.integers(0, 97, (2, 5)).astype(np.int64)
+    ids[0, 0] = -97  # the first row, counted from the end: valid
+    got = sess.run(None, {"ids": ids})[0]
+    assert _rel(got, _ort(model, {"ids": ids})[0]) < 1e-5
+    ids[1, 3] = bad
+    with pytest.raises(InvalidFeedError) as info:
+        sess.run(None, {"ids": ids})
+    assert info.value.tensor == "ids"
+    assert f"index {bad} is out of range" in str(info.value) and "97 rows" in str(info.value) and "[-97, 97)" in str(info.value)

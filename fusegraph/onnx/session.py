@@ -31,6 +31,7 @@ from fusegraph.onnx.direct import (
     choose_whole_runner,
     make_runner,
 )
+from fusegraph.onnx.index_ranges import IndexRange, index_ranges, out_of_range
 from fusegraph.onnx.iobinding import IOBinding, feed_value, is_device_value, numpy_dtype
 from fusegraph.onnx.load import MIN_OPSET, _first_line, default_opset
 from fusegraph.onnx.memory import PeakMemory, measure_peak
@@ -189,10 +190,12 @@ class InferenceSession:
         self.measure_memory = False
         self._direct: DirectOrt | None = None
         self._runners: floor.Verdict | None = None  # the whole-model runners' verdict (floor.choose_runner)
+        self._index_ranges: dict[str, list[IndexRange]] = {}  # the plan path's (ONNX Runtime checks its own)
         source = self._background_source(path_or_bytes)
         if source is not None and self._open_direct(source):
             return
         self._signature = input_signature(self._model)
+        self._index_ranges = index_ranges(self._model)
         inits = {i.name for i in self._model.graph.initializer}
         self._inputs = [
             NodeArg(i.name, _shape_of(i.type), _type_string(i.type))
@@ -481,6 +484,11 @@ class InferenceSession:
                     f"Got invalid dimensions: shape {list(shape)}{where}, the model declares {list(declared)}",
                     tensor=name,
                 )
+            ranges = self._index_ranges.get(name)
+            if ranges and not is_device_value(arr):
+                why = out_of_range(np.asarray(arr), ranges)
+                if why:
+                    raise InvalidFeedError(why, tensor=name)
             feed[name] = arr
         missing = [i.name for i in self._inputs if i.name not in feed]
         if missing:
