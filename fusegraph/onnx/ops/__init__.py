@@ -6,7 +6,7 @@ Importing this package fills :data:`TABLE` (each family module registers its low
 
 from __future__ import annotations
 
-from fusegraph.onnx.ops import conv, elementwise, gemm, norm, rotary, shape  # noqa: F401  (they register)
+from fusegraph.onnx.ops import conv, elementwise, gemm, gqa, norm, rotary, shape  # noqa: F401  (they register)
 from fusegraph.onnx.ops.common import data_type_of
 from fusegraph.onnx.ops.table import (
     TABLE,

@@ -3,8 +3,8 @@ for the engine (``importer.MATRIX_COLUMN_MAJOR``); Gemm folds alpha and beta int
 
 Attention, two products around a softmax, lowers to the graph API's ``sdpa``: the fused
 node of ``patterns_attention`` and ONNX Runtime's contrib ``Attention`` and
-``MultiHeadAttention`` (what its transformer optimizer emits). ``GroupQueryAttention`` is
-refused with the reason (``RotaryEmbedding`` lowers in ``rotary``)."""
+``MultiHeadAttention`` (what its transformer optimizer emits). ``GroupQueryAttention`` lowers
+in ``gqa``, ``RotaryEmbedding`` in ``rotary``."""
 
 from __future__ import annotations
 
@@ -277,11 +277,3 @@ def lower_contrib_mha(imp: Importer, node: ONode) -> None:
     _tag(imp, o, "attention.sdpa")
     imp.set(node.outputs[0], _merge(imp, o))
 
-
-@lowers(contrib("GroupQueryAttention"))
-def lower_contrib_gqa(imp: Importer, node: ONode) -> None:
-    raise Unmappable(
-        "GroupQueryAttention: its key/value cache inputs (past_key/past_value, seqlens_k, "
-        "total_sequence_length) decide at run time which keys each query sees; fusegraph's sdpa "
-        "has no run-time sequence lengths"
-    )
