@@ -53,9 +53,22 @@ def _mha(og: OnnxGraph, n: ONode) -> dict[str, TypeInfo]:
 
 def _gqa(og: OnnxGraph, n: ONode) -> dict[str, TypeInfo]:
     q = _known(og, n.inputs[0])
-    if q is None or q.shape is None or len(q.shape) != 3 or len(n.inputs) < 2 or not n.inputs[1]:
-        return {}  # packed QKV: the output's width is not the query's
-    return {n.outputs[0]: TypeInfo(q.elem, q.shape)}
+    heads, kv = int(n.attr("num_heads", 0)), int(n.attr("kv_num_heads", 0))
+    if q is None or q.shape is None or len(q.shape) != 3 or heads < 1 or kv < 1:
+        return {}
+    b, s, width = q.shape
+    packed = len(n.inputs) < 2 or not n.inputs[1]
+    parts = heads + 2 * kv if packed else heads
+    if width % parts:
+        return {}
+    head = width // parts
+    out = {n.outputs[0]: TypeInfo(q.elem, (b, s, heads * head))}
+    past = n.inputs[3] if len(n.inputs) > 3 else ""
+    pk = _known(og, past) if past else None
+    if not past or (pk is not None and pk.shape is not None and len(pk.shape) == 4 and pk.shape[2] == 0):
+        # no cached positions: present_key/present_value are the new keys/values, BNSH
+        out.update({o: TypeInfo(q.elem, (b, kv, s, head)) for o in n.outputs[1:3] if o})
+    return out
 
 
 def _rule(n: ONode) -> Callable[[OnnxGraph, ONode], dict[str, TypeInfo]] | None:
