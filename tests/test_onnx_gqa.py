@@ -25,7 +25,7 @@ F32 = TensorProto.FLOAT
 
 
 def _model(heads: int, kv: int, rng: np.random.Generator, *, packed: bool = False, read_present: str = "",
-           lens: str = "const", past: int = -1, batch: int = B, seq: int = S, extra: dict[str, np.ndarray] | None = None,
+           lens: str = "const", past: int = -1, elem: int = F32, batch: int = B, seq: int = S, extra: dict[str, np.ndarray] | None = None,
            **attrs: Any) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """One GroupQueryAttention node and a random feed. ``read_present``: "" (present unread),
     "output" (graph outputs) or "reader" (an Add of both feeds the graph output z).
@@ -34,14 +34,15 @@ def _model(heads: int, kv: int, rng: np.random.Generator, *, packed: bool = Fals
     qw, kw = heads * D, kv * D
     names = ["qkv", "", ""] if packed else ["q", "k", "v"]
     dims = {"qkv": [batch, seq, qw + 2 * kw], "q": [batch, seq, qw], "k": [batch, seq, kw], "v": [batch, seq, kw]}
-    feed = {n: rng.standard_normal(dims[n]).astype(np.float32) for n in names if n}
-    ins = [helper.make_tensor_value_info(n, F32, dims[n]) for n in names if n]
+    dt = np.float32 if elem == F32 else np.float16
+    feed: dict[str, np.ndarray] = {n: rng.standard_normal(dims[n]).astype(dt) for n in names if n}
+    ins = [helper.make_tensor_value_info(n, elem, dims[n]) for n in names if n]
     inits: list[onnx.TensorProto] = []
     if past >= 0:
         names += ["past_k", "past_v"]
         for n in ("past_k", "past_v"):
-            ins.append(helper.make_tensor_value_info(n, F32, [batch, kv, past, D]))
-            feed[n] = rng.standard_normal((batch, kv, past, D)).astype(np.float32)
+            ins.append(helper.make_tensor_value_info(n, elem, [batch, kv, past, D]))
+            feed[n] = rng.standard_normal((batch, kv, past, D)).astype(dt)
     else:
         names += ["", ""]
     total = seq + max(past, 0)
@@ -59,20 +60,20 @@ def _model(heads: int, kv: int, rng: np.random.Generator, *, packed: bool = Fals
     present = ["present_k", "present_v"] if read_present else []
     node = helper.make_node("GroupQueryAttention", names, ["y", *present], domain="com.microsoft",
                             num_heads=heads, kv_num_heads=kv, **attrs)
-    outs = [helper.make_tensor_value_info("y", F32, [batch, seq, qw])]
+    outs = [helper.make_tensor_value_info("y", elem, [batch, seq, qw])]
     nodes = [node]
     if read_present == "output":
-        outs += [helper.make_tensor_value_info(n, F32, [batch, kv, total, D]) for n in present]
+        outs += [helper.make_tensor_value_info(n, elem, [batch, kv, total, D]) for n in present]
     elif read_present == "reader":
         nodes.append(helper.make_node("Add", present, ["z"]))
-        outs.append(helper.make_tensor_value_info("z", F32, [batch, kv, total, D]))
+        outs.append(helper.make_tensor_value_info("z", elem, [batch, kv, total, D]))
     graph = helper.make_graph(nodes, "gqa", ins, outs, inits)
     ops = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
     return helper.make_model(graph, opset_imports=ops, ir_version=8), feed
 
 
-def _session(model: onnx.ModelProto) -> fgo.InferenceSession:
-    options = {"engine": "reference", "torch_mlir_tier": "off", "floor": "off", "strict": 1}
+def _session(model: onnx.ModelProto, engine: str = "reference") -> fgo.InferenceSession:
+    options = {"engine": engine, "torch_mlir_tier": "off", "floor": "off", "strict": 1}
     return fgo.InferenceSession(model.SerializeToString(), providers=[(fgo.PROVIDER, options), "CPUExecutionProvider"])
 
 
@@ -102,7 +103,7 @@ def _agree(sess: fgo.InferenceSession, model: onnx.ModelProto, feed: dict[str, n
 @pytest.mark.parametrize("scale", [0.0, 0.3], ids=["default-scale", "scale"])
 def test_prefill_claimed_and_equal_to_onnxruntime(heads: int, kv: int, packed: bool, scale: float,
                                                   rng: np.random.Generator) -> None:
-    attrs = {"scale": scale} if scale else {}
+    attrs: dict[str, Any] = {"scale": scale} if scale else {}
     model, feed = _model(heads, kv, rng, packed=packed, **attrs)
     sess = _session(model)
     rep = sess.partition_report()
@@ -161,3 +162,43 @@ def test_forms_not_lowered_name_the_reason(kwargs: dict[str, Any], reason: str, 
     (u,) = sess.partition_report().unclaimed
     assert u.op_type == "GroupQueryAttention" and reason in u.reason, u.reason
     _agree(sess, model, feed, 1e-6)
+
+
+def test_total_length_from_shapes_is_folded(rng: np.random.Generator) -> None:
+    """total_sequence_length computed from the query's shape (Shape -> Gather -> Cast, as
+    exporters write it) is fixed by the model: folded at import, the node is claimed."""
+    model, feed = _model(4, 2, rng)
+    g = model.graph
+    keep = [t for t in g.initializer if t.name != "total_len"]
+    del g.initializer[:]
+    g.initializer.extend([*keep, numpy_helper.from_array(np.array(1, np.int64), "one")])
+    g.node.insert(0, helper.make_node("Cast", ["s64"], ["total_len"], to=TensorProto.INT32))
+    g.node.insert(0, helper.make_node("Gather", ["qshape", "one"], ["s64"], axis=0))
+    g.node.insert(0, helper.make_node("Shape", ["q"], ["qshape"]))
+    sess = _session(model)
+    rep = sess.partition_report()
+    assert not rep.unclaimed, [(u.op_type, u.reason) for u in rep.unclaimed]
+    _agree(sess, model, feed, 1e-5)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+def test_torch_engine_float32_and_float16(packed: bool, rng: np.random.Generator) -> None:
+    pytest.importorskip("torch", reason="the torch engine needs torch")
+    for elem, tol in ((F32, 1e-5), (TensorProto.FLOAT16, 1e-2)):
+        model, feed = _model(4, 2, rng, packed=packed, elem=elem, read_present="output")
+        sess = _session(model, "torch")
+        rep = sess.partition_report()
+        assert not rep.unclaimed, [(u.op_type, u.reason) for u in rep.unclaimed]
+        _agree(sess, model, feed, tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(("heads", "kv", "packed"), [(8, 2, False), (8, 1, True)])
+def test_prefill_claimed_on_cuda(heads: int, kv: int, packed: bool, rng: np.random.Generator) -> None:
+    """On a GPU session the sdpa (and the present cache) run on the device."""
+    model, feed = _model(heads, kv, rng, packed=packed, batch=2, seq=64, read_present="output")
+    sess = fgo.InferenceSession(model.SerializeToString(),
+                                providers=[(fgo.PROVIDER, {"device": "cuda:0", "floor": "off"})])
+    rep = sess.partition_report()
+    assert rep.coverage == 1.0 and not rep.unclaimed, [(u.op_type, u.reason) for u in rep.unclaimed]
+    _agree(sess, model, feed, 1e-5)
