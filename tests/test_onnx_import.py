@@ -69,7 +69,7 @@ def _model(nodes: Sequence[onnx.NodeProto], inputs: Mapping[str, tuple[int, Sequ
 # ---- the table --------------------------------------------------------------------------------
 def test_every_op_type_has_one_entry_in_its_family_module() -> None:
     families = {e.family for e in TABLE.values()}
-    assert families == {"conv", "gemm", "elementwise", "norm", "rotary", "shape"}
+    assert families == {"conv", "gemm", "elementwise", "gqa", "norm", "rotary", "shape"}
     for op, entry in TABLE.items():
         assert isinstance(entry, OpEntry) and entry.op_type == op
         assert entry.lower.__module__ == f"fusegraph.onnx.ops.{entry.family}"
