@@ -31,7 +31,7 @@ import torch.fx
 
 from fusegraph.regions.report import Row
 from fusegraph.torch import aten
-from fusegraph.torch.partition import Options, partition
+from fusegraph.torch.partition import Options, graph_device, partition
 
 log = logging.getLogger("fusegraph.torch")
 
@@ -84,7 +84,6 @@ def _settle(claimed_fn: Callable[..., Any], compile_original: Callable[[], Calla
     from fusegraph.select.device_id import device_id
     from fusegraph.select.tuning_db import engine_versions
     from fusegraph.torch import graph_floor
-    from fusegraph.torch.partition import graph_device
     from fusegraph.torch.plans import PLANS
 
     device = graph_device(original)
