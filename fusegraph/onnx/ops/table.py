@@ -1,7 +1,7 @@
 """The ONNX op table: ONNX op type -> the lowering that turns one node into fusegraph ops.
 
 Every lowering is registered with :func:`lowers` in the module of its family (``conv``,
-``gemm``, ``elementwise``, ``norm``, ``shape``, ``rotary``), directly above its function, and checks
+``gemm``, ``gqa``, ``elementwise``, ``norm``, ``shape``, ``rotary``), directly above its function, and checks
 the node's attributes first: what it cannot express it rejects by raising
 :class:`Unmappable` with the op type, the attribute and its value, which the partition
 report shows as the reason the node stays on ONNX Runtime. The claim rule reads this table
