@@ -25,10 +25,11 @@ F32 = TensorProto.FLOAT
 
 
 def _model(heads: int, kv: int, rng: np.random.Generator, *, packed: bool = False, read_present: str = "",
-           lens: str = "const", past: int = -1, elem: int = F32, batch: int = B, seq: int = S, extra: dict[str, np.ndarray] | None = None,
+           lens: str = "const", past: int = -1, elem: int = F32, seqlens: list[int] | None = None, batch: int = B, seq: int = S, extra: dict[str, np.ndarray] | None = None,
            **attrs: Any) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
-    """One GroupQueryAttention node and a random feed. ``read_present``: "" (present unread),
-    "output" (graph outputs) or "reader" (an Add of both feeds the graph output z).
+    """One GroupQueryAttention node and a random feed. ``read_present``: "" (present not named),
+    "unread" (named, read by nothing), "output" (graph outputs) or "reader" (an Add of both
+    feeds the graph output z).
     ``lens``: "const" (initializers), "input" (fed at run time). ``past``: its length, -1 absent (ONNX Runtime takes a past with
     several new positions only in batch 1)."""
     qw, kw = heads * D, kv * D
@@ -46,7 +47,8 @@ def _model(heads: int, kv: int, rng: np.random.Generator, *, packed: bool = Fals
     else:
         names += ["", ""]
     total = seq + max(past, 0)
-    lengths = {"seqlens_k": np.full(batch, total - 1, np.int32), "total_len": np.array(total, np.int32)}
+    lengths = {"seqlens_k": np.array(seqlens, np.int32) if seqlens else np.full(batch, total - 1, np.int32),
+               "total_len": np.array(total, np.int32)}
     for n, a in lengths.items():
         if lens == "const":
             inits.append(numpy_helper.from_array(a, n))
@@ -118,7 +120,7 @@ def test_prefill_claimed_and_equal_to_onnxruntime(heads: int, kv: int, packed: b
     _agree(sess, model, feed2, 1e-5)  # new data, same session
 
 
-@pytest.mark.parametrize("read_present", ["output", "reader"])
+@pytest.mark.parametrize("read_present", ["unread", "output", "reader"])
 @pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
 def test_present_cache_read(read_present: str, packed: bool, rng: np.random.Generator) -> None:
     """present_key / present_value as graph outputs or read by a node: the new keys/values."""
@@ -147,6 +149,7 @@ def test_empty_past_is_the_prefill_form(rng: np.random.Generator) -> None:
 @pytest.mark.parametrize(("kwargs", "reason"), [
     ({"past": 3, "batch": 1, "read_present": "output"}, "past_key 'past_k' [1, 2, 3, 16] holds cached positions"),
     ({"lens": "input"}, "seqlens_k 'seqlens_k' is a run-time value"),
+    ({"seqlens": [S - 1, S - 3]}, "seqlens_k [4, 2] is not sequence_length - 1 = 4"),
     ({"do_rotary": 1, "extra": {}}, "do_rotary=1"),
     ({"local_window_size": 2}, "local_window_size=2"),
     ({"softcap": 2.0}, "softcap=2.0"),
