@@ -86,7 +86,7 @@ def graph_key(original: torch.fx.GraphModule, inputs: Sequence[Any], claimed: Se
 
 
 @contextlib.contextmanager
-def _outside_the_compile(device: torch.device) -> Iterator[None]:
+def outside_the_compile(device: torch.device) -> Iterator[None]:
     """Real tensors, ATen called directly (no Python dispatcher), no autograd: the state
     the compiled graph runs in, not the tracing state it was compiled in."""
     from torch._dispatch.python import no_python_dispatcher
@@ -130,7 +130,7 @@ def settle(
         log.info("graph with %d claimed regions: not timed whole (%s); the regions' verdicts stand", len(claimed), room)
         return claimed_fn, Verdict(True, "claimed", f"not timed whole: {room}", engine, incumbent=INCUMBENT)
     base_fn = compile_original()
-    with _outside_the_compile(device):
+    with outside_the_compile(device):
         args = real_inputs(inputs)
         sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
         verdict = measure(_boxed(claimed_fn, args), _boxed(base_fn, args), incumbent=INCUMBENT, engine=engine,

@@ -165,19 +165,48 @@ def _choose(opts: Options, device: torch.device, regions: Sequence[Region]) -> l
     graph's shape environment (Dynamo then failed building its guards), and AOTAutograd's
     dispatch state (the Python dispatcher among its thread's dispatch keys) made every ATen
     call on either side go through Python (region calls timed ~60 us slower than they run).
-    A new thread starts with none of it; gradients off, as inside AOTAutograd's graphs."""
-    from concurrent.futures import ThreadPoolExecutor
+    A new thread starts with none of it; gradients off, as inside AOTAutograd's graphs.
+
+    On the CPU the timing itself comes back to the compiling thread (the one the graph will
+    run on), outside the compile's fake mode and Python dispatcher as graph_floor.py times
+    a whole graph: Inductor's OpenMP kernels ran 2-10x slower in the second thread while the
+    caller's OpenMP team existed, so regions won there that lost in the graph."""
+    import queue
+    from concurrent.futures import Future, ThreadPoolExecutor
 
     from torch._dispatch.python import no_python_dispatcher
+
+    from fusegraph.select import timing
+    from fusegraph.torch.graph_floor import outside_the_compile
+
+    jobs: queue.Queue[tuple[Any, dict[str, Any], Future[Any]]] = queue.Queue()
+
+    def on_this_thread(candidates: Any, **kwargs: Any) -> Any:
+        done: Future[Any] = Future()
+        jobs.put((candidates, kwargs, done))
+        return done.result()
+
+    timer = on_this_thread if device.type == "cpu" else None
 
     def run() -> list[Choice]:
         # a new thread's current CUDA device is 0: the region's device, as the graph runs it
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with torch.no_grad(), no_python_dispatcher(), on_device:
-            return _chooser(opts, device).choose_all(regions, _inputs(device))
+            return _chooser(opts, device, timer).choose_all(regions, _inputs(device))
 
     with ThreadPoolExecutor(1, thread_name_prefix="fusegraph-floor") as pool:
-        return pool.submit(run).result()
+        chosen = pool.submit(run)
+        while not chosen.done() or not jobs.empty():
+            try:
+                candidates, kwargs, done = jobs.get(timeout=0.005)
+            except queue.Empty:
+                continue
+            try:
+                with outside_the_compile(device):
+                    done.set_result(timing.time_candidates(candidates, **kwargs))
+            except BaseException as exc:  # handed to the chooser, which treats it as the timer's own
+                done.set_exception(exc)
+        return chosen.result()
 
 
 def graph_device(gm: torch.fx.GraphModule) -> torch.device:
@@ -188,7 +217,7 @@ def graph_device(gm: torch.fx.GraphModule) -> torch.device:
     return torch.device("cpu")
 
 
-def _chooser(opts: Options, device: torch.device) -> Chooser:
+def _chooser(opts: Options, device: torch.device, timer: Any = None) -> Chooser:
     handle = PLANS.handle(device)
     engine = opts.engine or PLANS.engine or ("torch" if device.type == "cpu" else None)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
@@ -204,7 +233,7 @@ def _chooser(opts: Options, device: torch.device) -> Chooser:
         return runtime.RegionCall(plan, runtime.register(sub, region.key), len(region.inputs), extra)
 
     return Chooser(handle, incumbent, floor=opts.floor, engine=engine, margin=opts.margin,
-                   store=VerdictStore() if opts.floor else None, sync=sync,
+                   store=VerdictStore() if opts.floor else None, sync=sync, timer=timer,
                    timing_options={"warmup_s": opts.warmup_s}, builder=build)
 
 
