@@ -119,7 +119,9 @@ class Ctx:
             self.out.values[(node.name, None)] = result.name
         self.absorbed.append(node.name)
 
-    def value(self, arg: Any) -> TensorAttr:
+    def value(self, arg: Any, dtypes: Any = None, kind: str = "a floating-point") -> TensorAttr:
+        """The graph tensor of an FX value: computed in the graph, or a graph input (one per
+        FX value, shared by its readers) of one of ``dtypes`` (default: the float types)."""
         if not isinstance(arg, torch.fx.Node):
             raise Refused(f"expected a tensor operand, got {arg!r}")
         key: Key = (arg.name, None)
@@ -133,8 +135,8 @@ class Ctx:
         t = self._inputs.get(key)
         if t is None:
             v = meta(arg)
-            if not isinstance(v, torch.Tensor) or v.dtype not in _FLOATS:
-                raise Refused(f"operand '{arg.name}' is not a floating-point tensor")
+            if not isinstance(v, torch.Tensor) or v.dtype not in (dtypes or _FLOATS):
+                raise Refused(f"operand '{arg.name}' is not {kind} tensor")
             if v.dim() == 0:  # it would fail the whole graph's validation, not only this node
                 raise Refused(f"operand '{arg.name}' is a 0-dim tensor (a graph tensor has at least one dim)")
             name = f"{key[0]}" if key[1] is None else f"{key[0]}.{key[1]}"

@@ -11,15 +11,13 @@ op wraps them (ONNX's rule); on the ids PyTorch accepts the two agree.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
 import torch.fx
 
 from fusegraph.graph.tensor import TensorAttr
-from fusegraph.torch.aten import Ctx, Key, Refused, _args, _int, _shape, _stride, converts, meta
-from fusegraph.torch.plans import data_type
+from fusegraph.torch.aten import Ctx, Refused, _args, _int, _shape, converts, meta
 
 aten = torch.ops.aten
 _INDEX_TYPES = (torch.int32, torch.int64)
@@ -31,28 +29,8 @@ def _arg(n: torch.fx.Node, i: int, name: str, default: Any) -> Any:
 
 
 def index(c: Ctx, arg: Any) -> TensorAttr:
-    """An integer index operand as a graph input (one per FX value, shared by its readers)."""
-    if not isinstance(arg, torch.fx.Node):
-        raise Refused(f"expected an index tensor, got {arg!r}")
-    key: Key = (arg.name, None)
-    if arg.op == "call_function" and arg.target is operator.getitem:
-        src, idx = _args(arg)
-        key = (src.name, int(idx))
-    t = c._tensors.get(key)
-    if t is None:
-        t = c._inputs.get(key)
-    if t is not None:
-        return t
-    v = meta(arg)
-    if not isinstance(v, torch.Tensor) or v.dtype not in _INDEX_TYPES:
-        raise Refused(f"indices '{arg.name}' are not an int32 or int64 tensor")
-    if v.dim() == 0:
-        raise Refused(f"indices '{arg.name}' are a 0-dim tensor (a graph tensor has at least one dim)")
-    name = f"{key[0]}" if key[1] is None else f"{key[0]}.{key[1]}"
-    t = c.g.tensor(f"in:{name}", _shape(v), _stride(v), data_type(v.dtype))
-    c._inputs[key] = t
-    c.out.inputs[t.name] = key
-    return t
+    """An integer index operand: computed in the graph, or a graph input of its own."""
+    return c.value(arg, _INDEX_TYPES, "an int32 or int64")
 
 
 @converts(aten.embedding.default)
