@@ -66,6 +66,19 @@ def iree_cache_dir(monkeypatch: pytest.MonkeyPatch, shared_cache: Path) -> Path:
 
 
 @pytest.fixture
+def iree_engine() -> None:
+    """Skips, saying why, where the IREE engine cannot be loaded or is not available."""
+    from fusegraph.engines.registry import REGISTRY
+
+    try:
+        state = REGISTRY.get("iree").available()
+    except Exception as exc:  # a broken engine is reported as the reason
+        pytest.skip(f"engine iree cannot be loaded here: {exc}")
+    if not state:
+        pytest.skip(f"engine iree is not available here: {state.reason}")
+
+
+@pytest.fixture
 def own_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A cache directory of the test's own, caching on (modules opt in with
     ``pytestmark = pytest.mark.usefixtures("own_cache")``)."""

@@ -16,7 +16,6 @@ import pytest
 from onnx import TensorProto, helper
 
 import fusegraph.onnx as fgo
-from fusegraph.engines.registry import REGISTRY
 from fusegraph.graph.ops import OpKind
 from fusegraph.onnx.units import FusegraphUnit
 
@@ -151,14 +150,8 @@ def test_shape_gather_is_still_folded(rng: np.random.Generator) -> None:
     assert _rel(got, _ort(model, feed)[0]) < 1e-5
 
 
-def test_an_engine_without_gather_leaves_it_to_onnxruntime_with_its_reason(rng: np.random.Generator,
-                                                                            iree_cache_dir: Any) -> None:
-    try:
-        ok = bool(REGISTRY.get("iree").available())
-    except Exception as exc:  # a broken engine is reported as the reason
-        pytest.skip(f"engine iree cannot be loaded here: {exc}")
-    if not ok:
-        pytest.skip("engine iree is not available here")
+def test_an_engine_without_gather_leaves_it_to_onnxruntime_with_its_reason(rng: np.random.Generator, iree_cache_dir: Any,
+                                                                            iree_engine: None) -> None:
     model = _embedding_model(rng, 31, 8, [2, 5], I64)
     sess = _session(model, "iree")
     reasons = {u.op_type: u.reason for u in sess.partition_report().unclaimed}

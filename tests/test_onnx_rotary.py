@@ -17,7 +17,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fusegraph.onnx as fgo
-from fusegraph.engines.registry import REGISTRY
 from fusegraph.errors import FusegraphError
 from fusegraph.graph.ops import OpKind
 from fusegraph.onnx.units import FusegraphUnit
@@ -177,15 +176,10 @@ def test_forms_not_lowered_name_the_reason(attrs: dict[str, Any], half: int, ids
     assert _err(got, _ort(model, feed))[0] <= 1e-6
 
 
-def test_on_iree_runtime_ids_stay_on_onnxruntime_constant_ids_run(rng: np.random.Generator, iree_cache_dir: Any) -> None:
+def test_on_iree_runtime_ids_stay_on_onnxruntime_constant_ids_run(rng: np.random.Generator, iree_cache_dir: Any,
+                                                                    iree_engine: None) -> None:
     """IREE has no gather: run-time position ids leave the node to ONNX Runtime, saying so;
     constant ids fold the rows, and IREE runs the rotation."""
-    try:
-        ok = bool(REGISTRY.get("iree").available())
-    except Exception as exc:  # a broken engine is reported as the reason
-        pytest.skip(f"engine iree cannot be loaded here: {exc}")
-    if not ok:
-        pytest.skip("engine iree is not available here")
     model, feed = _model([B, S, H * D], [B, S], D // 2, rng, num_heads=H)
     sess = _session(model, "iree")
     (u,) = sess.partition_report().unclaimed
