@@ -8,8 +8,9 @@ slower than Inductor on two cores). So once the regions are chosen, the graph wi
 claimed regions is compiled and timed against the graph with none, both as they will run,
 on the compiling thread with real tensors, and the faster one is returned; ties go to
 Inductor. The verdict is cached like a region's, keyed by the graph's code, its inputs'
-shapes and the claimed regions, so a later process compiles only the winner's side twice
-at most (the claimed side is compiled first, to know what was claimed)."""
+shapes and the claimed regions: a later process measures nothing, and compiles the graph
+without its regions only where that side won (the claimed side is compiled first, since
+what was claimed is part of the key)."""
 
 from __future__ import annotations
 
@@ -43,18 +44,24 @@ def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return copy
 
 
+def random_strided(shape: Sequence[int], strides: Sequence[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Fresh data in a declared layout: floats random, the rest zero (ids, seeds, counts).
+    The storage the strides reach is filled, then viewed: an input with a zero stride (an
+    expanded value: a mean's gradient) cannot be written element by element."""
+    extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) if all(shape) else 0
+    flat = torch.empty(extent, dtype=dtype, device=device)
+    flat = flat.normal_() if flat.is_floating_point() else flat.zero_()
+    return flat.as_strided(tuple(shape), tuple(strides))
+
+
 def real_inputs(inputs: Sequence[Any]) -> list[Any]:
-    """Fresh tensors shaped like the example inputs (fake or real): floats random, the rest
-    zero (ids, seeds, counts), symbolic sizes at their hints, strides kept."""
+    """Fresh tensors shaped like the example inputs (fake or real), symbolic sizes at their
+    hints, strides kept."""
     out: list[Any] = []
     for x in inputs:
         if isinstance(x, torch.Tensor):
-            shape = tuple(aten.hint(d) for d in x.shape)
-            strides = tuple(aten.hint(s) for s in x.stride())
-            extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) if all(shape) else 0
-            flat = torch.empty(extent, dtype=x.dtype, device=x.device)
-            flat = flat.normal_() if flat.is_floating_point() else flat.zero_()
-            out.append(flat.as_strided(shape, strides))
+            out.append(random_strided([aten.hint(d) for d in x.shape], [aten.hint(s) for s in x.stride()],
+                                      x.dtype, x.device))
         elif isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
             out.append(aten.hint(x))
         else:

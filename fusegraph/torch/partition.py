@@ -271,16 +271,9 @@ def _inputs(device: torch.device) -> Callable[[Region], dict[str, torch.Tensor]]
 
     def make(region: Region) -> dict[str, torch.Tensor]:
         from fusegraph.engines.torch.convert import torch_dtype
+        from fusegraph.torch.graph_floor import random_strided
 
-        out = {}
-        for t in region.graph.inputs():
-            # the storage the strides reach, filled, then viewed: an input with a zero stride
-            # (an expanded value: a mean's gradient) cannot be written element by element
-            extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.strides, strict=True)) if all(t.shape) else 0
-            flat = torch.empty(extent, dtype=torch_dtype(t.dtype), device=device)
-            flat = flat.normal_() if flat.is_floating_point() else flat.zero_()
-            out[t.name] = flat.as_strided(t.shape, t.strides)
-        return out
+        return {t.name: random_strided(t.shape, t.strides, torch_dtype(t.dtype), device) for t in region.graph.inputs()}
 
     return make
 
