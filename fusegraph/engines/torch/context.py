@@ -91,17 +91,15 @@ class _Ctx:
             and bool(config.get("onednn", True))
             and torch_fusion.available()
         )
-        self._compute: dict[int, DataType] = {}
+        # each node's compute type, on every operand's path (cast_in) at every call: settled here
+        self._compute = {id(n): _compute_type(n, graph, _main_input_type(n)) for n in graph.nodes}
         self.native = frozenset(
             id(n) for n in graph.nodes if self.gpu and not self.compiled and _native_pointwise(n, graph)
         )
 
     def compute(self, node: Node) -> DataType:
-        # on every operand's path (cast_in) at every call: settled once per node
         cd = self._compute.get(id(node))
-        if cd is None:
-            cd = self._compute[id(node)] = _compute_type(node, self.graph, _main_input_type(node))
-        return cd
+        return cd if cd is not None else _compute_type(node, self.graph, _main_input_type(node))
 
     def cast_in(self, node: Node, value: Tensor) -> Tensor:
         """An operand in the node's compute type (float operands only), unless the node runs
