@@ -183,3 +183,49 @@ def test_host_work_is_sampled_per_call_so_stalls_stay_out_of_the_median() -> Non
     synced = time_candidates({"x": fake(clock, lambda i: 16.5 if i % 3 == 2 else 0.5)}, sync=lambda: None,
                              clock=clock, min_rounds=6, per_round=4, steady=False)["x"]
     assert len(synced.samples) == 6 and synced.median_ms > 4.0
+
+
+class _FakeDevice:
+    """A device whose work runs behind the host: each call costs the host ``host_ms`` on the
+    virtual clock and queues ``device_ms`` of device work; stop() reports the queued work
+    since start() -- what a device timer behind a stall sees."""
+
+    def __init__(self, clock: Clock) -> None:
+        self.clock = clock
+        self.queued = 0.0
+        self.started_at: float | None = None
+        self.stalls: list[float] = []
+
+    def candidate(self, host_ms: float, device_ms: float) -> Callable[[], None]:
+        def call() -> None:
+            self.clock.now += host_ms / 1e3
+            self.queued += device_ms
+
+        return call
+
+    def start(self, host_ms: float) -> None:
+        self.stalls.append(host_ms)
+        self.started_at = self.queued
+
+    def stop(self) -> float:
+        assert self.started_at is not None, "stop() without start()"
+        got, self.started_at = self.queued - self.started_at, None
+        return got
+
+
+def test_a_device_clock_times_device_work_and_not_the_hosts() -> None:
+    # a region whose call costs 0.08 ms of host time around a 0.03 ms kernel, against an
+    # incumbent with 0.02 ms of host time around a 0.05 ms kernel: on the host clock the
+    # region loses, on the device it wins -- the device clock must give the device's answer
+    clock = Clock()
+    dev = _FakeDevice(clock)
+    cands = {"region": dev.candidate(0.08, 0.03), "incumbent": dev.candidate(0.02, 0.05)}
+    on_host = time_candidates(cands, clock=clock, sync=lambda: None)
+    assert fastest(on_host) == "incumbent"
+    got = time_candidates(cands, clock=clock, sync=lambda: None, device_clock=dev)
+    assert fastest(got) == "region"
+    assert got["region"].median_ms == pytest.approx(0.03) and got["incumbent"].median_ms == pytest.approx(0.05)
+    # blocks are capped so that their launches fit the device's queue, and each stall is
+    # told how long the host will take to issue its block
+    assert max(t.per_round for t in got.values()) <= timing.MAX_PER_DEVICE_BLOCK
+    assert min(dev.stalls) > 0 and max(dev.stalls) >= got["region"].per_round * 0.08 * 0.99

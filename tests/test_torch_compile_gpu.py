@@ -133,3 +133,25 @@ def test_a_cuda_plan_refuses_a_tensor_that_wants_gradients(cuda: Any) -> None:
     plan = g.build(handle=fg.Handle("cuda:0"))
     with pytest.raises(VariantPackError, match="requires_grad=True"):
         plan.execute({"x": torch.randn(64, 64, device=cuda, requires_grad=True)})
+
+
+def test_floor_measures_kernel_engine_regions_on_device_time(cuda: Any) -> None:
+    """With the floor and the whole-graph check on, a GPU region is built on a kernel engine
+    (never the torch engine: that is the incumbent's own code behind one more call) and
+    timed on device time, which its report row says; the answer matches PyTorch's."""
+    from fusegraph.torch.compile_backend import collecting
+
+    def fn(x: Any, w: Any, b: Any) -> Any:
+        return F.gelu(F.layer_norm(x, (768,), w, b))
+
+    x, w, b = torch.randn(4096, 768, device=cuda), torch.randn(768, device=cuda), torch.randn(768, device=cuda)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=fusegraph_backend)
+    with torch.no_grad(), collecting() as rows:
+        got = compiled(x, w, b)
+    assert _rel(got, fn(x, w, b)) < 1e-5
+    timed = [r for r in rows if r.region is not None and "the incumbent" in r.why]
+    assert timed, [(r.node, r.where, r.why) for r in rows]
+    assert all("device time" in r.why for r in timed), [r.why for r in timed]
+    engines = {r.where.split(":", 1)[1].split("[")[0] for r in rows if r.fusegraph}
+    assert engines <= {"cudnn", "triton"}, engines

@@ -161,8 +161,8 @@ def test_a_graph_whose_inputs_would_not_fit_twice_is_not_timed_whole(monkeypatch
 
     inputs = [torch.empty(256, 1024), torch.empty(1024)]  # 1 MiB + 4 KiB
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 20, 1 << 30))
-    why = graph_floor._room(inputs, torch.device("cuda", 0))
+    why = graph_floor.room(inputs, torch.device("cuda", 0))
     assert "over half of the" in why and "GiB free" in why, why
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 1 << 30))
-    assert graph_floor._room(inputs, torch.device("cuda", 0)) == ""
-    assert graph_floor._room(inputs, torch.device("cpu")) == ""
+    assert graph_floor.room(inputs, torch.device("cuda", 0)) == ""
+    assert graph_floor.room(inputs, torch.device("cpu")) == ""

@@ -126,16 +126,24 @@ def chooser_for(plan: SessionPlan) -> Chooser:
         return built
 
     sync: Callable[[], None] | None = None
+    timing_options: dict[str, Any] = dict(TIMING)
+    key_options: dict[str, Any] = {}
     if handle.device.is_gpu:
         import torch
 
+        from fusegraph.select.cuda_clock import CudaClock
+
         device = torch.device(str(handle.device))
         sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+        # the unit replays as one CUDA graph, regions and incumbent steps alike, so a region's
+        # host cost is paid once at capture: both sides are timed on device time
+        timing_options["device_clock"] = CudaClock(device)
+        key_options["clock"] = "device"
     # a precision's verdicts are its own (fp16 / bf16 regions also differ in content; tf32's do not)
     options = {} if plan.opts.precision == "fp32" else {"precision": plan.opts.precision}
     return Chooser(handle, incumbent_for(handle, tf32=plan.opts.precision == "tf32"), floor=floor, engine=engine,
                    store=VerdictStore(cache_dir) if floor else None, sync=sync,
-                   timing_options=dict(TIMING), builder=build, build_options=options)
+                   timing_options=timing_options, builder=build, build_options=options, key_options=key_options)
 
 
 def _cudnn_tf32(graph: Graph, handle: Handle) -> ExecutionPlan | None:

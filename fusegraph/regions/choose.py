@@ -50,6 +50,7 @@ class Chooser:
     timer: Timer | None = None
     timing_options: Mapping[str, Any] = field(default_factory=dict)
     build_options: Mapping[str, Any] = field(default_factory=dict)
+    key_options: Mapping[str, Any] = field(default_factory=dict)  # how it measures (a verdict's key holds it)
     builder: Callable[[Region], ExecutionPlan] | None = None  # the front door's own build (its plan cache)
     _versions: dict[str, str] | None = None
 
@@ -64,7 +65,8 @@ class Chooser:
     def key(self, region: Region) -> str:
         from fusegraph.select.device_id import device_id
 
-        settings = {"engine": self.engine or "auto", "margin": self.margin, **dict(self.build_options)}
+        settings = {"engine": self.engine or "auto", "margin": self.margin, **dict(self.build_options),
+                    **dict(self.key_options)}
         return verdict_key(region.key, device_id(self.handle), self.incumbent.name, self.versions(), settings)
 
     def build(self, region: Region) -> ExecutionPlan | Verdict:

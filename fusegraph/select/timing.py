@@ -18,6 +18,12 @@ scheduler quantum (milliseconds) stalls the calls it lands in, and the median ov
 leaves those out where a block's mean would carry them. The reported figure is the median
 of the samples.
 
+A ``device_clock`` times a synced block on the device instead: it stalls the device for
+longer than the host takes to issue the block, then reads the device's own timer around
+it, so a sample is device time alone -- what a call costs where its host work overlaps
+other device work (a region inside a replayed CUDA graph, or in a graph whose host runs
+ahead of the GPU). Host time then has to be judged elsewhere: by whoever times the whole.
+
 Nothing here imports torch or anything above select/; the clock can be replaced (tests
 drive fake candidates on a virtual clock, so no test asserts wall-clock times).
 """
@@ -29,6 +35,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 # Warm-up: a window's median must not fall below (1 - STEADY_TOLERANCE) x the previous
 # window's for the candidate to count as steady.
@@ -40,6 +47,20 @@ MAX_WARMUP_CALLS = 2000
 # (timer resolution and the sync's own cost vanish next to it), within these bounds.
 TARGET_BLOCK_S = 2e-3
 MAX_PER_ROUND = 1000
+# a device-timed block is issued while the device stalls: short enough that its launches
+# fit the device's queue (the host would otherwise wait and the device run dry)
+MAX_PER_DEVICE_BLOCK = 128
+
+
+class DeviceClock(Protocol):
+    """The device's own timer: ``start(host_ms)`` keeps the device busy for longer than
+    ``host_ms`` (the host's time to issue the block) and marks the block's start behind
+    that; ``stop()`` marks its end, waits for it, and returns the device milliseconds
+    between the two marks."""
+
+    def start(self, host_ms: float) -> None: ...
+
+    def stop(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -106,6 +127,7 @@ def time_candidates(
     on_error: Callable[[str, Exception], None] | None = None,
     on_round: Callable[[int, int], None] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    device_clock: DeviceClock | None = None,
 ) -> dict[str, Timing]:
     """Times every candidate (a no-argument callable) as the module docstring says.
 
@@ -121,7 +143,8 @@ def time_candidates(
     candidate whose median is over this multiple of the best stops being timed (its
     samples stand). ``on_error``: where given, a candidate that raises is reported to it and
     left out of the result; otherwise the exception propagates. ``on_round(done, planned)``
-    follows progress (planned is ``max_rounds`` when a budget decides)."""
+    follows progress (planned is ``max_rounds`` when a budget decides). ``device_clock``:
+    synced blocks are timed by it (device time; see the module docstring)."""
     if min_rounds < 1:
         raise ValueError(f"min_rounds must be at least 1, got {min_rounds}")
     if per_round is not None and per_round < 1:
@@ -142,6 +165,8 @@ def time_candidates(
             on_error(name, exc)
             del live[name]
     blocks = {name: per_round or _block_size(warm[name].fast_ms) for name in live}
+    if device_clock is not None:
+        blocks = {name: min(b, MAX_PER_DEVICE_BLOCK) for name, b in blocks.items()}
     samples: dict[str, list[float]] = {name: [] for name in live}
     done = dict.fromkeys(live, 0)  # rounds each candidate was timed in
     timed = dict(live)  # still being timed (drop_slower_than may retire some)
@@ -168,6 +193,11 @@ def time_candidates(
                         t1 = clock()
                         got.append((t1 - t0) * 1e3)
                         t0 = t1
+                elif device_clock is not None:
+                    device_clock.start(block * warm[name].fast_ms)
+                    for _ in range(block):
+                        call()
+                    samples[name].append(device_clock.stop() / block)
                 else:
                     t0 = clock()
                     for _ in range(block):

@@ -64,19 +64,31 @@ def _sink() -> list[Row] | None:
     return rows
 
 
-def _claim(gm: torch.fx.GraphModule, opts: Options, kind: str) -> list[Row]:
-    rows = partition(gm, opts, f"{kind}{next(_COUNTER)}")
+def _claim(gm: torch.fx.GraphModule, opts: Options, kind: str, whole: bool = False,
+           inputs: Sequence[Any] = ()) -> tuple[list[Row], bool]:
+    """The graph's regions claimed, and whether they were measured on device time: where
+    the graph will be timed whole afterwards (``whole``) on a GPU with room for that
+    (partition.py). Such regions still owe their host cost a measurement: _settle keeps
+    them only where the whole graph was timed."""
+    device_time = False
+    if whole:
+        from fusegraph.torch.graph_floor import room
+
+        device = graph_device(gm)
+        device_time = device.type == "cuda" and not room(inputs, device)
+    rows = partition(gm, opts, f"{kind}{next(_COUNTER)}", device_time=device_time)
     sink = _sink()
     if sink is not None:
         sink.extend(rows)
-    return rows
+    return rows, device_time
 
 
 def _settle(claimed_fn: Callable[..., Any], compile_original: Callable[[], Callable[..., Any]],
             original: torch.fx.GraphModule | None, inputs: Sequence[Any], rows: list[Row], opts: Options,
-            rest: str) -> Callable[..., Any]:
+            rest: str, device_time: bool = False) -> Callable[..., Any]:
     """The graph-level floor (graph_floor.py) where the floor is on and something was
-    claimed; where the unclaimed graph wins, the report's rows say so."""
+    claimed; where the unclaimed graph wins, the report's rows say so. Regions measured on
+    device time are handed back wherever the whole graph could not be timed."""
     if original is None or not any(r.fusegraph for r in rows):
         return claimed_fn
     from fusegraph.engines.registry import REGISTRY
@@ -92,11 +104,17 @@ def _settle(claimed_fn: Callable[..., Any], compile_original: Callable[[], Calla
         fn, verdict = graph_floor.settle(
             claimed_fn, compile_original, (original, inputs, claimed), device, engine="fusegraph regions",
             margin=opts.margin, warmup_s=opts.warmup_s, store=VerdictStore(),
-            device_name=device_id(PLANS.handle(device)), versions=engine_versions(REGISTRY.available_engines()))
+            device_name=device_id(PLANS.handle(device)), versions=engine_versions(REGISTRY.available_engines()),
+            verified_only=device_time)
     except Exception as exc:  # the claimed graph stands where the check itself cannot run
-        log.warning("the graph-level check did not run (%s: %s); the claimed graph is kept", type(exc).__name__, exc,
-                    exc_info=log.isEnabledFor(logging.DEBUG))
-        return claimed_fn
+        log.warning("the graph-level check did not run (%s: %s); the %s graph is kept", type(exc).__name__, exc,
+                    "unclaimed" if device_time else "claimed", exc_info=log.isEnabledFor(logging.DEBUG))
+        if not device_time:
+            return claimed_fn
+        from fusegraph.regions.verdicts import Verdict
+
+        fn, verdict = compile_original(), Verdict(False, "refused", f"the graph check failed: {type(exc).__name__}: {exc}",
+                                                  incumbent=graph_floor.INCUMBENT)
     if not verdict.fusegraph:
         sink = _sink()
         mine = {id(r) for r in rows}
@@ -159,7 +177,7 @@ def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *
         def inner(graph: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
             # under CUDA graphs both sides would be captured and replayed: the regions' verdicts decide
             original = graph_floor_copy(graph) if opts.floor and opts.whole_graph and patches is None else None
-            rows = _claim(graph, opts, _kind(graph))
+            rows, device_time = _claim(graph, opts, _kind(graph), original is not None, inputs)
             compiled = compile_fx_inner(_decompose_rest(graph, inputs), inputs, **kwargs)
             # each compile records its outputs' strides in the tracing context, which must
             # hold the strides of the one returned
@@ -175,7 +193,7 @@ def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *
                 assert original is not None
                 return compile_fx_inner(_decompose_rest(original, inputs), inputs, **kwargs)
 
-            chosen = _settle(compiled, compile_original, original, inputs, rows, opts, "inductor")
+            chosen = _settle(compiled, compile_original, original, inputs, rows, opts, "inductor", device_time)
             if chosen is compiled and context is not None and context.output_strides is not None and "claimed" in strides:
                 context.output_strides[:] = strides["claimed"]
             return chosen
@@ -195,9 +213,9 @@ def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *
 
     def eager(graph: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
         original = graph_floor_copy(graph) if opts.floor and opts.whole_graph else None
-        rows = _claim(graph, opts, _kind(graph))
+        rows, device_time = _claim(graph, opts, _kind(graph), original is not None, inputs)
         return _settle(make_boxed_func(graph.forward), lambda: make_boxed_func(original.forward),  # type: ignore[union-attr]
-                       original, inputs, rows, opts, "torch.eager")
+                       original, inputs, rows, opts, "torch.eager", device_time)
 
     return aot_autograd(fw_compiler=eager, bw_compiler=eager, inference_compiler=eager)(gm, example_inputs)  # type: ignore[no-any-return]
 

@@ -69,7 +69,7 @@ def real_inputs(inputs: Sequence[Any]) -> list[Any]:
     return out
 
 
-def _room(inputs: Sequence[Any], device: torch.device) -> str:
+def room(inputs: Sequence[Any], device: torch.device) -> str:
     """Why the graph cannot be timed whole on this device ('' when it can): its inputs are
     allocated again for the timing (a forward graph's parameters, a backward graph's saved
     activations), which must fit in half the device's free memory."""
@@ -121,10 +121,12 @@ def settle(
     store: VerdictStore | None,
     device_name: str,
     versions: dict[str, str],
+    verified_only: bool = False,
 ) -> tuple[Callable[..., Any], Verdict]:
     """The compiled graph to run (the claimed one or the original) and the verdict that
     chose it. A claimed graph that fails when timed loses; the original is compiled only
-    where it may be returned."""
+    where it may be returned. ``verified_only``: the regions were measured on device time,
+    so a graph that cannot be timed whole is not kept on their word."""
     original, inputs, claimed = key_parts
     key = verdict_key(graph_key(original, inputs, claimed), device_name, INCUMBENT, versions, {"margin": margin})
     cached = store.lookup(key) if store is not None else None
@@ -132,10 +134,16 @@ def settle(
         return claimed_fn, cached
     if cached is not None:
         return compile_original(), cached
-    room = _room(inputs, device)
-    if room:
-        log.info("graph with %d claimed regions: not timed whole (%s); the regions' verdicts stand", len(claimed), room)
-        return claimed_fn, Verdict(True, "claimed", f"not timed whole: {room}", engine, incumbent=INCUMBENT)
+    room_left = room(inputs, device)
+    if room_left and verified_only:
+        log.info("graph with %d claimed regions: not timed whole (%s); their device-time verdicts do not count "
+                 "host cost, so nothing is claimed", len(claimed), room_left)
+        return compile_original(), Verdict(False, "refused", f"not timed whole: {room_left}; the regions were timed "
+                                           "on the device only", engine, incumbent=INCUMBENT)
+    if room_left:
+        log.info("graph with %d claimed regions: not timed whole (%s); the regions' verdicts stand", len(claimed),
+                 room_left)
+        return claimed_fn, Verdict(True, "claimed", f"not timed whole: {room_left}", engine, incumbent=INCUMBENT)
     base_fn = compile_original()
     with outside_the_compile(device):
         args = real_inputs(inputs)

@@ -93,9 +93,14 @@ def _key_of(n: torch.fx.Node) -> aten.Key:
     return (n.name, None)
 
 
-def partition(gm: torch.fx.GraphModule, opts: Options, phase: str) -> list[Row]:
+def partition(gm: torch.fx.GraphModule, opts: Options, phase: str, *, device_time: bool = False) -> list[Row]:
     """Rewrites ``gm`` in place (claimed regions -> ``fusegraph::region`` calls); the rows
-    say where every ATen node runs."""
+    say where every ATen node runs. ``device_time`` (a GPU graph that will be timed whole
+    afterwards): each region is measured against its incumbent on device time alone
+    (select/cuda_clock.py). Timed alone, a region's call is host-bound -- 40-110 us of
+    Python and dispatch around a 30 us kernel -- while in a graph whose host runs ahead of
+    the GPU that time overlaps the kernels before it; whether it does is the whole-graph
+    check's to measure (graph_floor.py), which needs the regions whose kernels win."""
     rest = "inductor" if opts.rest == "inductor" else "torch.eager"
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     conv = aten.convert(gm.graph, f"{phase}")
@@ -116,7 +121,8 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str) -> list[Row]:
             device = graph_device(gm)
             by_name = {n.name: n for n in nodes}
             fx_of = {r.index: _fx_nodes(r, conv, by_name) for r in regions.regions}
-            choices = _choose(opts, device, regions.regions) if regions.regions else []
+            device_time = device_time and device.type == "cuda" and opts.floor
+            choices = _choose(opts, device, regions.regions, device_time) if regions.regions else []
             replaced: dict[aten.Key, torch.fx.Node] = {}
             for choice in choices:
                 fx_names = fx_of[choice.region.index]
@@ -149,15 +155,18 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str) -> list[Row]:
             choice, failed = found
             claimed = choice.claimed and not failed
             where = f"fusegraph:{choice.verdict.engine}" if claimed else rest
+            why_row = failed or choice.verdict.describe()
+            if not failed and device_time and choice.verdict.source in ("measured", "cached"):
+                why_row += " (device time; the host's share is judged with the whole graph)"
             rows.append(Row(f"{phase}:{n.name}", op_name(n), where, base + choice.region.index, choice.region.pattern,
-                            failed or choice.verdict.describe(), is_compute(n)))
+                            why_row, is_compute(n)))
         else:
             rows.append(Row(f"{phase}:{n.name}", op_name(n), rest, None, "", why.get(n.name, "not converted"),
                             is_compute(n)))
     return rows
 
 
-def _choose(opts: Options, device: torch.device, regions: Sequence[Region]) -> list[Choice]:
+def _choose(opts: Options, device: torch.device, regions: Sequence[Region], device_time: bool = False) -> list[Choice]:
     """The regions' verdicts, taken in a thread of their own: the floor measures on real
     tensors, outside the compile it sits in, as the compiled graph will run -- a forward graph
     is compiled under its fake mode (the incumbent failed on FakeTensors, every region was
@@ -192,7 +201,7 @@ def _choose(opts: Options, device: torch.device, regions: Sequence[Region]) -> l
         # a new thread's current CUDA device is 0: the region's device, as the graph runs it
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with torch.no_grad(), no_python_dispatcher(), on_device:
-            return _chooser(opts, device, timer).choose_all(regions, _inputs(device))
+            return _chooser(opts, device, timer, device_time).choose_all(regions, _inputs(device))
 
     with ThreadPoolExecutor(1, thread_name_prefix="fusegraph-floor") as pool:
         chosen = pool.submit(run)
@@ -217,7 +226,7 @@ def graph_device(gm: torch.fx.GraphModule) -> torch.device:
     return torch.device("cpu")
 
 
-def _chooser(opts: Options, device: torch.device, timer: Any = None) -> Chooser:
+def _chooser(opts: Options, device: torch.device, timer: Any = None, device_time: bool = False) -> Chooser:
     handle = PLANS.handle(device)
     engine = opts.engine or PLANS.engine or ("torch" if device.type == "cpu" else None)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
@@ -232,9 +241,15 @@ def _chooser(opts: Options, device: torch.device, timer: Any = None) -> Chooser:
         extra = _extra_args(sub, len(region.inputs))
         return runtime.RegionCall(plan, runtime.register(sub, region.key), len(region.inputs), extra)
 
+    timing_options: dict[str, Any] = {"warmup_s": opts.warmup_s}
+    if device_time:
+        from fusegraph.select.cuda_clock import CudaClock
+
+        timing_options["device_clock"] = CudaClock(device)
     return Chooser(handle, incumbent, floor=opts.floor, engine=engine, margin=opts.margin,
                    store=VerdictStore() if opts.floor else None, sync=sync, timer=timer,
-                   timing_options={"warmup_s": opts.warmup_s}, builder=build)
+                   timing_options=timing_options, builder=build,
+                   key_options={"clock": "device"} if device_time else {})
 
 
 _REGION_BLOCKS = itertools.count()
