@@ -133,13 +133,17 @@ def _kahn(preds: Sequence[dict[int, None]], rank: Sequence[float]) -> list[int]:
 
 
 def split(
-    graph: Graph, *, opaque: Mapping[str, Sequence[str]] | None = None, atoms: Mapping[str, str] | None = None
+    graph: Graph, *, opaque: Mapping[str, Sequence[str]] | None = None, atoms: Mapping[str, str] | None = None,
+    movement: bool = True,
 ) -> Split:
     """Candidate regions of the validated ``graph``. ``opaque`` maps a graph input that
     code outside the graph computes to the graph tensors that code reads (directly or
     not): the torch front door passes the ATen nodes fusegraph does not convert this way.
     ``atoms`` names, for nodes that must stay together (the graph nodes one ATen node
-    became), a group: a node joins or starts a region with its whole group, or not at all."""
+    became), a group: a node joins or starts a region with its whole group, or not at all.
+    ``movement=False`` leaves reshapes and transposes out of every region, for a front door
+    whose engines take none (cuDNN and the Triton row kernel): around them the caller's own
+    code moves the data, a view costing nothing there, and the regions keep their compute."""
     graph.ensure_valid()
     graph.topological_order()  # raises on a cycle inside the graph
     dag = _Dag(graph, opaque or {})
@@ -195,12 +199,14 @@ def split(
                 node = dag.order[c]
                 if node is None or c in owner or not pattern.joins_epilogue(node):
                     continue
+                if not movement and pattern.is_movement(node):
+                    continue
                 before = members[r]
                 if join(r, c):
                     frontier += [k for k in range(len(dag.order)) if ((members[r] & ~before) >> k) & 1]
     # 2. what is left: pointwise / reduction / movement chains
     for i, n in enumerate(dag.order):
-        if n is None or i in owner or not pattern.joins_chain(n):
+        if n is None or i in owner or not pattern.joins_chain(n) or (not movement and pattern.is_movement(n)):
             continue
         placed = False
         for p in dag.preds[i]:
@@ -235,7 +241,11 @@ def split(
         leaves = {t for t in written if t in keep or t in opaque_reads or readers.get(t, set()) - {r}}
         piece = cut(graph, nodes, leaves, f"{graph.name}.r{len(regions)}", whole)
         regions.append(Region(len(regions), names, name, piece.graph, piece.graph.key(), piece.inputs, piece.outputs))
-    leftover = tuple(n.name for i, n in real if i not in owner)
+    left = [n for i, n in real if i not in owner]
+    moved = tuple(n.name for n in left if not movement and pattern.is_movement(n))
+    if moved:
+        rejected.append(Rejection(moved, "data movement stays outside regions here (no engine of this front door takes it)"))
+    leftover = tuple(n.name for n in left if n.name not in moved)
     if leftover:
         rejected.append(Rejection(leftover, "no pattern takes these ops"))
     return Split(tuple(regions), tuple(rejected))

@@ -109,7 +109,9 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str, *, device_tim
     if conv.graph.nodes:
         try:
             conv.graph.validate()
-            regions = split(conv.graph, opaque=conv.opaque, atoms=conv.atoms)
+            # a GPU's measured regions run on kernel engines (plans.py), which take no reshape or transpose
+            kernel_only = graph_device(gm).type == "cuda" and opts.floor and not (opts.engine or plans.PLANS.engine)
+            regions = split(conv.graph, opaque=conv.opaque, atoms=conv.atoms, movement=not kernel_only)
         except FusegraphError as exc:
             regions = None
             for name in conv.converted:
@@ -137,7 +139,7 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str, *, device_tim
                 if choice.claimed:
                     try:
                         _check_convex(gm, fx_names)
-                        _replace(gm, choice.region, fx_names, conv, replaced)
+                        _replace(gm, choice.region, fx_names, conv, replaced, not opts.floor)
                     except Exception as exc:  # never worse than not claiming
                         log.warning("region %d (%s) not claimed: %s", choice.region.index, choice.region.pattern, exc)
                         for name in fx_names:
@@ -233,7 +235,8 @@ def _chooser(opts: Options, device: torch.device, timer: Any = None, device_time
     incumbent = CallableIncumbent(opts.incumbent, lambda region, inputs: _incumbent_call(region, inputs, opts))
     def build(region: Region) -> ExecutionPlan:
         with plans.engine(engine):
-            plan = PLANS.get(("region", region.key), device, lambda: region.graph)
+            plan = PLANS.get(("region", region.key) + (() if opts.floor else (plans.ANY_ENGINE,)), device,
+                             lambda: region.graph)
         if not opts.floor:
             return plan
         # the floor times the region as the rewritten graph will call it: through the op
@@ -351,10 +354,10 @@ def _submodule(region: Region, conv: aten.Converted, by_name: Mapping[str, torch
 
 
 def _replace(gm: torch.fx.GraphModule, region: Region, names: Sequence[str], conv: aten.Converted,
-             replaced: dict[aten.Key, torch.fx.Node]) -> None:
+             replaced: dict[aten.Key, torch.fx.Node], any_engine: bool = False) -> None:
     by_name = {n.name: n for n in gm.graph.nodes if n.op == "call_function"}
     sub, feeds, leaving = _submodule(region, conv, by_name, names, replaced)
-    key = runtime.register(sub, region.key)
+    key = runtime.register(sub, region.key, any_engine)
     last = by_name[names[-1]]
     tensors = [f for f in feeds if isinstance(f.meta.get("val"), torch.Tensor)]
     sizes = [f for f in feeds if not isinstance(f.meta.get("val"), torch.Tensor)]

@@ -8,7 +8,8 @@ for seconds), unless ``PLANS.engine`` names one. A compiled region on a GPU take
 engine (cudnn, triton) only: its incumbent is Inductor's code for the same ATen nodes, and
 the torch engine would run those ATen nodes, or Inductor's code for them, behind one more
 call (measured on the H200: a layer norm region on torch[compile] cost 82 us a call more
-than Inductor's kernel, the same kernel). Plans run with autocast off: their
+than Inductor's kernel, the same kernel). With the floor off (claim all, unmeasured) a
+region's key holds ANY_ENGINE and selection's choice stands, the torch engine included. Plans run with autocast off: their
 dtypes are the graph's, and PyTorch's autocast would otherwise recast the ops of a
 torch-engine plan under them.
 """
@@ -72,7 +73,7 @@ class PlanCache:
                 graph = make()
                 handle = self.handle(device)
                 engine = self.engine or ("torch" if device.type == "cpu" else None)
-                if engine is None and isinstance(key, tuple) and key and key[0] == "region":
+                if engine is None and isinstance(key, tuple) and key and key[0] == "region" and ANY_ENGINE not in key:
                     plan = _kernel_build(graph, handle)
                 else:
                     plan = graph.build(handle=handle, engine=engine, **_options(graph, handle, engine))
@@ -109,6 +110,7 @@ def _options(graph: Graph, handle: Handle, engine: str | None) -> dict[str, Any]
 
 
 KERNEL_ENGINES = ("cudnn", "triton")
+ANY_ENGINE = "any engine"  # in a region's key: claimed unmeasured (floor off), the torch engine may take it
 
 
 def _kernel_build(graph: Graph, handle: Handle) -> ExecutionPlan:

@@ -26,7 +26,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 from fusegraph.engines.base import ExecutionPlan
 from fusegraph.errors import ExecutionError, FusegraphError
 from fusegraph.torch import aten
-from fusegraph.torch.plans import PLANS, run
+from fusegraph.torch.plans import ANY_ENGINE, PLANS, run
 
 log = logging.getLogger("fusegraph.torch")
 
@@ -54,9 +54,10 @@ class RegionRunner:
     lets the torch engine take its lean call (no re-checking of the pack, no
     ``inference_mode``, so no copies of inference tensors)."""
 
-    def __init__(self, key: str, sub: torch.fx.GraphModule) -> None:
+    def __init__(self, key: str, sub: torch.fx.GraphModule, any_engine: bool = False) -> None:
         self.key = key
         self.sub = sub
+        self.any_engine = any_engine  # claimed unmeasured: not only kernel engines (plans.py)
         self._bound: dict[Signature, _Bound] = {}
         self._lock = threading.Lock()
         self.fallbacks = 0  # calls that ran the region's ATen nodes instead of fusegraph's plan
@@ -138,7 +139,8 @@ class RegionRunner:
             graph = conv.graph.validate()
             placeholders = {n.name: i for i, n in enumerate(n for n in self.sub.graph.nodes if n.op == "placeholder")}
             feed = [(t, placeholders[k[0]]) for t, k in conv.inputs.items()]
-            plan = PLANS.get(("region", graph.key()), inputs[0].device, lambda: graph)
+            plan = PLANS.get(("region", graph.key()) + ((ANY_ENGINE,) if self.any_engine else ()), inputs[0].device,
+                             lambda: graph)
             return _Bound(plan, feed, names)
         except Exception as exc:  # the region runs its own ATen nodes: slower, never wrong
             why = f"{type(exc).__name__}: {exc}"
@@ -210,12 +212,12 @@ class RegionCall(ExecutionPlan):
         return {f"out{i}": o for i, o in enumerate(outs)}
 
 
-def register(sub: torch.fx.GraphModule, content: str) -> str:
-    """The region's key: its content key and its ATen code, nothing that depends on this
-    process's history -- Inductor's on-disk cache may hand a later process compiled code
-    holding the key, which must then name the same computation."""
+def register(sub: torch.fx.GraphModule, content: str, any_engine: bool = False) -> str:
+    """The region's key: its content key, its ATen code and its engine policy, nothing that
+    depends on this process's history -- Inductor's on-disk cache may hand a later process
+    compiled code holding the key, which must then name the same computation."""
     import hashlib
 
-    key = f"{content[:16]}.{hashlib.sha256(sub.code.encode()).hexdigest()[:12]}"
-    RUNNERS.setdefault(key, RegionRunner(key, sub))
+    key = f"{content[:16]}.{hashlib.sha256(sub.code.encode()).hexdigest()[:12]}" + (".any" if any_engine else "")
+    RUNNERS.setdefault(key, RegionRunner(key, sub, any_engine))
     return key
