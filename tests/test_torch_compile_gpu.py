@@ -144,13 +144,15 @@ def test_floor_measures_kernel_engine_regions_on_device_time(cuda: Any) -> None:
     def fn(x: Any, w: Any, b: Any) -> Any:
         return F.gelu(F.linear(x, w, b))
 
-    x, w, b = (torch.randn(4096, 768, device=cuda), torch.randn(3072, 768, device=cuda) / 30,
-               torch.randn(3072, device=cuda))
+    # bfloat16: cuDNN's float32 matmuls round to TF32, so float32 ones stay with cuBLAS
+    bf16 = torch.bfloat16
+    x, w, b = (torch.randn(4096, 768, device=cuda, dtype=bf16), torch.randn(3072, 768, device=cuda, dtype=bf16) / 30,
+               torch.randn(3072, device=cuda, dtype=bf16))
     torch._dynamo.reset()
     compiled = torch.compile(fn, backend=fusegraph_backend)
     with torch.no_grad(), collecting() as rows:
         got = compiled(x, w, b)
-    assert _rel(got, fn(x, w, b)) < 1e-5
+    assert _rel(got.float(), fn(x.float(), w.float(), b.float())) < 2e-2
     timed = [r for r in rows if r.region is not None and "the incumbent" in r.why]
     assert timed, [(r.node, r.where, r.why) for r in rows]
     assert all("device time" in r.why for r in timed), [r.why for r in timed]
