@@ -108,13 +108,13 @@ def test_the_option_parses_its_values_and_refuses_the_rest() -> None:
 
 
 def test_reduced_precision_turns_the_region_path_on_where_regions_is_auto() -> None:
-    from fusegraph.onnx import plan_regions
+    from fusegraph.onnx import region_choice
     from fusegraph.runtime.handle import Handle
 
     cpu = Handle("cpu")
-    assert not plan_regions.wanted(ProviderOptions.parse({}), cpu)
-    assert plan_regions.wanted(ProviderOptions.parse({"precision": "bf16"}), cpu)
-    assert not plan_regions.wanted(ProviderOptions.parse({"precision": "tf32"}), cpu)  # float32 storage
+    assert not region_choice.wanted(ProviderOptions.parse({}), cpu)
+    assert region_choice.wanted(ProviderOptions.parse({"precision": "bf16"}), cpu)
+    assert not region_choice.wanted(ProviderOptions.parse({"precision": "tf32"}), cpu)  # float32 storage
 
 
 # ---- fp16 / bf16 against ONNX Runtime's float32 ------------------------------------------------------
@@ -207,12 +207,12 @@ def test_refusal_rules_directly() -> None:
 def test_a_region_neither_side_runs_in_fp16_keeps_float32(monkeypatch: pytest.MonkeyPatch,
                                                           rng: np.random.Generator) -> None:
     from fusegraph.errors import UnsupportedError
-    from fusegraph.onnx import plan_regions
+    from fusegraph.onnx import plan_regions, region_choice
 
     def half(graph: Any) -> bool:
         return any(t.dtype == DataType.HALF for t in graph.tensors)
 
-    real_chooser, real_eager = plan_regions.chooser_for, plan_regions.RegionUnit._eager
+    real_chooser, real_eager = region_choice.chooser_for, plan_regions.RegionUnit._eager
 
     def chooser_for(plan: Any) -> Any:
         c = real_chooser(plan)
@@ -232,7 +232,7 @@ def test_a_region_neither_side_runs_in_fp16_keeps_float32(monkeypatch: pytest.Mo
             raise RuntimeError("no half GEMM op by op in this test")
         return real_eager(self, graph, **kwargs)
 
-    monkeypatch.setattr(plan_regions, "chooser_for", chooser_for)
+    monkeypatch.setattr(region_choice, "chooser_for", chooser_for)
     monkeypatch.setattr(plan_regions.RegionUnit, "_eager", eager)
     make, shape = MODELS["gemm_gelu"]
     model = make(rng)

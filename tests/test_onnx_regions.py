@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import fusegraph.onnx as fgo
 from fusegraph.errors import UnsupportedError
-from fusegraph.onnx import plan_regions
+from fusegraph.onnx import plan_regions, region_choice, region_pieces
 from fusegraph.onnx.report import PartitionReport, RegionEntry
 from fusegraph.regions.choose import Chooser
 from fusegraph.regions.incumbent import CallableIncumbent
@@ -139,7 +139,7 @@ def _fake_floor(monkeypatch: pytest.MonkeyPatch, incumbent_ms: Callable[[Region]
     fusegraph's plan ``fusegraph_ms`` on a virtual clock (fusegraph's plan still runs);
     ``measured`` collects the pattern of each region timed."""
     clock = Clock()
-    real = plan_regions.chooser_for
+    real = region_choice.chooser_for
 
     def timer(cands: Mapping[str, Callable[[], object]], **kw: Any) -> dict[str, timing.Timing]:
         kw.pop("warmup_s", None)
@@ -157,7 +157,7 @@ def _fake_floor(monkeypatch: pytest.MonkeyPatch, incumbent_ms: Callable[[Region]
         chooser.timer = timer
         return chooser
 
-    monkeypatch.setattr(plan_regions, "chooser_for", chooser_for)
+    monkeypatch.setattr(region_choice, "chooser_for", chooser_for)
 
 
 # ---- tests ----------------------------------------------------------------------------------------
@@ -217,7 +217,7 @@ def test_a_faster_incumbent_keeps_its_regions_and_the_report_says_why(
     assert "fake x3" in report.summary() and "fusegraph:torch x1" in report.summary()
     # a second session reads the verdicts back and builds no plan the incumbent beat
     built: list[str] = []
-    faked = plan_regions.chooser_for
+    faked = region_choice.chooser_for
 
     def chooser_for(plan: Any) -> Chooser:
         c = faked(plan)
@@ -226,7 +226,7 @@ def test_a_faster_incumbent_keeps_its_regions_and_the_report_says_why(
         c.builder = lambda region: built.append(region.pattern) or inner(region)  # type: ignore[func-returns-value]
         return c
 
-    monkeypatch.setattr(plan_regions, "chooser_for", chooser_for)
+    monkeypatch.setattr(region_choice, "chooser_for", chooser_for)
     measured.clear()
     again = _session(model, floor="on")
     assert measured == [] and built == ["triton.reduction"]
@@ -253,7 +253,7 @@ def test_verdicts_are_read_back_by_a_second_session_without_measuring(
     _agree(sess, model, MODELS["conv_blocks"][1], rng)
     # another incumbent is another question: measured again
     _fake_floor(monkeypatch, lambda r: 4.0, 2.0, measured)
-    monkeypatch.setattr(plan_regions, "chooser_for", _renamed(plan_regions.chooser_for, "other"))
+    monkeypatch.setattr(region_choice, "chooser_for", _renamed(region_choice.chooser_for, "other"))
     _session(model, floor="on")
     assert len(measured) == 3
 
@@ -269,7 +269,7 @@ def _renamed(make: Callable[[Any], Chooser], name: str) -> Callable[[Any], Choos
 
 def test_a_region_fusegraph_cannot_build_is_refused_with_the_reason(
         monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
-    real = plan_regions.chooser_for
+    real = region_choice.chooser_for
 
     def chooser_for(plan: Any) -> Chooser:
         c = real(plan)
@@ -284,7 +284,7 @@ def test_a_region_fusegraph_cannot_build_is_refused_with_the_reason(
         c.builder = build
         return c
 
-    monkeypatch.setattr(plan_regions, "chooser_for", chooser_for)
+    monkeypatch.setattr(region_choice, "chooser_for", chooser_for)
     model = gemm_gelu(rng)
     sess = _session(model, floor="off")
     _agree(sess, model, MODELS["gemm_gelu"][1], rng)
@@ -300,7 +300,7 @@ def test_a_plan_that_disagrees_with_pytorch_is_refused_and_never_cached(
         monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
     measured: list[str] = []
     _fake_floor(monkeypatch, lambda r: 4.0, 2.0, measured)  # fusegraph would win every region
-    faked = plan_regions.chooser_for
+    faked = region_choice.chooser_for
 
     def chooser_for(plan: Any) -> Chooser:
         c = faked(plan)
@@ -317,7 +317,7 @@ def test_a_plan_that_disagrees_with_pytorch_is_refused_and_never_cached(
         c.builder = build
         return c
 
-    monkeypatch.setattr(plan_regions, "chooser_for", chooser_for)
+    monkeypatch.setattr(region_choice, "chooser_for", chooser_for)
     model = conv_blocks(rng)
     for _ in range(2):  # the refusal is not kept: the second session checks again
         measured.clear()
@@ -380,7 +380,7 @@ def test_regions_stay_off_on_the_cpu_unless_asked_and_the_option_is_checked(rng:
 
 def test_without_the_torch_engine_the_unit_is_built_whole_and_says_why(
         monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
-    monkeypatch.setattr(plan_regions, "unavailable", lambda: "the torch engine is unavailable (a test)")
+    monkeypatch.setattr(region_choice, "unavailable", lambda: "the torch engine is unavailable (a test)")
     model = conv_blocks(rng)
     sess = _session(model, floor="off")
     _agree(sess, model, MODELS["conv_blocks"][1], rng)
@@ -392,9 +392,9 @@ def test_without_the_torch_engine_the_unit_is_built_whole_and_says_why(
 def test_a_unit_whose_regions_cannot_be_ordered_is_built_whole(
         monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
     def cyclic(pieces: Any, graph: Any) -> list[int]:
-        raise plan_regions.NoRegions("its regions depend on each other in a cycle")
+        raise region_pieces.NoRegions("its regions depend on each other in a cycle")
 
-    monkeypatch.setattr(plan_regions, "_run_order", cyclic)
+    monkeypatch.setattr(region_pieces, "run_order", cyclic)
     model = gemm_gelu(rng)
     sess = _session(model, floor="off")
     _agree(sess, model, MODELS["gemm_gelu"][1], rng)

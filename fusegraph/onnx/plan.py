@@ -26,7 +26,14 @@ import onnx
 import onnxruntime as ort
 
 from fusegraph.errors import CompileError, ExecutionError, FusegraphError
-from fusegraph.onnx import floor, plan_build, plan_regions, plan_report, torch_mlir_tier
+from fusegraph.onnx import (
+    floor,
+    plan_build,
+    plan_regions,
+    plan_report,
+    region_choice,
+    torch_mlir_tier,
+)
 from fusegraph.onnx.engine_choice import EngineChoice, engine_warnings
 from fusegraph.onnx.engine_choice import one_line as _one_line
 from fusegraph.onnx.importer import SPATIAL_OPS, Importer, Unmappable, with_strides
@@ -123,7 +130,7 @@ class SessionPlan:
         self.floor_budget = opts.floor_budget(pinned=engine is not None and engine.name is not None) if enabled else 0.0
         # claimed units run region by region (plan_regions.py): the region floor, against the
         # same nodes op by op on PyTorch, replaces the floor against ONNX Runtime
-        self.regions = enabled and engine is not None and plan_regions.wanted(opts, handle)
+        self.regions = enabled and engine is not None and region_choice.wanted(opts, handle)
         self.floor_whole: floor.Verdict | None = None
         self._released: dict[str, str] = {}  # node -> note of the ORT unit it went to
         self._floor: dict[frozenset[str], floor.Verdict] = {}  # claimed group -> verdict
@@ -186,7 +193,7 @@ class SessionPlan:
 
         assert self.engine is not None
         return (self.engine.name is None and not self.handle.device.is_gpu
-                and not plan_regions.wanted(self.opts, self.handle)
+                and not region_choice.wanted(self.opts, self.handle)
                 and any(e.name == "iree" for e in self.engine.candidates)
                 and any(n.kind == OpKind.GATHER for n in g.nodes))
 

@@ -3,9 +3,10 @@ split into engine-sized regions by the region layer (fusegraph/regions/), each r
 given fusegraph's plan only where that plan beats the incumbent for the session's device --
 the same nodes op by op on PyTorch (``TorchOpByOp``), never ONNX Runtime's CPU provider for
 a GPU session -- with verdicts cached per region content, device and library versions
-(regions/verdicts.py). The steps pass torch tensors, so intermediates stay on the device
-between regions; on a GPU the whole unit is captured as one CUDA graph at its first run
-(shapes are static within a session plan) and replayed from then on.
+(regions/verdicts.py; the chooser's settings for the session are region_choice.py's). The
+steps pass torch tensors, so intermediates stay on the device between regions; on a GPU
+the whole unit is captured as one CUDA graph at its first run (shapes are static within a
+session plan) and replayed from then on.
 
 On by default on a GPU; on the CPU behind ``regions=on`` (the CPU's floor is against ONNX
 Runtime, plan.py). With regions the unit's own floor against ONNX Runtime is not taken:
@@ -25,7 +26,6 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -33,9 +33,7 @@ import numpy as np
 from fusegraph.engines.base import ExecutionPlan
 from fusegraph.errors import FusegraphError, UnsupportedError
 from fusegraph.graph.graph import Graph
-from fusegraph.graph.node import Node
-from fusegraph.graph.serialize import graph_to_dict
-from fusegraph.onnx import plan_build
+from fusegraph.onnx import plan_build, region_choice, region_pieces
 from fusegraph.onnx.importer import filter_layout_for
 from fusegraph.onnx.model import ONode
 from fusegraph.onnx.precision import (
@@ -47,161 +45,34 @@ from fusegraph.onnx.precision import (
     refusal,
     tf32_allowed,
 )
+from fusegraph.onnx.region_pieces import Cut, NoRegions, Piece
 from fusegraph.onnx.report import RegionEntry
 from fusegraph.onnx.units import FusegraphUnit, engine_cache, to_host
 from fusegraph.regions import split
 from fusegraph.regions.choose import Choice, Chooser
-from fusegraph.regions.incumbent import Incumbent, TorchOpByOp
 from fusegraph.regions.plan import RegionPlan, Step
 from fusegraph.regions.split import Region
-from fusegraph.regions.subgraph import cut
-from fusegraph.regions.verdicts import VerdictStore
-from fusegraph.runtime.handle import Handle
 from fusegraph.runtime.progress import working
 
 if TYPE_CHECKING:
-    from fusegraph.onnx.options import ProviderOptions
     from fusegraph.onnx.plan import SessionPlan
 
 log = logging.getLogger("fusegraph.onnx")
 
-# The region floor's timing (select/timing.py's time_candidates): a bounded warm-up, as the
-# torch front door's (a model's regions are many and small; setup is what users wait for).
-TIMING: dict[str, Any] = {"warmup_s": 0.2, "min_rounds": 5}
 AGREE = 1e-3  # a region's plan whose trial output is further from PyTorch's (relative) is refused (as floor.AGREE)
-
-
-def wanted(opts: ProviderOptions, handle: Handle) -> bool:
-    """Whether claimed units run region by region: ``regions=on``, or ``auto`` on a GPU or
-    with fp16 / bf16 asked for (reduced precision is a property of the regions)."""
-    reduced = Precision(opts.precision).reduced is not None
-    return opts.regions == "on" or (opts.regions == "auto" and (handle.device.is_gpu or reduced))
-
-
-def unavailable() -> str:
-    """Why the region path cannot run here ('' when it can): its steps pass torch tensors and
-    its incumbent is PyTorch."""
-    from fusegraph.engines.registry import REGISTRY
-
-    try:
-        state = REGISTRY.get("torch").available()
-    except Exception as exc:  # a registry without the torch engine
-        return f"the torch engine is not registered ({exc})"
-    return "" if state else f"the torch engine is unavailable ({state.reason})"
-
-
-def incumbent_for(handle: Handle, *, tf32: bool = False) -> Incumbent:
-    """The bar a region must clear on ``handle``'s device: the same nodes op by op on PyTorch,
-    at the session's precision (``tf32``: TF32 allowed, as PyTorch allows it by default for
-    convolutions)."""
-    return TorchOpByOp(handle, tf32=tf32)
-
-
-def chooser_for(plan: SessionPlan) -> Chooser:
-    """The region layer's settings for this session (tests replace the incumbent or the
-    timer of the chooser it returns, as tests/test_regions.py does)."""
-    handle = plan.handle
-    floor = plan.floor_budget > 0
-    engine = plan.engine.name if plan.engine is not None else None
-    cache_dir = plan.opts.cache_dir
-    compiled = plan.engine is not None and any(e.name != "reference" for e in plan.engine.candidates)
-
-    tf32 = plan.opts.precision == "tf32"
-
-    def build(region: Region) -> ExecutionPlan:
-        """fusegraph's plan; any failure of an engine is the region's refusal (with its
-        reason), never the unit's."""
-        try:
-            with engine_cache(cache_dir), tf32_allowed(tf32):
-                first = _cudnn_tf32(region.graph, handle) if tf32 and engine is None else None
-                built: ExecutionPlan = first or region.graph.build(handle=handle, engine=engine)
-                if tf32 and first is None:
-                    built = _with_tf32(built, region.graph, handle)
-        except FusegraphError:
-            raise
-        except Exception as exc:
-            raise UnsupportedError(f"building failed: {type(exc).__name__}: {exc}") from exc
-        if built.engine == "reference" and engine is None and compiled:
-            raise UnsupportedError("only the float64 reference engine builds it (a correctness oracle, not a runner)")
-        return built
-
-    sync: Callable[[], None] | None = None
-    timing_options: dict[str, Any] = dict(TIMING)
-    key_options: dict[str, Any] = {}
-    if handle.device.is_gpu:
-        import torch
-
-        from fusegraph.select.cuda_clock import CudaClock
-
-        device = torch.device(str(handle.device))
-        sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
-        # the unit replays as one CUDA graph, regions and incumbent steps alike, so a region's
-        # host cost is paid once at capture: both sides are timed on device time
-        timing_options["device_clock"] = CudaClock(device)
-        key_options["clock"] = "device"
-    # a precision's verdicts are its own (fp16 / bf16 regions also differ in content; tf32's do not)
-    options = {} if plan.opts.precision == "fp32" else {"precision": plan.opts.precision}
-    return Chooser(handle, incumbent_for(handle, tf32=plan.opts.precision == "tf32"), floor=floor, engine=engine,
-                   store=VerdictStore(cache_dir) if floor else None, sync=sync,
-                   timing_options=timing_options, builder=build, build_options=options, key_options=key_options)
-
-
-def _cudnn_tf32(graph: Graph, handle: Handle) -> ExecutionPlan | None:
-    """With ``precision=tf32`` on a GPU: a region holding a convolution, matmul or attention
-    built on the cudnn engine with its ``tf32`` knob on (the selection never picks cudnn for
-    such a float32 graph: its TF32-free plans refuse float32 matmuls); None where cudnn is
-    absent, has no such knob for the graph, or the build fails (then the selection decides)."""
-    from fusegraph.engines.base import EngineConfig
-    from fusegraph.engines.registry import REGISTRY
-    from fusegraph.graph.ops import CONVOLUTIONS, OpKind
-
-    if not handle.device.is_gpu or not any(n.kind in CONVOLUTIONS | {OpKind.MATMUL, OpKind.SDPA} for n in graph.nodes):
-        return None
-    try:
-        engine = REGISTRY.get("cudnn")
-        if not engine.available() or not any(k.name == "tf32" for k in engine.knobs(graph, handle)):
-            return None
-        plan: ExecutionPlan = engine.build(graph, handle, EngineConfig("cudnn", (("tf32", True),)))
-    except Exception as exc:
-        log.info("no cudnn TF32 plan of %s: %s", graph.name, exc)
-        return None
-    return plan
-
-
-def _with_tf32(built: ExecutionPlan, graph: Graph, handle: Handle) -> ExecutionPlan:
-    """``built`` rebuilt with its engine's ``tf32`` knob on, where the engine has one (the
-    cudnn engine's, for float32 graphs); as it was where not, or where that build fails."""
-    from fusegraph.engines.base import EngineConfig
-    from fusegraph.engines.registry import REGISTRY
-
-    try:
-        engine = REGISTRY.get(built.engine)
-        if not any(k.name == "tf32" for k in engine.knobs(graph, handle)):
-            return built
-        knobs = (*(kv for kv in built.config.knobs if kv[0] != "tf32"), ("tf32", True))
-        tf32: ExecutionPlan = engine.build(graph, handle, EngineConfig(built.engine, knobs))
-    except Exception as exc:  # TF32 is an allowance: the float32 plan stands
-        log.info("no TF32 plan of %s on %s: %s", graph.name, built.engine, exc)
-        return built
-    return tf32
-
-
-class NoRegions(Exception):
-    """The unit cannot run region by region (its steps would depend on each other in a
-    cycle, a piece failed to cut): it is built whole, as without regions."""
 
 
 def region_unit(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> FusegraphUnit:
     """A claimed group lowered and, unless ``lazy_compile``, split, chosen and built region by
     region; where that cannot be done, the group built whole (the reason in its notes)."""
-    why = unavailable()
+    why = region_choice.unavailable()
     if not why:
         t0 = time.perf_counter()
         engine = plan.engine.name if plan.engine is not None else None
         origin: dict[str, str] = {}
         base = plan_build.lower_unit(plan, name, nodes, ins, outs, engine, filter_layout_for(engine or "torch"),
                                      origin=origin)
-        unit = RegionUnit(base, origin, chooser_for(plan))
+        unit = RegionUnit(base, origin, region_choice.chooser_for(plan))
         unit.precision = Precision(plan.opts.precision)
         if plan.opts.autotune > 0:  # a tuned plan's verdict is no verdict on the untuned one
             unit.tune_budget = plan.opts.autotune
@@ -221,36 +92,6 @@ def region_unit(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[str]
     whole = plan_build.fusegraph_unit(plan, name, nodes, ins, outs)
     whole.engine_notes.append(f"not run region by region: {why}")
     return whole
-
-
-@dataclass
-class _Piece:
-    """A step to be: nodes of the unit's graph, their standalone graph, what runs it."""
-
-    nodes: tuple[str, ...]  # graph node names
-    graph: Graph
-    inputs: tuple[str, ...]  # parent tensors of in0, in1, ...
-    outputs: tuple[str, ...]  # parent tensors of out0, out1, ...
-    plan: ExecutionPlan
-    where: str
-    pattern: str
-    why: str
-    source: str = ""
-    fusegraph_ms: float | None = None
-    incumbent_ms: float | None = None
-    movement: bool = False  # reshapes / transposes alone
-
-
-@dataclass(frozen=True)
-class _Cut:
-    """Nodes no region took, cut out as a graph of their own (run op by op)."""
-
-    nodes: tuple[str, ...]
-    graph: Graph
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
-    reason: str
-    movement: bool
 
 
 class RegionUnit(FusegraphUnit):
@@ -324,7 +165,7 @@ class RegionUnit(FusegraphUnit):
         self.weights = {}  # the steps hold the device copies
         with engine_cache(self.cache_dir), torch.inference_mode(), tf32_allowed(self.precision.tf32):
             pieces = self._pieces()
-        order = _run_order(pieces, self.graph)
+        order = region_pieces.run_order(pieces, self.graph)
         steps = [self._step(f"r{k}", pieces[i]) for k, i in enumerate(order)]
         self.rows = [self._row(k, pieces[i]) for k, i in enumerate(order)]
         self.plan = RegionPlan(steps, [self._out[o] for o in self.outputs])
@@ -360,11 +201,11 @@ class RegionUnit(FusegraphUnit):
         self.accuracy = acc
         self._sample = self._reference = None
 
-    def _pieces(self) -> list[_Piece]:
+    def _pieces(self) -> list[Piece]:
         found = split(self.graph, atoms=dict(self.origin))
         if self.tune_budget > 0:  # the unit's budget shared by its distinct regions
             self.tune_s = self.tune_budget / max(1, len({r.key for r in found.regions}))
-        regions, cuts = list(found.regions), self._cuts(found.rejected)
+        regions, cuts = list(found.regions), region_pieces.cuts(self.graph, found.rejected)
         if self.precision.reduced is not None:
             regions, cuts = self._reduce(regions, cuts)
         elif self.precision.tf32:  # only the float32 reference the report's accuracy is stated against
@@ -381,36 +222,12 @@ class RegionUnit(FusegraphUnit):
                 self.kept_fp32[c.nodes] = f"does not run op by op in the reduced type ({exc})"
                 c = dataclasses.replace(c, graph=orig)
                 plan = self._eager(orig)
-            pieces.append(_Piece(c.nodes, c.graph, c.inputs, c.outputs, plan, self.chooser.incumbent.name, "",
-                                 c.reason, movement=c.movement))
+            pieces.append(Piece(c.nodes, c.graph, c.inputs, c.outputs, plan, self.chooser.incumbent.name, "",
+                                c.reason, movement=c.movement))
         return pieces
 
-    def _cuts(self, rejected: Sequence[Any]) -> list[_Cut]:
-        """The nodes no region took, as graphs: data movement together, the rest one by one."""
-        cuts: list[_Cut] = []
-        whole = graph_to_dict(self.graph)
-        outputs = {t.name for t in self.graph.outputs()}
-        readers: dict[str, set[str]] = {}
-        for n in self.graph.nodes:
-            for t in n.inputs.values():
-                readers.setdefault(t.name, set()).add(n.name)
-        by_name = {n.name: n for n in self.graph.nodes}
-        for rej in rejected:
-            movement = rej.reason.startswith("data movement only")
-            groups = [list(rej.nodes)] if movement else [[n] for n in rej.nodes]
-            for names in groups:
-                nodes = [by_name[n] for n in names]
-                keep = _leaves(nodes, readers, outputs)
-                try:
-                    piece = cut(self.graph, nodes, keep, f"{self.graph.name}.x{len(cuts)}", whole)
-                except Exception as exc:
-                    raise NoRegions(f"nodes {names} could not be cut out: {type(exc).__name__}: {exc}") from exc
-                cuts.append(_Cut(tuple(names), piece.graph, tuple(piece.inputs), tuple(piece.outputs), rej.reason,
-                                 movement))
-        return cuts
-
     # ---- reduced precision (precision.py) ------------------------------------------------------
-    def _reduce(self, regions: list[Region], cuts: list[_Cut]) -> tuple[list[Region], list[_Cut]]:
+    def _reduce(self, regions: list[Region], cuts: list[Cut]) -> tuple[list[Region], list[Cut]]:
         """Regions and cuts in the reduced type, except those that would overflow (kept
         float32, the reason in ``kept_fp32``); observed on one float32 run (``_observe``)."""
         dtype = self.precision.reduced
@@ -456,9 +273,9 @@ class RegionUnit(FusegraphUnit):
             x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=self._device)
             feed[t.name] = x.normal_(generator=gen) if x.is_floating_point() else x.zero_()
         env: dict[str, Any] = {**self._weights_dev, **feed}
-        shells = [_Piece(n, g, i, o, None, "", "", "") for n, g, i, o in items]  # type: ignore[arg-type]
+        shells = [Piece(n, g, i, o, None, "", "", "") for n, g, i, o in items]  # type: ignore[arg-type]
         with tf32_allowed(False, force=True):
-            for k in _run_order(shells, self.graph):
+            for k in region_pieces.run_order(shells, self.graph):
                 p = shells[k]
                 res = self._eager(p.graph, tf32=False).execute({f"in{i}": env[name] for i, name in enumerate(p.inputs)})
                 for j, name in enumerate(p.outputs):
@@ -543,12 +360,12 @@ class RegionUnit(FusegraphUnit):
         tuned: ExecutionPlan = result.plan
         return tuned
 
-    def _chosen(self, c: Choice) -> _Piece:
+    def _chosen(self, c: Choice) -> Piece:
         r, v = c.region, c.verdict
         if c.claimed:
             assert c.plan is not None
-            return _Piece(r.nodes, r.graph, r.inputs, r.outputs, c.plan, f"fusegraph:{v.engine}", r.pattern,
-                          v.describe(), v.source, v.fusegraph_ms, v.incumbent_ms)
+            return Piece(r.nodes, r.graph, r.inputs, r.outputs, c.plan, f"fusegraph:{v.engine}", r.pattern,
+                         v.describe(), v.source, v.fusegraph_ms, v.incumbent_ms)
         try:
             plan = self._eager(r.graph)
             where = self.chooser.incumbent.name
@@ -558,13 +375,13 @@ class RegionUnit(FusegraphUnit):
                 orig = self._fp32.get(r.nodes)
                 if orig is not None:  # neither side runs it in the reduced type: float32 op by op
                     self.kept_fp32[r.nodes] = f"runs neither on fusegraph nor op by op in the reduced type ({exc})"
-                    return _Piece(r.nodes, orig, r.inputs, r.outputs, self._eager(orig), self.chooser.incumbent.name,
-                                  r.pattern, v.describe(), v.source, v.fusegraph_ms, v.incumbent_ms)
+                    return Piece(r.nodes, orig, r.inputs, r.outputs, self._eager(orig), self.chooser.incumbent.name,
+                                 r.pattern, v.describe(), v.source, v.fusegraph_ms, v.incumbent_ms)
                 raise UnsupportedError(f"region {r.index} ({r.pattern}) runs neither on fusegraph ({built.why}) "
                                        f"nor op by op on PyTorch ({exc})") from exc
             plan, where = built, f"fusegraph:{built.config}"
-        return _Piece(r.nodes, r.graph, r.inputs, r.outputs, plan, where, r.pattern, v.describe(), v.source,
-                      v.fusegraph_ms, v.incumbent_ms)
+        return Piece(r.nodes, r.graph, r.inputs, r.outputs, plan, where, r.pattern, v.describe(), v.source,
+                     v.fusegraph_ms, v.incumbent_ms)
 
     def _eager(self, graph: Graph, *, tf32: bool | None = None) -> ExecutionPlan:
         """The incumbent's way of running ``graph``: the torch engine, eager, uncaptured, at
@@ -604,7 +421,7 @@ class RegionUnit(FusegraphUnit):
             out[key] = x.normal_(generator=gen) if x.is_floating_point() else x.zero_()
         return out
 
-    def _step(self, name: str, piece: _Piece) -> Step:
+    def _step(self, name: str, piece: Piece) -> Step:
         """The piece as a step reading activations only: the weights it reads are bound to its
         plan once (passed on every call where the plan does not keep them)."""
         consts = {f"in{i}": self._weight(p, piece.graph.tensor_by_name(f"in{i}").dtype)
@@ -637,7 +454,7 @@ class RegionUnit(FusegraphUnit):
 
         return Step(name, tuple(p for _, p in acts), piece.outputs, run, piece.where)
 
-    def _row(self, k: int, piece: _Piece) -> RegionEntry:
+    def _row(self, k: int, piece: Piece) -> RegionEntry:
         onodes = [self.by_name[o] for o in dict.fromkeys(self.origin.get(n, "") for n in piece.nodes) if o in self.by_name]
         origin = [so for o in onodes for so in o.origin()]
         onnx_nodes = tuple(dict.fromkeys(name for name, _ in origin))
@@ -691,44 +508,6 @@ def _rel_err(got: Any, want: Any) -> float:
     return float(np.linalg.norm(g - w) / max(float(np.linalg.norm(w)), 1e-30))
 
 
-def _leaves(nodes: Sequence[Node], readers: Mapping[str, set[str]], outputs: set[str]) -> set[str]:
-    """Tensors ``nodes`` write that the graph returns or other nodes read."""
-    inside = {n.name for n in nodes}
-    return {t.name for n in nodes for t in n.outputs.values()
-            if t.name in outputs or readers.get(t.name, set()) - inside}
-
-
-def _run_order(pieces: Sequence[_Piece], graph: Graph) -> list[int]:
-    """The pieces in an order that runs (producers first; ties by the graph's node order).
-    A cycle between pieces -- each convex, together not -- means no region plan."""
-    import heapq
-
-    position = {n.name: k for k, n in enumerate(graph.nodes)}
-    producer = {t: i for i, p in enumerate(pieces) for t in p.outputs}
-    succ: list[set[int]] = [set() for _ in pieces]
-    waiting = [0] * len(pieces)
-    for i, p in enumerate(pieces):
-        for t in p.inputs:
-            j = producer.get(t)
-            if j is not None and j != i and i not in succ[j]:
-                succ[j].add(i)
-                waiting[i] += 1
-    first = [min(position[n] for n in p.nodes) for p in pieces]
-    ready = [(first[i], i) for i in range(len(pieces)) if waiting[i] == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        _, i = heapq.heappop(ready)
-        order.append(i)
-        for j in sorted(succ[i]):
-            waiting[j] -= 1
-            if waiting[j] == 0:
-                heapq.heappush(ready, (first[j], j))
-    if len(order) != len(pieces):
-        raise NoRegions("its regions depend on each other in a cycle")
-    return order
-
-
 def _to_device(value: Any, t: Any, device: Any) -> Any:
     """``value`` as a torch tensor on ``device`` with ``t``'s dtype and strides (no copy where
     it already is one)."""
@@ -755,5 +534,4 @@ def _to_device(value: Any, t: Any, device: Any) -> Any:
     return out
 
 
-__all__ = ["TIMING", "NoRegions", "RegionUnit", "chooser_for", "incumbent_for", "region_unit", "unavailable",
-           "wanted"]
+__all__ = ["AGREE", "RegionUnit", "region_unit"]

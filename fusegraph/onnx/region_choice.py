@@ -1,0 +1,157 @@
+"""The region layer's settings for an ONNX session (issue 24): whether its claimed units run
+region by region (``wanted``, ``unavailable``), the bar a region must clear there
+(``incumbent_for``: the same nodes op by op on PyTorch, never ONNX Runtime's CPU provider
+for a GPU session), and the ``Chooser`` that decides each region (``chooser_for``): its
+builder (with ``precision=tf32`` a plan with its engine's ``tf32`` knob on), its timing
+(device time on a GPU, where the unit replays as one CUDA graph), its verdict store and the
+keys that keep a precision's verdicts apart.
+
+Why a module: these are what a session *asks* of the region layer, read by the session
+plan (plan.py, ``wanted``) and by the unit that runs the regions (plan_regions.py); tests
+replace ``chooser_for`` here to fake the incumbent or the clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from fusegraph.engines.base import ExecutionPlan
+from fusegraph.errors import FusegraphError, UnsupportedError
+from fusegraph.graph.graph import Graph
+from fusegraph.onnx.precision import Precision, tf32_allowed
+from fusegraph.onnx.units import engine_cache
+from fusegraph.regions.choose import Chooser
+from fusegraph.regions.incumbent import Incumbent, TorchOpByOp
+from fusegraph.regions.split import Region
+from fusegraph.regions.verdicts import VerdictStore
+from fusegraph.runtime.handle import Handle
+
+if TYPE_CHECKING:
+    from fusegraph.onnx.options import ProviderOptions
+    from fusegraph.onnx.plan import SessionPlan
+
+log = logging.getLogger("fusegraph.onnx")
+
+# The region floor's timing (select/timing.py's time_candidates): a bounded warm-up, as the
+# torch front door's (a model's regions are many and small; setup is what users wait for).
+TIMING: dict[str, Any] = {"warmup_s": 0.2, "min_rounds": 5}
+
+
+def wanted(opts: ProviderOptions, handle: Handle) -> bool:
+    """Whether claimed units run region by region: ``regions=on``, or ``auto`` on a GPU or
+    with fp16 / bf16 asked for (reduced precision is a property of the regions)."""
+    reduced = Precision(opts.precision).reduced is not None
+    return opts.regions == "on" or (opts.regions == "auto" and (handle.device.is_gpu or reduced))
+
+
+def unavailable() -> str:
+    """Why the region path cannot run here ('' when it can): its steps pass torch tensors and
+    its incumbent is PyTorch."""
+    from fusegraph.engines.registry import REGISTRY
+
+    try:
+        state = REGISTRY.get("torch").available()
+    except Exception as exc:  # a registry without the torch engine
+        return f"the torch engine is not registered ({exc})"
+    return "" if state else f"the torch engine is unavailable ({state.reason})"
+
+
+def incumbent_for(handle: Handle, *, tf32: bool = False) -> Incumbent:
+    """The bar a region must clear on ``handle``'s device: the same nodes op by op on PyTorch,
+    at the session's precision (``tf32``: TF32 allowed, as PyTorch allows it by default for
+    convolutions)."""
+    return TorchOpByOp(handle, tf32=tf32)
+
+
+def chooser_for(plan: SessionPlan) -> Chooser:
+    """The region layer's settings for this session (tests replace the incumbent or the
+    timer of the chooser it returns, as tests/test_regions.py does)."""
+    handle = plan.handle
+    floor = plan.floor_budget > 0
+    engine = plan.engine.name if plan.engine is not None else None
+    cache_dir = plan.opts.cache_dir
+    compiled = plan.engine is not None and any(e.name != "reference" for e in plan.engine.candidates)
+
+    tf32 = plan.opts.precision == "tf32"
+
+    def build(region: Region) -> ExecutionPlan:
+        """fusegraph's plan; any failure of an engine is the region's refusal (with its
+        reason), never the unit's."""
+        try:
+            with engine_cache(cache_dir), tf32_allowed(tf32):
+                first = _cudnn_tf32(region.graph, handle) if tf32 and engine is None else None
+                built: ExecutionPlan = first or region.graph.build(handle=handle, engine=engine)
+                if tf32 and first is None:
+                    built = _with_tf32(built, region.graph, handle)
+        except FusegraphError:
+            raise
+        except Exception as exc:
+            raise UnsupportedError(f"building failed: {type(exc).__name__}: {exc}") from exc
+        if built.engine == "reference" and engine is None and compiled:
+            raise UnsupportedError("only the float64 reference engine builds it (a correctness oracle, not a runner)")
+        return built
+
+    sync: Callable[[], None] | None = None
+    timing_options: dict[str, Any] = dict(TIMING)
+    key_options: dict[str, Any] = {}
+    if handle.device.is_gpu:
+        import torch
+
+        from fusegraph.select.cuda_clock import CudaClock
+
+        device = torch.device(str(handle.device))
+        sync = lambda: torch.cuda.synchronize(device)  # noqa: E731
+        # the unit replays as one CUDA graph, regions and incumbent steps alike, so a region's
+        # host cost is paid once at capture: both sides are timed on device time
+        timing_options["device_clock"] = CudaClock(device)
+        key_options["clock"] = "device"
+    # a precision's verdicts are its own (fp16 / bf16 regions also differ in content; tf32's do not)
+    options = {} if plan.opts.precision == "fp32" else {"precision": plan.opts.precision}
+    return Chooser(handle, incumbent_for(handle, tf32=plan.opts.precision == "tf32"), floor=floor, engine=engine,
+                   store=VerdictStore(cache_dir) if floor else None, sync=sync,
+                   timing_options=timing_options, builder=build, build_options=options, key_options=key_options)
+
+
+def _cudnn_tf32(graph: Graph, handle: Handle) -> ExecutionPlan | None:
+    """With ``precision=tf32`` on a GPU: a region holding a convolution, matmul or attention
+    built on the cudnn engine with its ``tf32`` knob on (the selection never picks cudnn for
+    such a float32 graph: its TF32-free plans refuse float32 matmuls); None where cudnn is
+    absent, has no such knob for the graph, or the build fails (then the selection decides)."""
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.engines.registry import REGISTRY
+    from fusegraph.graph.ops import CONVOLUTIONS, OpKind
+
+    if not handle.device.is_gpu or not any(n.kind in CONVOLUTIONS | {OpKind.MATMUL, OpKind.SDPA} for n in graph.nodes):
+        return None
+    try:
+        engine = REGISTRY.get("cudnn")
+        if not engine.available() or not any(k.name == "tf32" for k in engine.knobs(graph, handle)):
+            return None
+        plan: ExecutionPlan = engine.build(graph, handle, EngineConfig("cudnn", (("tf32", True),)))
+    except Exception as exc:
+        log.info("no cudnn TF32 plan of %s: %s", graph.name, exc)
+        return None
+    return plan
+
+
+def _with_tf32(built: ExecutionPlan, graph: Graph, handle: Handle) -> ExecutionPlan:
+    """``built`` rebuilt with its engine's ``tf32`` knob on, where the engine has one (the
+    cudnn engine's, for float32 graphs); as it was where not, or where that build fails."""
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.engines.registry import REGISTRY
+
+    try:
+        engine = REGISTRY.get(built.engine)
+        if not any(k.name == "tf32" for k in engine.knobs(graph, handle)):
+            return built
+        knobs = (*(kv for kv in built.config.knobs if kv[0] != "tf32"), ("tf32", True))
+        tf32: ExecutionPlan = engine.build(graph, handle, EngineConfig(built.engine, knobs))
+    except Exception as exc:  # TF32 is an allowance: the float32 plan stands
+        log.info("no TF32 plan of %s on %s: %s", graph.name, built.engine, exc)
+        return built
+    return tf32
+
+
+__all__ = ["TIMING", "chooser_for", "incumbent_for", "unavailable", "wanted"]
