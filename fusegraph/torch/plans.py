@@ -114,8 +114,27 @@ ANY_ENGINE = "any engine"  # in a region's key: claimed unmeasured (floor off), 
 
 
 def _kernel_build(graph: Graph, handle: Handle) -> ExecutionPlan:
-    """The first kernel engine, in the heuristics' order, that builds ``graph``; a typed
-    refusal naming each engine's reason where none does."""
+    """The first kernel engine, in the heuristics' order, that builds ``graph`` -- or, where
+    none does, its graph with the border reshapes folded into views (regions/views.py: a
+    converter's reshape of a weight or of the rows, which neither engine takes); a typed
+    refusal naming each engine's reason where neither works."""
+    from fusegraph.errors import UnsupportedError
+    from fusegraph.regions.views import FoldedPlan, fold_border_reshapes
+
+    try:
+        return _first_kernel(graph, handle)
+    except UnsupportedError as exc:
+        folded = fold_border_reshapes(graph)
+        if folded is None:
+            raise
+        first = exc
+    try:
+        return FoldedPlan(graph, folded, _first_kernel(folded.graph, handle))
+    except UnsupportedError as exc:
+        raise UnsupportedError(f"{first}; with its border reshapes folded into views: {exc}") from exc
+
+
+def _first_kernel(graph: Graph, handle: Handle) -> ExecutionPlan:
     from fusegraph.errors import FusegraphError, UnsupportedError
     from fusegraph.select.api import ranked_configs
     from fusegraph.select.modes import HeurMode

@@ -1,0 +1,172 @@
+"""A region's border reshapes taken out of its graph and done as views by whoever feeds it.
+
+A front door's converter reshapes for the graph API's conventions: a layer norm's weight
+[F] to [1, F] and its [B, S, F] input to [B*S, F] rows, a convolution's bias [C] to
+[1, C, 1, 1], the statistics back to PyTorch's shapes. Inside the caller's own code such a
+reshape of a packed tensor is a view and costs nothing, but cuDNN and the Triton row kernel
+take no reshape node, so a region holding one would go to neither. Folding moves the
+reshapes on the region's border out of the graph: a reshape of a graph input becomes an
+input declared in the reshaped shape (the plan views what it is fed), and a reshape
+producing a graph output becomes an output in its producer's shape (the plan views the
+result). A reshape inside the region followed by pointwise ops that read nothing else
+but scalars is first moved past them (a unary op commutes with a reshape), so the norm's
+rows reshaped back to [B, S, F] and then cast reach the border too. ``FoldedPlan`` keeps
+the region graph's interface, so nothing around it changes.
+Only reshapes whose results are packed are folded: a packed tensor's reshape is a view,
+and a non-packed one's is a packed copy, so the declared layout holds either way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from fusegraph.engines.base import ExecutionPlan
+from fusegraph.graph import layout
+from fusegraph.graph.graph import Graph
+from fusegraph.graph.ops import OpKind
+from fusegraph.graph.serialize import graph_from_dict, graph_to_dict
+from fusegraph.regions.subgraph import cut
+
+View = tuple[str, str, tuple[int, ...] | None]  # (to, from, the shape to view it as; None: as it is)
+
+
+@dataclass(frozen=True)
+class Folded:
+    """The graph without its border reshapes, and how to feed it and read it back:
+    ``feeds`` (its input, the original graph's input, shape) and ``results`` (the original
+    graph's output, its output, shape)."""
+
+    graph: Graph
+    feeds: tuple[View, ...]
+    results: tuple[View, ...]
+
+
+def sink_reshapes(graph: Graph) -> Graph:
+    """``graph`` with each inner reshape moved past the chain of pointwise ops after it that
+    read only it and scalar constants (the same graph where there is none, or where the
+    rewritten one does not validate)."""
+    graph.ensure_valid()
+    d = graph_to_dict(graph)
+    tensors = {e["name"]: e for e in d["tensors"]}
+    outputs = {e["name"] for e in d["tensors"] if e.get("is_output")}
+    inputs = {e["name"] for e in d["tensors"] if not e.get("is_virtual") and not e.get("is_output") and "value" not in e}
+    moved = False
+    while True:
+        nodes: list[dict[str, Any]] = d["nodes"]
+        readers: dict[str, list[int]] = {}
+        for i, e in enumerate(nodes):
+            for t in e["inputs"].values():
+                readers.setdefault(t, []).append(i)
+        for i, r in enumerate(nodes):
+            if r["op"] != "reshape":
+                continue
+            (x,) = r["inputs"].values()
+            (y,) = r["outputs"].values()
+            users = readers.get(y, [])
+            if x in inputs or y in outputs or len(users) != 1:
+                continue
+            j = users[0]
+            pw = nodes[j]
+            others = [t for t in pw["inputs"].values() if t != y]
+            if pw["op"] != "pointwise" or any("value" not in tensors[t] for t in others):
+                continue
+            (z,) = pw["outputs"].values()
+            ty, tx, tz = tensors[y], tensors[x], tensors[z]
+            # the op now computes in x's shape into y; the reshape takes y to z
+            ty.update(dim=list(tx["dim"]), stride=list(layout.packed_strides(tx["dim"])), data_type=tz["data_type"])
+            ty["set"] = [k for k in ty.get("set", []) if k != "dim"]
+            tz["set"] = sorted(set(tz.get("set", [])) | {"dim"})  # the reshape's target
+            pw["inputs"] = {p: (x if t == y else t) for p, t in pw["inputs"].items()}
+            pw["outputs"] = {p: y for p in pw["outputs"]}
+            r["inputs"] = {p: y for p in r["inputs"]}
+            r["outputs"] = {p: z for p in r["outputs"]}
+            r.setdefault("attrs", {})
+            nodes.insert(j, nodes.pop(i))  # the reshape now follows the op
+            moved = True
+            break
+        else:
+            break
+    if not moved:
+        return graph
+    try:
+        g = graph_from_dict(d)
+        g.validate()
+    except Exception:  # a rewrite the graph API refuses changes nothing
+        return graph
+    return g
+
+
+def fold_border_reshapes(graph: Graph) -> Folded | None:
+    """The folded graph, or None where ``graph`` has no border reshape to fold."""
+    graph = sink_reshapes(graph)
+    nodes = list(graph.nodes)
+    inputs = {t.name for t in graph.inputs()}
+    outputs = [t.name for t in graph.outputs()]
+    readers: dict[str, int] = {}
+    for n in nodes:
+        for t in n.inputs.values():
+            readers[t.name] = readers.get(t.name, 0) + 1
+    dropped_in: dict[str, tuple[str, tuple[int, ...]]] = {}  # reshape result -> (graph input, shape)
+    dropped_out: dict[str, tuple[str, tuple[int, ...]]] = {}  # graph output -> (its producer's tensor, shape)
+    dropped: set[str] = set()
+    for n in nodes:
+        if n.kind != OpKind.RESHAPE:
+            continue
+        (x,) = n.inputs.values()
+        (y,) = n.outputs.values()
+        packed = tuple(y.strides) == tuple(layout.packed_strides(y.shape))
+        if not packed:
+            continue
+        if x.name in inputs:
+            dropped_in[y.name] = (x.name, tuple(y.shape))
+            dropped.add(n.name)
+        elif y.name in outputs and not readers.get(y.name) and x.name not in dropped_in:
+            dropped_out[y.name] = (x.name, tuple(y.shape))
+            dropped.add(n.name)
+    kept = [n for n in nodes if n.name not in dropped]
+    if not dropped or not kept:
+        return None
+    keep = set(outputs) | {src for src, _ in dropped_out.values()}
+    piece = cut(graph, kept, frozenset(keep), f"{graph.name}.folded")
+    feeds: list[View] = []
+    for i, parent in enumerate(piece.inputs):
+        src, shape = dropped_in.get(parent, (parent, None))  # type: ignore[arg-type]
+        feeds.append((f"in{i}", src, shape))
+    out_of = {parent: f"out{j}" for j, parent in enumerate(piece.outputs)}
+    results: list[View] = []
+    for name in outputs:
+        if name in out_of:
+            results.append((name, out_of[name], None))
+        else:
+            src, shape = dropped_out[name]
+            results.append((name, out_of[src], shape))
+    return Folded(piece.graph, tuple(feeds), tuple(results))
+
+
+class FoldedPlan(ExecutionPlan):
+    """A plan for the folded graph behind the original graph's interface: it views what it
+    is fed (``reshape``: a view where the layout allows, which the folding checked) and the
+    results it hands back. Works on any array type with ``reshape`` (torch, NumPy)."""
+
+    def __init__(self, original: Graph, folded: Folded, plan: ExecutionPlan) -> None:
+        super().__init__(original, plan.handle, plan.config)
+        self.inner = plan
+        self.folded = folded
+
+    @property
+    def workspace_size(self) -> int:
+        return self.inner.workspace_size
+
+    def execute(self, variant_pack: Mapping[Any, Any]) -> dict[str, Any]:
+        pack = {k if isinstance(k, str) else getattr(k, "name", k): v for k, v in variant_pack.items()}
+        fed = {}
+        for to, src, shape in self.folded.feeds:
+            v = pack[src]
+            fed[to] = v if shape is None else v.reshape(shape)
+        got = self.inner.execute(fed)
+        return {name: got[src] if shape is None else got[src].reshape(shape) for name, src, shape in self.folded.results}
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.inner.describe(), "folded_reshapes": len(self.folded.feeds) + len(self.folded.results)}

@@ -1,0 +1,79 @@
+"""Border reshapes folded into views (fusegraph/regions/views.py): the layer norm a
+PyTorch converter emits for [B, S, F] -- rows reshaped in, weight and bias reshaped to
+[1, F], the result reshaped back and cast -- loses every reshape node, and the folded
+plan, fed and read through views, gives the float64 reference's answer of the original
+graph on fresh random data. Golden text fixes what the folded graph holds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fusegraph as fg
+from fusegraph.graph.ops import OpKind
+from fusegraph.regions.views import FoldedPlan, fold_border_reshapes, sink_reshapes
+
+B, S, F = 2, 3, 8
+
+
+def _ln_graph() -> fg.Graph:
+    g = fg.Graph("ln3d", io_data_type=fg.DataType.FLOAT)
+    x, w, b = g.tensor("x", [B, S, F]), g.tensor("w", [F]), g.tensor("b", [F])
+    rows = g.reshape(x, [B * S, F])
+    y, mean, inv = g.layernorm(rows, g.reshape(w, [1, F]), g.reshape(b, [1, F]), 1e-5, fg.NormFwdPhase.TRAINING)
+    assert mean is not None and inv is not None
+    back = g.reshape(y, [B, S, F])
+    g.mul(back, g.scalar(2.0, fg.DataType.FLOAT)).set_output(True).set_name("out")
+    g.reshape(mean, [B, S, 1]).set_output(True).set_name("mean")
+    g.reshape(inv, [B, S, 1]).set_output(True).set_name("rstd")
+    return g.validate()
+
+
+def test_inner_reshape_moves_past_a_scalar_op() -> None:
+    sunk = sink_reshapes(_ln_graph())
+    kinds = [n.kind for n in sunk.nodes]
+    # the reshape back to [B, S, F] now follows the multiply by 2 and writes the output
+    i = kinds.index(OpKind.LAYERNORM)
+    assert kinds[i + 1] == OpKind.POINTWISE and kinds[-3:].count(OpKind.RESHAPE) >= 1
+    out = next(n for n in sunk.nodes if "out" in [t.name for t in n.outputs.values()])
+    assert out.kind == OpKind.RESHAPE
+
+
+def test_every_border_reshape_folds_and_the_answer_is_the_originals(rng: np.random.Generator) -> None:
+    g = _ln_graph()
+    folded = fold_border_reshapes(g)
+    assert folded is not None
+    assert [n.kind for n in folded.graph.nodes] == [OpKind.LAYERNORM, OpKind.POINTWISE]
+    assert sorted((src, shape) for _, src, shape in folded.feeds) == [
+        ("b", (1, F)), ("w", (1, F)), ("x", (B * S, F))]
+    assert sorted((name, shape) for name, _, shape in folded.results) == [
+        ("mean", (B, S, 1)), ("out", (B, S, F)), ("rstd", (B, S, 1))]
+    feed = {"x": rng.standard_normal((B, S, F)).astype(np.float32),
+            "w": rng.standard_normal(F).astype(np.float32), "b": rng.standard_normal(F).astype(np.float32)}
+    want = g.build(engine="reference").execute(feed)
+    inner = folded.graph.build(engine="reference")
+    got = FoldedPlan(g, folded, inner).execute(feed)
+    assert set(got) == set(want)
+    for k in want:
+        w64, g64 = np.asarray(want[k], np.float64), np.asarray(got[k], np.float64)
+        assert g64.shape == w64.shape and np.isfinite(g64).all()
+        assert np.linalg.norm(g64 - w64) / np.linalg.norm(w64) <= 1e-6, k
+
+
+def test_nothing_to_fold_is_none() -> None:
+    g = fg.Graph("plain", io_data_type=fg.DataType.FLOAT)
+    g.relu(g.tensor("x", [4, 4])).set_output(True).set_name("y")
+    assert fold_border_reshapes(g.validate()) is None
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_a_non_packed_reshape_result_is_not_folded(strided: bool) -> None:
+    """A reshape whose result is declared in a non-packed layout is no view: it stays."""
+    g = fg.Graph("t", io_data_type=fg.DataType.FLOAT)
+    x = g.tensor("x", [4, 6])
+    r = g.reshape(x, [6, 4])
+    if strided:
+        r.set_stride([1, 6])
+    g.relu(r).set_output(True).set_name("y")
+    folded = fold_border_reshapes(g.validate())
+    assert (folded is None) == strided
