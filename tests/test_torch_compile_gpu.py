@@ -158,3 +158,25 @@ def test_floor_measures_kernel_engine_regions_on_device_time(cuda: Any) -> None:
     assert all("device time" in r.why for r in timed), [r.why for r in timed]
     engines = {r.where.split(":", 1)[1].split("[")[0] for r in rows if r.fusegraph}
     assert engines <= {"cudnn", "triton"}, engines
+
+
+def test_a_3d_layer_norm_region_reaches_a_kernel_engine_through_folded_views(cuda: Any) -> None:
+    """A [B, S, F] layer norm converts with reshapes (rows in, weight [1, F], the result
+    back to [B, S, F]) that neither kernel engine takes: folded into views, the region is
+    built and measured instead of refused, and its answer is PyTorch's where it is kept."""
+    from fusegraph.torch.compile_backend import collecting
+
+    def fn(x: Any, w: Any, b: Any) -> Any:
+        return F.layer_norm(x, (768,), w, b) * 2.0
+
+    bf16 = torch.bfloat16
+    x, w, b = (torch.randn(8, 512, 768, device=cuda, dtype=bf16), torch.randn(768, device=cuda, dtype=bf16),
+               torch.randn(768, device=cuda, dtype=bf16))
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=fusegraph_backend)
+    with torch.no_grad(), collecting() as rows:
+        got = compiled(x, w, b)
+    assert _rel(got.float(), fn(x.float(), w.float(), b.float())) < 2e-2
+    norm = [r for r in rows if r.op == "aten.native_layer_norm"]
+    assert norm and all("refused" not in r.why for r in norm), [r.why for r in norm]
+    assert all("device time" in r.why for r in norm), [r.why for r in norm]
