@@ -77,3 +77,25 @@ def test_a_non_packed_reshape_result_is_not_folded(strided: bool) -> None:
     g.relu(r).set_output(True).set_name("y")
     folded = fold_border_reshapes(g.validate())
     assert (folded is None) == strided
+
+
+def test_a_reshape_nobody_reads_is_dropped(rng: np.random.Generator) -> None:
+    """Inference reads no statistics: their reshapes back to PyTorch's shapes read nothing
+    and write nothing anyone reads, and must not keep the region from a kernel engine."""
+    g = fg.Graph("ln_infer", io_data_type=fg.DataType.FLOAT)
+    x, w, b = g.tensor("x", [B, S, F]), g.tensor("w", [F]), g.tensor("b", [F])
+    y, mean, inv = g.layernorm(g.reshape(x, [B * S, F]), g.reshape(w, [1, F]), g.reshape(b, [1, F]), 1e-5,
+                               fg.NormFwdPhase.TRAINING)
+    assert mean is not None and inv is not None
+    g.reshape(mean, [B, S, 1])
+    g.reshape(inv, [B, S, 1])
+    g.reshape(y, [B, S, F]).set_output(True).set_name("out")
+    g.validate()
+    folded = fold_border_reshapes(g)
+    assert folded is not None and [n.kind for n in folded.graph.nodes] == [OpKind.LAYERNORM]
+    feed = {"x": rng.standard_normal((B, S, F)).astype(np.float32),
+            "w": rng.standard_normal(F).astype(np.float32), "b": rng.standard_normal(F).astype(np.float32)}
+    want = g.build(engine="reference").execute(feed)["out"]
+    got = FoldedPlan(g, folded, folded.graph.build(engine="reference")).execute(feed)["out"]
+    assert got.shape == want.shape
+    assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) <= 1e-6

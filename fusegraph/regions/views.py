@@ -125,6 +125,8 @@ def fold_border_reshapes(graph: Graph) -> Folded | None:
         elif y.name in outputs and not readers.get(y.name) and x.name not in dropped_in:
             dropped_out[y.name] = (x.name, tuple(y.shape))
             dropped.add(n.name)
+        elif not readers.get(y.name) and y.name not in outputs:  # dead: a statistic nobody reads
+            dropped.add(n.name)
     kept = [n for n in nodes if n.name not in dropped]
     if not dropped or not kept:
         return None
