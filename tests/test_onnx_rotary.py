@@ -159,6 +159,21 @@ def test_position_past_the_caches_is_an_error_not_garbage(rng: np.random.Generat
         sess.run(None, feed)
 
 
+def test_negative_position_is_a_typed_error_as_onnxruntime_refuses_it(rng: np.random.Generator) -> None:
+    """ONNX Runtime rejects a negative position id; the session checks host-fed ids against
+    the caches' rows and raises InvalidFeedError naming the input and the node."""
+    from fusegraph.onnx.ort_errors import InvalidFeedError
+
+    model, feed = _model([B, S, H * D], [B, S], D // 2, rng, num_heads=H)
+    feed["pos"][0, 1] = -1
+    with pytest.raises(Exception):  # noqa: B017  (ONNX Runtime's own error type)
+        _ort(model, feed)
+    sess = _session(model, "torch")
+    with pytest.raises(InvalidFeedError, match=r"index -1 is out of range.*\[0, 24\)") as info:
+        sess.run(None, feed)
+    assert info.value.tensor == "pos"
+
+
 @pytest.mark.parametrize(("attrs", "half", "ids_dims", "reason"), [
     ({"num_heads": H, "is_packed_batching": 1}, D // 2, [B, S], "is_packed_batching=1"),
     ({"num_heads": H, "scale": 0.5}, D // 2, [B, S], "scale=0.5"),

@@ -1,5 +1,7 @@
 """Model inputs that index a constant table: ids fed to a ``Gather`` whose data is an
-initializer (an embedding lookup). fusegraph's gather checks its ids' range as PyTorch's
+initializer (an embedding lookup), and position ids fed to the contrib ``RotaryEmbedding``
+whose caches are initializers (ids in [0, rows): ONNX Runtime refuses negative ones, which
+the graph's gather would count from the end). fusegraph's gather checks its ids' range as PyTorch's
 indexing does -- a typed error on the CPU, but a device-side assert on CUDA, which poisons
 the process's CUDA context -- so a session checks ids arriving from the host against the
 table before they reach a device: a typed error naming the input and the node instead of a
@@ -18,6 +20,7 @@ import onnx
 class IndexRange:
     node: str
     rows: int  # valid ids are in [-rows, rows), negative ones counting from the end as ONNX's Gather
+    negative: bool = True  # False: valid ids are in [0, rows)
 
 
 def index_ranges(model: onnx.ModelProto) -> dict[str, list[IndexRange]]:
@@ -28,6 +31,12 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, list[IndexRange]]:
     inputs = {i.name for i in graph.input if i.name not in inits}
     out: dict[str, list[IndexRange]] = {}
     for n in graph.node:
+        if n.op_type == "RotaryEmbedding" and n.domain == "com.microsoft" and len(n.input) >= 3:
+            ids, cache = n.input[1], n.input[2]
+            if ids in inputs and cache in tables and tables[cache]:
+                out.setdefault(ids, []).append(
+                    IndexRange(n.name or f"RotaryEmbedding({n.input[0]})", int(tables[cache][0]), negative=False))
+            continue
         if n.op_type != "Gather" or n.domain not in ("", "ai.onnx") or len(n.input) < 2:
             continue
         data, ids = n.input[0], n.input[1]
@@ -47,8 +56,9 @@ def out_of_range(ids: np.ndarray, ranges: list[IndexRange]) -> str:
         return ""
     lo, hi = int(ids.min()), int(ids.max())
     for r in ranges:
-        if lo < -r.rows or hi >= r.rows:
+        low = -r.rows if r.negative else 0
+        if lo < low or hi >= r.rows:
             bad = hi if hi >= r.rows else lo
             return (f"index {bad} is out of range for node '{r.node}', whose table has {r.rows} rows "
-                    f"(ids must be in [{-r.rows}, {r.rows}))")
+                    f"(ids must be in [{low}, {r.rows}))")
     return ""

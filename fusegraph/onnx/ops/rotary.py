@@ -11,8 +11,10 @@ its even/odd channels, ``interleaved``); the rest of the head passes through.
 What ONNX Runtime's CPU kernel does not define or fusegraph does not express is refused
 with the reason: ragged packed batches (``is_packed_batching``), a ``scale`` other than 1
 (the kernel never reads it), caches whose width is not ``rotary_embedding_dim / 2``.
-A negative position id counts from the end of the caches (the graph's gather rule) where
-ONNX Runtime refuses it; one past the caches is an error on every engine.
+Position ids fed from the host with constant caches are range-checked at ``run()``
+(onnx/index_ranges.py: [0, rows), as ONNX Runtime requires); ids computed in the graph or
+bound on the device are not, and there a negative one counts from the end of the caches
+(the graph's gather rule).
 """
 
 from __future__ import annotations
