@@ -406,3 +406,25 @@ def test_rows_of_a_backward_compiled_in_another_thread_are_collected() -> None:
     phases = {r.node.split(":", 1)[0].rstrip("0123456789") for r in rows}
     assert phases == {"fw", "bw"}, phases
     assert any(r.fusegraph and r.op == "aten.convolution_backward" for r in rows), [r.op for r in rows]
+
+
+def test_inductors_fx_graph_cache_serves_the_backends_graphs() -> None:
+    """The unclaimed rest compiles through Inductor's FX graph cache: compiled again (a new
+    process, or after ``torch._dynamo.reset()``), a graph is read back, not compiled afresh
+    (the table that keeps ops whole made every graph bypass the cache)."""
+    from torch._dynamo.utils import counters
+
+    def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.layer_norm(x, (16,), w, b).relu() * 3.0
+
+    args = (torch.randn(8, 16), torch.randn(16), torch.randn(16))
+    seen = []
+    for _ in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn, backend=partial(fusegraph_backend, options={"floor": True}))
+        got = compiled(*args)
+        seen.append(dict(counters["inductor"]))
+        assert torch.allclose(got, fn(*args), rtol=1e-5, atol=1e-5)
+    assert not seen[1].get("fxgraph_cache_bypass"), seen
+    assert seen[1].get("fxgraph_cache_hit", 0) >= 1, seen

@@ -137,11 +137,12 @@ def _keep_whole() -> dict[Any, Any]:
     return {op: fn for op, fn in select_decomp_table().items() if op not in aten.CONVERTERS}
 
 
-def _decompose_rest(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> torch.fx.GraphModule:
+def _decompose_rest(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> tuple[torch.fx.GraphModule, bool]:
     """The ops kept whole for fusegraph that it did not claim, decomposed as Inductor would
     have (so Inductor fuses them instead of calling them as fallbacks, which it refuses for an
     op with a decomposition: ``aten.t`` under a dynamic batch on the H100). Re-traced on the
-    graph's fake inputs, symbolic sizes included."""
+    graph's fake inputs, symbolic sizes included. Also says whether the graph is now as
+    Inductor's own table leaves it (False: ops kept whole remain)."""
     from torch._inductor.decomposition import select_decomp_table
 
     table = select_decomp_table()
@@ -150,8 +151,10 @@ def _decompose_rest(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> torch.fx
     # can itself produce a kept op (native_layer_norm_backward -> aten.transpose.int), which
     # Inductor would then make a fallback -- an error where the CI variable is set
     needed = table if any(op in table for op in left) else {}
-    if not needed or any(not isinstance(x, torch.Tensor | torch.SymInt) for x in inputs):
-        return gm
+    if not needed:
+        return gm, True
+    if any(not isinstance(x, torch.Tensor | torch.SymInt) for x in inputs):
+        return gm, False
     from torch._guards import detect_fake_mode
     from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -161,9 +164,23 @@ def _decompose_rest(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> torch.fx
             traced: torch.fx.GraphModule = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=needed)(*inputs)
     except Exception as exc:  # keep them whole
         log.info("unclaimed ops kept whole for Inductor (%s: %s)", type(exc).__name__, exc)
-        return gm
+        return gm, False
     traced.meta.update(gm.meta)
-    return traced
+    return traced, True
+
+
+def _cacheable(settled: bool, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Inductor's compile kwargs with its own decomposition table where the graph is as that
+    table leaves it (``settled``: _decompose_rest re-traced it, or kept nothing whole): the
+    table fusegraph passes to keep ops whole holds functions Inductor cannot pickle into its
+    FX graph cache's key, so every graph was compiled afresh in every process (measured on
+    the CPU: a tiny GPT-2's first step 13.5 s with a warm fusegraph cache, against 2.7 s for
+    Inductor alone)."""
+    if not settled:
+        return kwargs
+    from torch._inductor.decomposition import select_decomp_table
+
+    return {**kwargs, "get_decomp_fn": select_decomp_table}
 
 
 def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
@@ -178,7 +195,8 @@ def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *
             # under CUDA graphs both sides would be captured and replayed: the regions' verdicts decide
             original = graph_floor_copy(graph) if opts.floor and opts.whole_graph and patches is None else None
             rows, device_time = _claim(graph, opts, _kind(graph), original is not None, inputs)
-            compiled = compile_fx_inner(_decompose_rest(graph, inputs), inputs, **kwargs)
+            rest, settled = _decompose_rest(graph, inputs)
+            compiled = compile_fx_inner(rest, inputs, **_cacheable(settled, kwargs))
             # each compile records its outputs' strides in the tracing context, which must
             # hold the strides of the one returned
             from torch._guards import TracingContext
@@ -191,7 +209,8 @@ def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *
                     strides["claimed"] = list(context.output_strides)
                     context.output_strides.clear()
                 assert original is not None
-                return compile_fx_inner(_decompose_rest(original, inputs), inputs, **kwargs)
+                whole, whole_settled = _decompose_rest(original, inputs)
+                return compile_fx_inner(whole, inputs, **_cacheable(whole_settled, kwargs))
 
             chosen = _settle(compiled, compile_original, original, inputs, rows, opts, "inductor", device_time)
             if chosen is compiled and context is not None and context.output_strides is not None and "claimed" in strides:
