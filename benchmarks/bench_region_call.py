@@ -9,6 +9,11 @@ and Inductor's is mostly host time when the kernels are short: this says where i
     python benchmarks/bench_region_call.py                      # CUDA if present, else CPU
     python benchmarks/bench_region_call.py --device cpu --cases layernorm,linear
     python benchmarks/bench_region_call.py --profile 0          # no profile
+    python benchmarks/bench_region_call.py --floor              # the floor on: each region's verdict
+
+With ``--floor`` the backend runs as users get it (floor and whole-graph check on; on a GPU
+the region is built on a kernel engine and measured on device time) and each case prints
+its region's verdict: how its kernels compare with Inductor's, apart from the host cost.
 """
 
 from __future__ import annotations
@@ -46,10 +51,11 @@ def _cases(device: torch.device, dtype: torch.dtype, small: bool) -> dict[str, t
 
 
 def _one(name: str, fn: Callable[..., Any], inputs: tuple[Any, ...], sync: Callable[[], None] | None,
-         budget: float, profile: int) -> None:
+         budget: float, profile: int, floor: bool = False) -> None:
     torch._dynamo.reset()
     ind = torch.compile(fn)
-    fg = torch.compile(fn, backend=partial(fusegraph_backend, options={"floor": False, "whole_graph": False}))
+    options = {} if floor else {"floor": False, "whole_graph": False}
+    fg = torch.compile(fn, backend=partial(fusegraph_backend, options=options))
     with torch.no_grad():
         with collecting() as rows:
             fg(*inputs)
@@ -60,6 +66,9 @@ def _one(name: str, fn: Callable[..., Any], inputs: tuple[Any, ...], sync: Calla
         ms = {k: v.median_ms for k, v in t.items()}
         print(f"{name:<12} {ms['eager']:9.4f} {ms['inductor']:9.4f} {ms['fusegraph']:9.4f} "
               f"{(ms['fusegraph'] - ms['inductor']) * 1e3:9.1f}  {', '.join(engines)}")
+        if floor:
+            for why in sorted({f"{r.pattern} -> {r.where}: {r.why}" for r in rows if r.region is not None}):
+                print(f"    {why}")
         if profile <= 0:
             return
         prof = cProfile.Profile()
@@ -86,6 +95,7 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=2.0, help="seconds of interleaved timing per case")
     ap.add_argument("--profile", type=int, default=300, help="claimed calls to profile per case (0: none)")
     ap.add_argument("--small", action="store_true", help="tiny shapes (the CPU default)")
+    ap.add_argument("--floor", action="store_true", help="the floor on, as users get it; print each region's verdict")
     args = ap.parse_args()
     device = torch.device(args.device)
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -103,7 +113,7 @@ def main() -> int:
     print(f"{'case':<12} {'eager ms':>9} {'inductor':>9} {'fusegraph':>9} {'fg-ind us':>9}  engine")
     for name in wanted:
         fn, inputs = cases[name]
-        _one(name, fn, inputs, sync, args.budget, args.profile)
+        _one(name, fn, inputs, sync, args.budget, args.profile, args.floor)
     return 0
 
 
