@@ -27,8 +27,9 @@ log = logging.getLogger("fusegraph.regions")
 FILE = "regions-verdicts.json"
 # What a verdict's measurement means; part of every key, so verdicts measured the old way are
 # never read back. 2: torch.compile's regions timed through their call in the graph (the op
-# ``fusegraph::region``, host cost included), no longer as the plan alone.
-KEY_VERSION = 2
+# ``fusegraph::region``, host cost included), no longer as the plan alone. 3: on a GPU the
+# torch front door's regions run on kernel engines only, their border reshapes folded.
+KEY_VERSION = 3
 
 
 @dataclass(frozen=True)

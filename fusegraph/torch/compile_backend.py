@@ -113,8 +113,14 @@ def _settle(claimed_fn: Callable[..., Any], compile_original: Callable[[], Calla
             return claimed_fn
         from fusegraph.regions.verdicts import Verdict
 
-        fn, verdict = compile_original(), Verdict(False, "refused", f"the graph check failed: {type(exc).__name__}: {exc}",
-                                                  incumbent=graph_floor.INCUMBENT)
+        try:
+            fn = compile_original()
+        except Exception as again:  # nothing else to run: the claimed graph, whose regions each won
+            log.warning("the unclaimed graph did not compile either (%s: %s); the claimed graph is kept",
+                        type(again).__name__, again)
+            return claimed_fn
+        verdict = Verdict(False, "refused", f"the graph check failed: {type(exc).__name__}: {exc}",
+                          incumbent=graph_floor.INCUMBENT)
     if not verdict.fusegraph:
         sink = _sink()
         mine = {id(r) for r in rows}
