@@ -221,3 +221,70 @@ def test_rotary_embedding_claimed_on_cuda(interleaved: int, rng: np.random.Gener
     rep = sess.partition_report()
     assert rep.coverage == 1.0 and not rep.unclaimed, [(u.op_type, u.reason) for u in rep.unclaimed]
     assert _err(got, want)[0] <= 1e-5
+
+
+# ---- the default domain's RotaryEmbedding (opset 23): (X, cos_cache, sin_cache, position_ids?)
+def _model23(xdims: Sequence[int], rng: np.random.Generator, *, ids: bool = True, rot: int = 0,
+             **attrs: Any) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    heads = attrs.get("num_heads") or xdims[1]
+    head = (xdims[2] // heads) if len(xdims) == 3 else xdims[3]
+    seq = xdims[1] if len(xdims) == 3 else xdims[2]
+    half = (rot or head) // 2
+    freq = 1.0 / 10000 ** (np.arange(half) / max(half, 1))
+    if ids:
+        ang = np.arange(MAXPOS)[:, None] * freq[None, :]
+    else:  # the rows themselves, one per (batch, position)
+        ang = rng.integers(0, MAXPOS, (xdims[0], seq))[..., None] * freq
+    caches = {"cos": np.cos(ang).astype(np.float32), "sin": np.sin(ang).astype(np.float32)}
+    if rot:
+        attrs["rotary_embedding_dim"] = rot
+    inputs = ["x", "cos", "sin"] + (["pos"] if ids else [])
+    node = helper.make_node("RotaryEmbedding", inputs, ["y"], **attrs)
+    ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(xdims))]
+    feed = {"x": rng.standard_normal(xdims).astype(np.float32)}
+    if ids:
+        ins.append(helper.make_tensor_value_info("pos", TensorProto.INT64, [xdims[0], seq]))
+        feed["pos"] = rng.integers(0, MAXPOS, (xdims[0], seq)).astype(np.int64)
+    graph = helper.make_graph([node], "rope23", ins, [helper.make_tensor_value_info("y", TensorProto.FLOAT, list(xdims))],
+                              [numpy_helper.from_array(v, k) for k, v in caches.items()])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 23)], ir_version=10), feed
+
+
+@pytest.mark.parametrize(("xdims", "attrs", "rot", "ids"), [
+    ([B, S, H * D], {"num_heads": H}, 0, True),
+    ([B, S, H * D], {"num_heads": H, "interleaved": 1}, 0, True),
+    ([B, H, S, D], {}, 0, True),
+    ([B, H, S, D], {"interleaved": 1}, 4, True),
+    ([B, S, H * D], {"num_heads": H}, 6, False),
+    ([B, H, S, D], {}, 0, False),
+])
+def test_opset23_rotary_embedding_against_onnxruntime(xdims: list[int], attrs: dict[str, Any], rot: int, ids: bool,
+                                                       rng: np.random.Generator) -> None:
+    model, feed = _model23(xdims, rng, ids=ids, rot=rot, **attrs)
+    for engine in ("reference", "torch"):
+        sess = _session(model, engine)
+        rep = sess.partition_report()
+        assert not rep.unclaimed, [(u.op_type, u.reason) for u in rep.unclaimed]
+        assert _err(sess.run(None, feed)[0], _ort(model, feed))[0] <= 1e-5
+
+
+def test_opset23_forms_not_lowered_name_the_reason(rng: np.random.Generator) -> None:
+    """A [batch, seq, hidden] input without num_heads: ONNX Runtime cannot split the heads
+    either; the node stays unclaimed with the reason."""
+    model, _ = _model23([B, S, H * D], rng, num_heads=H)
+    for a in model.graph.node[0].attribute:
+        if a.name == "num_heads":
+            a.i = 0
+    sess = _session(model)
+    (u,) = sess.partition_report().unclaimed
+    assert u.op_type == "RotaryEmbedding" and "needs num_heads" in u.reason, u.reason
+
+
+def test_opset23_negative_position_is_a_typed_error(rng: np.random.Generator) -> None:
+    from fusegraph.onnx.ort_errors import InvalidFeedError
+
+    model, feed = _model23([B, S, H * D], rng, num_heads=H)
+    feed["pos"][1, 0] = -2
+    with pytest.raises(InvalidFeedError, match=r"index -2 is out of range") as info:
+        _session(model, "torch").run(None, feed)
+    assert info.value.tensor == "pos"

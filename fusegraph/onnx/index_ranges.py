@@ -31,8 +31,9 @@ def index_ranges(model: onnx.ModelProto) -> dict[str, list[IndexRange]]:
     inputs = {i.name for i in graph.input if i.name not in inits}
     out: dict[str, list[IndexRange]] = {}
     for n in graph.node:
-        if n.op_type == "RotaryEmbedding" and n.domain == "com.microsoft" and len(n.input) >= 3:
-            ids, cache = n.input[1], n.input[2]
+        if n.op_type == "RotaryEmbedding" and n.domain in ("com.microsoft", "", "ai.onnx") and len(n.input) >= 3:
+            contrib = n.domain == "com.microsoft"  # (input, ids, cos, sin); the default domain's (X, cos, sin, ids?)
+            ids, cache = (n.input[1], n.input[2]) if contrib else (n.input[3] if len(n.input) > 3 else "", n.input[1])
             if ids in inputs and cache in tables and tables[cache]:
                 out.setdefault(ids, []).append(
                     IndexRange(n.name or f"RotaryEmbedding({n.input[0]})", int(tables[cache][0]), negative=False))

@@ -147,13 +147,72 @@ def _rows(imp: Importer, cache: str, ids: np.ndarray | TensorAttr, what: str) ->
 
 @lowers(contrib(OP))
 def lower_contrib_rotary(imp: Importer, node: ONode) -> None:
-    """x1, x2 = the halves (or even/odd channels) of the rotated part of each head;
-    out = [x1 cos - x2 sin, x1 sin + x2 cos] (re-interleaved), then the unrotated rest."""
+    """ONNX Runtime's contrib op: (input, position_ids, cos_cache, sin_cache)."""
     r = _geometry(imp, node)
     ids = _position_ids(imp, node.inputs[1], r)
     cos, sin = _rows(imp, node.inputs[2], ids, "cos_cache"), _rows(imp, node.inputs[3], ids, "sin_cache")
-    x = imp.tensor(node.inputs[0], "plain")
     rows = 1 if _is_offset(imp.shape(node.inputs[1])) else r.batch
+    _rotate(imp, node, r, cos, sin, rows)
+
+
+@lowers(OP)
+def lower_rotary(imp: Importer, node: ONode) -> None:
+    """The default domain's op (opset 23): (X, cos_cache, sin_cache, position_ids?). With
+    position ids the caches are [max_position, rotary_dim / 2] tables, as the contrib op's;
+    without, they are the rows already, [batch, seq, rotary_dim / 2]."""
+    r = _geometry23(imp, node)
+    pos = node.inputs[3] if len(node.inputs) > 3 else ""
+    if pos:
+        ps = imp.shape(pos)
+        if list(ps) != [r.batch, r.seq]:
+            raise Unmappable(f"{OP}: position_ids {list(ps)} is not [batch={r.batch}, seq={r.seq}]")
+        ids = _position_ids(imp, pos, r)
+        cos, sin = _rows(imp, node.inputs[1], ids, "cos_cache"), _rows(imp, node.inputs[2], ids, "sin_cache")
+        rows = r.batch
+    else:
+        cos, sin = imp.tensor(node.inputs[1], "plain"), imp.tensor(node.inputs[2], "plain")
+        rows = imp.shape(node.inputs[1])[0]
+    _rotate(imp, node, r, cos, sin, rows)
+
+
+def _geometry23(imp: Importer, node: ONode) -> Rope:
+    """The opset-23 op's dims, as its reference implementation reads them; refuses the rest."""
+    interleaved = _int_attr(node, "interleaved")
+    if interleaved not in (0, 1):
+        raise Unmappable(f"{OP}: interleaved={interleaved} is not 0 or 1")
+    names = [node.inputs[k] if k < len(node.inputs) else "" for k in range(4)]
+    if not all(names[:3]):
+        raise Unmappable(f"{OP}: needs X, cos_cache and sin_cache (got {names[:3]})")
+    xs, cs, ss = imp.shape(names[0]), imp.shape(names[1]), imp.shape(names[2])
+    heads_attr, rot_attr = _int_attr(node, "num_heads"), _int_attr(node, "rotary_embedding_dim")
+    if heads_attr < 0 or rot_attr < 0:
+        raise Unmappable(f"{OP}: rotary_embedding_dim={rot_attr} / num_heads={heads_attr} is negative")
+    if len(xs) == 4:
+        batch, heads, seq, head = xs
+    elif len(xs) == 3:
+        batch, seq, hidden = xs
+        if not heads_attr or hidden % heads_attr:
+            raise Unmappable(f"{OP}: a [batch, seq, hidden] input {list(xs)} needs num_heads dividing the hidden size "
+                             f"(got num_heads={heads_attr})")
+        heads, head = heads_attr, hidden // heads_attr
+    else:
+        raise Unmappable(f"{OP}: X {list(xs)} is neither [batch, seq, hidden] nor [batch, heads, seq, head]")
+    rot = rot_attr or head
+    want = 2 if names[3] else 3
+    if cs != ss or len(cs) != want or cs[-1] != rot // 2 or rot > head or rot % 2:
+        form = "[max_position, rotary_dim / 2]" if names[3] else "[batch, seq, rotary_dim / 2]"
+        raise Unmappable(f"{OP}: cos_cache {list(cs)} / sin_cache {list(ss)} are not {form} for rotary_dim {rot} "
+                         f"(head size {head})")
+    if not names[3] and (cs[1] != seq or cs[0] not in (1, batch)):
+        raise Unmappable(f"{OP}: caches {list(cs)} do not match batch {batch} and seq {seq}")
+    return Rope(len(xs) == 4, batch, seq, heads, head, rot, bool(interleaved))
+
+
+def _rotate(imp: Importer, node: ONode, r: Rope, cos: TensorAttr, sin: TensorAttr, rows: int) -> None:
+    """x1, x2 = the halves (or even/odd channels) of the rotated part of each head;
+    out = [x1 cos - x2 sin, x1 sin + x2 cos] (re-interleaved), then the unrotated rest.
+    ``cos`` / ``sin``: the rows for each position, [rows, seq, rot / 2] (rows 1 or batch)."""
+    x = imp.tensor(node.inputs[0], "plain")
     if r.bnsh:  # [b, n, s, h]; the cache rows broadcast over heads
         x4, by, lead = x, (rows, 1, r.seq, r.half), [r.batch, r.heads, r.seq]
     else:
