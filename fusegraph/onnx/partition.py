@@ -195,24 +195,12 @@ def partition(
 
 
 def _unit_order(units: _Units) -> list[int]:
-    """Kahn's algorithm on the unit graph, lowest first node first."""
-    import heapq
+    """The units in dependency order, lowest first node first."""
+    from fusegraph.graph.order import ranked_order
 
-    indeg = {u: 0 for u in units.members}
-    succ = {u: units.succ_units(u) for u in units.members}
-    for u in succ:
-        for v in succ[u]:
-            indeg[v] += 1
-    ready = [(units.lo[u], u) for u, d in indeg.items() if d == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        _, u = heapq.heappop(ready)
-        order.append(u)
-        for v in sorted(succ[u]):
-            indeg[v] -= 1
-            if indeg[v] == 0:
-                heapq.heappush(ready, (units.lo[v], v))
-    if len(order) != len(indeg):
+    ids = list(units.members)
+    at = {u: k for k, u in enumerate(ids)}
+    order = ranked_order([[at[v] for v in units.succ_units(u)] for u in ids], [units.lo[u] for u in ids])
+    if len(order) != len(ids):
         raise AssertionError("partitioning produced a cycle between units (a bug)")
-    return order
+    return [ids[k] for k in order]

@@ -10,7 +10,6 @@ apart from choosing, building and running them (plan_regions.py); tests replace
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from fusegraph.engines.base import ExecutionPlan
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
+from fusegraph.graph.order import ranked_order
 from fusegraph.graph.serialize import graph_to_dict
 from fusegraph.regions.subgraph import cut
 
@@ -96,24 +96,12 @@ def run_order(pieces: Sequence[Piece], graph: Graph) -> list[int]:
     position = {n.name: k for k, n in enumerate(graph.nodes)}
     producer = {t: i for i, p in enumerate(pieces) for t in p.outputs}
     succ: list[set[int]] = [set() for _ in pieces]
-    waiting = [0] * len(pieces)
     for i, p in enumerate(pieces):
         for t in p.inputs:
             j = producer.get(t)
-            if j is not None and j != i and i not in succ[j]:
+            if j is not None and j != i:
                 succ[j].add(i)
-                waiting[i] += 1
-    first = [min(position[n] for n in p.nodes) for p in pieces]
-    ready = [(first[i], i) for i in range(len(pieces)) if waiting[i] == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        _, i = heapq.heappop(ready)
-        order.append(i)
-        for j in sorted(succ[i]):
-            waiting[j] -= 1
-            if waiting[j] == 0:
-                heapq.heappush(ready, (first[j], j))
+    order = ranked_order([sorted(s) for s in succ], [min(position[n] for n in p.nodes) for p in pieces])
     if len(order) != len(pieces):
         raise NoRegions("its regions depend on each other in a cycle")
     return order

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from fusegraph.errors import ValidationError
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
+from fusegraph.graph.order import ranked_order
 from fusegraph.graph.serialize import graph_to_dict
 from fusegraph.regions import pattern
 from fusegraph.regions.subgraph import cut
@@ -110,23 +111,11 @@ class _Dag:
 
 def _kahn(preds: Sequence[dict[int, None]], rank: Sequence[float]) -> list[int]:
     """A topological order, ties broken by ``rank`` then vertex number: deterministic."""
-    import heapq
-
-    waiting = [len(p) for p in preds]
     succ: list[list[int]] = [[] for _ in preds]
     for v, ps in enumerate(preds):
         for p in ps:
             succ[p].append(v)
-    ready = [(rank[v], v) for v in range(len(preds)) if waiting[v] == 0]
-    heapq.heapify(ready)
-    order: list[int] = []
-    while ready:
-        _, v = heapq.heappop(ready)
-        order.append(v)
-        for w in succ[v]:
-            waiting[w] -= 1
-            if waiting[w] == 0:
-                heapq.heappush(ready, (rank[w], w))
+    order = ranked_order(succ, rank)
     if len(order) != len(preds):
         raise ValidationError("the graph and the code outside it (opaque) depend on each other in a cycle")
     return order

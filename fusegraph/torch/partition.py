@@ -10,7 +10,6 @@ ATen node: where it runs and why.
 from __future__ import annotations
 
 import contextlib
-import heapq
 import itertools
 import logging
 import operator
@@ -23,6 +22,7 @@ import torch.fx
 
 from fusegraph.engines.base import ExecutionPlan
 from fusegraph.errors import FusegraphError
+from fusegraph.graph.order import ranked_order
 from fusegraph.regions import Region, split
 from fusegraph.regions.choose import Choice, Chooser
 from fusegraph.regions.incumbent import CallableIncumbent
@@ -416,19 +416,7 @@ def _sort(gm: torch.fx.GraphModule) -> None:
     read an earlier result of the region may have come before it)."""
     nodes = list(gm.graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
-    ready = [(index[n], n.name) for n in nodes if waiting[n] == 0]
-    heapq.heapify(ready)
-    by_name = {n.name: n for n in nodes}
-    order = []
-    while ready:
-        _, name = heapq.heappop(ready)
-        n = by_name[name]
-        order.append(n)
-        for u in n.users:
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                heapq.heappush(ready, (index[u], u.name))
+    order = [nodes[k] for k in ranked_order([[index[u] for u in n.users] for n in nodes], range(len(nodes)))]
     if len(order) != len(nodes):
         raise FusegraphError("the rewritten ATen graph has a cycle")
     new = torch.fx.Graph()
