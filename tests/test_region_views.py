@@ -99,3 +99,16 @@ def test_a_reshape_nobody_reads_is_dropped(rng: np.random.Generator) -> None:
     got = FoldedPlan(g, folded, folded.graph.build(engine="reference")).execute(feed)["out"]
     assert got.shape == want.shape
     assert np.linalg.norm(np.asarray(got, np.float64) - want) / np.linalg.norm(want) <= 1e-6
+
+
+def test_output_buffers_passed_in_the_pack_get_the_results(rng: np.random.Generator) -> None:
+    g = _ln_graph()
+    folded = fold_border_reshapes(g)
+    assert folded is not None
+    feed = {"x": rng.standard_normal((B, S, F)).astype(np.float32),
+            "w": rng.standard_normal(F).astype(np.float32), "b": rng.standard_normal(F).astype(np.float32)}
+    want = g.build(engine="reference").execute(feed)["out"]
+    buf = np.full((B, S, F), np.nan, np.float32)
+    got = FoldedPlan(g, folded, folded.graph.build(engine="reference")).execute({**feed, "out": buf})
+    assert got["out"] is buf and np.isfinite(buf).all()
+    assert np.linalg.norm(buf - want) / np.linalg.norm(want) <= 1e-6

@@ -168,7 +168,18 @@ class FoldedPlan(ExecutionPlan):
             v = pack[src]
             fed[to] = v if shape is None else v.reshape(shape)
         got = self.inner.execute(fed)
-        return {name: got[src] if shape is None else got[src].reshape(shape) for name, src, shape in self.folded.results}
+        out = {name: got[src] if shape is None else got[src].reshape(shape) for name, src, shape in self.folded.results}
+        for name, value in out.items():  # output buffers the caller passed get the results
+            dst = pack.get(name)
+            if dst is not None and dst is not value:
+                if hasattr(dst, "copy_"):
+                    dst.copy_(value)
+                else:
+                    import numpy as np
+
+                    np.copyto(dst, value)
+                out[name] = dst
+        return out
 
     def describe(self) -> dict[str, Any]:
         return {**self.inner.describe(), "folded_reshapes": len(self.folded.feeds) + len(self.folded.results)}
