@@ -463,3 +463,61 @@ def test_on_cuda_each_region_is_measured_against_pytorch_op_by_op(name: str, rng
     assert "regions against torch.eager on cuda:0" in str(report)
     assert "one CUDA graph" in str(report) or "not captured" in str(report)
     assert "onnxruntime" not in " ".join(r.why for r in rows).lower()
+
+
+def test_the_folded_kernel_candidate_refuses_with_reasons_where_it_cannot_build() -> None:
+    """On a GPU session the preferred candidate is the region with its border reshapes folded
+    on a kernel engine; where there is nothing to fold, or no kernel engine runs here (this
+    CPU), it refuses with the reasons, and the chooser goes on to the usual build."""
+    import fusegraph as fg
+    from fusegraph.onnx.region_choice import KERNEL_ENGINES, folded_kernel
+
+    plain = fg.Graph("plain", io_data_type=fg.DataType.FLOAT)
+    plain.relu(plain.tensor("x", [4, 8])).set_output(True).set_name("y")
+    with pytest.raises(UnsupportedError, match="no border reshape"):
+        folded_kernel(plain.validate(), fg.Handle("cpu"))
+    g = fg.Graph("rows", io_data_type=fg.DataType.FLOAT)
+    g.softmax(g.reshape(g.tensor("x", [2, 3, 8]), [6, 8]), axis=1).set_output(True).set_name("y")
+    with pytest.raises(UnsupportedError) as info:
+        folded_kernel(g.validate(), fg.Handle("cpu"))
+    for name in KERNEL_ENGINES:
+        assert f"{name}:" in str(info.value), info.value
+
+
+def test_a_preferred_folded_candidate_runs_in_the_unit_and_agrees(monkeypatch: pytest.MonkeyPatch,
+                                                                   rng: np.random.Generator) -> None:
+    """The unit runs a region whose preferred candidate won (its border reshapes folded into
+    views, here built on the torch engine standing in for the GPU's kernel engines): the
+    usual build is never asked for it, and the model's outputs are ONNX Runtime's."""
+    import fusegraph as fg
+    from fusegraph.regions.views import FoldedPlan, fold_border_reshapes
+
+    measured: list[str] = []
+    _fake_floor(monkeypatch, lambda r: 50.0, 1.0, measured)  # fusegraph always wins
+    faked = region_choice.chooser_for
+    folded_won: list[str] = []
+    built: list[str] = []
+
+    def stand_in(region: Region) -> Any:
+        f = fold_border_reshapes(region.graph)
+        if f is None:
+            raise UnsupportedError("no border reshape to fold into a view")
+        folded_won.append(region.pattern)
+        return FoldedPlan(region.graph, f, f.graph.build(handle=fg.Handle("cpu"), engine="torch"))
+
+    def chooser_for(plan: Any) -> Chooser:
+        c = faked(plan)
+        inner = c.builder
+        assert inner is not None
+        c.builder = lambda region: built.append(region.pattern) or inner(region)  # type: ignore[func-returns-value]
+        c.preferred = stand_in
+        return c
+
+    monkeypatch.setattr(region_choice, "chooser_for", chooser_for)
+    make, shape = MODELS["norm_attention"]
+    model = make(rng)
+    sess = _session(model, floor="on")
+    _agree(sess, model, shape, rng)
+    assert folded_won, "no region had a border reshape to fold"
+    assert not set(folded_won) & set(built), (folded_won, built)
+    assert all(r.fusegraph for r in _rows(sess.partition_report()))

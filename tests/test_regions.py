@@ -15,7 +15,9 @@ import pytest
 from engine_fakes import Clock, virtual_call
 
 import fusegraph as fg
+from fusegraph.engines.base import EngineConfig, ExecutionPlan
 from fusegraph.engines.unsupported import UNSUPPORTED
+from fusegraph.errors import UnsupportedError
 from fusegraph.graph.ops import DATA_MOVEMENT, OpKind
 from fusegraph.reference.executor import run_reference
 from fusegraph.reference.inputs import random_inputs
@@ -160,6 +162,65 @@ def test_a_faster_incumbent_keeps_its_region(incumbent_ms: float, winner: str, r
     again = later.choose_all(regions, _inputs(rng))
     assert [c.verdict.source for c in again] == ["cached"] * len(regions)
     assert [c.claimed for c in again] == [c.claimed for c in choices]
+
+
+class _TimedPlan(ExecutionPlan):
+    """A plan whose call takes ``ms`` virtual milliseconds (the region's real plan runs it)."""
+
+    def __init__(self, inner: ExecutionPlan, clock: Clock, ms: float, name: str) -> None:
+        super().__init__(inner.graph, inner.handle, EngineConfig(name))
+        self.inner, self.clock, self.ms = inner, clock, ms
+
+    def execute(self, variant_pack: Mapping[Any, Any]) -> dict[str, Any]:
+        self.clock.now += self.ms / 1e3
+        return self.inner.execute(variant_pack)
+
+
+@pytest.mark.parametrize(("preferred_ms", "builder_ms", "kept"), [
+    (1.0, 5.0, "first"),      # the preferred candidate wins: the builder's plan is never built
+    (5.0, 1.0, "second"),     # it loses: the builder's plan is measured and kept
+    (5.0, 5.0, "incumbent"),  # both lose: the incumbent keeps it, the reason names both
+    (None, 1.0, "second"),    # it cannot build: the builder's plan as before
+])
+def test_a_preferred_candidate_is_measured_first(preferred_ms: float | None, builder_ms: float, kept: str,
+                                                  rng: np.random.Generator, tmp_path: Path) -> None:
+    clock = Clock()
+    built: list[str] = []
+
+    def make(name: str, ms: float | None) -> Callable[[Region], ExecutionPlan]:
+        def build(region: Region) -> ExecutionPlan:
+            if ms is None:
+                raise UnsupportedError(f"{name} takes no such graph")
+            built.append(name)
+            return _TimedPlan(region.graph.build(handle=fg.Handle("cpu"), engine="torch"), clock, ms, name)
+
+        return build
+
+    def timer(cands: Mapping[str, Callable[[], object]], **kw: Any) -> dict[str, timing.Timing]:
+        return timing.time_candidates(cands, clock=clock, steady=False, min_rounds=3, per_round=1, **kw)
+
+    fake = CallableIncumbent("fake", lambda region, inputs: virtual_call(clock, 3.0))
+    chooser = Chooser(fg.Handle("cpu"), fake, engine="torch", timer=timer, store=VerdictStore(tmp_path),
+                      builder=make("second", builder_ms), preferred=make("first", preferred_ms))
+    region = split(_model()).regions[0]
+    choices = chooser.choose_all([region, region], _inputs(rng))  # one content key twice: measured once
+    c = choices[0]
+    assert (c.verdict.engine if c.claimed else "incumbent") == kept
+    assert [x.claimed for x in choices] == [c.claimed] * 2
+    assert all((x.plan is not None and str(x.plan.config) == kept) for x in choices) == c.claimed
+    if kept == "first":
+        assert "second" not in built
+    if kept == "incumbent":
+        assert "first tried: first" in c.verdict.why, c.verdict.why
+    # a later front door reads both verdicts back and measures nothing
+    def no_timing(*args: Any, **kw: Any) -> dict[str, timing.Timing]:
+        raise AssertionError("measured again")
+
+    later = Chooser(fg.Handle("cpu"), fake, engine="torch", timer=no_timing, store=VerdictStore(tmp_path),
+                    builder=make("second", builder_ms), preferred=make("first", preferred_ms))
+    again = later.choose(region, _inputs(rng))
+    assert again.verdict.source == "cached" and again.claimed == c.claimed
+    assert (str(again.plan.config) if again.plan is not None else "incumbent") == kept
 
 
 def test_floor_off_claims_every_region_it_can_build_and_refusals_say_why(monkeypatch: pytest.MonkeyPatch) -> None:

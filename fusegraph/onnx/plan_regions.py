@@ -126,6 +126,8 @@ class RegionUnit(FusegraphUnit):
         self._buffers = base.handle.device.is_gpu  # outputs live on the device: a copy to reach the host
         build = chooser.builder or (lambda r: r.graph.build(handle=chooser.handle, engine=chooser.engine))
         chooser.builder = self._checked(build)
+        if chooser.preferred is not None:
+            chooser.preferred = self._checked(chooser.preferred, tuned=False)
 
     # ---- what the plan and the report read -----------------------------------------------------
     @property
@@ -314,14 +316,14 @@ class RegionUnit(FusegraphUnit):
                 chosen = {ch.region.index: ch for ch in c.choose_all(rest, self._example)}
         return [known.get(r.index) or chosen[r.index] for r in regions]
 
-    def _checked(self, build: Callable[[Region], ExecutionPlan]) -> Callable[[Region], ExecutionPlan]:
+    def _checked(self, build: Callable[[Region], ExecutionPlan], tuned: bool = True) -> Callable[[Region], ExecutionPlan]:
         """``build``, and where the floor is on a trial run of its plan against the same nodes
         op by op on PyTorch on the region's example inputs: a plan that fails or disagrees is
         the region's refusal (never measured, so no verdict of it is kept), as the floor
         against ONNX Runtime hands back a unit that disagrees."""
 
         def checked(region: Region) -> ExecutionPlan:
-            plan = self._tuned(region) if self.tune_s > 0 else None
+            plan = self._tuned(region) if tuned and self.tune_s > 0 else None
             plan = plan or build(region)
             if self.precision.tf32 and "tf32=True" in str(plan.config):
                 self._tf32_regions += 1

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fusegraph.engines.base import ExecutionPlan
@@ -52,6 +52,10 @@ class Chooser:
     build_options: Mapping[str, Any] = field(default_factory=dict)
     key_options: Mapping[str, Any] = field(default_factory=dict)  # how it measures (a verdict's key holds it)
     builder: Callable[[Region], ExecutionPlan] | None = None  # the front door's own build (its plan cache)
+    # A candidate tried first, with the floor on: where it builds and beats the incumbent,
+    # the builder's plan is never built (an Inductor compile it would cost); where it loses
+    # or cannot build, the builder's plan is measured as before. Its verdicts are its own.
+    preferred: Callable[[Region], ExecutionPlan] | None = None
     _versions: dict[str, str] | None = None
 
     def versions(self) -> dict[str, str]:
@@ -62,18 +66,20 @@ class Chooser:
             self._versions = engine_versions(REGISTRY.available_engines())
         return self._versions
 
-    def key(self, region: Region) -> str:
+    def key(self, region: Region, preferred: bool = False) -> str:
         from fusegraph.select.device_id import device_id
 
         settings = {"engine": self.engine or "auto", "margin": self.margin, **dict(self.build_options),
-                    **dict(self.key_options)}
+                    **dict(self.key_options), **({"candidate": "preferred"} if preferred else {})}
         return verdict_key(region.key, device_id(self.handle), self.incumbent.name, self.versions(), settings)
 
-    def build(self, region: Region) -> ExecutionPlan | Verdict:
-        """fusegraph's plan for the region, or the refusal saying why there is none."""
+    def build(self, region: Region, fn: Callable[[Region], ExecutionPlan] | None = None) -> ExecutionPlan | Verdict:
+        """fusegraph's plan for the region (by ``fn``, default the builder), or the refusal
+        saying why there is none."""
         try:
             plan: ExecutionPlan = (
-                self.builder(region) if self.builder is not None
+                fn(region) if fn is not None
+                else self.builder(region) if self.builder is not None
                 else region.graph.build(handle=self.handle, engine=self.engine, **self.build_options)
             )
         except FusegraphError as exc:
@@ -81,14 +87,31 @@ class Chooser:
         return plan
 
     def choose(self, region: Region, inputs: Callable[[Region], Mapping[str, Any]] | None = None) -> Choice:
-        built = self.build(region)
+        return self._pick(region, inputs)[0]
+
+    def _pick(self, region: Region, inputs: Callable[[Region], Mapping[str, Any]] | None) -> tuple[Choice, bool]:
+        """The choice, and whether the preferred candidate made it."""
+        if self.floor and self.preferred is not None:
+            first = self._choose(region, inputs, self.preferred, preferred=True)
+            if first.claimed:
+                return first, True
+            choice = self._choose(region, inputs, None)
+            if not choice.claimed and first.verdict.source != "refused":  # both measured: say so
+                why = f"{choice.verdict.why}; first tried: {first.verdict.engine}, {first.verdict.why}"
+                choice = Choice(region, replace(choice.verdict, why=why), None)
+            return choice, False
+        return self._choose(region, inputs, None), False
+
+    def _choose(self, region: Region, inputs: Callable[[Region], Mapping[str, Any]] | None,
+                fn: Callable[[Region], ExecutionPlan] | None, preferred: bool = False) -> Choice:
+        built = self.build(region, fn)
         if isinstance(built, Verdict):
             return Choice(region, built)
         engine = str(built.config)
         if not self.floor:
             return Choice(region, Verdict(True, "claimed", "the floor is off: claimed without measuring",
                                           engine, incumbent=self.incumbent.name), built)
-        key = self.key(region)
+        key = self.key(region, preferred)
         cached = self.store.lookup(key) if self.store is not None else None
         if cached is not None:
             return Choice(region, cached, built if cached.fusegraph else None)
@@ -114,19 +137,20 @@ class Chooser:
         self, regions: Sequence[Region], inputs: Callable[[Region], Mapping[str, Any]] | None = None
     ) -> list[Choice]:
         """Every region's choice; regions with one content key are measured once."""
-        by_key: dict[str, Verdict] = {}
+        by_key: dict[str, tuple[Verdict, bool]] = {}  # content key -> verdict, whether the preferred won
         out: list[Choice] = []
         for region in regions:
             seen = by_key.get(region.key)
-            if seen is not None and seen.source in ("measured", "cached"):
+            if seen is not None and seen[0].source in ("measured", "cached"):
+                verdict, first = seen
                 plan = None
-                if seen.fusegraph:
-                    built = self.build(region)
+                if verdict.fusegraph:
+                    built = self.build(region, self.preferred if first else None)
                     plan = built if isinstance(built, ExecutionPlan) else None
-                out.append(Choice(region, seen, plan))
+                out.append(Choice(region, verdict, plan))
                 continue
-            choice = self.choose(region, inputs)
-            by_key[region.key] = choice.verdict
+            choice, first = self._pick(region, inputs)
+            by_key[region.key] = (choice.verdict, first)
             out.append(choice)
         if self.store is not None:
             self.store.flush()
