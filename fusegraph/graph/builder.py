@@ -9,19 +9,18 @@ op's method has one obvious home. The pointwise methods are in graph/builder_poi
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal, overload
+from collections.abc import Sequence
+from typing import Any, Literal, overload
 
 from fusegraph.dtypes import DataType
 from fusegraph.errors import ValidationError
-from fusegraph.graph.node import Node
+from fusegraph.graph.builder_base import NodeAdder
 from fusegraph.graph.ops import (
     ConcatAttrs,
     ConvAttrs,
     MatmulAttrs,
     NormAttrs,
     NormFwdPhase,
-    OpAttrs,
     OpKind,
     PoolingAttrs,
     PoolingMode,
@@ -33,7 +32,7 @@ from fusegraph.graph.ops import (
     SoftmaxAttrs,
     TransposeAttrs,
 )
-from fusegraph.graph.tensor import Scalar, TensorAttr
+from fusegraph.graph.tensor import TensorAttr
 
 Ints = Sequence[int]
 Epsilon = float | TensorAttr
@@ -44,25 +43,8 @@ def _name_of(t: Any) -> str | None:
     return t.name if isinstance(t, TensorAttr) else None
 
 
-class GraphBuilder:
+class GraphBuilder(NodeAdder):
     """The op-adding methods of ``Graph`` (a mixin: the IR half is ``graph.Graph``)."""
-
-    if TYPE_CHECKING:  # provided by graph.Graph, the one class users construct
-
-        def scalar(self, value: Scalar, data_type: Any = None) -> TensorAttr: ...
-
-        def _add_node(
-            self,
-            kind: OpKind,
-            attrs: OpAttrs,
-            inputs: Mapping[str, TensorAttr | None],
-            name: str | None,
-            outputs: Sequence[str] | None = None,
-        ) -> Node: ...
-
-        def _try_infer(self, node: Node) -> None: ...
-
-        def _compute_default(self, compute_data_type: Any) -> DataType | None: ...
 
     # ---- convolutions ---------------------------------------------------------------------
     def _conv_attrs(

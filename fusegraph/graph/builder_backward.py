@@ -12,29 +12,17 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from fusegraph.dtypes import DataType
-from fusegraph.graph.node import Node
-from fusegraph.graph.ops import NormBwdAttrs, OpAttrs, OpKind, SdpaAttrs
+from fusegraph.graph.builder_base import NodeAdder
+from fusegraph.graph.ops import NormBwdAttrs, OpKind, SdpaAttrs
 from fusegraph.graph.tensor import TensorAttr
 
 Dropout = tuple[float, TensorAttr, TensorAttr]
 
 
-class BackwardBuilder:
+class BackwardBuilder(NodeAdder):
     """The backward-op methods of ``Graph`` (a mixin: the IR half is ``graph.Graph``)."""
 
-    if TYPE_CHECKING:  # provided by graph.Graph and graph/builder.py
-
-        def _add_node(
-            self,
-            kind: OpKind,
-            attrs: OpAttrs,
-            inputs: Mapping[str, TensorAttr | None],
-            name: str | None,
-            outputs: Sequence[str] | None = None,
-        ) -> Node: ...
-
-        def _compute_default(self, compute_data_type: Any) -> DataType | None: ...
+    if TYPE_CHECKING:  # provided by graph/builder.py
 
         def _sdpa_attrs(
             self, attn_scale: float | None, causal: bool, dropout: Dropout | None, compute_data_type: Any,

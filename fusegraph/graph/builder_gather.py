@@ -10,13 +10,11 @@ where the whole graph is in view.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fusegraph.dtypes import DataType
 from fusegraph.errors import ValidationError
-from fusegraph.graph.node import Node
-from fusegraph.graph.ops import GatherAttrs, GatherBackwardAttrs, OpAttrs, OpKind
+from fusegraph.graph.builder_base import NodeAdder
+from fusegraph.graph.ops import GatherAttrs, GatherBackwardAttrs, OpKind
 from fusegraph.graph.tensor import TensorAttr
 
 
@@ -31,21 +29,8 @@ def _whole(value: Any, what: str, name: str | None) -> int:
         raise ValidationError(f"{what} must be an integer, got {value!r}", node=name) from None
 
 
-class GatherBuilder:
+class GatherBuilder(NodeAdder):
     """The indexing-op methods of ``Graph`` (a mixin: the IR half is ``graph.Graph``)."""
-
-    if TYPE_CHECKING:  # provided by graph.Graph
-
-        def _add_node(
-            self,
-            kind: OpKind,
-            attrs: OpAttrs,
-            inputs: Mapping[str, TensorAttr | None],
-            name: str | None,
-            outputs: Sequence[str] | None = None,
-        ) -> Node: ...
-
-        def _compute_default(self, compute_data_type: Any) -> DataType | None: ...
 
     def gather(self, data: TensorAttr, indices: TensorAttr, axis: int = 0, *, name: str | None = None) -> TensorAttr:
         """ONNX Gather: ``y = numpy.take(data, indices, axis)``, dims

@@ -8,15 +8,13 @@ are many and alike, and a new pointwise mode adds one here (docs/CONTRIBUTING.md
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from fusegraph.dtypes import DataType
 from fusegraph.errors import ValidationError
-from fusegraph.graph.node import Node
-from fusegraph.graph.ops import POINTWISE, OpAttrs, OpKind, PointwiseAttrs, PointwiseMode
+from fusegraph.graph.builder_base import NodeAdder
+from fusegraph.graph.ops import POINTWISE, OpKind, PointwiseAttrs, PointwiseMode
 from fusegraph.graph.tensor import TensorAttr
 
 
@@ -24,21 +22,8 @@ def _name_of(t: Any) -> str | None:
     return t.name if isinstance(t, TensorAttr) else None
 
 
-class PointwiseBuilder:
+class PointwiseBuilder(NodeAdder):
     """The pointwise methods of ``Graph`` (a mixin: the IR half is ``graph.Graph``)."""
-
-    if TYPE_CHECKING:  # provided by graph.Graph
-
-        def _add_node(
-            self,
-            kind: OpKind,
-            attrs: OpAttrs,
-            inputs: Mapping[str, TensorAttr | None],
-            name: str | None,
-            outputs: Sequence[str] | None = None,
-        ) -> Node: ...
-
-        def _compute_default(self, compute_data_type: Any) -> DataType | None: ...
 
     # ---- pointwise ----------------------------------------------------------------------------
     def pointwise(
