@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fusegraph.engines.base import ExecutionPlan
+from fusegraph.errors import ValidationError
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.ops import OpKind
@@ -117,12 +118,12 @@ def fold_border_reshapes(graph: Graph) -> Folded | None:
         (x,) = n.inputs.values()
         (y,) = n.outputs.values()
         packed = tuple(y.strides) == tuple(layout.packed_strides(y.shape))
-        if not packed:
+        if not packed or x.data_type != y.data_type:  # a reshape that also casts is no view
             continue
-        if x.name in inputs:
+        if x.name in inputs and y.name not in outputs:
             dropped_in[y.name] = (x.name, tuple(y.shape))
             dropped.add(n.name)
-        elif y.name in outputs and not readers.get(y.name) and x.name not in dropped_in:
+        elif y.name in outputs and not readers.get(y.name) and x.name not in inputs and x.name not in dropped_in:
             dropped_out[y.name] = (x.name, tuple(y.shape))
             dropped.add(n.name)
         elif not readers.get(y.name) and y.name not in outputs:  # dead: a statistic nobody reads
@@ -131,7 +132,12 @@ def fold_border_reshapes(graph: Graph) -> Folded | None:
     if not dropped or not kept:
         return None
     keep = set(outputs) | {src for src, _ in dropped_out.values()}
-    piece = cut(graph, kept, frozenset(keep), f"{graph.name}.folded")
+    try:
+        piece = cut(graph, kept, frozenset(keep), f"{graph.name}.folded")
+    except ValidationError:  # nothing of the graph's answer left to compute, or the graph API refuses the cut
+        return None
+    if any(name not in piece.outputs and name not in dropped_out for name in outputs):
+        return None  # an output the folded graph cannot give back
     feeds: list[View] = []
     for i, parent in enumerate(piece.inputs):
         src, shape = dropped_in.get(parent, (parent, None))  # type: ignore[arg-type]
