@@ -112,3 +112,22 @@ def test_output_buffers_passed_in_the_pack_get_the_results(rng: np.random.Genera
     got = FoldedPlan(g, folded, folded.graph.build(engine="reference")).execute({**feed, "out": buf})
     assert got["out"] is buf and np.isfinite(buf).all()
     assert np.linalg.norm(buf - want) / np.linalg.norm(want) <= 1e-6
+
+
+def test_a_dead_reshape_that_also_casts_is_dropped_a_live_one_is_kept() -> None:
+    """PyTorch's half-precision layer norm: float32 statistics reshaped (and cast) to the
+    input's type. Nobody reading them, they go; read out, the cast is no view and stays."""
+    for read_out in (False, True):
+        g = fg.Graph("ln_half", io_data_type=fg.DataType.HALF, intermediate_data_type=fg.DataType.FLOAT)
+        x, w, b = g.tensor("x", [B * S, F]), g.tensor("w", [1, F]), g.tensor("b", [1, F])
+        y, mean, _ = g.layernorm(x, w, b, 1e-5, fg.NormFwdPhase.TRAINING)
+        y.set_data_type(fg.DataType.HALF)  # as the converter types it: PyTorch's result type
+        assert mean is not None and mean.data_type == fg.DataType.FLOAT
+        stat = g.reshape(mean, [B, S, 1]).set_data_type(fg.DataType.HALF)
+        if read_out:
+            stat.set_output(True).set_name("mean")
+        g.reshape(y, [B, S, F]).set_output(True).set_name("out")
+        folded = fold_border_reshapes(g.validate())
+        assert folded is not None
+        kinds = [n.kind for n in folded.graph.nodes]
+        assert kinds == ([OpKind.LAYERNORM, OpKind.RESHAPE] if read_out else [OpKind.LAYERNORM]), kinds

@@ -117,6 +117,9 @@ def fold_border_reshapes(graph: Graph) -> Folded | None:
             continue
         (x,) = n.inputs.values()
         (y,) = n.outputs.values()
+        if not readers.get(y.name) and y.name not in outputs:  # dead: a statistic nobody reads
+            dropped.add(n.name)
+            continue
         packed = tuple(y.strides) == tuple(layout.packed_strides(y.shape))
         if not packed or x.data_type != y.data_type:  # a reshape that also casts is no view
             continue
@@ -125,8 +128,6 @@ def fold_border_reshapes(graph: Graph) -> Folded | None:
             dropped.add(n.name)
         elif y.name in outputs and not readers.get(y.name) and x.name not in inputs and x.name not in dropped_in:
             dropped_out[y.name] = (x.name, tuple(y.shape))
-            dropped.add(n.name)
-        elif not readers.get(y.name) and y.name not in outputs:  # dead: a statistic nobody reads
             dropped.add(n.name)
     kept = [n for n in nodes if n.name not in dropped]
     if not dropped or not kept:
