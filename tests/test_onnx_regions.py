@@ -470,16 +470,16 @@ def test_the_folded_kernel_candidate_refuses_with_reasons_where_it_cannot_build(
     on a kernel engine; where there is nothing to fold, or no kernel engine runs here (this
     CPU), it refuses with the reasons, and the chooser goes on to the usual build."""
     import fusegraph as fg
-    from fusegraph.onnx.region_choice import KERNEL_ENGINES, folded_kernel
+    from fusegraph.regions.views import KERNEL_ENGINES, folded_kernel_plan
 
     plain = fg.Graph("plain", io_data_type=fg.DataType.FLOAT)
     plain.relu(plain.tensor("x", [4, 8])).set_output(True).set_name("y")
     with pytest.raises(UnsupportedError, match="no border reshape"):
-        folded_kernel(plain.validate(), fg.Handle("cpu"))
+        folded_kernel_plan(plain.validate(), fg.Handle("cpu"))
     g = fg.Graph("rows", io_data_type=fg.DataType.FLOAT)
     g.softmax(g.reshape(g.tensor("x", [2, 3, 8]), [6, 8]), axis=1).set_output(True).set_name("y")
     with pytest.raises(UnsupportedError) as info:
-        folded_kernel(g.validate(), fg.Handle("cpu"))
+        folded_kernel_plan(g.validate(), fg.Handle("cpu"))
     for name in KERNEL_ENGINES:
         assert f"{name}:" in str(info.value), info.value
 

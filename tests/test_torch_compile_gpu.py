@@ -135,12 +135,23 @@ def test_a_cuda_plan_refuses_a_tensor_that_wants_gradients(cuda: Any) -> None:
         plan.execute({"x": torch.randn(64, 64, device=cuda, requires_grad=True)})
 
 
+def _compiled_bf16_rows(fn: Any, *args: Any) -> list[Any]:
+    """``fn`` compiled by the backend as users get it (floor on), run once under no_grad on
+    bfloat16 ``args``: its answer checked against ``fn`` in float32, its report rows returned."""
+    from fusegraph.torch.compile_backend import collecting
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=fusegraph_backend)
+    with torch.no_grad(), collecting() as rows:
+        got = compiled(*args)
+    assert _rel(got.float(), fn(*(a.float() for a in args))) < 2e-2
+    return rows
+
+
 def test_floor_measures_kernel_engine_regions_on_device_time(cuda: Any) -> None:
     """With the floor and the whole-graph check on, a GPU region is built on a kernel engine
     (never the torch engine: that is the incumbent's own code behind one more call) and
     timed on device time, which its report row says; the answer matches PyTorch's."""
-    from fusegraph.torch.compile_backend import collecting
-
     def fn(x: Any, w: Any, b: Any) -> Any:
         return F.gelu(F.linear(x, w, b))
 
@@ -148,11 +159,7 @@ def test_floor_measures_kernel_engine_regions_on_device_time(cuda: Any) -> None:
     bf16 = torch.bfloat16
     x, w, b = (torch.randn(4096, 768, device=cuda, dtype=bf16), torch.randn(3072, 768, device=cuda, dtype=bf16) / 30,
                torch.randn(3072, device=cuda, dtype=bf16))
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=fusegraph_backend)
-    with torch.no_grad(), collecting() as rows:
-        got = compiled(x, w, b)
-    assert _rel(got.float(), fn(x.float(), w.float(), b.float())) < 2e-2
+    rows = _compiled_bf16_rows(fn, x, w, b)
     timed = [r for r in rows if r.region is not None and "the incumbent" in r.why]
     assert timed, [(r.node, r.where, r.why) for r in rows]
     assert all("device time" in r.why for r in timed), [r.why for r in timed]
@@ -164,19 +171,13 @@ def test_a_3d_layer_norm_region_reaches_a_kernel_engine_through_folded_views(cud
     """A [B, S, F] layer norm converts with reshapes (rows in, weight [1, F], the result
     back to [B, S, F]) that neither kernel engine takes: folded into views, the region is
     built and measured instead of refused, and its answer is PyTorch's where it is kept."""
-    from fusegraph.torch.compile_backend import collecting
-
     def fn(x: Any, w: Any, b: Any) -> Any:
         return F.layer_norm(x, (768,), w, b) * 2.0
 
     bf16 = torch.bfloat16
     x, w, b = (torch.randn(8, 512, 768, device=cuda, dtype=bf16), torch.randn(768, device=cuda, dtype=bf16),
                torch.randn(768, device=cuda, dtype=bf16))
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=fusegraph_backend)
-    with torch.no_grad(), collecting() as rows:
-        got = compiled(x, w, b)
-    assert _rel(got.float(), fn(x.float(), w.float(), b.float())) < 2e-2
+    rows = _compiled_bf16_rows(fn, x, w, b)
     norm = [r for r in rows if r.op == "aten.native_layer_norm"]
     assert norm and all("refused" not in r.why for r in norm), [r.why for r in norm]
     assert all("device time" in r.why for r in norm), [r.why for r in norm]

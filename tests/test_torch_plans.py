@@ -11,6 +11,8 @@ pytest.importorskip("torch", reason="the torch front door needs torch")
 from fusegraph.dtypes import DataType
 from fusegraph.errors import UnsupportedError
 from fusegraph.graph.graph import Graph
+from fusegraph.regions import views
+from fusegraph.regions.views import KERNEL_ENGINES
 from fusegraph.runtime.handle import Handle
 from fusegraph.torch import plans
 
@@ -22,7 +24,7 @@ def test_no_kernel_engine_is_a_typed_refusal_naming_each_engine() -> None:
         plans._kernel_build(g.validate(), Handle("cpu"))
     msg = str(info.value)
     assert "ln_region" in msg and "no kernel engine" in msg
-    for name in plans.KERNEL_ENGINES:
+    for name in KERNEL_ENGINES:
         assert f"{name}:" in msg, msg
 
 
@@ -38,12 +40,12 @@ def test_a_region_no_kernel_engine_takes_is_built_folded(monkeypatch: pytest.Mon
     from fusegraph.graph.ops import OpKind
     from fusegraph.regions.views import FoldedPlan
 
-    def stand_in(graph: Graph, handle: Handle) -> object:
+    def stand_in(graph: Graph, handle: Handle, engines: object = None) -> object:
         if any(n.kind == OpKind.RESHAPE for n in graph.nodes):
             raise UnsupportedError(f"graph '{graph.name}': takes no reshape")
         return graph.build(handle=handle, engine="torch")
 
-    monkeypatch.setattr(plans, "_first_kernel", stand_in)
+    monkeypatch.setattr(views, "kernel_plan", stand_in)
     b, s, f = 2, 5, 16
     g = Graph("ln_rows", io_data_type=DataType.FLOAT)
     x, w, bias = g.tensor("x", [b, s, f]), g.tensor("w", [f]), g.tensor("b", [f])

@@ -111,41 +111,18 @@ def chooser_for(plan: SessionPlan) -> Chooser:
     options = {} if plan.opts.precision == "fp32" else {"precision": plan.opts.precision}
 
     def folded(region: Region) -> ExecutionPlan:
+        """The preferred candidate on a GPU: the region with its border reshapes folded into
+        views on a kernel engine -- a layer norm exported as [B, S, F] reaches the Triton row
+        kernel instead of an Inductor compile of its own (seconds of setup each)."""
+        from fusegraph.regions.views import folded_kernel_plan
+
         with engine_cache(cache_dir), tf32_allowed(tf32):
-            return folded_kernel(region.graph, handle)
+            return folded_kernel_plan(region.graph, handle)
 
     return Chooser(handle, incumbent_for(handle, tf32=plan.opts.precision == "tf32"), floor=floor, engine=engine,
                    store=VerdictStore(cache_dir) if floor else None, sync=sync,
                    timing_options=timing_options, builder=build, build_options=options, key_options=key_options,
                    preferred=folded if handle.device.is_gpu and engine is None else None)
-
-
-KERNEL_ENGINES = ("triton", "cudnn")
-
-
-def folded_kernel(graph: Graph, handle: Handle) -> ExecutionPlan:
-    """The region with its border reshapes folded into views (regions/views.py) on the first
-    kernel engine that builds it -- the preferred candidate on a GPU: a layer norm exported
-    as [B, S, F] reaches the Triton row kernel instead of an Inductor compile of its own
-    (seconds of a session's setup each). Raises UnsupportedError where there is nothing to
-    fold or no kernel engine takes the folded graph."""
-    from fusegraph.regions.views import FoldedPlan, fold_border_reshapes
-
-    folded = fold_border_reshapes(graph)
-    if folded is None:
-        raise UnsupportedError("no border reshape to fold into a view")
-    reasons = []
-    for name in KERNEL_ENGINES:
-        try:
-            plan: ExecutionPlan = folded.graph.build(handle=handle, engine=name)
-        except FusegraphError as exc:
-            reasons.append(f"{name}: {exc}")
-            continue
-        except Exception as exc:
-            reasons.append(f"{name}: building failed: {type(exc).__name__}: {exc}")
-            continue
-        return FoldedPlan(graph, folded, plan)
-    raise UnsupportedError("no kernel engine takes it with its border reshapes folded: " + "; ".join(reasons))
 
 
 def _cudnn_tf32(graph: Graph, handle: Handle) -> ExecutionPlan | None:
@@ -188,4 +165,4 @@ def _with_tf32(built: ExecutionPlan, graph: Graph, handle: Handle) -> ExecutionP
     return tf32
 
 
-__all__ = ["TIMING", "chooser_for", "folded_kernel", "incumbent_for", "unavailable", "wanted"]
+__all__ = ["TIMING", "chooser_for", "incumbent_for", "unavailable", "wanted"]

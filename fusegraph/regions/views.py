@@ -18,17 +18,18 @@ and a non-packed one's is a packed copy, so the declared layout holds either way
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fusegraph.engines.base import ExecutionPlan
-from fusegraph.errors import ValidationError
+from fusegraph.errors import FusegraphError, UnsupportedError, ValidationError
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.ops import OpKind
 from fusegraph.graph.serialize import graph_from_dict, graph_to_dict
 from fusegraph.regions.subgraph import cut
+from fusegraph.runtime.handle import Handle
 
 View = tuple[str, str, tuple[int, ...] | None]  # (to, from, the shape to view it as; None: as it is)
 
@@ -190,3 +191,41 @@ class FoldedPlan(ExecutionPlan):
 
     def describe(self) -> dict[str, Any]:
         return {**self.inner.describe(), "folded_reshapes": len(self.folded.feeds) + len(self.folded.results)}
+
+
+# Engines that run a region's kernels themselves (no ATen or Inductor code of the caller's
+# behind them): the ones a GPU front door can set against its incumbent.
+KERNEL_ENGINES = ("cudnn", "triton")
+
+
+def kernel_plan(graph: Graph, handle: Handle, engines: Sequence[str] = KERNEL_ENGINES) -> ExecutionPlan:
+    """``graph`` on the first of ``engines``, in the heuristics' order, that builds it; an
+    UnsupportedError naming each engine's reason where none does."""
+    from fusegraph.select.api import ranked_configs
+    from fusegraph.select.modes import HeurMode
+
+    ranked = [c.config.engine for c in ranked_configs(graph, handle, [HeurMode.A])]
+    order = [e for e in dict.fromkeys(ranked) if e in engines] + [e for e in engines if e not in ranked]
+    reasons = []
+    for name in order:
+        try:
+            plan: ExecutionPlan = graph.build(handle=handle, engine=name)
+            return plan
+        except FusegraphError as exc:
+            reasons.append(f"{name}: {exc}")
+        except Exception as exc:  # an engine's own failure is this graph's refusal on it
+            reasons.append(f"{name}: building failed: {type(exc).__name__}: {exc}")
+    raise UnsupportedError(f"graph '{graph.name}': no kernel engine builds it on {handle.device}: " + "; ".join(reasons))
+
+
+def folded_kernel_plan(graph: Graph, handle: Handle, engines: Sequence[str] = KERNEL_ENGINES) -> ExecutionPlan:
+    """``graph`` with its border reshapes folded into views, on a kernel engine
+    (``kernel_plan``), behind the original graph's interface; UnsupportedError where there
+    is nothing to fold or no engine builds the folded graph."""
+    folded = fold_border_reshapes(graph)
+    if folded is None:
+        raise UnsupportedError(f"graph '{graph.name}': no border reshape to fold into a view")
+    try:
+        return FoldedPlan(graph, folded, kernel_plan(folded.graph, handle, engines))
+    except UnsupportedError as exc:
+        raise UnsupportedError(f"with its border reshapes folded into views: {exc}") from exc

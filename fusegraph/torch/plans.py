@@ -109,48 +109,24 @@ def _options(graph: Graph, handle: Handle, engine: str | None) -> dict[str, Any]
     return {"config": {"engine": "torch", "knobs": chosen}} if chosen else {}
 
 
-KERNEL_ENGINES = ("cudnn", "triton")
 ANY_ENGINE = "any engine"  # in a region's key: claimed unmeasured (floor off), the torch engine may take it
 
 
 def _kernel_build(graph: Graph, handle: Handle) -> ExecutionPlan:
-    """The first kernel engine, in the heuristics' order, that builds ``graph`` -- or, where
-    none does, its graph with the border reshapes folded into views (regions/views.py: a
-    converter's reshape of a weight or of the rows, which neither engine takes); a typed
-    refusal naming each engine's reason where neither works."""
+    """``graph`` on a kernel engine, or where none takes it, with its border reshapes folded
+    into views (a converter's reshape of a weight or of the rows, which neither engine
+    takes); a typed refusal naming each engine's reason where neither works."""
     from fusegraph.errors import UnsupportedError
-    from fusegraph.regions.views import FoldedPlan, fold_border_reshapes
+    from fusegraph.regions.views import folded_kernel_plan, kernel_plan
 
     try:
-        return _first_kernel(graph, handle)
+        return kernel_plan(graph, handle)
     except UnsupportedError as exc:
-        folded = fold_border_reshapes(graph)
-        if folded is None:
-            raise
         first = exc
     try:
-        return FoldedPlan(graph, folded, _first_kernel(folded.graph, handle))
+        return folded_kernel_plan(graph, handle)
     except UnsupportedError as exc:
-        raise UnsupportedError(f"{first}; with its border reshapes folded into views: {exc}") from exc
-
-
-def _first_kernel(graph: Graph, handle: Handle) -> ExecutionPlan:
-    from fusegraph.errors import FusegraphError, UnsupportedError
-    from fusegraph.select.api import ranked_configs
-    from fusegraph.select.modes import HeurMode
-
-    ranked = [c.config.engine for c in ranked_configs(graph, handle, [HeurMode.A])]
-    order = [e for e in dict.fromkeys(ranked) if e in KERNEL_ENGINES]
-    order += [e for e in KERNEL_ENGINES if e not in order]
-    reasons = []
-    for name in order:
-        try:
-            plan: ExecutionPlan = graph.build(handle=handle, engine=name)
-            return plan
-        except FusegraphError as exc:
-            reasons.append(f"{name}: {exc}")
-    raise UnsupportedError(f"graph '{graph.name}': no kernel engine builds it on {handle.device} (the torch engine "
-                           "would run the incumbent's own ATen code): " + "; ".join(reasons))
+        raise UnsupportedError(f"{first} (the torch engine would run the incumbent's own ATen code); {exc}") from exc
 
 
 def run(plan: ExecutionPlan, feed: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
