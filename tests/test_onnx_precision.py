@@ -305,7 +305,7 @@ def test_tf32_runs_the_incumbents_steps_at_tf32_on_cuda(monkeypatch: pytest.Monk
     _fake_floor(monkeypatch, lambda region: 0.0, 1.0, [])  # every region to the incumbent
     make, shape = MODELS["norm_attention"]
     model = make(rng)
-    sess = _session(model, precision="tf32", device="cuda:0", engine="")
+    sess = _session(model, precision="tf32", device="cuda:0", engine="", floor="on")  # the floor decides
     _versus_ort(sess, model, shape, rng, 1e-2)
     eager = [dict(k) for k in built if dict(k).get("compile") is False and dict(k).get("cuda_graph") is False]
     assert any(k.get("tf32") is True for k in eager), built

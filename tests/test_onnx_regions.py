@@ -142,8 +142,8 @@ def _fake_floor(monkeypatch: pytest.MonkeyPatch, incumbent_ms: Callable[[Region]
     real = region_choice.chooser_for
 
     def timer(cands: Mapping[str, Callable[[], object]], **kw: Any) -> dict[str, timing.Timing]:
-        kw.pop("warmup_s", None)
-        kw.pop("min_rounds", None)
+        for k in ("warmup_s", "min_rounds", "device_clock"):  # on a GPU the chooser passes a CUDA clock
+            kw.pop(k, None)
         wrapped = {**cands, "fusegraph": virtual_call(clock, fusegraph_ms, cands["fusegraph"])}
         return timing.time_candidates(wrapped, clock=clock, steady=False, min_rounds=3, per_round=1, **kw)
 
