@@ -471,6 +471,28 @@ def test_torch_compile_knob_on_cpu(rng: np.random.Generator) -> None:
 
 
 @pytest.mark.slow
+def test_inductors_fx_graph_cache_serves_a_second_build(rng: np.random.Generator, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """A compiled plan's graph is keyed in Inductor's FX graph cache, so another session (or
+    process) of the same graph loads it instead of compiling again. Compiled outside Dynamo
+    the cache was bypassed for want of a shape environment, and every ONNX session on a GPU
+    recompiled each of its torch[compile=True] regions."""
+    if not ENGINE.compile_support(CPU):
+        pytest.skip(f"torch.compile unavailable here: {ENGINE.compile_support(CPU).reason}")
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    g = _g(DT.FLOAT)
+    x = g.tensor("x", [48, 24])
+    g.sigmoid(g.mul(g.add(x, g.tensor("b", [1, 24])), g.scalar(3.0))).set_output(True)
+    before = dict(counters["inductor"])
+    check(g, rng, TOL[DT.FLOAT], EngineConfig("torch", (("compile", True),)))
+    check(g, rng, TOL[DT.FLOAT], EngineConfig("torch", (("compile", True),)))
+    got = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit",
+                                                                       "fxgraph_cache_bypass")}
+    assert got == {"fxgraph_cache_miss": 1, "fxgraph_cache_hit": 1, "fxgraph_cache_bypass": 0}, got
+
+
+@pytest.mark.slow
 def test_torch_compile_knob_reshapes_a_tensor_no_view_reaches(rng: np.random.Generator) -> None:
     """A reshape of a transposed tensor under torch.compile: traced as a reshape into the
     declared layout, not as a view (Inductor lays buffers out anew, and a view valid on the
