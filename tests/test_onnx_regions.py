@@ -521,3 +521,51 @@ def test_a_preferred_folded_candidate_runs_in_the_unit_and_agrees(monkeypatch: p
     assert folded_won, "no region had a border reshape to fold"
     assert not set(folded_won) & set(built), (folded_won, built)
     assert all(r.fusegraph for r in _rows(sess.partition_report()))
+
+
+def test_a_step_hands_its_plan_activations_in_the_declared_layout(rng: np.random.Generator) -> None:
+    """A piece run op by op may hand on a view (Swin-T: a Transpose's channels-last-strided
+    [8, 768, 7, 7]); kernel plans read only the declared layout, so the step copies such an
+    input into it, and passes one already laid out as declared untouched."""
+    from types import SimpleNamespace
+
+    import torch
+
+    dense = SimpleNamespace(shape=(2, 6, 3, 3), strides=(54, 9, 3, 1))  # what the step reads of a TensorAttr
+    seen: list[Any] = []
+
+    def strict(pack: dict[str, Any]) -> dict[str, Any]:
+        x = pack["in0"]
+        assert tuple(x.stride()) == dense.strides, x.stride()  # what a cuDNN / Triton plan insists on
+        seen.append(x)
+        return {"out0": x * 2}
+
+    run = plan_regions._laid_out(strict, [dense], ["in0"])
+    base = torch.from_numpy(rng.standard_normal((2, 3, 3, 6)).astype(np.float32))
+    view = base.permute(0, 3, 1, 2)  # [2, 6, 3, 3] with strides (54, 1, 18, 6)
+    got = run({"in0": view})["out0"]
+    torch.testing.assert_close(got, view * 2, rtol=0, atol=0)
+    ready = view.contiguous()
+    run({"in0": ready})
+    assert seen[-1] is ready
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_unit_failing_at_run_time_runs_op_by_op_on_pytorch(monkeypatch: pytest.MonkeyPatch,
+                                                                     rng: np.random.Generator) -> None:
+    """A region unit that fails at run time falls back to its nodes op by op on PyTorch on the
+    same GPU -- the incumbent the floor measured -- not to ONNX Runtime's CPU provider."""
+    from fusegraph.errors import VariantPackError
+
+    def broken(self: Any, values: Any) -> Any:
+        raise VariantPackError("a stand-in layout failure", tensor="in0")
+
+    monkeypatch.setattr(plan_regions.RegionUnit, "run", broken)
+    make, shape = MODELS["norm_attention"]
+    model = make(rng)
+    sess = fgo.InferenceSession(model.SerializeToString(), providers=PROVIDERS,
+                                provider_options=[{"device": "cuda:0"}, {}])
+    _agree(sess, model, shape, rng, rel=1e-3)
+    report = str(sess.partition_report())
+    assert "run op by op on PyTorch: VariantPackError" in report, report
+    assert "onnxruntime" not in report.split("subgraphs:")[1].split("\n")[0], report

@@ -572,6 +572,17 @@ class SessionPlan:
                 raise CompileError(f"claimed subgraph {unit.name} failed and strict=1: {exc}") from exc
             raise exc
         why = _one_line(f"{type(exc).__name__}: {exc}")
+        if self.handle.device.is_gpu:  # the incumbent on a GPU: the same nodes op by op on PyTorch
+            try:
+                fallback = plan_build.op_by_op_unit(self, unit.name, unit.nodes, unit.inputs, unit.outputs)
+                outs = fallback.run({i: env[i] for i in fallback.inputs})
+            except Exception as again:  # ONNX Runtime is the last resort
+                log.warning("claimed subgraph %s: op by op on PyTorch failed too: %s", unit.name, again)
+            else:
+                log.warning("claimed subgraph %s failed at run time, runs op by op on PyTorch: %s", unit.name, why)
+                self.units[k] = fallback
+                fallback.engine_notes.append(f"failed at run time, so run op by op on PyTorch: {why}")
+                return outs
         log.warning("claimed subgraph %s failed at run time, falls back to ONNX Runtime: %s", unit.name, why)
         name = unit.name.replace("fusegraph_", "onnxruntime_")
         repl = self._ort_unit(name, unit.nodes, unit.inputs, unit.outputs)

@@ -86,6 +86,20 @@ def fusegraph_unit(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[s
     return unit
 
 
+def op_by_op_unit(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[str], outs: list[str]) -> FusegraphUnit:
+    """The claimed nodes op by op on the torch engine, on the session's GPU: where a unit
+    fails at run time on a GPU, this is what the region floor measured as the incumbent,
+    and ONNX Runtime's CPU provider is no stand-in for it there (Swin-T ran 308 ms against
+    PyTorch's 8 on an H200)."""
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.engines.registry import REGISTRY
+
+    unit = lower_unit(plan, name, nodes, ins, outs, "torch", filter_layout_for("torch"))
+    known = {k.name for k in REGISTRY.get("torch").knobs(unit.graph, plan.handle)}
+    unit.build(EngineConfig("torch", tuple(kv for kv in (("compile", False), ("cuda_graph", False)) if kv[0] in known)))
+    return unit
+
+
 def select_and_build(
     plan: SessionPlan, name: str, nodes: list[ONode], ins: list[str], outs: list[str], canonical: str
 ) -> FusegraphUnit:

@@ -433,7 +433,7 @@ class RegionUnit(FusegraphUnit):
         extra = {} if kept else consts
         keys = [k for k, _ in acts]
         outs = [f"out{j}" for j in range(len(piece.outputs))]
-        execute = piece.plan.execute
+        execute = _laid_out(piece.plan.execute, [piece.graph.tensor_by_name(k) for k in keys], keys)
         if self.precision.reduced is not None:  # activations cast where they cross into another type
             from fusegraph.engines.torch.convert import torch_dtype
 
@@ -490,6 +490,29 @@ class RegionUnit(FusegraphUnit):
             if self.precision.reduced is not None:  # in the model's declared types
                 return {o: _declared(res[tname], self.graph.tensor_by_name(tname)) for o, tname in self._out.items()}
         return {o: res[tname] for o, tname in self._out.items()}
+
+
+def _laid_out(execute: Callable[[dict[str, Any]], Any], declared: Sequence[Any],
+              keys: Sequence[str]) -> Callable[[dict[str, Any]], Any]:
+    """``execute`` given its activations in the layouts its graph declares: a piece run op by
+    op may hand on a view (Swin-T's Transpose gave a channels-last-strided [8, 768, 7, 7] to a
+    region declaring it dense), and kernel plans read the declared layout only. A copy where
+    the strides differ; nothing where they match, as almost always."""
+    from fusegraph.engines.expanded_copy import copy_strided
+    from fusegraph.graph import layout
+
+    fixed = [(k, t) for k, t in zip(keys, declared, strict=True) if not layout.self_overlapping(t.shape, t.strides)]
+
+    def run(pack: dict[str, Any]) -> Any:
+        for k, t in fixed:
+            v = pack[k]
+            if not layout.same_strides(t.shape, tuple(v.stride()), t.strides):
+                import torch
+
+                pack[k] = copy_strided(torch.empty_strided(t.shape, t.strides, dtype=v.dtype, device=v.device), v)
+        return execute(pack)
+
+    return run
 
 
 def _declared(value: Any, t: Any) -> Any:
