@@ -238,15 +238,26 @@ def test_verdicts_are_read_back_by_a_second_session_without_measuring(
         monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
     measured: list[str] = []
     _fake_floor(monkeypatch, lambda r: 4.0, 2.0, measured)
+    trials: list[str] = []  # the reference each trial run of a built plan is compared with
+    real_eager = plan_regions.RegionUnit._eager
+
+    def eager(self: Any, graph: Any, *, tf32: bool | None = None) -> Any:
+        if tf32 is False:
+            trials.append(graph.name)
+        return real_eager(self, graph, tf32=tf32)
+
+    monkeypatch.setattr(plan_regions.RegionUnit, "_eager", eager)
     model = conv_blocks(rng)
     first = _rows(_session(model, floor="on").partition_report())
-    # conv1 and conv2 are one computation on one shape: one content key, measured once
+    # conv1 and conv2 are one computation on one shape: one content key, measured once, tried once
     assert sorted(measured) == ["cudnn.conv.bias_act", "cudnn.conv.bias_act", "triton.reduction"]
+    assert len(trials) == 3, trials
     assert [r.source for r in first] == ["measured"] * 4 and all(r.where == "fusegraph:torch" for r in first)
     measured.clear()
     sess = _session(model, floor="on")
     second = _rows(sess.partition_report())
     assert measured == [], "a second session measured again"
+    assert len(trials) == 3, trials  # nor tried again the plans whose stored verdicts say they won
     assert [r.source for r in second] == ["cached"] * 4
     assert [(r.where, r.fusegraph_ms, r.incumbent_ms) for r in second] == [
         (r.where, r.fusegraph_ms, r.incumbent_ms) for r in first]

@@ -125,9 +125,10 @@ class RegionUnit(FusegraphUnit):
         self.accuracy: Accuracy | None = None  # fp16 / bf16: the built unit against its float32 path
         self._buffers = base.handle.device.is_gpu  # outputs live on the device: a copy to reach the host
         build = chooser.builder or (lambda r: r.graph.build(handle=chooser.handle, engine=chooser.engine))
+        self._trial_passed: set[tuple[str, bool]] = set()  # (region content key, preferred) whose plan passed
         chooser.builder = self._checked(build)
         if chooser.preferred is not None:
-            chooser.preferred = self._checked(chooser.preferred, tuned=False)
+            chooser.preferred = self._checked(chooser.preferred, preferred=True)
 
     # ---- what the plan and the report read -----------------------------------------------------
     @property
@@ -316,18 +317,23 @@ class RegionUnit(FusegraphUnit):
                 chosen = {ch.region.index: ch for ch in c.choose_all(rest, self._example)}
         return [known.get(r.index) or chosen[r.index] for r in regions]
 
-    def _checked(self, build: Callable[[Region], ExecutionPlan], tuned: bool = True) -> Callable[[Region], ExecutionPlan]:
+    def _checked(self, build: Callable[[Region], ExecutionPlan], preferred: bool = False) -> Callable[[Region], ExecutionPlan]:
         """``build``, and where the floor is on a trial run of its plan against the same nodes
         op by op on PyTorch on the region's example inputs: a plan that fails or disagrees is
         the region's refusal (never measured, so no verdict of it is kept), as the floor
-        against ONNX Runtime hands back a unit that disagrees."""
+        against ONNX Runtime hands back a unit that disagrees. Tried once per region content
+        (a model's repeated layers build the same plan), and not where a stored verdict says
+        the plan won: it passed this trial before it was measured."""
 
         def checked(region: Region) -> ExecutionPlan:
-            plan = self._tuned(region) if tuned and self.tune_s > 0 else None
+            plan = self._tuned(region) if not preferred and self.tune_s > 0 else None
             plan = plan or build(region)
             if self.precision.tf32 and "tf32=True" in str(plan.config):
                 self._tf32_regions += 1
-            if not self.chooser.floor:
+            if not self.chooser.floor or (region.key, preferred) in self._trial_passed:
+                return plan
+            stored = self.chooser.cached(region, preferred)
+            if stored is not None and stored.fusegraph:
                 return plan
             try:
                 reference = self._eager(region.graph, tf32=False)
@@ -343,6 +349,7 @@ class RegionUnit(FusegraphUnit):
             agree = self.precision.agree if region.key in self._reduced or self.precision.tf32 else None
             if not err <= (agree or AGREE):
                 raise UnsupportedError(f"disagrees with the same nodes op by op on PyTorch (relative error {err:.1e})")
+            self._trial_passed.add((region.key, preferred))
             return plan
 
         return checked

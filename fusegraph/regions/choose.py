@@ -73,6 +73,13 @@ class Chooser:
                     **dict(self.key_options), **({"candidate": "preferred"} if preferred else {})}
         return verdict_key(region.key, device_id(self.handle), self.incumbent.name, self.versions(), settings)
 
+    def cached(self, region: Region, preferred: bool = False) -> Verdict | None:
+        """The stored verdict on the region's candidate (the preferred one, or the builder's),
+        where the floor is on and one was recorded."""
+        if not self.floor or self.store is None:
+            return None
+        return self.store.lookup(self.key(region, preferred))
+
     def build(self, region: Region, fn: Callable[[Region], ExecutionPlan] | None = None) -> ExecutionPlan | Verdict:
         """fusegraph's plan for the region (by ``fn``, default the builder), or the refusal
         saying why there is none."""
@@ -104,6 +111,9 @@ class Chooser:
 
     def _choose(self, region: Region, inputs: Callable[[Region], Mapping[str, Any]] | None,
                 fn: Callable[[Region], ExecutionPlan] | None, preferred: bool = False) -> Choice:
+        cached = self.cached(region, preferred)
+        if cached is not None and not cached.fusegraph:  # a plan that lost is not built again
+            return Choice(region, cached)
         built = self.build(region, fn)
         if isinstance(built, Verdict):
             return Choice(region, built)
@@ -111,10 +121,9 @@ class Chooser:
         if not self.floor:
             return Choice(region, Verdict(True, "claimed", "the floor is off: claimed without measuring",
                                           engine, incumbent=self.incumbent.name), built)
-        key = self.key(region, preferred)
-        cached = self.store.lookup(key) if self.store is not None else None
         if cached is not None:
-            return Choice(region, cached, built if cached.fusegraph else None)
+            return Choice(region, cached, built)
+        key = self.key(region, preferred)
         if inputs is None:
             raise ValueError("the floor is on: choose() needs the region's example inputs to measure")
         pack = dict(inputs(region))
