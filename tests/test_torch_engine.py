@@ -475,7 +475,8 @@ def test_inductors_fx_graph_cache_serves_a_second_build(rng: np.random.Generator
     """A compiled plan's graph is keyed in Inductor's FX graph cache, so another session (or
     process) of the same graph loads it instead of compiling again. Compiled outside Dynamo
     the cache was bypassed for want of a shape environment, and every ONNX session on a GPU
-    recompiled each of its torch[compile=True] regions."""
+    recompiled each of its torch[compile=True] regions. Within a process, plans of one graph
+    share the compiled callable."""
     if not ENGINE.compile_support(CPU):
         pytest.skip(f"torch.compile unavailable here: {ENGINE.compile_support(CPU).reason}")
     from torch._dynamo.utils import counters
@@ -484,8 +485,14 @@ def test_inductors_fx_graph_cache_serves_a_second_build(rng: np.random.Generator
     g = _g(DT.FLOAT)
     x = g.tensor("x", [48, 24])
     g.sigmoid(g.mul(g.add(x, g.tensor("b", [1, 24])), g.scalar(3.0))).set_output(True)
+    from fusegraph.engines.torch import compiled
+
+    monkeypatch.setattr(compiled, "COMPILED", {})
     before = dict(counters["inductor"])
     check(g, rng, TOL[DT.FLOAT], EngineConfig("torch", (("compile", True),)))
+    check(g, rng, TOL[DT.FLOAT], EngineConfig("torch", (("compile", True),)))  # in process: the same callable
+    assert len(compiled.COMPILED) == 1
+    compiled.COMPILED.clear()  # as another process would start: Inductor's cache on disk only
     check(g, rng, TOL[DT.FLOAT], EngineConfig("torch", (("compile", True),)))
     got = {k: counters["inductor"][k] - before.get(k, 0) for k in ("fxgraph_cache_miss", "fxgraph_cache_hit",
                                                                        "fxgraph_cache_bypass")}
