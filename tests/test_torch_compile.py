@@ -68,7 +68,7 @@ class RMSMLP(nn.Module):
 
 def _rel(a: Any, b: Any) -> float:
     assert not torch.isnan(a).any()
-    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
 
 
 def _twins(make: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:

@@ -27,7 +27,7 @@ CLAIM_ALL = {"floor": False}
 
 def _rel(a: Any, b: Any) -> float:
     assert not torch.isnan(a).any()
-    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
 
 
 def _models() -> dict[str, Any]:
