@@ -20,11 +20,12 @@ checks them (``Answers`` and ``tolerance`` of select/autotune.py); a mismatch or
 at run time prints a reproducer: ``reproduce(graph_json, seed, scales, engine)`` below.
 
 The CPU tests run the same drawing, folding and comparison with the reference engine
-standing in for the kernel engine, check the comparison catches a wrong answer, and check
-from the engines' own pure-Python claims (triton's ``rows.analyze``, cudnn's
-``lower.refusal``) that the GPU case list gives each engine enough graphs to build.
+standing in for the kernel engine (and once with the torch engine on the CPU, fed torch
+tensors through ``folded_kernel_plan`` as on the GPU), check the comparison catches a wrong
+answer, and check from the engines' own pure-Python claims (triton's ``rows.analyze``,
+cudnn's ``lower.refusal``) that the GPU case list gives each engine enough graphs to build.
 
-GPU run (about a minute on an H100): ``python3 -m pytest -m gpu -q -s tests/test_gpu_fuzz_views.py``
+GPU run (estimated at about a minute on an H100; the per-engine seconds are printed): ``python3 -m pytest -m gpu -q -s tests/test_gpu_fuzz_views.py``
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ from fusegraph.regions.views import (
     folded_kernel_plan,
 )
 from fusegraph.select.autotune import Answers, tolerance
+from fusegraph.select.partition import to_host
 
 DEVICE = "cuda:0"
 FAMILIES = ("layernorm_torch", "layernorm_onnx", "rmsnorm_torch", "rmsnorm_onnx", "softmax", "matmul",
@@ -66,7 +68,7 @@ FAMILIES = ("layernorm_torch", "layernorm_onnx", "rmsnorm_torch", "rmsnorm_onnx"
 # graph (views.py folds reshapes only), so neither kernel engine takes it: a few check
 # that it is refused cleanly.
 WEIGHTS = (4, 3, 3, 2, 4, 4, 4, 1)
-GPU_CASES = 56  # ~40 distinct Triton kernels and ~30 cuDNN graphs: about a minute of builds on an H100
+GPU_CASES = 56  # ~27 Triton kernels and ~31 cuDNN graphs to build (claims printed by the CPU test below)
 CPU_CASES = 40
 GPU_SEED, CPU_SEED = 20261127, 7
 DRAWN = 600  # fuzzer graphs drawn; ~2-3% fold (test_fuzz_views)
@@ -350,10 +352,13 @@ def reference_stand_in(graph: fg.Graph) -> ExecutionPlan:
     return FoldedPlan(graph, folded, folded.graph.build(engine="reference"))
 
 
-def run_case(case: Case, engine: str, build: Builder, device: str | None) -> Outcome:
+def run_case(case: Case, engine: str, build: Builder, device: str | None,
+             memo: dict[str, Any] | None = None) -> Outcome:
     """``case`` on the plan ``build`` makes, fed through its views on fresh random data
     (torch tensors on ``device``, NumPy arrays without one), against the float64 reference
-    with the graph fuzzer's tolerance. Only a refusal at build time is "refused"."""
+    with the graph fuzzer's tolerance. Only a refusal at build time is "refused". ``memo``
+    keeps one case's inputs and answers for its next engine. A typed error at build time is a
+    refusal (kernel_plan turns every engine's own failure into one); an untyped one is not."""
     g = case.graph
     folded = fold_border_reshapes(g)
     ops = "+".join(sorted({n.kind.value for n in folded.graph.nodes})) if folded is not None else "-"
@@ -361,29 +366,36 @@ def run_case(case: Case, engine: str, build: Builder, device: str | None) -> Out
         plan = build(g)
     except UnsupportedError as exc:
         return Outcome("refused", str(exc), ops)
+    except FusegraphError as exc:  # typed, so a refusal still; its type is kept among the reasons
+        return Outcome("refused", f"{type(exc).__name__}: {exc}", ops)
+    except Exception as exc:  # an untyped error from the selection or the folding is a finding
+        return Outcome("raised", f"building raised untyped {type(exc).__name__}: {str(exc)[:600]}\n"
+                       + case.reproducer(engine), ops)
     config = f", config {plan.config}"
-    inputs = make_inputs(g, case.seed, case.scales)
-    answers = Answers(g, inputs, cast=True)  # the reference engine's answers of the original graph
+    memo = {} if memo is None else memo
+    if "answers" not in memo:
+        memo["inputs"] = make_inputs(g, case.seed, case.scales)
+        memo["answers"] = Answers(g, memo["inputs"], cast=True)  # the reference engine's answers of the graph
+    inputs: dict[str, np.ndarray] = memo["inputs"]
+    answers: Answers = memo["answers"]
     for name, arr in answers.exact.items():
         if not np.all(np.isfinite(np.asarray(arr, np.float64))):
             raise AssertionError(f"the drawing made a graph whose reference output '{name}' is not finite:\n"
                                  + case.reproducer(engine))
     try:
         got = plan.execute(to_device(g, inputs, device) if device else dict(inputs))
-        if device:
-            import torch
-
-            torch.cuda.synchronize(device)
+        host = {t.name: to_host(got[t.name]) for t in g.outputs() if t.name in got}
     except Exception as exc:  # a plan that built must run: an error here is a finding
         typed = "" if isinstance(exc, FusegraphError) else "untyped "
         return Outcome("raised", f"raised {typed}{type(exc).__name__}: {str(exc)[:600]}\n" + case.reproducer(engine, config), ops)
     for t in g.outputs():
-        shape = tuple(getattr(got.get(t.name), "shape", ()))
-        if shape != t.shape:
-            return Outcome("mismatch", f"output '{t.name}' came back {list(shape)}, expected {t.dim}\n"
+        got_t = host.get(t.name)
+        if got_t is None or tuple(got_t.shape) != t.shape or got_t.dtype != t.dtype.numpy:
+            what = "missing" if got_t is None else f"{list(got_t.shape)} {got_t.dtype}"
+            return Outcome("mismatch", f"output '{t.name}' came back {what}, expected {t.dim} {t.dtype.numpy}\n"
                            + case.reproducer(engine, config), ops)
     tol = tolerance(g)
-    err, why = answers.error(got, tol)
+    err, why = answers.error(host, tol)
     if not err <= tol:  # NaN fails too
         return Outcome("mismatch", f"rel err {err:.3g} > tol {tol:g} {why}\n" + case.reproducer(engine, config), ops)
     return Outcome("ok", f"{err:.2e}", ops)
@@ -459,9 +471,10 @@ def run_all(cases: tuple[Case, ...], engines: tuple[str, ...], builders: Mapping
             device: str | None) -> Tally:
     tally = Tally()
     for case in cases:
+        memo: dict[str, Any] = {}
         for engine in engines:
             t0 = time.perf_counter()
-            out = run_case(case, engine, builders[engine], device)
+            out = run_case(case, engine, builders[engine], device, memo)
             tally.add(engine, case, out, time.perf_counter() - t0)
     return tally
 
@@ -542,6 +555,22 @@ def test_the_gpu_case_list_gives_each_engine_enough_graphs() -> None:
     assert max(sizes) >= 8192 * 1024, max(sizes)  # realistic sizes are run, odd ones too:
     assert {1, 3}.issubset({c.graph.inputs()[0].shape[-1] for c in cases})
     assert {c.graph.inputs()[0].dtype for c in cases} == {DataType.HALF, DataType.BFLOAT16, DataType.FLOAT}
+
+
+def test_the_gpu_path_runs_with_torch_tensors_on_the_cpu() -> None:
+    """The GPU tests' own path -- ``folded_kernel_plan`` with one engine pinned, inputs as
+    torch tensors in their declared layouts (``to_device``), results read back from torch
+    (bfloat16 included) -- with the torch engine on the CPU in the kernel engine's place."""
+    pytest.importorskip("torch", reason="the torch extra is not installed: the GPU path feeds torch tensors")
+    builder = {"torch": _kernel_builder("torch", "cpu")}
+    region = run_all(region_cases(CPU_CASES, CPU_SEED, big=False), ("torch",), builder, "cpu")
+    drawn = run_all(drawn_cases(DRAWN), ("torch",), builder, "cpu")
+    print(region.report("front-door region graphs, torch engine on the CPU, torch tensors"))
+    print(drawn.report("fuzzer graphs that fold, torch engine on the CPU, torch tensors"))
+    region.assert_no_failures()
+    drawn.assert_no_failures()
+    assert region.built("torch") == CPU_CASES
+    assert drawn.built("torch") >= 30, drawn.report("counts")
 
 
 @pytest.mark.xfail(strict=True, reason=(
