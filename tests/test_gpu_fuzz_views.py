@@ -482,7 +482,8 @@ def run_all(cases: tuple[Case, ...], engines: tuple[str, ...], builders: Mapping
 # ---- the engines' own claims, read on the CPU ----------------------------------------------------
 def claimed_by(graph: fg.Graph) -> set[str]:
     """The kernel engines whose pure-Python rules accept the folded ``graph`` (cuDNN's
-    heuristics and Triton's compiler may still turn it down on the GPU)."""
+    heuristics and Triton's compiler may still turn it down on the GPU); a Triton kernel's
+    source is generated and parsed on the way."""
     from fusegraph.engines.cudnn import lower
     from fusegraph.engines.triton.rows import Refusal, analyze
 
@@ -493,10 +494,16 @@ def claimed_by(graph: fg.Graph) -> set[str]:
     if lower.refusal(folded.graph) is None:
         out.add("cudnn")
     try:
-        analyze(folded.graph)
-        out.add("triton")
+        rg = analyze(folded.graph)
     except Refusal:
-        pass
+        return out
+    from fusegraph.engines.triton.codegen import kernel_source
+    from fusegraph.engines.triton.engine import default_tiling
+
+    # the kernel's text is written on the CPU too: it must be Python (Triton compiles it on the GPU)
+    text = kernel_source(folded.graph, rg, default_tiling(rg.rows, rg.cols)[0])
+    compile(text, f"<triton kernel of {graph.name}>", "exec")
+    out.add("triton")
     return out
 
 
@@ -529,6 +536,8 @@ def test_region_graphs_fold_and_match_through_views_on_the_cpu() -> None:
 
 def test_fuzzer_graphs_that_fold_match_through_views_on_the_cpu() -> None:
     cases = drawn_cases(DRAWN)
+    claims = Counter(e for c in cases for e in claimed_by(c.graph))
+    print(f"fuzzer graphs that fold: {len(cases)}, claimed {dict(claims)}")
     tally = run_all(cases, ("reference",), {"reference": reference_stand_in}, None)
     print(tally.report(f"fuzzer graphs that fold ({len(cases)} of {DRAWN}), reference stand-in (CPU)"))
     tally.assert_no_failures()
