@@ -330,3 +330,35 @@ def test_contrib_gelus(rng: np.random.Generator, op: str, mode: str) -> None:
                {} if op == "Gelu" else {"bias": _x(rng, D)}, contrib=True)
     sess = _run(m, {"x": _x(rng, B, S, D) * 3})
     assert f"pointwise:{mode}" in _kinds(sess)
+
+
+
+
+def test_the_diffusion_unets_group_norms_lower_on_the_region_path(rng: np.random.Generator, tmp_path: Any) -> None:
+    """bench_onnx_gpu's diffusion UNet (one level, 16x16): its GroupNorms, exported as
+    Reshape -> InstanceNormalization -> Reshape, read a reshape whose output had no type yet
+    while being lowered, and the whole model fell back to ONNX Runtime ("tensor
+    'reshape_28::y' has no data type yet"). The norm takes the type from the model."""
+    torch = pytest.importorskip("torch")
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(bench_dir))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_onnx_gpu_for_test", bench_dir / "bench_onnx_gpu.py")
+        assert spec is not None and spec.loader is not None
+        bench = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(bench_dir))
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    x = torch.randn(1, 4, 16, 16)
+    path = tmp_path / "unet.onnx"
+    with torch.no_grad():
+        bench.export(bench.UNet(64, 1).eval(), (x,), ["x"], path)
+    opts = {"regions": "on", "engine": "torch", "runners": "off", "floor_mode": "inline"}
+    sess = _run(onnx.load(str(path)), {"x": x.numpy()}, **opts)  # strict: a build failure raises
+    report = sess.partition_report()
+    assert [s.kind for s in report.subgraphs] == ["fusegraph"] and "regions:" in str(report), str(report)

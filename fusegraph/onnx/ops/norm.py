@@ -72,7 +72,7 @@ def lower_layernorm(imp: Importer, node: ONode) -> None:
             if tuple(t.dim) != feat:
                 raise Unmappable(f"LayerNormalization: non-constant '{name}' {t.dim} must have dims {list(feat)}")
             return reshape(imp, t, (1, inner))
-        return imp.constant(np.full((1, inner), fill, dtype=x.dtype.numpy), "ln_zero_bias", "plain")
+        return imp.constant(np.full((1, inner), fill, dtype=imp.dtype(node.inputs[0]).numpy), "ln_zero_bias", "plain")
 
     scale = param(node.inputs[1], 1.0)
     bias = param(node.inputs[2] if len(node.inputs) > 2 else None, 0.0)
@@ -88,7 +88,7 @@ def lower_instancenorm(imp: Importer, node: ONode) -> None:
     eps = float(node.attr("epsilon", 1e-5))
     x = imp.tensor(node.inputs[0], "plain")
     n, c, sp = xs[0], xs[1], math.prod(xs[2:])
-    dt = x.dtype.numpy
+    dt = imp.dtype(node.inputs[0]).numpy  # the model's type: a reshape's output may not have inferred it yet
     x2 = reshape(imp, x, (n * c, sp))
     ones = imp.constant(np.ones((1, sp), dtype=dt), "in_one", "plain")
     zeros = imp.constant(np.zeros((1, sp), dtype=dt), "in_zero", "plain")
