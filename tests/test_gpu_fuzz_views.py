@@ -507,12 +507,6 @@ def claimed_by(graph: fg.Graph) -> set[str]:
     return out
 
 
-def _casts(graph: fg.Graph) -> bool:
-    """Whether ``graph`` casts a computed value (an identity into another type)."""
-    return any(n.kind == OpKind.POINTWISE and getattr(n.attrs, "mode", None) == PointwiseMode.IDENTITY
-               and n.inputs["a"].dtype != n.outputs["y"].dtype for n in graph.nodes)
-
-
 # ---- CPU tests: the pipeline with the reference engine standing in --------------------------------
 def test_region_graphs_fold_and_match_through_views_on_the_cpu() -> None:
     """Every drawn region graph folds, loses every reshape of its border, and the folded
@@ -522,8 +516,6 @@ def test_region_graphs_fold_and_match_through_views_on_the_cpu() -> None:
         folded = fold_border_reshapes(case.graph)
         assert folded is not None, case.reproducer("-")
         left = [n.kind for n in folded.graph.nodes if n.kind == OpKind.RESHAPE]
-        if _casts(case.graph):  # the reshape before a cast stays inside: test_a_cast_after_the_rows_..., xfail
-            continue
         assert not left, f"reshapes left inside the folded graph: {left}\n" + case.reproducer("-")
     tally = run_all(cases, ("reference",), {"reference": reference_stand_in}, None)
     print(tally.report("front-door region graphs, reference stand-in (CPU)"))
@@ -582,13 +574,6 @@ def test_the_gpu_path_runs_with_torch_tensors_on_the_cpu() -> None:
     assert drawn.built("torch") >= 30, drawn.report("counts")
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "views.sink_reshapes moves the reshape back to [B, S, F] past a cast but keeps 'data_type' out of the "
-    "moved op's result's 'set': rebuilt, that result is retyped by inference (the input's type), the "
-    "reshape casts again and stays inside, so neither kernel engine takes a norm or softmax followed by "
-    "a cast (PyTorch's .float() after a half layer norm). Fix in fusegraph/regions/views.py: keep "
-    "'data_type' in the result's set where the op's own result had it; then drop this mark and the "
-    "_casts exception in test_region_graphs_fold_and_match_through_views_on_the_cpu."))
 @pytest.mark.parametrize("style", ["torch", "onnx"])
 def test_a_cast_after_the_rows_reshaped_back_folds_to_the_border(style: str) -> None:
     g = _graph(style, "ln_cast", DataType.BFLOAT16)

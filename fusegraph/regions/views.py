@@ -78,7 +78,9 @@ def sink_reshapes(graph: Graph) -> Graph:
             ty, tx, tz = tensors[y], tensors[x], tensors[z]
             # the op now computes in x's shape into y; the reshape takes y to z
             ty.update(dim=list(tx["dim"]), stride=list(layout.packed_strides(tx["dim"])), data_type=tz["data_type"])
-            ty["set"] = [k for k in ty.get("set", []) if k != "dim"]
+            ty["set"] = [k for k in ty.get("set", []) if k != "dim"] + (
+                ["data_type"] if "data_type" in tz.get("set", []) and "data_type" not in ty.get("set", []) else [])
+            # (the op's result keeps the type it was given: a cast stays the op's, not the reshape's)
             tz["set"] = sorted(set(tz.get("set", [])) | {"dim"})  # the reshape's target
             pw["inputs"] = {p: (x if t == y else t) for p, t in pw["inputs"].items()}
             pw["outputs"] = {p: y for p in pw["outputs"]}
