@@ -49,7 +49,7 @@ import fusegraph as fg
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import ExecutionPlan
 from fusegraph.errors import FusegraphError, UnsupportedError
-from fusegraph.graph.ops import NormFwdPhase, OpKind, PointwiseMode
+from fusegraph.graph.ops import NormFwdPhase, OpKind
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.reference.inputs import random_inputs
 from fusegraph.regions.views import (
