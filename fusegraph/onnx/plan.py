@@ -573,15 +573,9 @@ class SessionPlan:
             raise exc
         why = _one_line(f"{type(exc).__name__}: {exc}")
         if self.handle.device.is_gpu:  # the incumbent on a GPU: the same nodes op by op on PyTorch
-            try:
-                fallback = plan_build.op_by_op_unit(self, unit.name, unit.nodes, unit.inputs, unit.outputs)
-                outs = fallback.run({i: env[i] for i in fallback.inputs})
-            except Exception as again:  # ONNX Runtime is the last resort
-                log.warning("claimed subgraph %s: op by op on PyTorch failed too: %s", unit.name, again)
-            else:
-                log.warning("claimed subgraph %s failed at run time, runs op by op on PyTorch: %s", unit.name, why)
-                self.units[k] = fallback
-                fallback.engine_notes.append(f"failed at run time, so run op by op on PyTorch: {why}")
+            got = plan_build.op_by_op_instead(self, unit, why, env)
+            if got is not None:
+                self.units[k], outs = got
                 return outs
         log.warning("claimed subgraph %s failed at run time, falls back to ONNX Runtime: %s", unit.name, why)
         name = unit.name.replace("fusegraph_", "onnxruntime_")

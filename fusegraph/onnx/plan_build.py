@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from fusegraph.onnx import choices
 from fusegraph.onnx.importer import Importer, filter_layout_for
@@ -98,6 +99,22 @@ def op_by_op_unit(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[st
     known = {k.name for k in REGISTRY.get("torch").knobs(unit.graph, plan.handle)}
     unit.build(EngineConfig("torch", tuple(kv for kv in (("compile", False), ("cuda_graph", False)) if kv[0] in known)))
     return unit
+
+
+def op_by_op_instead(plan: SessionPlan, unit: FusegraphUnit, why: str,
+                     env: Mapping[str, Any]) -> tuple[FusegraphUnit, dict[str, Any]] | None:
+    """``unit``, which failed at run time on a GPU, replaced by its nodes op by op on PyTorch
+    and run on ``env``: the replacement and its outputs, or None where that fails too (ONNX
+    Runtime is then the last resort)."""
+    try:
+        fallback = op_by_op_unit(plan, unit.name, unit.nodes, unit.inputs, unit.outputs)
+        outs = fallback.run({i: env[i] for i in fallback.inputs})
+    except Exception as again:
+        log.warning("claimed subgraph %s: op by op on PyTorch failed too: %s", unit.name, again)
+        return None
+    log.warning("claimed subgraph %s failed at run time, runs op by op on PyTorch: %s", unit.name, why)
+    fallback.engine_notes.append(f"failed at run time, so run op by op on PyTorch: {why}")
+    return fallback, outs
 
 
 def select_and_build(
