@@ -580,3 +580,30 @@ def test_on_cuda_a_unit_failing_at_run_time_runs_op_by_op_on_pytorch(monkeypatch
     report = str(sess.partition_report())
     assert "run op by op on PyTorch: VariantPackError" in report, report
     assert "onnxruntime" not in report.split("subgraphs:")[1].split("\n")[0], report
+
+
+def test_a_floor_budget_in_seconds_leaves_regions_to_later_sessions(monkeypatch: pytest.MonkeyPatch,
+                                                                    rng: np.random.Generator) -> None:
+    """``floor=<seconds>`` bounds the regions' first measurement: past the budget the rest run
+    op by op, unmeasured and unrecorded, and the next session measures them; a model of many
+    distinct regions converges over sessions instead of taking minutes in its first."""
+    from types import SimpleNamespace
+
+    from fusegraph.regions import choose as choose_mod
+
+    measured: list[str] = []
+    _fake_floor(monkeypatch, lambda r: 4.0, 2.0, measured)  # fusegraph wins every region it measures
+    ticks = iter(range(10_000))
+    monkeypatch.setattr(choose_mod, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))  # 1 s a region
+    assert region_choice.region_budget("1.5") == 1.5 and region_choice.region_budget("on") is None
+    model = conv_blocks(rng)
+    sess = _session(model, floor="1.5")
+    first = _rows(sess.partition_report())
+    assert [r.source for r in first] == ["measured", "measured", "measured", "unmeasured"], str(sess.partition_report())
+    assert first[-1].where == "fake" and "budget (1.5 s) was spent" in first[-1].why
+    _agree(sess, model, MODELS["conv_blocks"][1], rng)
+    measured.clear()
+    again = _rows(_session(model, floor="1.5").partition_report())
+    assert measured == ["triton.reduction"]  # only what the first session left
+    assert [r.source for r in again] == ["cached", "cached", "cached", "measured"]
+    assert all(r.where == "fusegraph:torch" for r in again)

@@ -122,7 +122,19 @@ def chooser_for(plan: SessionPlan) -> Chooser:
     return Chooser(handle, incumbent_for(handle, tf32=plan.opts.precision == "tf32"), floor=floor, engine=engine,
                    store=VerdictStore(cache_dir) if floor else None, sync=sync,
                    timing_options=timing_options, builder=build, build_options=options, key_options=key_options,
-                   preferred=folded if handle.device.is_gpu and engine is None else None)
+                   preferred=folded if handle.device.is_gpu and engine is None else None,
+                   budget_s=region_budget(plan.opts.floor))
+
+
+def region_budget(floor: str) -> float | None:
+    """``floor`` given as seconds bounds the regions' first measurement too (a model of many
+    distinct regions -- DenseNet-121 on an H200 took over three minutes -- is measured over
+    several sessions); ``on`` / ``auto`` measure every region in the first session."""
+    try:
+        seconds = float(floor)
+    except (TypeError, ValueError):
+        return None
+    return seconds if seconds > 0 else None
 
 
 def _cudnn_tf32(graph: Graph, handle: Handle) -> ExecutionPlan | None:
@@ -165,4 +177,4 @@ def _with_tf32(built: ExecutionPlan, graph: Graph, handle: Handle) -> ExecutionP
     return tf32
 
 
-__all__ = ["TIMING", "chooser_for", "incumbent_for", "unavailable", "wanted"]
+__all__ = ["TIMING", "chooser_for", "incumbent_for", "region_budget", "unavailable", "wanted"]

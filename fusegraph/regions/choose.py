@@ -7,6 +7,7 @@ incumbent and their regions' example inputs."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -56,6 +57,10 @@ class Chooser:
     # the builder's plan is never built (an Inductor compile it would cost); where it loses
     # or cannot build, the builder's plan is measured as before. Its verdicts are its own.
     preferred: Callable[[Region], ExecutionPlan] | None = None
+    # Seconds ``choose_all`` may spend building and measuring regions without a stored
+    # verdict (None: no limit). Past it the rest go to the incumbent unmeasured and
+    # unrecorded, so each later session measures more until every region has its verdict.
+    budget_s: float | None = None
     _versions: dict[str, str] | None = None
 
     def versions(self) -> dict[str, str]:
@@ -79,6 +84,13 @@ class Chooser:
         if not self.floor or self.store is None:
             return None
         return self.store.lookup(self.key(region, preferred))
+
+    def _stored(self, region: Region) -> bool:
+        """Whether stored verdicts decide the region without measuring it."""
+        if self.cached(region) is not None:
+            return True
+        first = self.cached(region, True) if self.preferred is not None else None
+        return first is not None and first.fusegraph
 
     def build(self, region: Region, fn: Callable[[Region], ExecutionPlan] | None = None) -> ExecutionPlan | Verdict:
         """fusegraph's plan for the region (by ``fn``, default the builder), or the refusal
@@ -148,6 +160,7 @@ class Chooser:
         """Every region's choice; regions with one content key are measured once."""
         by_key: dict[str, tuple[Verdict, bool]] = {}  # content key -> verdict, whether the preferred won
         out: list[Choice] = []
+        spent = 0.0  # seconds on regions without a stored verdict
         for region in regions:
             seen = by_key.get(region.key)
             if seen is not None and seen[0].source in ("measured", "cached"):
@@ -158,7 +171,16 @@ class Chooser:
                     plan = built if isinstance(built, ExecutionPlan) else None
                 out.append(Choice(region, verdict, plan))
                 continue
+            fresh = self.floor and not self._stored(region)
+            if fresh and self.budget_s is not None and spent >= self.budget_s:
+                out.append(Choice(region, Verdict(
+                    False, "unmeasured", f"the region floor's budget ({self.budget_s:g} s) was spent before it; "
+                    "a later session measures it", incumbent=self.incumbent.name)))
+                continue
+            t0 = time.perf_counter()
             choice, first = self._pick(region, inputs)
+            if fresh:
+                spent += time.perf_counter() - t0
             by_key[region.key] = (choice.verdict, first)
             out.append(choice)
         if self.store is not None:

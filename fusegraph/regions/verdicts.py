@@ -37,7 +37,8 @@ class Verdict:
     """Who runs a region. ``fusegraph``: fusegraph's plan (on ``engine``) runs it; else the
     incumbent does. ``source``: "measured" (timed side by side), "claimed" (the floor was
     off: fusegraph runs it unmeasured), "refused" (fusegraph cannot run it: ``why``),
-    "cached" (a measured verdict read back)."""
+    "cached" (a measured verdict read back), "unmeasured" (the floor's budget was spent: the
+    incumbent runs it until a later session measures it; never stored)."""
 
     fusegraph: bool
     source: str
