@@ -27,10 +27,12 @@ SEEN: Counter[str] = Counter()
 def _fold_and_compare(data: st.DataObject, seed: int) -> None:
     g, _ = draw_graph(data.draw, "reference")
     SEEN["graphs"] += 1
-    folded = fold_border_reshapes(g)
+    transposes = data.draw(st.booleans())  # the ONNX door also folds output transposes
+    folded = fold_border_reshapes(g, transposes=transposes)
     if folded is None:
         return
     SEEN["folded"] += 1
+    SEEN["permuted"] += len(folded.permuted)
     inputs = random_inputs(g, np.random.default_rng(seed))
     want = g.build(engine="reference").execute(dict(inputs))
     got = FoldedPlan(g, folded, folded.graph.build(engine="reference")).execute(dict(inputs))
@@ -46,5 +48,6 @@ def _fold_and_compare(data: st.DataObject, seed: int) -> None:
 
 def test_folded_graphs_give_the_originals_answer() -> None:
     _fold_and_compare()
-    assert SEEN["graphs"] == EXAMPLES
+    print(dict(SEEN))
+    assert SEEN["graphs"] >= EXAMPLES  # (hypothesis may draw a few more than it keeps)
     assert SEEN["folded"] >= 12, dict(SEEN)  # the check ran on enough folded graphs

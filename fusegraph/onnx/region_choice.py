@@ -111,13 +111,15 @@ def chooser_for(plan: SessionPlan) -> Chooser:
     options = {} if plan.opts.precision == "fp32" else {"precision": plan.opts.precision}
 
     def folded(region: Region) -> ExecutionPlan:
-        """The preferred candidate on a GPU: the region with its border reshapes folded into
-        views on a kernel engine -- a layer norm exported as [B, S, F] reaches the Triton row
-        kernel instead of an Inductor compile of its own (seconds of setup each)."""
+        """The preferred candidate on a GPU: the region with its border reshapes and output
+        transposes folded into views on a kernel engine -- a layer norm exported as [B, S, F]
+        and transposed for the attention after it (ViT-B/16) reaches the Triton row kernel
+        instead of an Inductor compile of its own (seconds of setup each, and Inductor's
+        import in every new process)."""
         from fusegraph.regions.views import folded_kernel_plan
 
-        with engine_cache(cache_dir), tf32_allowed(tf32):
-            return folded_kernel_plan(region.graph, handle)
+        with engine_cache(cache_dir), tf32_allowed(tf32):  # the unit's steps take outputs in any strides
+            return folded_kernel_plan(region.graph, handle, transposes=True)
 
     return Chooser(handle, incumbent_for(handle, tf32=plan.opts.precision == "tf32"), floor=floor, engine=engine,
                    store=VerdictStore(cache_dir) if floor else None, sync=sync,

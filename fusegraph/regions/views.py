@@ -26,7 +26,7 @@ from fusegraph.engines.base import ExecutionPlan
 from fusegraph.errors import FusegraphError, UnsupportedError, ValidationError
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
-from fusegraph.graph.ops import OpKind
+from fusegraph.graph.ops import OpKind, TransposeAttrs
 from fusegraph.graph.serialize import graph_from_dict, graph_to_dict
 from fusegraph.regions.subgraph import cut
 from fusegraph.runtime.handle import Handle
@@ -43,6 +43,9 @@ class Folded:
     graph: Graph
     feeds: tuple[View, ...]
     results: tuple[View, ...]
+    # (the original graph's output, the permutation its view takes last): a transpose that
+    # produced the output, folded where the caller takes outputs in any strides
+    permuted: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 def sink_reshapes(graph: Graph) -> Graph:
@@ -102,19 +105,36 @@ def sink_reshapes(graph: Graph) -> Graph:
     return g
 
 
-def fold_border_reshapes(graph: Graph) -> Folded | None:
-    """The folded graph, or None where ``graph`` has no border reshape to fold."""
+def fold_border_reshapes(graph: Graph, *, transposes: bool = False) -> Folded | None:
+    """The folded graph, or None where ``graph`` has no border reshape to fold.
+    ``transposes``: a transpose producing an output is folded too, its result handed back as
+    a permuted view (strides other than the output declares: only for callers that take
+    outputs in any layout, as the ONNX region path's steps do)."""
     graph = sink_reshapes(graph)
     nodes = list(graph.nodes)
     inputs = {t.name for t in graph.inputs()}
-    outputs = [t.name for t in graph.outputs()]
+    declared = [t.name for t in graph.outputs()]
     readers: dict[str, int] = {}
     for n in nodes:
         for t in n.inputs.values():
             readers[t.name] = readers.get(t.name, 0) + 1
+    dropped: set[str] = set()
+    permuted: dict[str, tuple[str, tuple[int, ...]]] = {}  # graph output -> (the transpose's input, permutation)
+    for n in nodes if transposes else ():
+        if n.kind != OpKind.TRANSPOSE:
+            continue
+        (x,) = n.inputs.values()
+        (y,) = n.outputs.values()
+        attrs = n.attrs
+        assert isinstance(attrs, TransposeAttrs)
+        if (y.name in declared and not readers.get(y.name) and readers.get(x.name) == 1 and x.name not in inputs
+                and x.name not in declared and x.data_type == y.data_type):
+            permuted[y.name] = (x.name, tuple(attrs.permutation))
+            readers[x.name] = 0
+            dropped.add(n.name)
+    outputs = [permuted[o][0] if o in permuted else o for o in declared]  # what the folded graph must give
     dropped_in: dict[str, tuple[str, tuple[int, ...]]] = {}  # reshape result -> (graph input, shape)
     dropped_out: dict[str, tuple[str, tuple[int, ...]]] = {}  # graph output -> (its producer's tensor, shape)
-    dropped: set[str] = set()
     for n in nodes:
         if n.kind != OpKind.RESHAPE:
             continue
@@ -148,13 +168,14 @@ def fold_border_reshapes(graph: Graph) -> Folded | None:
         feeds.append((f"in{i}", src, shape))
     out_of = {parent: f"out{j}" for j, parent in enumerate(piece.outputs)}
     results: list[View] = []
-    for name in outputs:
+    for original, name in zip(declared, outputs, strict=True):
         if name in out_of:
-            results.append((name, out_of[name], None))
+            results.append((original, out_of[name], None))
         else:
             src, shape = dropped_out[name]
-            results.append((name, out_of[src], shape))
-    return Folded(piece.graph, tuple(feeds), tuple(results))
+            results.append((original, out_of[src], shape))
+    perms = tuple((o, permuted[o][1]) for o in declared if o in permuted)
+    return Folded(piece.graph, tuple(feeds), tuple(results), perms)
 
 
 class FoldedPlan(ExecutionPlan):
@@ -179,6 +200,9 @@ class FoldedPlan(ExecutionPlan):
             fed[to] = v if shape is None else v.reshape(shape)
         got = self.inner.execute(fed)
         out = {name: got[src] if shape is None else got[src].reshape(shape) for name, src, shape in self.folded.results}
+        for name, perm in self.folded.permuted:  # a view: torch's permute, NumPy's transpose
+            v = out[name]
+            out[name] = v.permute(perm) if hasattr(v, "permute") else v.transpose(perm)
         for name, value in out.items():  # output buffers the caller passed get the results
             dst = pack.get(name)
             if dst is not None and dst is not value:
@@ -192,7 +216,8 @@ class FoldedPlan(ExecutionPlan):
         return out
 
     def describe(self) -> dict[str, Any]:
-        return {**self.inner.describe(), "folded_reshapes": len(self.folded.feeds) + len(self.folded.results)}
+        return {**self.inner.describe(), "folded_reshapes": len(self.folded.feeds) + len(self.folded.results),
+                "folded_transposes": len(self.folded.permuted)}
 
 
 # Engines that run a region's kernels themselves (no ATen or Inductor code of the caller's
@@ -220,11 +245,13 @@ def kernel_plan(graph: Graph, handle: Handle, engines: Sequence[str] = KERNEL_EN
     raise UnsupportedError(f"graph '{graph.name}': no kernel engine builds it on {handle.device}: " + "; ".join(reasons))
 
 
-def folded_kernel_plan(graph: Graph, handle: Handle, engines: Sequence[str] = KERNEL_ENGINES) -> ExecutionPlan:
-    """``graph`` with its border reshapes folded into views, on a kernel engine
-    (``kernel_plan``), behind the original graph's interface; UnsupportedError where there
-    is nothing to fold or no engine builds the folded graph."""
-    folded = fold_border_reshapes(graph)
+def folded_kernel_plan(graph: Graph, handle: Handle, engines: Sequence[str] = KERNEL_ENGINES, *,
+                       transposes: bool = False) -> ExecutionPlan:
+    """``graph`` with its border reshapes (and, with ``transposes``, its output transposes)
+    folded into views, on a kernel engine (``kernel_plan``), behind the original graph's
+    interface; UnsupportedError where there is nothing to fold or no engine builds the
+    folded graph."""
+    folded = fold_border_reshapes(graph, transposes=transposes)
     if folded is None:
         raise UnsupportedError(f"graph '{graph.name}': no border reshape to fold into a view")
     try:
