@@ -13,7 +13,10 @@ but scalars is first moved past them (a unary op commutes with a reshape), so th
 rows reshaped back to [B, S, F] and then cast reach the border too. ``FoldedPlan`` keeps
 the region graph's interface, so nothing around it changes.
 Only reshapes whose results are packed are folded: a packed tensor's reshape is a view,
-and a non-packed one's is a packed copy, so the declared layout holds either way.
+and a non-packed one's is a packed copy, so the declared layout holds either way. A
+transpose producing an output is folded only where asked (``transposes``): its permuted
+view does not have the strides the output declares, which only a caller that takes any
+strides may accept.
 """
 
 from __future__ import annotations
