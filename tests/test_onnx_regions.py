@@ -607,3 +607,27 @@ def test_a_floor_budget_in_seconds_leaves_regions_to_later_sessions(monkeypatch:
     assert measured == ["triton.reduction"]  # only what the first session left
     assert [r.source for r in again] == ["cached", "cached", "cached", "measured"]
     assert all(r.where == "fusegraph:torch" for r in again)
+
+
+def test_a_failed_unit_rebuilt_op_by_op_gives_onnx_runtimes_answer(rng: np.random.Generator) -> None:
+    """What a GPU session puts in place of a unit that failed at run time
+    (``plan_build.op_by_op_instead``: the same nodes op by op on PyTorch), checked here on
+    the CPU: built from the unit's nodes, it runs on the values the unit was given and
+    answers as ONNX Runtime does, and the report says why it is there."""
+    from fusegraph.onnx import plan_build
+
+    make, shape = MODELS["norm_attention"]
+    model = make(rng)
+    sess = _session(model, floor="off")
+    (plan,) = sess._plans.values()
+    k, unit = next((i, u) for i, u in enumerate(plan.units) if isinstance(u, plan_regions.RegionUnit))
+    x = rng.standard_normal(shape).astype(np.float32)
+    got = plan_build.op_by_op_instead(plan, unit, "VariantPackError: a stand-in", {"x": x})
+    assert got is not None
+    fallback, outs = got
+    assert not isinstance(fallback, plan_regions.RegionUnit) and fallback.nodes == unit.nodes
+    assert any("run op by op on PyTorch: VariantPackError" in n for n in fallback.engine_notes)
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    (name,) = unit.outputs
+    out = np.asarray(plan_regions.to_host(outs[name]), np.float64)
+    assert np.linalg.norm(out - want) / max(float(np.linalg.norm(want)), 1e-30) <= 1e-5
