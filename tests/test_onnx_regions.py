@@ -620,7 +620,7 @@ def test_a_failed_unit_rebuilt_op_by_op_gives_onnx_runtimes_answer(rng: np.rando
     model = make(rng)
     sess = _session(model, floor="off")
     (plan,) = sess._plans.values()
-    k, unit = next((i, u) for i, u in enumerate(plan.units) if isinstance(u, plan_regions.RegionUnit))
+    unit = next(u for u in plan.units if isinstance(u, plan_regions.RegionUnit))
     x = rng.standard_normal(shape).astype(np.float32)
     got = plan_build.op_by_op_instead(plan, unit, "VariantPackError: a stand-in", {"x": x})
     assert got is not None
