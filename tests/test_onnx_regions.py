@@ -615,6 +615,7 @@ def test_a_failed_unit_rebuilt_op_by_op_gives_onnx_runtimes_answer(rng: np.rando
     the CPU: built from the unit's nodes, it runs on the values the unit was given and
     answers as ONNX Runtime does, and the report says why it is there."""
     from fusegraph.onnx import plan_build
+    from fusegraph.onnx.units import to_host
 
     make, shape = MODELS["norm_attention"]
     model = make(rng)
@@ -629,5 +630,5 @@ def test_a_failed_unit_rebuilt_op_by_op_gives_onnx_runtimes_answer(rng: np.rando
     assert any("run op by op on PyTorch: VariantPackError" in n for n in fallback.engine_notes)
     want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
     (name,) = unit.outputs
-    out = np.asarray(plan_regions.to_host(outs[name]), np.float64)
+    out = np.asarray(to_host(outs[name]), np.float64)
     assert np.linalg.norm(out - want) / max(float(np.linalg.norm(want)), 1e-30) <= 1e-5
