@@ -440,7 +440,7 @@ class RegionUnit(FusegraphUnit):
         extra = {} if kept else consts
         keys = [k for k, _ in acts]
         outs = [f"out{j}" for j in range(len(piece.outputs))]
-        execute = piece.plan.execute
+        execute: Callable[[dict[str, Any]], Any] = piece.plan.execute
         if piece.plan.engine != "torch":  # the torch engine takes any strides (and a matmul a transposed view)
             execute = _laid_out(execute, [piece.graph.tensor_by_name(k) for k in keys], keys)
         if self.precision.reduced is not None:  # activations cast where they cross into another type
