@@ -595,7 +595,10 @@ def test_a_floor_budget_in_seconds_leaves_regions_to_later_sessions(monkeypatch:
     _fake_floor(monkeypatch, lambda r: 4.0, 2.0, measured)  # fusegraph wins every region it measures
     ticks = iter(range(10_000))
     monkeypatch.setattr(choose_mod, "time", SimpleNamespace(perf_counter=lambda: float(next(ticks))))  # 1 s a region
-    assert region_choice.region_budget("1.5") == 1.5 and region_choice.region_budget("on") is None
+    from fusegraph.onnx.options import ProviderOptions
+
+    budget = [region_choice.region_budget(ProviderOptions.parse({"floor": f})) for f in ("1.5", "on", "auto")]
+    assert budget == [1.5, None, None]
     model = conv_blocks(rng)
     sess = _session(model, floor="1.5")
     first = _rows(sess.partition_report())
@@ -632,3 +635,34 @@ def test_a_failed_unit_rebuilt_op_by_op_gives_onnx_runtimes_answer(rng: np.rando
     (name,) = unit.outputs
     out = np.asarray(to_host(outs[name]), np.float64)
     assert np.linalg.norm(out - want) / max(float(np.linalg.norm(want)), 1e-30) <= 1e-5
+
+
+def test_a_preferred_candidate_that_could_not_build_is_not_tried_again(monkeypatch: pytest.MonkeyPatch,
+                                                                      rng: np.random.Generator) -> None:
+    """Where the preferred candidate was refused and the usual build got a verdict, a later
+    session reads that verdict and does not build the preferred candidate again (on a GPU
+    each try is a kernel build that fails the same way)."""
+    measured: list[str] = []
+    _fake_floor(monkeypatch, lambda r: 4.0, 2.0, measured)
+    faked = region_choice.chooser_for
+    tried: list[str] = []
+
+    def refused(region: Region) -> Any:
+        tried.append(region.pattern)
+        raise UnsupportedError("no kernel engine builds it (a stand-in)")
+
+    def chooser_for(plan: Any) -> Chooser:
+        c = faked(plan)
+        c.preferred = refused
+        return c
+
+    monkeypatch.setattr(region_choice, "chooser_for", chooser_for)
+    model = conv_blocks(rng)
+    first = _rows(_session(model, floor="on").partition_report())
+    assert tried and [r.source for r in first] == ["measured"] * 4
+    tried.clear()
+    measured.clear()
+    sess = _session(model, floor="on")
+    assert tried == [] and measured == []
+    assert [r.source for r in _rows(sess.partition_report())] == ["cached"] * 4
+    _agree(sess, model, MODELS["conv_blocks"][1], rng)

@@ -92,12 +92,10 @@ def op_by_op_unit(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[st
     fails at run time on a GPU, this is what the region floor measured as the incumbent,
     and ONNX Runtime's CPU provider is no stand-in for it there (Swin-T ran 308 ms against
     PyTorch's 8 on an H200)."""
-    from fusegraph.engines.base import EngineConfig
-    from fusegraph.engines.registry import REGISTRY
+    from fusegraph.regions.incumbent import op_by_op_config
 
     unit = lower_unit(plan, name, nodes, ins, outs, "torch", filter_layout_for("torch"))
-    known = {k.name for k in REGISTRY.get("torch").knobs(unit.graph, plan.handle)}
-    unit.build(EngineConfig("torch", tuple(kv for kv in (("compile", False), ("cuda_graph", False)) if kv[0] in known)))
+    unit.build(op_by_op_config(unit.graph, plan.handle, tf32=plan.opts.precision == "tf32"))
     return unit
 
 

@@ -50,6 +50,7 @@ from fusegraph.onnx.report import RegionEntry
 from fusegraph.onnx.units import FusegraphUnit, engine_cache, to_host
 from fusegraph.regions import split
 from fusegraph.regions.choose import Choice, Chooser
+from fusegraph.regions.incumbent import op_by_op_config
 from fusegraph.regions.plan import RegionPlan, Step
 from fusegraph.regions.split import Region
 from fusegraph.runtime.progress import working
@@ -301,21 +302,14 @@ class RegionUnit(FusegraphUnit):
         return self._cast[key]
 
     def _choose(self, regions: Sequence[Region]) -> list[Choice]:
-        """The region layer's choices; a region whose cached verdict says the incumbent is not
-        even built (a warm session pays no build of a plan that lost)."""
+        """The region layer's choices (a plan whose stored verdict lost is not even built:
+        ``Chooser``); a sign of life while regions without a stored verdict are measured."""
         c = self.chooser
-        known: dict[int, Choice] = {}
-        if c.floor and c.store is not None:
-            for r in regions:
-                cached = c.store.lookup(c.key(r))
-                if cached is not None and not cached.fusegraph:
-                    known[r.index] = Choice(r, cached)
-        rest = [r for r in regions if r.index not in known]
-        chosen: dict[int, Choice] = {}
-        if rest:  # seconds on a cold cache (every region built and timed): a sign of life
-            with working(f"fusegraph {self.name}: {len(rest)} regions measured against {c.incumbent.name}"):
-                chosen = {ch.region.index: ch for ch in c.choose_all(rest, self._example)}
-        return [known.get(r.index) or chosen[r.index] for r in regions]
+        fresh = sum(1 for r in regions if c.floor and not c.stored(r))
+        if not fresh:
+            return c.choose_all(regions, self._example)
+        with working(f"fusegraph {self.name}: {fresh} regions measured against {c.incumbent.name}"):
+            return c.choose_all(regions, self._example)
 
     def _checked(self, build: Callable[[Region], ExecutionPlan], preferred: bool = False) -> Callable[[Region], ExecutionPlan]:
         """``build``, and where the floor is on a trial run of its plan against the same nodes
@@ -397,14 +391,11 @@ class RegionUnit(FusegraphUnit):
         the session's precision (the torch engine pins its own TF32 flags when it runs: the
         incumbent the floor measured at tf32 must run at tf32 too -- ViT-B/16 at tf32 ran its
         float32 GEMMs strict, 10.1 ms against eager's 5.1, H100)."""
-        from fusegraph.engines.base import EngineConfig
         from fusegraph.engines.registry import REGISTRY
 
         engine = REGISTRY.get("torch")
         tf32 = self.precision.tf32 if tf32 is None else tf32  # the float32 reference passes False
-        wanted_knobs = (("compile", False), ("cuda_graph", False), ("tf32", tf32))
-        known = {k.name for k in engine.knobs(graph, self.handle)}
-        config = EngineConfig("torch", tuple(kv for kv in wanted_knobs if kv[0] in known))
+        config = op_by_op_config(graph, self.handle, tf32=tf32)
         sup = engine.supports(graph, self.handle)
         if not sup:
             raise UnsupportedError(f"engine 'torch': {sup.reason}")
@@ -509,18 +500,15 @@ def _laid_out(execute: Callable[[dict[str, Any]], Any], declared: Sequence[Any],
     the strides differ, nothing where they match. Not for torch engine plans, which take a
     view as it is (copying every transposed head before ViT-B/16's attention cost 1.4 ms of
     its 3.8 on an H200)."""
-    from fusegraph.engines.expanded_copy import copy_strided
+    from fusegraph.engines.torch.compiled import as_declared
     from fusegraph.graph import layout
 
-    fixed = [(k, t) for k, t in zip(keys, declared, strict=True) if not layout.self_overlapping(t.shape, t.strides)]
+    fixed = [(k, t, tuple(t.strides)) for k, t in zip(keys, declared, strict=True)
+             if not layout.self_overlapping(t.shape, t.strides)]
 
     def run(pack: dict[str, Any]) -> Any:
-        for k, t in fixed:
-            v = pack[k]
-            if not layout.same_strides(t.shape, tuple(v.stride()), t.strides):
-                import torch
-
-                pack[k] = copy_strided(torch.empty_strided(t.shape, t.strides, dtype=v.dtype, device=v.device), v)
+        for k, t, strides in fixed:
+            pack[k] = as_declared(t, pack[k], strides)
         return execute(pack)
 
     return run

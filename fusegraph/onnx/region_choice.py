@@ -125,18 +125,16 @@ def chooser_for(plan: SessionPlan) -> Chooser:
                    store=VerdictStore(cache_dir) if floor else None, sync=sync,
                    timing_options=timing_options, builder=build, build_options=options, key_options=key_options,
                    preferred=folded if handle.device.is_gpu and engine is None else None,
-                   budget_s=region_budget(plan.opts.floor))
+                   budget_s=region_budget(plan.opts))
 
 
-def region_budget(floor: str) -> float | None:
+def region_budget(opts: ProviderOptions) -> float | None:
     """``floor`` given as seconds bounds the regions' first measurement too (a model of many
     distinct regions -- DenseNet-121 on an H200 took over three minutes -- is measured over
     several sessions); ``on`` / ``auto`` measure every region in the first session."""
-    try:
-        seconds = float(floor)
-    except (TypeError, ValueError):
+    if opts.floor in ("auto", "on", "off"):
         return None
-    return seconds if seconds > 0 else None
+    return opts.floor_budget(pinned=False) or None
 
 
 def _cudnn_tf32(graph: Graph, handle: Handle) -> ExecutionPlan | None:

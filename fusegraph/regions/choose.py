@@ -85,7 +85,15 @@ class Chooser:
             return None
         return self.store.lookup(self.key(region, preferred))
 
-    def _stored(self, region: Region) -> bool:
+    def _tries_preferred(self, region: Region) -> bool:
+        """Whether the preferred candidate is tried: not where it left no verdict (it was
+        refused) and the builder's plan has one -- a warm session does not build again a
+        preferred plan that could not be built."""
+        if self.preferred is None:
+            return False
+        return not (self.cached(region, True) is None and self.cached(region) is not None)
+
+    def stored(self, region: Region) -> bool:
         """Whether stored verdicts decide the region without measuring it."""
         if self.cached(region) is not None:
             return True
@@ -110,7 +118,8 @@ class Chooser:
 
     def _pick(self, region: Region, inputs: Callable[[Region], Mapping[str, Any]] | None) -> tuple[Choice, bool]:
         """The choice, and whether the preferred candidate made it."""
-        if self.floor and self.preferred is not None:
+        if self.floor and self._tries_preferred(region):
+            assert self.preferred is not None
             first = self._choose(region, inputs, self.preferred, preferred=True)
             if first.claimed:
                 return first, True
@@ -171,7 +180,7 @@ class Chooser:
                     plan = built if isinstance(built, ExecutionPlan) else None
                 out.append(Choice(region, verdict, plan))
                 continue
-            fresh = self.floor and not self._stored(region)
+            fresh = self.floor and not self.stored(region)
             if fresh and self.budget_s is not None and spent >= self.budget_s:
                 out.append(Choice(region, Verdict(
                     False, "unmeasured", f"the region floor's budget ({self.budget_s:g} s) was spent before it; "

@@ -40,6 +40,17 @@ class CallableIncumbent:
         return self.make(region, inputs)
 
 
+def op_by_op_config(graph: Any, handle: Handle, *, tf32: bool = False) -> Any:
+    """The torch engine's configuration for running ``graph`` op by op: eager, uncaptured,
+    TF32 as asked; knobs the engine does not offer for this graph left out."""
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.engines.registry import REGISTRY
+
+    known = {k.name for k in REGISTRY.get("torch").knobs(graph, handle)}
+    wanted = (("compile", False), ("cuda_graph", False), ("tf32", tf32))
+    return EngineConfig("torch", tuple(kv for kv in wanted if kv[0] in known))
+
+
 class TorchOpByOp:
     """The region's nodes run one by one on PyTorch, as the torch engine runs a graph
     eagerly (no compile, no CUDA graph, no oneDNN fused steps' weight packing): what the
@@ -53,13 +64,9 @@ class TorchOpByOp:
         self.name = "torch.eager[tf32]" if tf32 else "torch.eager"
 
     def runnable(self, region: Region, inputs: Mapping[str, Any]) -> Callable[[], object]:
-        from fusegraph.engines.base import EngineConfig
         from fusegraph.engines.registry import REGISTRY
 
-        engine = REGISTRY.get("torch")
-        config = EngineConfig("torch", (("compile", False), ("cuda_graph", False), ("tf32", self.tf32)))
-        known = {k.name for k in engine.knobs(region.graph, self.handle)}
-        config = EngineConfig("torch", tuple(kv for kv in config.knobs if kv[0] in known))
-        plan = engine.build(region.graph, self.handle, config)
+        plan = REGISTRY.get("torch").build(region.graph, self.handle,
+                                           op_by_op_config(region.graph, self.handle, tf32=self.tf32))
         pack = dict(inputs)
         return lambda: plan.execute(pack)
