@@ -318,21 +318,13 @@ def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dic
                 row["setup_s"][variant] = time.perf_counter() - t0
                 row["rel_err"][variant] = _rel(got, want)
                 calls[variant] = lambda sess=sess, b=binding: sess.run_with_iobinding(b)  # type: ignore[misc]
+                if "fusegraph" not in args.variants:  # the report, where no NumPy variant gives it
+                    _report(row, "fusegraph", sess, args.verbose)
                 continue
             got = sess.run(None, feed)[0]
             row["setup_s"][variant] = time.perf_counter() - t0
             row["rel_err"][variant] = _rel(got, want)
-            report = sess.partition_report()
-            row[f"{variant}_precision"] = [s.floor[s.floor.index("precision "):] for s in report.subgraphs
-                                           if "precision " in s.floor]
-            row[f"{variant}_report"] = report.summary()
-            row[f"{variant}_regions"] = [
-                {"pattern": r.pattern, "where": r.where, "source": r.source, "fusegraph_ms": r.fusegraph_ms,
-                 "incumbent_ms": r.incumbent_ms, "nodes": len(r.nodes)}
-                for s in report.subgraphs for r in s.regions
-            ]
-            if args.verbose:
-                print(report, file=sys.stderr)
+            _report(row, variant, sess, args.verbose)
             calls[variant] = lambda sess=sess: sess.run(None, feed)  # type: ignore[misc]
             continue
         fn: Any = module if variant == "eager" else torch.compile(module)
@@ -369,6 +361,20 @@ def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dic
         if fgc and base in row["ms"]:  # CUDA tensors in and out on both sides
             row[f"{base}_over_fusegraph_cuda"] = row["ms"][base] / fgc
     return row
+
+
+def _report(row: dict[str, Any], variant: str, sess: Any, verbose: bool) -> None:
+    report = sess.partition_report()
+    row[f"{variant}_precision"] = [s.floor[s.floor.index("precision "):] for s in report.subgraphs
+                                   if "precision " in s.floor]
+    row[f"{variant}_report"] = report.summary()
+    row[f"{variant}_regions"] = [
+        {"pattern": r.pattern, "where": r.where, "source": r.source, "fusegraph_ms": r.fusegraph_ms,
+         "incumbent_ms": r.incumbent_ms, "nodes": len(r.nodes)}
+        for s in report.subgraphs for r in s.regions
+    ]
+    if verbose:
+        print(report, file=sys.stderr)
 
 
 def _geomean(xs: list[float]) -> float:
@@ -450,8 +456,9 @@ def main(argv: list[str] | None = None) -> int:
                     row = {"model": name, "batch": batch, "error": f"{type(exc).__name__}: {exc}"}
                 rows.append(row)
                 _print(row)
-    ratios = {b: [r[f"{b}_over_fusegraph"] for r in rows if f"{b}_over_fusegraph" in r] for b in ("eager", "compile")}
-    summary = {f"geomean_{b}_over_fusegraph": _geomean(v) for b, v in ratios.items()}
+    summary = {f"geomean_{b}_over_{key}": _geomean([r[f"{b}_over_{key}"] for r in rows if f"{b}_over_{key}" in r])
+               for key in ("fusegraph", "fusegraph_cuda") for b in ("eager", "compile")
+               if any(f"{b}_over_{key}" in r for r in rows)}
     print(f"{gpu}: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": gpu, "torch": torch.__version__, "precision": args.precision,
@@ -472,7 +479,7 @@ def _print(row: dict[str, Any]) -> None:
     ratio = "  ".join(f"{b}/{k} {row[f'{b}_over_{key}']:.2f}x" for b in ("eager", "compile")
                       for k, key in (("fg", "fusegraph"), ("fg-cuda", "fusegraph_cuda")) if f"{b}_over_{key}" in row)
     err = max((v for v in row["rel_err"].values() if not math.isnan(v)), default=float("nan"))
-    setup = row["setup_s"].get("fusegraph", 0.0)
+    setup = row["setup_s"].get("fusegraph", row["setup_s"].get("fusegraph-cuda", float("nan")))
     warm = row["setup_s"].get("fusegraph-warm")
     warm_text = f" (warm {warm:.1f} s)" if warm is not None else ""
     print(f"{row['model']:<20} b{row['batch']:<3} {ms}  {ratio}  max rel err {err:.1e}  fusegraph setup {setup:.1f} s"
