@@ -183,6 +183,8 @@ class _Writer:
         self.boolean: set[str] = set()  # register variables holding int1
         self.narrow: set[str] = set()  # register variables holding a 16-bit float input
         self.ptr = {t.name: f"p{i}" for i, t in enumerate([*graph.inputs(), *graph.outputs()])}
+        # 64-bit offsets where some address passes int32
+        self.wide = max([a.max_offset(rg.rows, rg.cols) for a in rg.access.values()] + [0]) >= 2**31 - 1
 
     def emit(self, line: str) -> None:
         self.lines.append(self.indent + line)
@@ -217,13 +219,8 @@ class _Writer:
             self.var[t.name] = _lit(float(value)) if not isinstance(value, bool) else repr(value)
             return
         a: Access = self.rg.access[t.name]
-        p = self.ptr[t.name]
-        addr, mask = {
-            "full": (f"{p} + r * {a.row_stride} + c * {a.col_stride}", self.full_mask),
-            "row": (f"{p} + r * {a.row_stride}", self.row_mask),
-            "col": (f"{p} + c * {a.col_stride}", self.col_mask),
-            "scalar": (p, None),
-        }[a.kind]
+        addr = self.address(a, self.ptr[t.name])
+        mask = {"full": self.full_mask, "row": self.row_mask, "col": self.col_mask, "scalar": None}[a.kind]
         v = self.fresh(t)
         masked = f"{self._mask(mask)}, other=0.0" if mask else ""
         if a.kind == "col" and t.dtype != DataType.FLOAT:
@@ -234,14 +231,35 @@ class _Writer:
             return
         self.emit(f"{v} = tl.load({addr}{masked}).to(tl.float32)  # {t.name}")
 
+    def address(self, a: Access, p: str) -> str:
+        """The pointer expression of one element of the tile (``r`` and ``c`` as its kind uses them)."""
+        if not a.terms:
+            return {
+                "full": f"{p} + r * {a.row_stride} + c * {a.col_stride}",
+                "row": f"{p} + r * {a.row_stride}",
+                "col": f"{p} + c * {a.col_stride}",
+                "scalar": p,
+            }[a.kind]
+        parts = []
+        for axis in ("r", "c"):
+            mine = [t for t in a.terms if t.axis == axis]
+            if not mine and a.kind in {"r": ("full", "row"), "c": ("full", "col")}[axis]:
+                parts.append(f"{axis} * 0")  # the tile's shape where the tensor repeats along the axis
+            for t in mine:
+                index = "c.to(tl.int64)" if axis == "c" and self.wide else axis
+                x = f"({index} // {t.div})" if t.div != 1 else index
+                x = f"({x} % {t.mod})" if t.mod else x
+                parts.append(f"{x} * {t.stride}")
+        return " + ".join([p, *parts])
+
     def store(self, t: TensorAttr) -> None:
         a = self.rg.access[t.name]
-        p = self.ptr[t.name]
         v = self.operand(t)
+        addr = self.address(a, self.ptr[t.name])
         if a.kind == "full":
-            self.emit(f"tl.store({p} + r * {a.row_stride} + c * {a.col_stride}, tl.broadcast_to({v}, [ROWS, BLOCK]).to({TL_TYPE[t.dtype]}){self._mask(self.full_mask)})  # {t.name}")
+            self.emit(f"tl.store({addr}, tl.broadcast_to({v}, [ROWS, BLOCK]).to({TL_TYPE[t.dtype]}){self._mask(self.full_mask)})  # {t.name}")
         else:
-            self.emit(f"tl.store({p} + r * {a.row_stride}, tl.broadcast_to({v}, [ROWS, 1]).to({TL_TYPE[t.dtype]}){self._mask(self.row_mask)})  # {t.name}")
+            self.emit(f"tl.store({addr}, tl.broadcast_to({v}, [ROWS, 1]).to({TL_TYPE[t.dtype]}){self._mask(self.row_mask)})  # {t.name}")
 
     # ---- nodes ------------------------------------------------------------------------------
     def node(self, n: Node) -> None:
@@ -252,7 +270,14 @@ class _Writer:
             OpKind.LAYERNORM: self.norm,
             OpKind.RMSNORM: self.norm,
             OpKind.REDUCTION: self.reduction,
+            OpKind.RESHAPE: self.reshape,
         }[n.kind](n)
+
+    def reshape(self, n: Node) -> None:
+        """Nothing to move: element (row, col) of the tile is the same element of every full-size shape (rows.py)."""
+        x = n.inputs["x"]
+        self.operand(x)  # loaded where first read
+        self.var[n.outputs["y"].name] = self.var[x.name]  # the same register (its narrow or boolean type too)
 
     def pointwise(self, n: Node) -> None:
         attrs = n.attrs
@@ -349,7 +374,7 @@ def kernel_source(graph: Graph, rg: RowGraph, rows_per_program: int, gelu_cdf: s
         raise ValueError(f"gelu_cdf must be one of {GELU_CDF_MODES}, got {gelu_cdf!r}")
     w = _Writer(graph, rg, rows_per_program, gelu_cdf)
     block = block_of(rg.cols)
-    wide = max([a.row_stride * (rg.rows - 1) + a.col_stride * (rg.cols - 1) for a in rg.access.values()] + [0]) >= 2**31 - 1
+    wide = w.wide
     inputs = graph.inputs()
     w.emit("pid = tl.program_id(0)")
     w.emit("c = tl.arange(0, BLOCK)[None, :]")
