@@ -209,3 +209,57 @@ def test_a_backward_that_claims_where_its_forward_claimed_nothing(graphs: list[s
     nodes = [r.node for r in rows]
     assert len(nodes) == len(set(nodes))  # the first pass's rows are dropped
     assert len(graphs) >= 2 and "fusegraph.region" in graphs[-1]
+
+
+@pytest.mark.gpu
+def test_on_cuda_with_nothing_claimed_bf16_channels_last_training_is_inductors_own(
+        regions_lose: None, graphs: list[str]) -> None:
+    """The ResNet-style step as bench_torch.py runs it on a GPU: channels-last, bf16 autocast."""
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cuda = torch.device("cuda")
+    sides = []
+    model = ConvBN().to(cuda).to(memory_format=torch.channels_last)
+    x = torch.randn(8, 3, 16, 16, device=cuda).to(memory_format=torch.channels_last)
+    g = torch.randn(8, 10, device=cuda)
+    for backend in ("inductor", partial(fusegraph_backend, options=FLOOR)):
+        twin = copy.deepcopy(model)
+        torch._dynamo.reset()
+        compiled = torch.compile(twin, backend=backend)
+        start = len(graphs)
+        with torch.autocast("cuda", torch.bfloat16):
+            loss, grads, saved = _step(twin, compiled, x, g)
+        sides.append((loss, grads, saved, graphs[start:]))
+    (want_loss, want_grads, want_saved, want_graphs), (loss, grads, saved, got_graphs) = sides
+    assert len(want_graphs) == 2 and got_graphs == want_graphs
+    assert saved == want_saved
+    assert _rel(loss.float(), want_loss.float()) < 1e-6
+    for a, b in zip(grads, want_grads, strict=True):
+        assert _rel(a, b) < 1e-5
+
+
+@pytest.mark.gpu
+def test_on_cuda_reduce_overhead_with_nothing_claimed_replays_inductors_graphs(regions_lose: None) -> None:
+    """mode="reduce-overhead": Inductor's own compile under CUDA graphs; three steps (the
+    third replays) give the losses of ``torch.compile(mode="reduce-overhead")``."""
+    cuda = torch.device("cuda")
+    model = LNBlock().to(cuda)
+    xs = [torch.randn(4, 16, 32, device=cuda) for _ in range(3)]
+    losses = []
+    for backend in ("inductor", partial(fusegraph_backend, options=FLOOR)):
+        twin = copy.deepcopy(model)
+        opt = torch.optim.SGD(twin.parameters(), lr=0.1)
+        torch._dynamo.reset()
+        compiled = torch.compile(twin, backend=backend, mode="reduce-overhead")
+        side = []
+        with collecting() as rows:
+            for x in xs:
+                opt.zero_grad(set_to_none=True)
+                loss = compiled(x).square().mean()
+                loss.backward()
+                opt.step()
+                side.append(loss.detach().clone())
+        if backend != "inductor":
+            assert rows and all(r.why.startswith(INDUCTORS_OWN) for r in rows), rows[:3]
+        losses.append(torch.stack(side))
+    assert _rel(losses[1], losses[0]) < 1e-6, losses

@@ -275,8 +275,6 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     import torch._functorch.config as functorch_config
     from torch._inductor.compile_fx import compile_fx
 
-    from fusegraph.torch.graph_floor import copy_graph
-
     patches = {"triton.cudagraphs": True} if mode in ("reduce-overhead", "max-autotune") else None
 
     def trace(state: _Compile, **config: Any) -> Callable[..., Any]:
@@ -284,7 +282,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         # before (this process or an earlier one, on disk) came back as Inductor's code,
         # nothing claimed (found by benchmarks/bench_torch.py: inductor timed first)
         with functorch_config.patch(enable_autograd_cache=False, **config):
-            return compile_fx(copy_graph(gm), example_inputs,  # type: ignore[return-value]
+            return compile_fx(gm, example_inputs,  # type: ignore[return-value]
                               inner_compile=_inductor_inner(opts, state, patches), config_patches=patches,
                               decompositions=_keep_whole())
 
