@@ -19,7 +19,7 @@ from engine_fakes import rel_error
 
 import fusegraph as fg
 from fusegraph import DataType as DT
-from fusegraph.engines.cudnn import CudnnEngine, lower
+from fusegraph.engines.cudnn import CudnnEngine, lower, rules
 from fusegraph.engines.unsupported import declared_unsupported
 from fusegraph.reference.inputs import random_inputs
 
@@ -81,7 +81,7 @@ def sdpa_bwd(dt: DT = DT.BFLOAT16, *, b: int = 2, hq: int = 4, hkv: int = 4, s: 
 
 
 def _refusal(g: fg.Graph) -> str:
-    why = lower.refusal(g.validate())
+    why = rules.refusal(g.validate())
     assert why is not None
     return why
 
@@ -154,20 +154,20 @@ def test_sdpa_backward_refusals_say_why() -> None:
 
 
 def test_norm_backward_descriptors() -> None:
-    b = lower.binding(norm_bwd("layernorm", DT.HALF, (8, 16), scale=(16,)).validate())
+    b = rules.binding(norm_bwd("layernorm", DT.HALF, (8, 16), scale=(16,)).validate())
     assert b.trailing and b.rank == 4
     d = b.described
     assert d["x"].dims == (8, 16, 1, 1) and d["x"].strides == (16, 1, 1, 1)
     assert d["mean"].dims == (8, 1, 1, 1) and d["scale"].dims == (1, 16, 1, 1)
     assert d["lnb::dscale"].dims == (1, 16, 1, 1) and d["lnb::dx"].dims == (8, 16, 1, 1)
     assert set(b.uids) == {"dy", "x", "scale", "mean", "inv", "lnb::dx", "lnb::dscale", "lnb::dbias"}
-    b = lower.binding(norm_bwd("rmsnorm", DT.BFLOAT16, (4, 8, 16), dbias=False).validate())
+    b = rules.binding(norm_bwd("rmsnorm", DT.BFLOAT16, (4, 8, 16), dbias=False).validate())
     assert b.described["x"].dims == (4, 8, 16, 1) and b.described["inv"].dims == (4, 1, 1, 1)
     assert "rmsb::dbias" not in b.uids and len(b.uids) == 6
 
 
 def test_batchnorm_backward_descriptors_and_call() -> None:
-    b = lower.binding(bn_bwd(layout="NHWC").validate())
+    b = rules.binding(bn_bwd(layout="NHWC").validate())
     d = b.described
     assert d["x"].dims == (4, 32, 8, 8) and d["x"].strides == (2048, 1, 256, 32)
     assert d["bnb::dx"].strides == (2048, 1, 256, 32)
@@ -186,7 +186,7 @@ def test_batchnorm_backward_descriptors_and_call() -> None:
 
 
 def test_sdpa_backward_descriptors_keep_the_bshd_layout() -> None:
-    b = lower.binding(sdpa_bwd(hq=8, hkv=2, s=32, d=16, bshd=True).validate())
+    b = rules.binding(sdpa_bwd(hq=8, hkv=2, s=32, d=16, bshd=True).validate())
     assert not b.trailing and b.rank == 4
     assert b.described["q"].dims == (2, 8, 32, 16) and b.described["q"].strides == (32 * 8 * 16, 16, 8 * 16, 1)
     assert b.described["k"].dims == (2, 2, 32, 16) and b.described["att_bwd::dk"].dims == (2, 2, 32, 16)
@@ -247,7 +247,7 @@ def _fake_cudnn() -> Any:
 
 def _lowered(g: fg.Graph) -> _Graph:
     g.validate()
-    out = lower.lower(g, lower.binding(g), _fake_cudnn(), handle=None)
+    out = lower.lower(g, rules.binding(g), _fake_cudnn(), handle=None)
     assert isinstance(out, _Graph)
     return out
 
@@ -290,8 +290,8 @@ def sdpa_fwd(dt: DT = DT.BFLOAT16, *, hq: int = 4, hkv: int = 4, s: int = 128, d
 
 def test_forward_statistics_for_the_backward() -> None:
     g = sdpa_fwd().validate()
-    assert declared_unsupported("cudnn", g) is None and lower.refusal(g) is None
-    b = lower.binding(g)
+    assert declared_unsupported("cudnn", g) is None and rules.refusal(g) is None
+    b = rules.binding(g)
     assert b.described["att::stats"].dims == (2, 4, 128, 1) and "att::stats" in b.uids
     (name, _, kw), = _lowered(g).calls
     assert name == "sdpa" and kw["generate_stats"] is True

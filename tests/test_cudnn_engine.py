@@ -20,7 +20,7 @@ from engine_fakes import DLPackOnly, check_repeated_calls, in_threads, rel_error
 import fusegraph as fg
 from fusegraph import DataType as DT
 from fusegraph.engines.base import EngineConfig
-from fusegraph.engines.cudnn import CudnnEngine, lower
+from fusegraph.engines.cudnn import CudnnEngine, rules
 from fusegraph.errors import UnsupportedError, VariantPackError
 from fusegraph.graph.ops import PoolingMode
 from fusegraph.reference.inputs import random_inputs
@@ -129,7 +129,7 @@ def test_registry_lists_cudnn_with_reason() -> None:
 
 
 def _refusal(g: fg.Graph) -> str:
-    why = lower.refusal(g.validate())
+    why = rules.refusal(g.validate())
     assert why is not None
     return why
 
@@ -169,11 +169,11 @@ def test_refusals_name_the_node() -> None:
 
 
 def test_descriptors() -> None:
-    b = lower.binding(norm_graph("layernorm", DT.HALF, 8, 16).validate())
+    b = rules.binding(norm_graph("layernorm", DT.HALF, 8, 16).validate())
     assert b.trailing and b.rank == 4
     assert b.described["x"].dims == (8, 16, 1, 1) and b.described["x"].strides == (16, 1, 1, 1)
     assert len(b.scalars) == 1 and next(iter(b.scalars.values()))[0] == pytest.approx(1e-5)
-    b = lower.binding(matmul_graph(DT.HALF, 8, 4, 2).validate())
+    b = rules.binding(matmul_graph(DT.HALF, 8, 4, 2).validate())
     assert not b.trailing and b.rank == 3
     assert b.described["a"].dims == (1, 8, 4) and b.described["bias"].dims == (1, 1, 2)
     assert set(b.uids) == {"a", "b", "bias", "pointwise_1::y"} and sorted(b.uids.values()) == [1, 2, 3, 4]
@@ -181,7 +181,7 @@ def test_descriptors() -> None:
     x = g.tensor("x", [2, 8, 4, 4], fg.strides_for([2, 8, 4, 4], "NHWC"))
     vec = [g.tensor(n, [8], data_type=DT.FLOAT) for n in ("s", "bb", "m", "v")]
     g.batchnorm_inference(x, *vec).set_output(True)
-    b = lower.binding(g.validate())
+    b = rules.binding(g.validate())
     assert len(b.preps) == 1 and b.preps[0].dims == (1, 8, 1, 1)
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import fusegraph as fg
-from fusegraph.engines.cudnn import lower
+from fusegraph.engines.cudnn import rules
 
 HERE = Path(__file__).resolve().parent
 FINDINGS = HERE / "data" / "gpu_fuzz_findings.json"
@@ -38,7 +38,7 @@ def test_findings_cover_the_run() -> None:
 def test_cudnn_refuses_the_layouts_it_got_wrong(i: int) -> None:
     """Every wrong-number record (the float32 matmuls: TF32 rounding on every cuDNN plan) had a tensor in a stride order other than
     NCHW's or NHWC's, a broadcast norm scale, or a dead branch: cuDNN is no longer given such a graph."""
-    why = lower.refusal(_graph(RECORDS[i]))
+    why = rules.refusal(_graph(RECORDS[i]))
     assert why is not None
     assert any(k in why for k in ("layouts correctly", "is broadcast", "dead branch", "unconnected", "TF32")), why
 
@@ -46,7 +46,7 @@ def test_cudnn_refuses_the_layouts_it_got_wrong(i: int) -> None:
 @pytest.mark.parametrize("i", [i for i, r in enumerate(RECORDS) if r["finding"] == "process killed"])
 def test_cudnn_splits_graphs_with_two_main_ops(i: int) -> None:
     """Each graph that killed a process held a matmul and a convolution: cuDNN takes at most one."""
-    why = lower.refusal(_graph(RECORDS[i]))
+    why = rules.refusal(_graph(RECORDS[i]))
     assert why is not None and "at most one convolution, matmul or sdpa" in why, why
 
 
@@ -56,12 +56,12 @@ def test_cudnn_describes_packed_tensors_without_stride_ties() -> None:
     g = fg.Graph(name="ties", io_data_type=fg.DataType.HALF, compute_data_type=fg.DataType.FLOAT)
     x = g.tensor("x", [2, 5, 1, 5], [25, 5, 1, 1])  # NCHW; the size-1 H carries W's stride
     g.abs(x).set_output(True)
-    b = lower.binding(g.validate())
+    b = rules.binding(g.validate())
     assert b.described["x"].strides == (25, 5, 5, 1)
     g2 = fg.Graph(name="ties2", io_data_type=fg.DataType.HALF, compute_data_type=fg.DataType.FLOAT)
     x2 = g2.tensor("x", [2, 5, 1, 5], [25, 1, 1, 5])  # NHWC, H=1 with C's stride
     g2.abs(x2).set_output(True)
-    b2 = lower.binding(g2.validate())
+    b2 = rules.binding(g2.validate())
     assert b2.described["x"].strides == (25, 1, 25, 5)
 
 
@@ -73,7 +73,7 @@ def test_norm_params_of_lower_rank_align_right() -> None:
     s, bias = g.tensor("s", [16]), g.tensor("b", [16])
     y, _, _ = g.layernorm(x, s, bias, 1e-5)
     y.set_output(True)
-    b = lower.binding(g.validate())
+    b = rules.binding(g.validate())
     assert b.described["s"].dims == (1, 16, 1, 1) and b.described["x"].dims == (8, 16, 1, 1)
 
 
@@ -94,7 +94,7 @@ def test_expanded_inputs_reach_the_device(i: int) -> None:
     expanded = [t for t in g.inputs() if any(s == 0 and d > 1 for d, s in zip(t.shape, t.strides, strict=True))]
     assert expanded
     if RECORDS[i]["engine"] == "cudnn":
-        assert lower.refusal(g)  # the stride-0 input, or a dead branch (test_cudnn_refuses_...)
+        assert rules.refusal(g)  # the stride-0 input, or a dead branch (test_cudnn_refuses_...)
     inputs = random_inputs(g, np.random.default_rng(int(RECORDS[i]["seed"])))
     for t in expanded:
         host = from_numpy(np.ascontiguousarray(inputs[t.name]), t.dtype)
@@ -113,7 +113,7 @@ RUN_RECORDS = json.loads(RUNS.read_text())
 def test_later_runs_findings_are_refused_with_their_rule(i: int) -> None:
     """Golden reasons: each record is refused by the rule written for it."""
     rec = RUN_RECORDS[i]
-    assert (lower.refusal(_graph(rec)) or "")[:200] == rec["reason"]
+    assert (rules.refusal(_graph(rec)) or "")[:200] == rec["reason"]
 
 
 @pytest.mark.gpu

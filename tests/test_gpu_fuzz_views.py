@@ -23,7 +23,7 @@ The CPU tests run the same drawing, folding and comparison with the reference en
 standing in for the kernel engine (and once with the torch engine on the CPU, fed torch
 tensors through ``folded_kernel_plan`` as on the GPU), check the comparison catches a wrong
 answer, and check from the engines' own pure-Python claims (triton's ``rows.analyze``,
-cudnn's ``lower.refusal``) that the GPU case list gives each engine enough graphs to build.
+cudnn's ``rules.refusal``) that the GPU case list gives each engine enough graphs to build.
 
 GPU run (estimated at about a minute on an H100; the per-engine seconds are printed): ``python3 -m pytest -m gpu -q -s tests/test_gpu_fuzz_views.py``
 """
@@ -486,14 +486,14 @@ def claimed_by(graph: fg.Graph) -> set[str]:
     """The kernel engines whose pure-Python rules accept the folded ``graph`` (cuDNN's
     heuristics and Triton's compiler may still turn it down on the GPU); a Triton kernel's
     source is generated and parsed on the way."""
-    from fusegraph.engines.cudnn import lower
+    from fusegraph.engines.cudnn import rules
     from fusegraph.engines.triton.rows import Refusal, analyze
 
     folded = fold_border_reshapes(graph, transposes=True)
     if folded is None:
         return set()
     out = set()
-    if lower.refusal(folded.graph) is None:
+    if rules.refusal(folded.graph) is None:
         out.add("cudnn")
     try:
         rg = analyze(folded.graph)

@@ -119,12 +119,12 @@ def cudnn_direct(g: Graph, tensors: dict[str, Any], device: str) -> Callable[[],
     avail = eng.available()
     if not avail:
         raise Unavailable(f"cuDNN's frontend is not available: {avail.reason}")
-    from fusegraph.engines.cudnn import lower
+    from fusegraph.engines.cudnn import lower, rules
 
     cudnn, _ = eng._load()
     index = torch.device(device).index or 0
     h = eng.cudnn_handle(index)
-    b = lower.binding(g)
+    b = rules.binding(g)
     if b.preps:
         raise Unavailable("the graph needs fusegraph's own preparation steps (batchnorm), not part of a direct call")
     cg = lower.lower(g, b, cudnn, h)

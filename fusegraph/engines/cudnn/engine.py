@@ -170,9 +170,9 @@ class CudnnEngine:
         dev = self._device_support(handle)
         if not dev:
             return dev, 0
-        from fusegraph.engines.cudnn import lower
+        from fusegraph.engines.cudnn import rules
 
-        why = lower.refusal(graph)
+        why = rules.refusal(graph)
         if why is not None:
             return Support.no(why), 0
         key = (graph.key(), str(handle.device))
@@ -217,10 +217,10 @@ class CudnnEngine:
     def _planned(self, graph: Graph, handle: Handle, mode: str, *, tf32: bool) -> Any:
         """The cuDNN graph, validated, planned with ``mode`` and support-checked. Float32
         graphs keep to plans without tensor-core down-conversion (TF32) unless ``tf32``."""
-        from fusegraph.engines.cudnn import lower
+        from fusegraph.engines.cudnn import lower, rules
 
         cudnn, torch = self._load()
-        b = lower.binding(graph, tf32=tf32)
+        b = rules.binding(graph, tf32=tf32)
         with torch.cuda.device(handle.device.index):
             g = lower.lower(graph, b, cudnn, self.cudnn_handle(handle.device.index))
             g.validate()
@@ -258,7 +258,7 @@ class CudnnEngine:
         return store.plan_key(graph.key(), str(config), f"{handle.device}[{gpu}]", {**self.library_versions(), "fusegraph": __version__})
 
     def build(self, graph: Graph, handle: Handle, config: EngineConfig | None = None) -> ExecutionPlan:
-        from fusegraph.engines.cudnn import lower, store
+        from fusegraph.engines.cudnn import rules, store
         from fusegraph.engines.cudnn.plan import CudnnPlan
 
         config = config or EngineConfig(self.name)
@@ -270,7 +270,7 @@ class CudnnEngine:
             raise ValueError(f"cudnn knob 'cuda_graph': {config.get('cuda_graph')!r} not in ['auto', 'off']")
         tf32 = bool(config.get("tf32", False))
         dev = self._device_support(handle)
-        why = dev.reason if not dev else lower.refusal(graph, tf32=tf32)
+        why = dev.reason if not dev else rules.refusal(graph, tf32=tf32)
         if why:
             raise UnsupportedError(f"cudnn cannot run graph '{graph.name}': {why}")
         key = (graph.key(), str(handle.device))
@@ -303,7 +303,7 @@ class CudnnEngine:
             raise CompileError(f"cuDNN could not build a plan for graph '{graph.name}' ({config}): {_message(exc)}",
                                diagnostic=str(exc)) from exc
         plan = CudnnPlan(graph, handle, config, cudnn=cudnn, torch=torch, cudnn_handle=self.cudnn_handle(handle.device.index),
-                         cudnn_graph=g, binding=lower.binding(graph, tf32=tf32), plan_name=_plan_name(g),
+                         cudnn_graph=g, binding=rules.binding(graph, tf32=tf32), plan_name=_plan_name(g),
                          gate=self.gate(handle.device.index))
         plan.plan_count = count
         blob = plan.serialize()
@@ -312,7 +312,7 @@ class CudnnEngine:
         return plan
 
     def _load_plan(self, graph: Graph, handle: Handle, config: EngineConfig, data: bytes) -> CudnnPlan:
-        from fusegraph.engines.cudnn import lower
+        from fusegraph.engines.cudnn import rules
         from fusegraph.engines.cudnn.plan import CudnnPlan, split_blob
 
         head, blob = split_blob(data)
@@ -322,7 +322,7 @@ class CudnnEngine:
             g = cudnn.pygraph(handle=h)
             g.deserialize(h, blob)
         plan = CudnnPlan(graph, handle, config, cudnn=cudnn, torch=torch, cudnn_handle=h, cudnn_graph=g,
-                         binding=lower.binding(graph, tf32=bool(config.get("tf32", False))),
+                         binding=rules.binding(graph, tf32=bool(config.get("tf32", False))),
                          plan_name=str(head.get("plan_name", "")), loaded=True,
                          gate=self.gate(handle.device.index))
         plan.plan_count = int(head.get("plan_count", 0))

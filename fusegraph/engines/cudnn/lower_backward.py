@@ -1,6 +1,6 @@
 """The backward (training) ops given to cuDNN's frontend: layer, RMS and batch norm backward
 (``layernorm_backward``, ``rmsnorm_backward``, ``batchnorm_backward``) and attention
-backward (``sdpa_backward``), each its cuDNN graph alone. lower.py describes their tensors
+backward (``sdpa_backward``), each its cuDNN graph alone. rules.py describes their tensors
 (norm backward as its forward: layer/RMS at rank 4 with unit dims appended, row-major;
 batch norm's per-channel tensors as [1, C, 1, ...], its images row-major or channels-last;
 attention backward at [b, h, s, d], row-major or heads-interleaved) and calls the lowerings

@@ -12,7 +12,7 @@ from typing import Any
 
 from fusegraph.engines.base import EngineConfig
 from fusegraph.engines.cuda_plan import CudaTensorPlan, torch_dtype
-from fusegraph.engines.cudnn.lower import Binding, Prep
+from fusegraph.engines.cudnn.rules import Binding, Prep
 from fusegraph.engines.launch_replay import DEFAULT_STREAM, LaunchReplay
 from fusegraph.errors import ExecutionError, VariantPackError
 from fusegraph.graph.graph import Graph
