@@ -10,8 +10,18 @@ import math
 from collections.abc import Callable, Sequence
 
 from fusegraph.dtypes import DataType, family, promote
-from fusegraph.errors import ValidationError
+from fusegraph.graph.infer_attention import ATTENTION_INFER
+from fusegraph.graph.infer_backward import BACKWARD_INFER
+from fusegraph.graph.infer_base import (
+    Dims,
+    Proposal,
+    broadcast_dims,
+    fail,
+    same_float_type,
+    same_type,
+)
 from fusegraph.graph.infer_gather import GATHER_INFER
+from fusegraph.graph.infer_norms import NORM_INFER
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import (
     POINTWISE,
@@ -20,34 +30,11 @@ from fusegraph.graph.ops import (
     OpKind,
     PointwiseAttrs,
     PoolingAttrs,
-    SdpaAttrs,
     SliceAttrs,
     SoftmaxAttrs,
     TransposeAttrs,
 )
 from fusegraph.graph.tensor import TensorAttr
-
-Dims = tuple[int, ...]
-Proposal = dict[str, tuple[Dims, DataType]]
-
-
-def _fail(node: Node, msg: str, tensor: TensorAttr | None = None) -> ValidationError:
-    return ValidationError(msg, node=node.name, tensor=tensor.name if tensor else None)
-
-
-def broadcast_dims(shapes: Sequence[Sequence[int]]) -> Dims | None:
-    """NumPy broadcasting of several shapes, or None when they do not broadcast."""
-    rank = max(len(s) for s in shapes)
-    out = [1] * rank
-    for s in shapes:
-        for i, d in enumerate(s):
-            j = rank - len(s) + i
-            if d == 1:
-                continue
-            if out[j] not in (1, d):
-                return None
-            out[j] = d
-    return tuple(out)
 
 
 def conv_output_spatial(
@@ -58,7 +45,7 @@ def conv_output_spatial(
         span = attrs.dilation[i] * (k - 1) + 1
         size = (x + attrs.pre_padding[i] + attrs.post_padding[i] - span) // attrs.stride[i] + 1
         if size < 1:
-            raise _fail(
+            raise fail(
                 node,
                 f"spatial axis {i}: input {x} with padding "
                 f"{attrs.pre_padding[i]}+{attrs.post_padding[i]} is smaller than the "
@@ -83,46 +70,14 @@ def _check_conv_attrs(node: Node, attrs: ConvAttrs, nsp: int) -> None:
     for field_name in ("pre_padding", "post_padding", "stride", "dilation"):
         values = getattr(attrs, field_name)
         if len(values) != nsp:
-            raise _fail(
+            raise fail(
                 node, f"{field_name} has {len(values)} entries, expected {nsp} (one per spatial axis)"
             )
     if any(p < 0 for p in attrs.pre_padding + attrs.post_padding):
-        raise _fail(node, "padding must be >= 0")
+        raise fail(node, "padding must be >= 0")
     if any(s < 1 for s in attrs.stride) or any(d < 1 for d in attrs.dilation):
-        raise _fail(node, "stride and dilation must be >= 1")
+        raise fail(node, "stride and dilation must be >= 1")
 
-
-def _stated_type(t: TensorAttr) -> bool:
-    """False for a node's output whose type was inferred (the graph's intermediate or I/O
-    type): engines convert those, so they never clash with a type the user stated."""
-    return t.producer is None or t.dtype_set
-
-
-def _same_type(node: Node, *tensors: TensorAttr) -> DataType:
-    """The operands' common type: stated types must agree; inferred ones are promoted."""
-    stated = [t for t in tensors if _stated_type(t)]
-    first = stated[0] if stated else tensors[0]
-    for t in stated:
-        if t.dtype != first.dtype:
-            raise _fail(
-                node,
-                f"data type mismatch: {t.dtype.name} here but {first.dtype.name} on "
-                f"'{first.name}'",
-                t,
-            )
-    dt = first.dtype
-    for t in tensors:
-        if family(t.dtype) != family(dt):
-            raise _fail(node, f"data type mismatch: {t.dtype.name} with {dt.name} on '{first.name}'", t)
-        dt = promote(dt, t.dtype)
-    return dt
-
-
-def _same_float_type(node: Node, *tensors: TensorAttr) -> DataType:
-    for t in tensors:
-        if not t.dtype.is_float:
-            raise _fail(node, f"expected a floating-point tensor, got {t.dtype.name}", t)
-    return _same_type(node, *tensors)
 
 
 def _conv_check(
@@ -130,13 +85,13 @@ def _conv_check(
 ) -> tuple[int, Dims]:
     """Checks image/filter agreement; returns groups and output spatial dims."""
     if len(x) < 3 or len(x) > 5:
-        raise _fail(node, f"convolution needs rank 3-5 (1-3 spatial axes), got rank {len(x)}", xt)
+        raise fail(node, f"convolution needs rank 3-5 (1-3 spatial axes), got rank {len(x)}", xt)
     if len(w) != len(x):
-        raise _fail(node, f"filter rank {len(w)} differs from image rank {len(x)}", wt)
+        raise fail(node, f"filter rank {len(w)} differs from image rank {len(x)}", wt)
     _check_conv_attrs(node, attrs, len(x) - 2)
     c, k, wc = x[1], w[0], w[1]
     if c % wc:
-        raise _fail(
+        raise fail(
             node,
             f"channel mismatch: image has {c} channels, filter expects {wc} per group "
             f"({c} is not a multiple of {wc})",
@@ -144,7 +99,7 @@ def _conv_check(
         )
     groups = c // wc
     if k % groups:
-        raise _fail(
+        raise fail(
             node, f"group mismatch: {k} output channels not divisible by {groups} groups", wt
         )
     return groups, conv_output_spatial(node, x[2:], w[2:], attrs)
@@ -161,7 +116,7 @@ def _int_conv_type(node: Node, x: TensorAttr, w: TensorAttr) -> DataType:
     for t in (x, w):
         if t.dtype not in INT_CONV_INPUTS:
             other = x if t is w else w
-            raise _fail(
+            raise fail(
                 node,
                 f"integer convolution needs INT8 or UINT8 operands, got {t.dtype.name} with "
                 f"{other.dtype.name} on '{other.name}'",
@@ -169,7 +124,7 @@ def _int_conv_type(node: Node, x: TensorAttr, w: TensorAttr) -> DataType:
             )
     cd = node.attrs.compute_data_type
     if cd is not None and cd != DataType.INT32:
-        raise _fail(node, f"an 8-bit integer convolution accumulates in INT32; compute_data_type {cd.name} is not allowed")
+        raise fail(node, f"an 8-bit integer convolution accumulates in INT32; compute_data_type {cd.name} is not allowed")
     return DataType.INT32
 
 
@@ -179,7 +134,7 @@ def infer_conv_fprop(node: Node) -> Proposal:
     if x.dtype in INT_CONV_INPUTS or w.dtype in INT_CONV_INPUTS:
         dt = _int_conv_type(node, x, w)
     else:
-        dt = _same_float_type(node, x, w)
+        dt = same_float_type(node, x, w)
     _, spatial = _conv_check(node, x.shape, w.shape, x, w, node.attrs)
     return {"y": ((x.shape[0], w.shape[0], *spatial), dt)}
 
@@ -188,12 +143,12 @@ def infer_conv_dgrad(node: Node) -> Proposal:
     dy, w, dx = node.inputs["dy"], node.inputs["w"], node.outputs["dx"]
     assert isinstance(node.attrs, ConvAttrs)
     if not dx.dim_set:
-        raise _fail(node, "conv_dgrad's output dims must be set with .set_dim() before validate()", dx)
-    dt = _same_float_type(node, dy, w)
+        raise fail(node, "conv_dgrad's output dims must be set with .set_dim() before validate()", dx)
+    dt = same_float_type(node, dy, w)
     _, spatial = _conv_check(node, dx.shape, w.shape, dx, w, node.attrs)
     expect = (dx.shape[0], w.shape[0], *spatial)
     if dy.shape != expect:
-        raise _fail(
+        raise fail(
             node,
             f"loss dims {list(dy.shape)} do not match the forward convolution of dx "
             f"{list(dx.shape)}, which gives {list(expect)}",
@@ -206,12 +161,12 @@ def infer_conv_wgrad(node: Node) -> Proposal:
     x, dy, dw = node.inputs["x"], node.inputs["dy"], node.outputs["dw"]
     assert isinstance(node.attrs, ConvAttrs)
     if not dw.dim_set:
-        raise _fail(node, "conv_wgrad's output dims must be set with .set_dim() before validate()", dw)
-    dt = _same_float_type(node, x, dy)
+        raise fail(node, "conv_wgrad's output dims must be set with .set_dim() before validate()", dw)
+    dt = same_float_type(node, x, dy)
     _, spatial = _conv_check(node, x.shape, dw.shape, x, dw, node.attrs)
     expect = (x.shape[0], dw.shape[0], *spatial)
     if dy.shape != expect:
-        raise _fail(
+        raise fail(
             node,
             f"loss dims {list(dy.shape)} do not match the forward convolution of the image "
             f"with dw {list(dw.shape)}, which gives {list(expect)}",
@@ -224,18 +179,18 @@ def infer_matmul(node: Node) -> Proposal:
     a, b = node.inputs["a"], node.inputs["b"]
     for t in (a, b):
         if len(t.shape) < 2:
-            raise _fail(node, f"matmul operands need rank >= 2, got {list(t.shape)}", t)
+            raise fail(node, f"matmul operands need rank >= 2, got {list(t.shape)}", t)
     if a.dtype == DataType.BOOLEAN or b.dtype == DataType.BOOLEAN:
-        raise _fail(node, "matmul of boolean tensors", a if a.dtype == DataType.BOOLEAN else b)
-    dt = _same_type(node, a, b)
+        raise fail(node, "matmul of boolean tensors", a if a.dtype == DataType.BOOLEAN else b)
+    dt = same_type(node, a, b)
     (m, k), (k2, n) = a.shape[-2:], b.shape[-2:]
     if k != k2:
-        raise _fail(
+        raise fail(
             node, f"inner dims differ: A is {list(a.shape)} (K={k}), B is {list(b.shape)} (K={k2})", b
         )
     batch = broadcast_dims([a.shape[:-2], b.shape[:-2]]) if (a.shape[:-2] or b.shape[:-2]) else ()
     if batch is None:
-        raise _fail(
+        raise fail(
             node,
             f"batch dims {list(a.shape[:-2])} and {list(b.shape[:-2])} do not broadcast",
             b,
@@ -249,20 +204,20 @@ def infer_pointwise(node: Node) -> Proposal:
     spec = POINTWISE[attrs.mode]
     ins = [node.inputs[p] for p in ("a", "b", "c")[: spec.arity] if p in node.inputs]
     if len(ins) != spec.arity or len(node.inputs) != spec.arity:
-        raise _fail(
+        raise fail(
             node, f"{attrs.mode.name} takes {spec.arity} input(s), got {len(node.inputs)}"
         )
     dims = broadcast_dims([t.shape for t in ins])
     if dims is None:
         shapes = ", ".join(f"'{t.name}' {list(t.shape)}" for t in ins)
-        raise _fail(node, f"shapes do not broadcast: {shapes}", ins[-1])
+        raise fail(node, f"shapes do not broadcast: {shapes}", ins[-1])
     _check_params(node, attrs)
     operands = ins
     if attrs.mode.name == "BINARY_SELECT":
         cond = ins[2]
         # cuDNN's tests pass INT32 masks: an integer condition is true where nonzero
         if cond.dtype != DataType.BOOLEAN and not cond.dtype.is_integer:
-            raise _fail(
+            raise fail(
                 node,
                 f"BINARY_SELECT's condition must be BOOLEAN or an integer type (nonzero = true), "
                 f"got {cond.dtype.name}",
@@ -276,18 +231,18 @@ def infer_pointwise(node: Node) -> Proposal:
         f = family(t.dtype)
         weak_ok = t.is_scalar and fam == "float" and f == "int"
         if f != fam and not weak_ok:
-            raise _fail(
+            raise fail(
                 node,
                 f"data type mismatch: {t.dtype.name} mixed with {strong[0].dtype.name}; "
                 "cast one side first (pointwise IDENTITY with an output data type)",
                 t,
             )
     if spec.inputs == "float" and fam != "float":
-        raise _fail(node, f"{attrs.mode.name} needs floating-point inputs, got {strong[0].dtype.name}", strong[0])
+        raise fail(node, f"{attrs.mode.name} needs floating-point inputs, got {strong[0].dtype.name}", strong[0])
     if spec.inputs == "bool" and fam != "bool":
-        raise _fail(node, f"{attrs.mode.name} needs BOOLEAN inputs, got {strong[0].dtype.name}", strong[0])
+        raise fail(node, f"{attrs.mode.name} needs BOOLEAN inputs, got {strong[0].dtype.name}", strong[0])
     if spec.inputs == "numeric" and fam == "bool":
-        raise _fail(node, f"{attrs.mode.name} is not defined on BOOLEAN inputs", strong[0])
+        raise fail(node, f"{attrs.mode.name} is not defined on BOOLEAN inputs", strong[0])
     dt = strong[0].dtype
     for t in strong[1:]:
         dt = promote(dt, t.dtype)
@@ -303,19 +258,19 @@ _INFINITE_OK = frozenset({"relu_lower_clip", "relu_upper_clip"})
 def _check_params(node: Node, attrs: PointwiseAttrs) -> None:
     for key, value in attrs.params:
         if math.isnan(value):
-            raise _fail(node, f"{attrs.mode.name} parameter '{key}' is NaN; it would make every result NaN")
+            raise fail(node, f"{attrs.mode.name} parameter '{key}' is NaN; it would make every result NaN")
         if math.isinf(value) and key not in _INFINITE_OK:
-            raise _fail(node, f"{attrs.mode.name} parameter '{key}' is {value}; it must be finite")
+            raise fail(node, f"{attrs.mode.name} parameter '{key}' is {value}; it must be finite")
         if key == "softplus_beta" and value == 0.0:
-            raise _fail(node, f"{attrs.mode.name} parameter 'softplus_beta' is 0; softplus divides by it")
+            raise fail(node, f"{attrs.mode.name} parameter 'softplus_beta' is 0; softplus divides by it")
 
 
 def infer_reduction(node: Node) -> Proposal:
     x, y = node.inputs["x"], node.outputs["y"]
     if not y.dim_set:
-        raise _fail(node, "reduction output dims are unknown: pass dim= or axes=, or .set_dim()", y)
+        raise fail(node, "reduction output dims are unknown: pass dim= or axes=, or .set_dim()", y)
     if len(y.shape) != len(x.shape):
-        raise _fail(
+        raise fail(
             node,
             f"output rank {len(y.shape)} differs from input rank {len(x.shape)}; "
             "reduced axes keep size 1",
@@ -323,135 +278,11 @@ def infer_reduction(node: Node) -> Proposal:
         )
     for i, (a, b) in enumerate(zip(x.shape, y.shape, strict=True)):
         if b not in (a, 1):
-            raise _fail(node, f"output dim {i} is {b}: must be {a} (kept) or 1 (reduced)", y)
+            raise fail(node, f"output dim {i} is {b}: must be {a} (kept) or 1 (reduced)", y)
     if x.dtype == DataType.BOOLEAN:
-        raise _fail(node, "reduction of a BOOLEAN tensor", x)
+        raise fail(node, "reduction of a BOOLEAN tensor", x)
     return {"y": (y.shape, x.dtype)}
 
-
-def _per_channel(node: Node, t: TensorAttr, x: TensorAttr) -> None:
-    c = x.shape[1]
-    ok_rank1 = t.shape == (c,)
-    ok_full = len(t.shape) == len(x.shape) and t.shape[1] == c and math.prod(t.shape) == c
-    if not (ok_rank1 or ok_full):
-        raise _fail(
-            node,
-            f"expected per-channel dims [{c}] or [1, {c}, 1, ...], got {list(t.shape)}",
-            t,
-        )
-    if not t.dtype.is_float:
-        raise _fail(node, f"expected a floating-point tensor, got {t.dtype.name}", t)
-
-
-def _epsilon(node: Node) -> None:
-    eps = node.inputs["epsilon"]
-    if math.prod(eps.shape) != 1 or not eps.dtype.is_float:
-        raise _fail(node, f"epsilon must be one floating-point value, got {list(eps.shape)} {eps.dtype.name}", eps)
-    value = eps.value
-    if isinstance(value, int | float) and not (math.isfinite(value) and value >= 0.0):
-        # NaN makes every y NaN, +inf makes it 0, a negative one takes sqrt of a negative
-        raise _fail(node, f"epsilon must be finite and >= 0, got {value}", eps)
-
-
-def _stats_dtype(x: DataType) -> DataType:
-    return DataType.DOUBLE if x == DataType.DOUBLE else DataType.FLOAT
-
-
-def infer_batchnorm_inference(node: Node) -> Proposal:
-    x = node.inputs["x"]
-    _norm_input(node, x, min_rank=2)
-    for p in ("scale", "bias", "mean", "var"):
-        _per_channel(node, node.inputs[p], x)
-    _epsilon(node)
-    return {"y": (x.shape, x.dtype)}
-
-
-_RUNNING = ("in_running_mean", "in_running_var", "momentum")
-_NEXT_RUNNING = ("next_running_mean", "next_running_var")
-
-
-def infer_batchnorm(node: Node) -> Proposal:
-    x = node.inputs["x"]
-    _norm_input(node, x, min_rank=2)
-    for p in ("scale", "bias"):
-        _per_channel(node, node.inputs[p], x)
-    _epsilon(node)
-    stats = (1, x.shape[1]) + (1,) * (len(x.shape) - 2)
-    sdt = _stats_dtype(x.dtype)
-    out: Proposal = {"y": (x.shape, x.dtype), "mean": (stats, sdt), "inv_var": (stats, sdt)}
-    given = [p for p in _RUNNING if p in node.inputs]
-    made = [p for p in _NEXT_RUNNING if p in node.outputs]
-    if given and (len(given) != len(_RUNNING) or len(made) != len(_NEXT_RUNNING)):
-        raise _fail(
-            node,
-            "running statistics need in_running_mean, in_running_var and momentum together "
-            f"(got {given}) and produce next_running_mean and next_running_var (got {made})",
-        )
-    if made and not given:
-        raise _fail(node, f"{made} need the inputs in_running_mean, in_running_var and momentum")
-    if given:
-        if math.prod(x.shape) // x.shape[1] < 2:
-            raise _fail(node, "running statistics need more than one value per channel (the variance is unbiased)", x)
-        for p, q in zip(("in_running_mean", "in_running_var"), _NEXT_RUNNING, strict=True):
-            t = node.inputs[p]
-            _per_channel(node, t, x)
-            out[q] = (t.shape, t.dtype)
-        m = node.inputs["momentum"]
-        if math.prod(m.shape) != 1 or not m.dtype.is_float:
-            raise _fail(node, f"momentum must be one floating-point value, got {list(m.shape)} {m.dtype.name}", m)
-        if isinstance(m.value, int | float) and not (math.isfinite(m.value) and 0.0 <= m.value <= 1.0):
-            raise _fail(node, f"momentum must be in [0, 1], got {m.value}", m)
-    return out
-
-
-def _norm_input(node: Node, x: TensorAttr, min_rank: int) -> None:
-    if len(x.shape) < min_rank:
-        raise _fail(node, f"input needs rank >= {min_rank}, got {list(x.shape)}", x)
-    if not x.dtype.is_float:
-        raise _fail(node, f"expected a floating-point input, got {x.dtype.name}", x)
-
-
-def _feature_param(node: Node, t: TensorAttr, x: TensorAttr) -> None:
-    feat = (1, *x.shape[1:])
-    if len(t.shape) > len(feat) or broadcast_dims([t.shape, feat]) != feat:
-        raise _fail(
-            node,
-            f"expected dims that broadcast to {list(feat)} (one value per normalized element), "
-            f"got {list(t.shape)}",
-            t,
-        )
-    if not t.dtype.is_float:
-        raise _fail(node, f"expected a floating-point tensor, got {t.dtype.name}", t)
-
-
-def _row_stats(node: Node, x: TensorAttr) -> tuple[Dims, DataType]:
-    return (x.shape[0],) + (1,) * (len(x.shape) - 1), _stats_dtype(x.dtype)
-
-
-def infer_layernorm(node: Node) -> Proposal:
-    x = node.inputs["x"]
-    _norm_input(node, x, min_rank=2)
-    _feature_param(node, node.inputs["scale"], x)
-    _feature_param(node, node.inputs["bias"], x)
-    _epsilon(node)
-    out: Proposal = {"y": (x.shape, x.dtype)}
-    for p in ("mean", "inv_var"):
-        if p in node.outputs:
-            out[p] = _row_stats(node, x)
-    return out
-
-
-def infer_rmsnorm(node: Node) -> Proposal:
-    x = node.inputs["x"]
-    _norm_input(node, x, min_rank=2)
-    _feature_param(node, node.inputs["scale"], x)
-    if "bias" in node.inputs:
-        _feature_param(node, node.inputs["bias"], x)
-    _epsilon(node)
-    out: Proposal = {"y": (x.shape, x.dtype)}
-    if "inv_rms" in node.outputs:
-        out["inv_rms"] = _row_stats(node, x)
-    return out
 
 
 def infer_pooling(node: Node) -> Proposal:
@@ -463,13 +294,13 @@ def infer_pooling_backward(node: Node) -> Proposal:
     dy, x = node.inputs["dy"], node.inputs["x"]
     want = _pooled_dims(node)
     if tuple(dy.shape) != want:
-        raise _fail(
+        raise fail(
             node,
             f"dy dims {list(dy.shape)} must be the pooling output dims {list(want)} of x '{x.name}' {list(x.shape)}",
             dy,
         )
     if not dy.dtype.is_float:
-        raise _fail(node, f"dy must be floating-point, got {dy.dtype.name}", dy)
+        raise fail(node, f"dy must be floating-point, got {dy.dtype.name}", dy)
     return {"dx": (tuple(x.shape), dy.dtype)}
 
 
@@ -480,106 +311,41 @@ def _pooled_dims(node: Node) -> tuple[int, ...]:
     assert isinstance(attrs, PoolingAttrs)
     nsp = len(x.shape) - 2
     if nsp < 1 or nsp > 3:
-        raise _fail(node, f"pooling needs rank 3-5, got {list(x.shape)}", x)
+        raise fail(node, f"pooling needs rank 3-5, got {list(x.shape)}", x)
     for f in ("window", "stride", "pre_padding", "post_padding"):
         if len(getattr(attrs, f)) != nsp:
-            raise _fail(node, f"{f} has {len(getattr(attrs, f))} entries, expected {nsp}")
+            raise fail(node, f"{f} has {len(getattr(attrs, f))} entries, expected {nsp}")
     if any(w < 1 for w in attrs.window) or any(s < 1 for s in attrs.stride):
-        raise _fail(node, "window and stride must be >= 1")
+        raise fail(node, "window and stride must be >= 1")
     for i in range(nsp):
         if not (0 <= attrs.pre_padding[i] < attrs.window[i] and 0 <= attrs.post_padding[i] < attrs.window[i]):
-            raise _fail(node, f"padding on axis {i} must be in [0, window) = [0, {attrs.window[i]})")
+            raise fail(node, f"padding on axis {i} must be in [0, window) = [0, {attrs.window[i]})")
     if x.dtype == DataType.BOOLEAN:
-        raise _fail(node, "pooling of a BOOLEAN tensor", x)
+        raise fail(node, "pooling of a BOOLEAN tensor", x)
     spatial = []
     for i in range(nsp):
         size = (x.shape[2 + i] + attrs.pre_padding[i] + attrs.post_padding[i] - attrs.window[i]) // attrs.stride[i] + 1
         if size < 1:
-            raise _fail(node, f"window {attrs.window[i]} larger than padded input on axis {i}", x)
+            raise fail(node, f"window {attrs.window[i]} larger than padded input on axis {i}", x)
         spatial.append(size)
     return (*x.shape[:2], *spatial)
 
-
-def infer_sdpa(node: Node) -> Proposal:
-    dims, dt = attention_operands(node)
-    out: Proposal = {"o": (dims, dt)}
-    if "stats" in node.outputs:
-        q = node.inputs["q"]
-        out["stats"] = ((*q.shape[:3], 1), _stats_dtype(dt))
-    return out
-
-
-def _dropout(node: Node) -> None:
-    """cuDNN's (probability, seed, offset): the seed and offset are one integer each, read
-    by the host-independent Philox stream of reference/dropout.py, so they must be graph
-    inputs or constants (a computed seed would make the mask depend on rounding)."""
-    assert isinstance(node.attrs, SdpaAttrs)
-    p = node.attrs.dropout_probability
-    if not (math.isfinite(p) and 0.0 <= p < 1.0):
-        raise _fail(node, f"dropout probability must be in [0, 1), got {p}")
-    ports = [x for x in ("seed", "offset") if x in node.inputs]
-    if p > 0.0 and len(ports) != 2:
-        raise _fail(node, f"dropout probability {p} needs both a seed and an offset tensor (got {ports or 'neither'})")
-    if ports and len(ports) != 2:
-        raise _fail(node, f"dropout needs both a seed and an offset tensor (got only {ports})")
-    for x in ports:
-        t = node.inputs[x]
-        if math.prod(t.shape) != 1 or t.dtype not in (DataType.INT64, DataType.INT32):
-            raise _fail(node, f"dropout {x} must be one INT64 (or INT32) value, got {list(t.shape)} {t.dtype.name}", t)
-        if t.producer is not None:
-            raise _fail(node, f"dropout {x} must be a graph input or a constant, not computed by '{t.producer}'", t)
-
-
-def attention_operands(node: Node) -> tuple[Dims, DataType]:
-    """Checks the q, k, v, mask and dropout of an attention node (forward or backward);
-    returns the dims and type of its output ``o``."""
-    q, k, v = node.inputs["q"], node.inputs["k"], node.inputs["v"]
-    assert isinstance(node.attrs, SdpaAttrs)
-    for t in (q, k, v):
-        if len(t.shape) != 4:
-            raise _fail(node, f"sdpa needs rank-4 [batch, heads, seq, dim] tensors, got {list(t.shape)}", t)
-    dt = _same_float_type(node, q, k, v)
-    b, h, sq, d = q.shape
-    if k.shape[0] != b or v.shape[0] != b:
-        raise _fail(node, "batch sizes of q, k and v differ", k)
-    # cuDNN's h_k and h_v are separate: each must divide h_q (grouped-query attention)
-    for t in (k, v):
-        if h % t.shape[1]:
-            raise _fail(
-                node, f"heads of {t.name!r} ({t.shape[1]}) must divide q's {h} (k has {k.shape[1]}, v {v.shape[1]})", t
-            )
-    scale = node.attrs.attn_scale
-    if scale is not None and not math.isfinite(scale):
-        raise _fail(node, f"attn_scale must be finite, got {scale}")
-    if k.shape[3] != d:
-        raise _fail(node, f"head dim of k ({k.shape[3]}) differs from q's ({d})", k)
-    if v.shape[2] != k.shape[2]:
-        raise _fail(node, f"sequence length of v ({v.shape[2]}) differs from k's ({k.shape[2]})", v)
-    if "mask" in node.inputs:
-        m = node.inputs["mask"]
-        full = (b, h, sq, k.shape[2])
-        if len(m.shape) > 4 or broadcast_dims([m.shape, full]) != full:
-            raise _fail(node, f"mask dims {list(m.shape)} do not broadcast to {list(full)}", m)
-        if m.dtype != DataType.BOOLEAN and not m.dtype.is_float:
-            raise _fail(node, f"mask must be BOOLEAN (keep) or floating-point (additive), got {m.dtype.name}", m)
-    _dropout(node)
-    return (b, h, sq, v.shape[3]), dt
 
 
 def infer_softmax(node: Node) -> Proposal:
     x = node.inputs["x"]
     assert isinstance(node.attrs, SoftmaxAttrs)
     if not -len(x.shape) <= node.attrs.axis < len(x.shape):
-        raise _fail(node, f"axis {node.attrs.axis} out of range for rank {len(x.shape)}")
+        raise fail(node, f"axis {node.attrs.axis} out of range for rank {len(x.shape)}")
     if not x.dtype.is_float:
-        raise _fail(node, f"softmax needs a floating-point input, got {x.dtype.name}", x)
+        raise fail(node, f"softmax needs a floating-point input, got {x.dtype.name}", x)
     return {"y": (x.shape, x.dtype)}
 
 
 def infer_reshape(node: Node) -> Proposal:
     x, y = node.inputs["x"], node.outputs["y"]
     if math.prod(x.shape) != math.prod(y.shape):
-        raise _fail(node, f"cannot reshape {list(x.shape)} ({math.prod(x.shape)} elements) to {list(y.shape)}", y)
+        raise fail(node, f"cannot reshape {list(x.shape)} ({math.prod(x.shape)} elements) to {list(y.shape)}", y)
     return {"y": (y.shape, x.dtype)}
 
 
@@ -588,7 +354,7 @@ def infer_transpose(node: Node) -> Proposal:
     assert isinstance(node.attrs, TransposeAttrs)
     perm = node.attrs.permutation
     if sorted(perm) != list(range(len(x.shape))):
-        raise _fail(node, f"permutation {list(perm)} is not a permutation of the {len(x.shape)} axes", x)
+        raise fail(node, f"permutation {list(perm)} is not a permutation of the {len(x.shape)} axes", x)
     return {"y": (tuple(x.shape[p] for p in perm), x.dtype)}
 
 
@@ -596,20 +362,20 @@ def infer_concatenate(node: Node) -> Proposal:
     ins = node.input_list()
     assert isinstance(node.attrs, ConcatAttrs)
     if not ins:
-        raise _fail(node, "concatenate needs at least one input")
+        raise fail(node, "concatenate needs at least one input")
     rank = len(ins[0].shape)
     axis = node.attrs.axis
     if not 0 <= axis < rank:
-        raise _fail(node, f"axis {axis} out of range for rank {rank}")
+        raise fail(node, f"axis {axis} out of range for rank {rank}")
     total = 0
     dt = ins[0].dtype
     for t in ins:
         if len(t.shape) != rank or any(
             a != b for i, (a, b) in enumerate(zip(t.shape, ins[0].shape, strict=True)) if i != axis
         ):
-            raise _fail(node, f"dims {list(t.shape)} differ from {list(ins[0].shape)} off axis {axis}", t)
+            raise fail(node, f"dims {list(t.shape)} differ from {list(ins[0].shape)} off axis {axis}", t)
         if family(t.dtype) != family(dt):
-            raise _fail(node, f"data type mismatch: {t.dtype.name} with {dt.name}", t)
+            raise fail(node, f"data type mismatch: {t.dtype.name} with {dt.name}", t)
         dt = promote(dt, t.dtype)
         total += t.shape[axis]
     dims = list(ins[0].shape)
@@ -629,12 +395,12 @@ def infer_slice(node: Node) -> Proposal:
     attrs = node.attrs
     assert isinstance(attrs, SliceAttrs)
     if not (len(attrs.starts) == len(attrs.ends) == len(attrs.steps) == len(x.shape)):
-        raise _fail(node, f"slice needs one start/end/step per axis ({len(x.shape)})", x)
+        raise fail(node, f"slice needs one start/end/step per axis ({len(x.shape)})", x)
     if any(st < 1 for st in attrs.steps):
-        raise _fail(node, "slice steps must be >= 1", x)
+        raise fail(node, "slice steps must be >= 1", x)
     dims = slice_dims(x.shape, attrs)
     if any(d < 1 for d in dims):
-        raise _fail(node, f"slice is empty: {list(dims)}", x)
+        raise fail(node, f"slice is empty: {list(dims)}", x)
     return {"y": (dims, x.dtype)}
 
 
@@ -645,25 +411,19 @@ INFER: dict[OpKind, Callable[[Node], Proposal]] = {
     OpKind.MATMUL: infer_matmul,
     OpKind.POINTWISE: infer_pointwise,
     OpKind.REDUCTION: infer_reduction,
-    OpKind.BATCHNORM_INFERENCE: infer_batchnorm_inference,
-    OpKind.BATCHNORM: infer_batchnorm,
-    OpKind.LAYERNORM: infer_layernorm,
-    OpKind.RMSNORM: infer_rmsnorm,
     OpKind.POOLING: infer_pooling,
     OpKind.POOLING_BACKWARD: infer_pooling_backward,
-    OpKind.SDPA: infer_sdpa,
     OpKind.SOFTMAX: infer_softmax,
     OpKind.RESHAPE: infer_reshape,
     OpKind.TRANSPOSE: infer_transpose,
     OpKind.CONCATENATE: infer_concatenate,
     OpKind.SLICE: infer_slice,
+    **NORM_INFER,
+    **ATTENTION_INFER,
     **GATHER_INFER,
+    **BACKWARD_INFER,
 }
 
-# The backward ops' inference lives in its own module, which reads the helpers above.
-from fusegraph.graph.infer_backward import BACKWARD_INFER  # noqa: E402
-
-INFER.update(BACKWARD_INFER)
 
 # Output strides: ops whose outputs follow the memory order of their first input.
 INHERIT_LAYOUT = frozenset(

@@ -9,9 +9,11 @@ the dims the forward op gives them (graph/infer.py), so that a graph can wire a 
 from __future__ import annotations
 
 from collections.abc import Callable
-from types import ModuleType
 
 from fusegraph.dtypes import DataType
+from fusegraph.graph.infer_attention import attention_operands
+from fusegraph.graph.infer_base import fail, same_float_type
+from fusegraph.graph.infer_norms import feature_param, norm_input, per_channel, row_stats
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import OpKind
 from fusegraph.graph.tensor import TensorAttr
@@ -19,32 +21,26 @@ from fusegraph.graph.tensor import TensorAttr
 Proposal = dict[str, tuple[tuple[int, ...], DataType]]
 
 
-def _infer() -> ModuleType:
-    """graph/infer.py, whose checks these reuse; it imports this module at its end to
-    complete its table, so the import is at call time (either module may be imported first)."""
-    from fusegraph.graph import infer
-
-    return infer
 
 
 def _gradient_of(node: Node, dy: TensorAttr, x: TensorAttr) -> DataType:
     if dy.shape != x.shape:
-        raise _infer()._fail(
+        raise fail(
             node, f"gradient dims {list(dy.shape)} differ from the input's {list(x.shape)} ('{x.name}')", dy
         )
-    dt: DataType = _infer()._same_float_type(node, dy, x)
+    dt: DataType = same_float_type(node, dy, x)
     return dt
 
 
 def _row_stat(node: Node, t: TensorAttr, x: TensorAttr) -> None:
     """A saved per-row statistic of a layer/RMS norm: [N, 1, ..., 1] at x's rank."""
-    want, _ = _infer()._row_stats(node, x)
+    want, _ = row_stats(node, x)
     if t.shape != want:
-        raise _infer()._fail(
+        raise fail(
             node, f"saved statistic must have dims {list(want)} (one value per row of '{x.name}'), got {list(t.shape)}", t
         )
     if not t.dtype.is_float:
-        raise _infer()._fail(node, f"expected a floating-point tensor, got {t.dtype.name}", t)
+        raise fail(node, f"expected a floating-point tensor, got {t.dtype.name}", t)
 
 
 def _param_grads(node: Node, scale: TensorAttr, ports: tuple[str, ...]) -> Proposal:
@@ -53,9 +49,9 @@ def _param_grads(node: Node, scale: TensorAttr, ports: tuple[str, ...]) -> Propo
 
 def infer_layernorm_backward(node: Node) -> Proposal:
     dy, x, scale = node.inputs["dy"], node.inputs["x"], node.inputs["scale"]
-    _infer()._norm_input(node, x, min_rank=2)
+    norm_input(node, x, min_rank=2)
     dt = _gradient_of(node, dy, x)
-    _infer()._feature_param(node, scale, x)
+    feature_param(node, scale, x)
     for p in ("mean", "inv_var"):
         _row_stat(node, node.inputs[p], x)
     return {"dx": (x.shape, dt), **_param_grads(node, scale, ("dscale", "dbias"))}
@@ -63,38 +59,38 @@ def infer_layernorm_backward(node: Node) -> Proposal:
 
 def infer_rmsnorm_backward(node: Node) -> Proposal:
     dy, x, scale = node.inputs["dy"], node.inputs["x"], node.inputs["scale"]
-    _infer()._norm_input(node, x, min_rank=2)
+    norm_input(node, x, min_rank=2)
     dt = _gradient_of(node, dy, x)
-    _infer()._feature_param(node, scale, x)
+    feature_param(node, scale, x)
     _row_stat(node, node.inputs["inv_rms"], x)
     return {"dx": (x.shape, dt), **_param_grads(node, scale, ("dscale", "dbias"))}
 
 
 def infer_batchnorm_backward(node: Node) -> Proposal:
     dy, x, scale = node.inputs["dy"], node.inputs["x"], node.inputs["scale"]
-    _infer()._norm_input(node, x, min_rank=2)
+    norm_input(node, x, min_rank=2)
     dt = _gradient_of(node, dy, x)
     for p in ("scale", "mean", "inv_var"):
-        _infer()._per_channel(node, node.inputs[p], x)
+        per_channel(node, node.inputs[p], x)
     return {"dx": (x.shape, dt), **_param_grads(node, scale, ("dscale", "dbias"))}
 
 
 def infer_sdpa_backward(node: Node) -> Proposal:
     q, k, v = node.inputs["q"], node.inputs["k"], node.inputs["v"]
-    o_dims, dt = _infer().attention_operands(node)
+    o_dims, dt = attention_operands(node)
     for p in ("o", "do"):
         t = node.inputs[p]
         if t.shape != o_dims:
-            raise _infer()._fail(node, f"'{p}' must have the forward output's dims {list(o_dims)}, got {list(t.shape)}", t)
-        _infer()._same_float_type(node, q, t)
+            raise fail(node, f"'{p}' must have the forward output's dims {list(o_dims)}, got {list(t.shape)}", t)
+        same_float_type(node, q, t)
     stats = node.inputs["stats"]
     want = (*q.shape[:3], 1)
     if stats.shape != want:
-        raise _infer()._fail(
+        raise fail(
             node, f"stats must have dims {list(want)} (the forward's log-sum-exp per query row), got {list(stats.shape)}", stats
         )
     if not stats.dtype.is_float:
-        raise _infer()._fail(node, f"stats must be floating-point, got {stats.dtype.name}", stats)
+        raise fail(node, f"stats must be floating-point, got {stats.dtype.name}", stats)
     return {"dq": (q.shape, dt), "dk": (k.shape, dt), "dv": (v.shape, dt)}
 
 

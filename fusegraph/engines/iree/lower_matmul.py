@@ -13,7 +13,7 @@ import math
 
 from fusegraph.dtypes import DataType
 from fusegraph.engines.iree.lower_base import NARROW_FLOATS, Lowering, Val, identity
-from fusegraph.graph.infer import broadcast_dims
+from fusegraph.graph.infer_base import broadcast_dims
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import OpKind
 from fusegraph.graph.tensor import TensorAttr

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 from fusegraph.dtypes import DataType, family, promote
 from fusegraph.engines.iree.lower_base import Lowering, Perm, Shape, Val, identity
-from fusegraph.graph.infer import broadcast_dims
+from fusegraph.graph.infer_base import broadcast_dims
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import POINTWISE, PointwiseAttrs, PointwiseMode
 from fusegraph.graph.tensor import TensorAttr
