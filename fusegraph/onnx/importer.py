@@ -105,10 +105,13 @@ class Importer:
         self.g = Graph(_NAME_OK.sub("_", name))
         self.channels_last = channels_last
         self.filter_layout = filter_layout
-        self.pack = pack  # False: only the graph is wanted (weights stay unpacked, not runnable)
+        # False: the weights are kept in their logical (row-major) order, as the model holds
+        # them (no copy; possibly read-only): for the graph alone, or for a consumer that lays
+        # them out itself as the graph declares (the region path's upload, plan_regions)
+        self.pack = pack
         self.values: dict[str, TensorAttr] = {}  # ONNX value -> tensor holding it
         self.inputs: dict[str, TensorAttr] = {}  # ONNX activation -> graph input
-        self.weights: dict[str, np.ndarray] = {}  # graph tensor name -> bound array (declared strides)
+        self.weights: dict[str, np.ndarray] = {}  # graph tensor name -> bound array (declared strides; see pack)
         self._names: set[str] = set()
         self.node: ONode | None = None
 
@@ -184,8 +187,8 @@ class Importer:
             raise Unmappable(f"{self.op}: constant '{hint}' is empty {list(arr.shape)}")
         strides = self._strides(arr.shape, role)
         t = self.g.tensor(self._unique(hint), arr.shape, strides, dt)
-        if not self.pack:
-            self.weights[t.name] = arr
+        if not self.pack:  # a folded constant may be a view with any strides: row-major for the consumer
+            self.weights[t.name] = arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
             return t
         packed = with_strides(arr, strides)
         if not packed.flags.writeable:  # engines may alias host inputs, which needs writable memory

@@ -49,6 +49,7 @@ from fusegraph.runtime.handle import Handle
 log = logging.getLogger("fusegraph.onnx")
 
 Dump = Callable[[str, bytes | str], None]
+_UNSET: Any = object()  # sub-session options not made yet
 
 
 def make_dumper(dump_dir: str | None) -> Dump | None:
@@ -126,7 +127,7 @@ class SessionPlan:
         self.notes: dict[str, str] = {}
         self.compile_s: dict[str, float] = {}
         self.by_name = {n.name: n for n in og.nodes}
-        self.sub_session_options = self._sub_session_options()
+        self._sub_options: Any = _UNSET  # made at first need (sub_session_options)
         self.floor_budget = opts.floor_budget(pinned=engine is not None and engine.name is not None) if enabled else 0.0
         # claimed units run region by region (plan_regions.py): the region floor, against the
         # same nodes op by op on PyTorch, replaces the floor against ONNX Runtime
@@ -144,7 +145,7 @@ class SessionPlan:
             self._go_whole_ort(known, None)
         else:
             built = self._settle_claimed()
-            self.sub_session_options = self._sub_session_options()  # spinning again where all went to ORT
+            self._sub_options = _UNSET  # decided again: spinning where all went to ORT
             self.reasons = dict(self.partitioning.reasons)
             for k, group in enumerate(self.partitioning.groups):
                 self.units.append(self._final_unit(k, group, built))
@@ -455,6 +456,15 @@ class SessionPlan:
         self.compile_s = {}
         self._plan_frees()
         self._proven = set()
+
+    @property
+    def sub_session_options(self) -> Any:
+        """What ONNX Runtime sub-sessions are opened with, made at the first unit that needs it
+        (``_sub_session_options`` for the partition as it is then): a plan with no ONNX Runtime
+        unit makes no ``ort.SessionOptions``."""
+        if self._sub_options is _UNSET:
+            self._sub_options = self._sub_session_options()
+        return self._sub_options
 
     def _sub_session_options(self) -> Any:
         """The caller's SessionOptions as given; without any, and with fusegraph units in the

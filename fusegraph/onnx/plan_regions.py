@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -71,8 +72,10 @@ def region_unit(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[str]
         t0 = time.perf_counter()
         engine = plan.engine.name if plan.engine is not None else None
         origin: dict[str, str] = {}
+        # pack=False: the weights stay as the model holds them; build() lays them out as the graph
+        # declares while copying them to the device (on a GPU the transposes run there)
         base = plan_build.lower_unit(plan, name, nodes, ins, outs, engine, filter_layout_for(engine or "torch"),
-                                     origin=origin)
+                                     pack=False, origin=origin)
         unit = RegionUnit(base, origin, region_choice.chooser_for(plan))
         unit.precision = Precision(plan.opts.precision)
         if plan.opts.autotune > 0:  # a tuned plan's verdict is no verdict on the untuned one
@@ -551,8 +554,12 @@ def _to_device(value: Any, t: Any, device: Any) -> Any:
         arr = np.asarray(arr)
     if str(arr.dtype) == "bfloat16":  # NumPy has no bfloat16 of its own: through its bits
         host = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16)).view(torch.bfloat16)
-    else:
-        host = torch.from_numpy(np.array(arr, copy=not arr.flags.writeable))
+    elif arr.flags.writeable:
+        host = torch.from_numpy(arr)
+    else:  # only read, by the copy below: no copy of its own (a weight over the model's bytes)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            host = torch.from_numpy(arr)
     out = torch.empty_strided(t.shape, t.strides, dtype=dtype, device=device)
     out.copy_(host)
     return out
