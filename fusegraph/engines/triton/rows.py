@@ -360,8 +360,10 @@ def _view_access(graph: Graph, order: tuple[Node, ...], frame: tuple[int, ...], 
                           f"other elements of the frame than in view {list(home[t.name])}")
         if t.name in access:
             continue
-        rows_vary = any(lin[k] for k in row_atoms)
-        cols_vary = any(s for k, s in enumerate(lin) if k not in row_atoms)
+        r_any, c_any = any(lin[k] for k in row_atoms), any(s for k, s in enumerate(lin) if k not in row_atoms)
+        # one row (or one column) in all: a tensor that varies at all spans the frame, as plain row graphs have it
+        rows_vary = r_any or (not row_atoms and c_any)
+        cols_vary = c_any or (len(row_atoms) == len(atoms) and r_any)
         kind = {(True, True): "full", (True, False): "row", (False, True): "col", (False, False): "scalar"}[(rows_vary, cols_vary)]
         if t.is_virtual or t.is_scalar:
             access[t.name] = Access(kind)
