@@ -22,6 +22,7 @@ The GPU tests run the same graphs on Triton and the bench's UNet export on cuda:
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import math
 import sys
@@ -43,7 +44,7 @@ from fusegraph.engines.triton.codegen import kernel_source
 from fusegraph.engines.triton.engine import default_tiling
 from fusegraph.engines.triton.rows import MAX_COLS, Access, Refusal, RowGraph, Term, analyze
 from fusegraph.graph.layout import packed_strides
-from fusegraph.graph.ops import OpKind
+from fusegraph.graph.ops import OpKind, ReductionMode
 from fusegraph.regions.views import fold_border_reshapes
 
 TOL = {DT.FLOAT: 1e-4, DT.HALF: 1e-2, DT.BFLOAT16: 2e-2}  # norms: 1e-4 in f32
@@ -363,6 +364,16 @@ def test_claimed_in_both_doors_forms(gn: GN) -> None:
         analyze(torch_group_norm(gn, DT.HALF))
 
 
+def test_offsets_past_int32_are_64_bit_in_the_text() -> None:
+    """2**31 elements (never run here): the row index and the split column terms in int64."""
+    gn = GN(8192, 64, 32, (64, 64), nhwc=True)
+    rg, _, text = source_of(folded(onnx_group_norm(gn, DT.HALF)))
+    assert max(a.max_offset(rg.rows, rg.cols) for a in rg.access.values()) == 2**31 - 1
+    assert "[:, None].to(tl.int64)" in text and "(c.to(tl.int64) % 4096) * 64" in text
+    rg, _, text = source_of(folded(onnx_group_norm(GN(8191, 64, 32, (64, 64), nhwc=True), DT.HALF)))
+    assert "int64" not in text
+
+
 def test_refusals_say_why() -> None:
     wide = GN(1, 64, 2, (32, 32))  # K = 32768
     with pytest.raises(Refusal, match=f"up to {MAX_COLS}"):
@@ -422,6 +433,120 @@ def test_group_norm_kernels_under_numpy_match_the_reference(gn: GN, dt: DT, rng:
         rg, per, text = source_of(g)
         inputs = draw_inputs(g, rng)
         compare(emulate(g, text, per, rg, inputs), reference(g, inputs), g, dt, g.name)
+
+
+# ---- CPU: random row graphs with reshapes ---------------------------------------------------------------
+def _factors(n: int) -> list[int]:
+    out, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            out.append(p)
+            n //= p
+        p += 1
+    return out
+
+
+def _grouping(parts: list[int], rng: np.random.Generator) -> list[int]:
+    """``parts`` (in order) multiplied in random consecutive groups, with unit dims here and there."""
+    dims, cur = [], 1
+    for k, f in enumerate(parts):
+        cur *= f
+        if k == len(parts) - 1 or rng.random() < 0.5:
+            dims.append(cur)
+            cur = 1
+    if rng.random() < 0.2:
+        dims.insert(int(rng.integers(len(dims) + 1)), 1)
+    return dims or [1]
+
+
+def _layout(shape: list[int], rng: np.random.Generator) -> list[int]:
+    """Packed strides in a random memory order (now and then), with padding after the innermost dim (rarely)."""
+    order = list(range(len(shape)))
+    if rng.random() < 0.5:
+        rng.shuffle(order)
+    strides, step = [0] * len(shape), 1
+    for k in reversed(order):
+        strides[k] = step
+        step *= shape[k] + (1 if rng.random() < 0.1 else 0)
+    return strides
+
+
+def random_reshaped_row_graph(rng: np.random.Generator, index: int) -> fg.Graph:
+    """A row op over a frame of random rows and columns, fed as a reshape of an input of
+    another shape (at times), then a chain of reshapes (mostly groupings of the frame's
+    prime factors in order, at times any factorization: refused), broadcast operands with
+    random unit dims and memory orders, unary ops and the row statistic; outputs in random
+    memory orders."""
+    dt = DTYPES[int(rng.integers(3))]
+    g = fg.Graph(f"rand{index}_{dt.value}", io_data_type=dt)
+    rows = [int(rng.choice([1, 2, 3, 4, 6])) for _ in range(int(rng.integers(1, 3)))]
+    cols = [int(rng.choice([2, 3, 5, 8, 12, 16])) for _ in range(int(rng.integers(1, 3)))]
+    frame = rows + cols
+    atoms = [f for d in frame for f in (_factors(d) or [1])]
+    total = math.prod(frame)
+    shape_in = _grouping(atoms, rng) if rng.random() < 0.5 else frame
+    x = g.tensor("x", shape_in, _layout(shape_in, rng))
+    x = g.reshape(x, frame) if shape_in != frame else x
+    op = str(rng.choice(["layernorm", "rmsnorm", "softmax", "sum"]))
+    stat = None
+    if op in ("layernorm", "rmsnorm"):
+        x2 = g.reshape(x, [math.prod(rows), math.prod(cols)]) if len(frame) != 2 else x
+        scale = g.tensor("scale", [1, math.prod(cols)])
+        if op == "layernorm":
+            y, stat, _ = g.layernorm(x2, scale, g.tensor("bias", [1, math.prod(cols)]), 1e-5, fg.NormFwdPhase.TRAINING)
+        else:
+            y, stat = g.rmsnorm(x2, scale, 1e-5, fg.NormFwdPhase.TRAINING)
+    elif op == "softmax":
+        flat = g.reshape(x, [*rows, math.prod(cols)]) if len(cols) > 1 else x
+        y = g.softmax(flat, -1)
+    else:
+        y = g.reduction(x, ReductionMode.SUM, rows + [1] * len(cols))
+        y = g.add(g.reshape(g.reshape(x, [total]), frame) if rng.random() < 0.3 else x, y)
+    cur = y
+    for _ in range(int(rng.integers(1, 5))):
+        step = rng.random()
+        if step < 0.35:
+            shape = _grouping(atoms, rng) if rng.random() < 0.85 else _grouping(_factors(total)[::-1], rng)
+            cur = g.reshape(cur, shape)
+        elif step < 0.75:
+            shape = [d if rng.random() < 0.5 else 1 for d in cur.shape]
+            cur = (g.mul if rng.random() < 0.5 else g.add)(cur, g.tensor(f"w{len(g.nodes)}", shape, _layout(shape, rng)))
+        elif step < 0.9:
+            cur = g.sigmoid(cur) if rng.random() < 0.5 else g.tanh(cur)
+        elif stat is not None and tuple(cur.shape) == tuple(y.shape):
+            cur = g.sub(cur, stat)
+    cur.set_output(True).set_name("out").set_stride(_layout(list(cur.shape), rng))
+    if stat is not None and rng.random() < 0.3:
+        stat.set_output(True).set_name("stat").set_data_type(DT.FLOAT)
+    return g.validate()
+
+
+RANDOM_GRAPHS = 80
+
+
+def test_random_reshaped_row_graphs_under_numpy_match_the_reference() -> None:
+    """Each random graph the rule takes runs under NumPy as the reference computes it (every
+    address in range, no element written twice, none left unwritten); most are taken, and
+    every refusal is one of the rule's reasons."""
+    rng = np.random.default_rng(20261127)
+    taken, degenerate, refused = 0, 0, collections.Counter[str]()
+    for i in range(RANDOM_GRAPHS):
+        g = random_reshaped_row_graph(rng, i)
+        try:
+            rg, per, text = source_of(g)
+        except Refusal as why:
+            refused[str(why).split(":")[-1][:70]] += 1
+            continue
+        taken += 1
+        inputs = draw_inputs(g, rng)
+        want = reference(g, inputs)
+        if any(not np.linalg.norm(np.asarray(v, np.float64)) for v in want.values()):
+            degenerate += 1  # e.g. a sigmoid saturated to 0 in half precision: nothing to compare
+            continue
+        dt = g.inputs()[0].dtype
+        compare(emulate(g, text, per, rg, inputs), want, g, dt, f"{g.name}: {g.to_json()}")
+    print(f"random reshaped row graphs: {taken} taken ({degenerate} with an all-zero reference), refused {dict(refused)}")
+    assert taken >= RANDOM_GRAPHS // 2 and degenerate <= 2, (taken, degenerate, refused)
 
 
 # ---- CPU: the bench's UNet, its real region graphs ----------------------------------------------------------
@@ -540,6 +665,33 @@ def test_group_norm_on_triton(gn: GN, dt: DT, rng: np.random.Generator) -> None:
         inputs = draw_inputs(g, rng)
         print(g.name, "direct" if build is direct else "folded",
               compare(_on_gpu(build, g, inputs), reference(g, inputs), g, dt, g.name))
+
+
+@pytest.mark.gpu
+def test_random_reshaped_row_graphs_on_triton() -> None:
+    """The first 30 random graphs the CPU test runs under NumPy, built on Triton, against float64."""
+    from fusegraph.runtime.handle import as_handle
+
+    engine = _triton()
+    handle = as_handle(DEVICE)
+    rng = np.random.default_rng(20261127)
+    done = 0
+    for i in range(RANDOM_GRAPHS):
+        g = random_reshaped_row_graph(rng, i)
+        try:
+            analyze(g)
+        except Refusal:
+            continue
+        inputs = draw_inputs(g, rng)
+        want = reference(g, inputs)
+        if any(not np.linalg.norm(np.asarray(v, np.float64)) for v in want.values()):
+            continue
+        compare(_on_gpu(lambda g: engine.build(g, handle), g, inputs), want, g, g.inputs()[0].dtype,
+                f"{g.name}: {g.to_json()}")
+        done += 1
+        if done == 30:
+            break
+    assert done == 30, done
 
 
 @pytest.mark.gpu
