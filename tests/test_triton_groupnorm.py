@@ -625,6 +625,53 @@ def test_the_bench_unets_group_norm_regions_are_claimed_and_run_under_numpy(
     assert len(refused) <= 1 and all("transpose" in r for r in refused), refused
 
 
+# ---- CPU: the torch door's own region graph ---------------------------------------------------------------
+def torch_door_norm_regions(model: Any, x: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[fg.Graph]]:
+    """``fusegraph.torch.explain``'s report (rest eager) and the region graphs with a norm it chose among."""
+    from fusegraph.regions import choose
+    from fusegraph.torch.explainer import explain
+
+    seen: dict[str, fg.Graph] = {}
+    original = choose.Chooser.choose_all
+
+    def catch(self: Any, regions: Any, inputs: Any = None) -> Any:
+        for r in regions:
+            if any(n.kind == OpKind.LAYERNORM for n in r.graph.nodes):
+                seen.setdefault(r.key, r.graph)
+        return original(self, regions, inputs)
+
+    monkeypatch.setattr(choose.Chooser, "choose_all", catch)
+    report = explain(model, x, options={"rest": "eager"})
+    return report, list(seen.values())
+
+
+def _gn_silu_net() -> Any:
+    import torch.nn as nn
+
+    return nn.Sequential(nn.Conv2d(3, 64, 3, padding=1), nn.GroupNorm(32, 64), nn.SiLU(), nn.Conv2d(64, 8, 3, padding=1))
+
+
+def test_the_torch_doors_group_norm_is_claimed_once_folded(monkeypatch: pytest.MonkeyPatch,
+                                                          rng: np.random.Generator) -> None:
+    """``aten.native_group_norm`` + SiLU as the torch door converts it (its [C] weight
+    reshaped to [1, C, 1] inside the graph: refused with the reason), folded as its GPU path
+    folds it (plans._kernel_build): one row kernel, which under NumPy gives the reference's
+    answer."""
+    torch = pytest.importorskip("torch", reason="the torch door needs torch")
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    with torch.no_grad():
+        _, graphs = torch_door_norm_regions(_gn_silu_net().eval(), torch.randn(2, 3, 16, 16), monkeypatch)
+    assert len(graphs) == 1, [g.name for g in graphs]
+    (g,) = graphs
+    with pytest.raises(Refusal, match="only reshapes of whole frames"):
+        analyze(g)
+    f = folded(g)
+    rg, per, text = source_of(f)
+    assert (rg.rows, rg.cols) == (64, 512)
+    inputs = draw_inputs(f, rng)
+    compare(emulate(f, text, per, rg, inputs), reference(f, inputs), f, DT.FLOAT, f.name)
+
+
 # ---- GPU ----------------------------------------------------------------------------------------------------
 DEVICE = "cuda:0"
 
@@ -701,6 +748,28 @@ def test_group_norm_wider_than_a_row_kernel_is_refused_on_the_gpu() -> None:
     engine = _triton()
     s = engine.supports(folded(onnx_group_norm(GN(1, 64, 2, (32, 32)), DT.FLOAT)), as_handle(DEVICE))
     assert not s and f"up to {MAX_COLS}" in s.reason, s.reason
+
+
+@pytest.mark.gpu
+def test_the_torch_doors_group_norm_region_on_triton(monkeypatch: pytest.MonkeyPatch, rng: np.random.Generator) -> None:
+    """The torch door's own GroupNorm + SiLU region graph (converted on the CPU, as on any
+    device), built as its GPU path builds a region (plans._kernel_build: a kernel engine,
+    else folded), on Triton, against float64."""
+    import torch
+
+    from fusegraph.runtime.handle import as_handle
+    from fusegraph.torch.plans import _kernel_build
+
+    _triton()
+    torch.manual_seed(int(rng.integers(1 << 31)))
+    with torch.no_grad():
+        _, graphs = torch_door_norm_regions(_gn_silu_net().eval(), torch.randn(2, 3, 16, 16), monkeypatch)
+    assert len(graphs) == 1
+    (g,) = graphs
+    plan = _kernel_build(g, as_handle(DEVICE))
+    assert plan.config.engine == "triton", plan.config
+    inputs = draw_inputs(g, rng)
+    print(g.name, compare(_on_gpu(lambda _: plan, g, inputs), reference(g, inputs), g, DT.FLOAT, g.name))
 
 
 @pytest.mark.gpu
