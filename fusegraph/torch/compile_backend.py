@@ -14,6 +14,8 @@ alone can still lose together.
 
 With Inductor as the rest, the ops fusegraph converts are kept whole through Inductor's
 decompositions (a layer norm stays ``native_layer_norm``) so that they can be claimed.
+Where no ATen graph of a Dynamo graph keeps a region, that trace is dropped and the Dynamo
+graph gets Inductor's own compile (_Compile): the same code as ``torch.compile(model)``.
 """
 
 from __future__ import annotations
@@ -296,7 +298,11 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         _report(state.rows)
         return first
     _report([dataclasses.replace(r, where="inductor", why=f"{INDUCTORS_OWN} ({r.why})") for r in state.rows])
-    return compile_fx(gm, example_inputs, config_patches=patches)  # type: ignore[return-value]
+    from torch._inductor import list_mode_options
+
+    # as torch.compile(model, mode=mode) configures Inductor
+    own = list_mode_options(mode) if mode is not None else {}
+    return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
 
 
 def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
