@@ -183,6 +183,20 @@ def test_region_path_twice_agrees_with_onnxruntime(tmp_path: Path, rng: np.rando
         assert _rel(sess.run(None, {"x": x})[0], got) == 0.0
 
 
+@pytest.mark.gpu
+def test_region_path_on_the_gpu_lays_weights_out_there(tmp_path: Path, rng: np.random.Generator) -> None:
+    """On a GPU the weights go up in the model's order and are laid out on the device (filters
+    KRSC, column-major matrices, a reversed constant): twice in one process, against ONNX
+    Runtime on fresh inputs."""
+    path = tmp_path / "mixed.onnx"
+    onnx.save(_mixed(rng), str(path))
+    ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for _ in range(2):
+        sess = fgo.InferenceSession(str(path), providers=PROVIDERS, provider_options=[{**REGIONS, "device": "cuda:0"}, {}])
+        x = rng.standard_normal((2, 3, 4, 4)).astype(np.float32)
+        assert _rel(sess.run(None, {"x": x})[0], ref.run(None, {"x": x})[0]) < 1e-5
+
+
 def test_unpacked_importer_keeps_the_model_order_without_copying(rng: np.random.Generator) -> None:
     """pack=False (the region path): every weight in its logical row-major order with the
     packed importer's values; the conv filter and the MatMul's B are the model's own arrays
