@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch", reason="the torch.compile backend needs tor
 
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from test_torch_graph_floor import clock  # noqa: E402, F401  (the virtual clock fixture)
 
 from fusegraph.select import timing  # noqa: E402
 from fusegraph.torch import partition  # noqa: E402
@@ -64,12 +65,12 @@ def regions_lose(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
     compile per region costs seconds)."""
     monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
 
-    def clock(candidates: Any, **_: Any) -> dict[str, timing.Timing]:
+    def lose(candidates: Any, **_: Any) -> dict[str, timing.Timing]:
         ms = {name: 1.0 if name == "incumbent" else 2.0 for name in candidates}
         return {name: timing.Timing(name, t, t, (t,)) for name, t in ms.items()}
 
     monkeypatch.setattr(partition, "_incumbent_call", lambda region, inputs, opts: lambda: None)
-    monkeypatch.setattr(timing, "time_candidates", clock)
+    monkeypatch.setattr(timing, "time_candidates", lose)
 
 
 @pytest.fixture
@@ -263,3 +264,46 @@ def test_on_cuda_reduce_overhead_with_nothing_claimed_replays_inductors_graphs(r
             assert rows and all(r.why.startswith(INDUCTORS_OWN) for r in rows), rows[:3]
         losses.append(torch.stack(side))
     assert _rel(losses[1], losses[0]) < 1e-6, losses
+
+
+@pytest.mark.usefixtures("clock")
+def test_regions_the_graph_check_hands_back_leave_inductors_own(
+        graphs: list[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every region wins alone and the whole-graph check hands them back (the virtual clock
+    of tests/test_torch_graph_floor.py): Inductor's own compile runs, the rows say both
+    verdicts. Compiled again, the forward's stored graph verdict spares its two compiles;
+    the backward is timed once more, its saved inputs' strides no longer those of a
+    compiled forward (a new key); from the third compile on, nothing is compiled twice."""
+    from test_torch_compile import ConvNet
+    from torch._inductor import compile_fx as inductor
+
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    first_pass: list[bool] = []  # is_backward of each
+    real = inductor.compile_fx_inner
+
+    def spy(gm: Any, inputs: Any, **kw: Any) -> Any:  # the backend's own compiles, not Inductor's own path
+        first_pass.append(bool(kw.get("is_backward")))
+        return real(gm, inputs, **kw)
+
+    monkeypatch.setattr(inductor, "compile_fx_inner", spy)
+    options = {**FLOOR, "warmup_s": 0.0}
+    (want, want_graphs), (got, got_graphs), rows = _side_by_side(ConvNet, (2, 3, 8, 8), graphs, options)
+    # the last two lowered are Inductor's own (before them, the first pass's four: each
+    # graph claimed and unclaimed, compiled to be timed)
+    assert got_graphs[-2:] == want_graphs and got[2] == want[2]
+    assert torch.equal(got[0], want[0])
+    handed = [r for r in rows if "handed back with the whole graph" in r.why]
+    assert handed and {r.node[:2] for r in handed} == {"fw", "bw"}, [r.why for r in rows]
+    assert all(r.where == "inductor" and r.why.startswith(INDUCTORS_OWN) for r in rows)
+    assert first_pass, "the first compile times the claimed graphs against the unclaimed ones"
+    first_pass.clear()
+    (_, _), (again, again_graphs), rows = _side_by_side(ConvNet, (2, 3, 8, 8), graphs, options)
+    assert first_pass == [True, True], first_pass  # the backward's two sides, timed
+    assert again_graphs[-2:] == want_graphs and again[2] == want[2]
+    first_pass.clear()
+    (want, want_graphs), (third, third_graphs), rows = _side_by_side(ConvNet, (2, 3, 8, 8), graphs, options)
+    assert not first_pass, first_pass
+    assert third_graphs == want_graphs and third[2] == want[2] and torch.equal(third[0], want[0])
+    handed = [r for r in rows if "handed back with the whole graph" in r.why]
+    assert handed and {r.node[:2] for r in handed} == {"fw", "bw"}, [r.why for r in rows]
+    assert all("graph: cached" in r.why for r in handed), [r.why for r in handed]

@@ -87,6 +87,52 @@ def _report(rows: list[Row]) -> None:
         sink.extend(rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Floor:
+    """What the graph-level floor keys and stores a graph's verdict by (graph_floor.py)."""
+
+    claimed: list[str]
+    device: torch.device
+    store: Any  # regions.verdicts.VerdictStore
+    device_name: str
+    versions: dict[str, str]
+
+    @staticmethod
+    def of(original: torch.fx.GraphModule, rows: list[Row]) -> _Floor:
+        from fusegraph.engines.registry import REGISTRY
+        from fusegraph.regions.verdicts import VerdictStore
+        from fusegraph.select.device_id import device_id
+        from fusegraph.select.tuning_db import engine_versions
+        from fusegraph.torch.plans import PLANS
+
+        device = graph_device(original)
+        return _Floor([f"{r.node.split(':', 1)[-1]}|{r.where}" for r in rows if r.fusegraph], device, VerdictStore(),
+                      device_id(PLANS.handle(device)), engine_versions(REGISTRY.available_engines()))
+
+
+def _handed_back(rows: list[Row], verdict: Any, rest: str) -> list[Row]:
+    why = f"handed back with the whole graph: {verdict.describe()}"
+    return [dataclasses.replace(r, where=rest, why=f"{why} (the region: {r.why})") if r.fusegraph else r for r in rows]
+
+
+def _stored_hand_back(original: torch.fx.GraphModule | None, inputs: Sequence[Any], rows: list[Row],
+                      opts: Options) -> Any:
+    """The graph-level verdict an earlier compile stored for this graph where it handed the
+    claimed regions back (None otherwise): the first pass then compiles neither side."""
+    if original is None or not any(r.fusegraph for r in rows):
+        return None
+    from fusegraph.torch import graph_floor
+
+    floor = _Floor.of(original, rows)
+    try:
+        verdict = graph_floor.stored(original, inputs, floor.claimed, margin=opts.margin, store=floor.store,
+                                     device_name=floor.device_name, versions=floor.versions)
+    except Exception as exc:  # the usual path reads it again
+        log.info("the stored graph verdict could not be read (%s: %s)", type(exc).__name__, exc)
+        return None
+    return verdict if verdict is not None and not verdict.fusegraph else None
+
+
 def _settle(claimed_fn: Callable[..., Any], compile_original: Callable[[], Callable[..., Any]],
             original: torch.fx.GraphModule | None, inputs: Sequence[Any], rows: list[Row], opts: Options,
             rest: str, device_time: bool = False) -> tuple[Callable[..., Any], list[Row]]:
@@ -95,21 +141,14 @@ def _settle(claimed_fn: Callable[..., Any], compile_original: Callable[[], Calla
     device time are handed back wherever the whole graph could not be timed."""
     if original is None or not any(r.fusegraph for r in rows):
         return claimed_fn, rows
-    from fusegraph.engines.registry import REGISTRY
-    from fusegraph.regions.verdicts import VerdictStore
-    from fusegraph.select.device_id import device_id
-    from fusegraph.select.tuning_db import engine_versions
     from fusegraph.torch import graph_floor
-    from fusegraph.torch.plans import PLANS
 
-    device = graph_device(original)
-    claimed = [f"{r.node.split(':', 1)[-1]}|{r.where}" for r in rows if r.fusegraph]
+    floor = _Floor.of(original, rows)
     try:
         fn, verdict = graph_floor.settle(
-            claimed_fn, compile_original, (original, inputs, claimed), device, engine="fusegraph regions",
-            margin=opts.margin, warmup_s=opts.warmup_s, store=VerdictStore(),
-            device_name=device_id(PLANS.handle(device)), versions=engine_versions(REGISTRY.available_engines()),
-            verified_only=device_time)
+            claimed_fn, compile_original, (original, inputs, floor.claimed), floor.device, engine="fusegraph regions",
+            margin=opts.margin, warmup_s=opts.warmup_s, store=floor.store, device_name=floor.device_name,
+            versions=floor.versions, verified_only=device_time)
     except Exception as exc:  # the claimed graph stands where the check itself cannot run
         log.warning("the graph-level check did not run (%s: %s); the %s graph is kept", type(exc).__name__, exc,
                     "unclaimed" if device_time else "claimed", exc_info=log.isEnabledFor(logging.DEBUG))
@@ -125,11 +164,7 @@ def _settle(claimed_fn: Callable[..., Any], compile_original: Callable[[], Calla
             return claimed_fn, rows
         verdict = Verdict(False, "refused", f"the graph check failed: {type(exc).__name__}: {exc}",
                           incumbent=graph_floor.INCUMBENT)
-    if not verdict.fusegraph:
-        why = f"handed back with the whole graph: {verdict.describe()}"
-        rows = [dataclasses.replace(r, where=rest, why=f"{why} (the region: {r.why})") if r.fusegraph else r
-                for r in rows]
-    return fn, rows
+    return fn, (rows if verdict.fusegraph else _handed_back(rows, verdict, rest))
 
 
 def _kind(gm: torch.fx.GraphModule) -> str:
@@ -237,11 +272,15 @@ def _inductor_inner(opts: Options, state: _Compile, patches: dict[str, Any] | No
         original = copy_graph(graph) if opts.floor and opts.whole_graph and patches is None else None
         rows, device_time = _claim(graph, opts, _kind(graph), original is not None, inputs)
         claimed = any(r.fusegraph for r in rows)
-        if state.probing and (state.skipped or not (claimed or state.kept)):
-            state.redo = state.redo or claimed  # the forward was skipped: it must be compiled after all
-            state.skipped = True
-            state.report(rows)
-            return _skipped
+        if state.probing and not state.kept:
+            handed_back = _stored_hand_back(original, inputs, rows, opts)
+            if not claimed or handed_back is not None:  # nothing claimed, or as good as that: not compiled
+                state.skipped = True
+                state.report(rows if handed_back is None else _handed_back(rows, handed_back, "inductor"))
+                return _skipped
+            if state.skipped and original is None:  # kept unmeasured, and the forward was not compiled
+                state.redo = True
+                return _skipped
         rest, settled = _decompose_rest(graph, inputs)
         compiled = compile_fx_inner(rest, inputs, **_cacheable(settled, kwargs))
         # each compile records its outputs' strides in the tracing context, which must
@@ -262,7 +301,12 @@ def _inductor_inner(opts: Options, state: _Compile, patches: dict[str, Any] | No
         chosen, rows = _settle(compiled, compile_original, original, inputs, rows, opts, "inductor", device_time)
         if chosen is compiled and context is not None and context.output_strides is not None and "claimed" in strides:
             context.output_strides[:] = strides["claimed"]
-        state.kept = state.kept or (chosen is compiled and claimed)
+        kept = chosen is compiled and claimed
+        if state.probing and state.skipped:  # an earlier graph (the forward) was not compiled
+            state.redo = kept  # handed back: as good as nothing claimed
+            state.report(rows)
+            return _skipped
+        state.kept = state.kept or kept
         state.report(rows)
         return chosen
 

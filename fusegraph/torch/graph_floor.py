@@ -109,6 +109,17 @@ def _boxed(fn: Callable[..., Any], args: list[Any]) -> Callable[[], object]:
     return lambda: fn(list(args))
 
 
+def _key(original: torch.fx.GraphModule, inputs: Sequence[Any], claimed: Sequence[str], margin: float,
+         device_name: str, versions: dict[str, str]) -> str:
+    return verdict_key(graph_key(original, inputs, claimed), device_name, INCUMBENT, versions, {"margin": margin})
+
+
+def stored(original: torch.fx.GraphModule, inputs: Sequence[Any], claimed: Sequence[str], *, margin: float,
+           store: VerdictStore, device_name: str, versions: dict[str, str]) -> Verdict | None:
+    """The verdict ``settle`` stored for this graph, if any, read without compiling either side."""
+    return store.lookup(_key(original, inputs, claimed, margin, device_name, versions))
+
+
 def settle(
     claimed_fn: Callable[..., Any],
     compile_original: Callable[[], Callable[..., Any]],
@@ -128,7 +139,7 @@ def settle(
     where it may be returned. ``verified_only``: the regions were measured on device time,
     so a graph that cannot be timed whole is not kept on their word."""
     original, inputs, claimed = key_parts
-    key = verdict_key(graph_key(original, inputs, claimed), device_name, INCUMBENT, versions, {"margin": margin})
+    key = _key(original, inputs, claimed, margin, device_name, versions)
     cached = store.lookup(key) if store is not None else None
     if cached is not None and cached.fusegraph:
         return claimed_fn, cached
