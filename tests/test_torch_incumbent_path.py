@@ -307,3 +307,32 @@ def test_regions_the_graph_check_hands_back_leave_inductors_own(
     handed = [r for r in rows if "handed back with the whole graph" in r.why]
     assert handed and {r.node[:2] for r in handed} == {"fw", "bw"}, [r.why for r in rows]
     assert all("graph: cached" in r.why for r in handed), [r.why for r in handed]
+
+
+def test_a_first_pass_that_fails_falls_back_to_the_single_trace(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Whatever breaks the first pass (here: reading the stored graph verdicts), the Dynamo
+    graph is traced once more the way it was before the first pass existed: every graph
+    compiled as it comes, the model right, each node reported once."""
+    from fusegraph.torch import compile_backend
+
+    def broken(*args: Any) -> Any:
+        raise RuntimeError("made to fail in this test")
+
+    monkeypatch.setattr(compile_backend, "_stored_hand_back", broken)
+    eager = LNBlock()
+    twin = copy.deepcopy(eager)
+    x = torch.randn(2, 8, 32)
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, backend=partial(fusegraph_backend, options={"floor": False}))
+    with collecting() as rows, caplog.at_level(logging.WARNING, logger="fusegraph.torch"):
+        got = compiled(x)
+        got.sum().backward()
+    want = eager(x)
+    want.sum().backward()
+    assert "the first pass failed (RuntimeError: made to fail in this test)" in caplog.text, caplog.text
+    assert _rel(got.detach(), want.detach()) < 1e-5
+    for p, q in zip(twin.parameters(), eager.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None and _rel(p.grad, q.grad) < 1e-4
+    nodes = [r.node for r in rows]
+    assert any(r.fusegraph for r in rows) and len(nodes) == len(set(nodes))

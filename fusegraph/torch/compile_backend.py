@@ -242,8 +242,8 @@ class _Compile:
 
     probing: bool
     kept: bool = False  # an ATen graph runs claimed regions
-    skipped: bool = False  # an ATen graph was not compiled: nothing claimed in it
-    redo: bool = False  # a graph claimed regions after one was skipped: trace again, compiling each
+    skipped: bool = False  # an ATen graph was not compiled: nothing claimed in it, or all handed back
+    redo: bool = False  # a graph kept regions after one was skipped: trace again, compiling each
     rows: list[Row] = dataclasses.field(default_factory=list)
 
     def report(self, rows: list[Row]) -> None:
@@ -303,7 +303,7 @@ def _inductor_inner(opts: Options, state: _Compile, patches: dict[str, Any] | No
             context.output_strides[:] = strides["claimed"]
         kept = chosen is compiled and claimed
         if state.probing and state.skipped:  # an earlier graph (the forward) was not compiled
-            state.redo = kept  # handed back: as good as nothing claimed
+            state.redo = state.redo or kept  # handed back: as good as nothing claimed
             state.report(rows)
             return _skipped
         state.kept = state.kept or kept
@@ -333,7 +333,12 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
                               decompositions=_keep_whole())
 
     state = _Compile(probing=True)
-    first = trace(state, force_non_lazy_backward_lowering=True)
+    try:
+        first = trace(state, force_non_lazy_backward_lowering=True)
+    except Exception as exc:  # the single trace of before, which compiles every graph as it comes
+        log.warning("the first pass failed (%s: %s); traced again, every graph compiled", type(exc).__name__, exc,
+                    exc_info=log.isEnabledFor(logging.DEBUG))
+        return trace(_Compile(probing=False))
     state.probing = False
     if state.redo:
         log.info("a backward graph claimed regions where its forward claimed none: traced again")
