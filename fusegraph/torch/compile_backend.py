@@ -225,7 +225,7 @@ def _cacheable(settled: bool, kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "get_decomp_fn": select_decomp_table}
 
 
-INDUCTORS_OWN = "nothing claimed in this graph: it runs Inductor's own compile"
+INDUCTORS_OWN = "no region kept in this graph: it runs Inductor's own compile"
 
 
 @dataclasses.dataclass
@@ -346,7 +346,9 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     if state.kept:
         _report(state.rows)
         return first
-    _report([dataclasses.replace(r, where="inductor", why=f"{INDUCTORS_OWN} ({r.why})") for r in state.rows])
+    # the node's own reason first (bench_torch.py groups and truncates them)
+    _report([dataclasses.replace(r, where="inductor", why=f"{r.why}; {INDUCTORS_OWN}" if r.why else INDUCTORS_OWN)
+             for r in state.rows])
     from torch._inductor import list_mode_options
 
     # as torch.compile(model, mode=mode) configures Inductor
