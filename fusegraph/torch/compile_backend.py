@@ -319,8 +319,12 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     compile of the Dynamo graph runs (_Compile). Costs one more AOTAutograd trace there
     (the first pass compiles nothing)."""
     import torch._functorch.config as functorch_config
+    from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
+    # Inductor's own options for the mode, as torch.compile(model, mode=mode) sets them (an
+    # unknown mode is refused here, before any trace, with Inductor's message)
+    own = list_mode_options(mode) if mode is not None else {}
     patches = {"triton.cudagraphs": True} if mode in ("reduce-overhead", "max-autotune") else None
 
     def trace(state: _Compile, **config: Any) -> Callable[..., Any]:
@@ -349,10 +353,6 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     # the node's own reason first (bench_torch.py groups and truncates them)
     _report([dataclasses.replace(r, where="inductor", why=f"{r.why}; {INDUCTORS_OWN}" if r.why else INDUCTORS_OWN)
              for r in state.rows])
-    from torch._inductor import list_mode_options
-
-    # as torch.compile(model, mode=mode) configures Inductor
-    own = list_mode_options(mode) if mode is not None else {}
     return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
 
 
