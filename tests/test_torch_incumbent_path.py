@@ -336,3 +336,39 @@ def test_a_first_pass_that_fails_falls_back_to_the_single_trace(
         assert p.grad is not None and q.grad is not None and _rel(p.grad, q.grad) < 1e-4
     nodes = [r.node for r in rows]
     assert any(r.fusegraph for r in rows) and len(nodes) == len(set(nodes))
+
+
+@pytest.mark.parametrize("graph_extra", [0.0, 100.0])
+def test_a_backward_timed_whole_after_a_skipped_forward(
+        graph_extra: float, request: pytest.FixtureRequest, tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Max pooling: the forward claims nothing (skipped), the backward's region wins alone
+    (the virtual clock). Timed whole in the first pass: handed back (0), the Dynamo graph
+    runs Inductor's own compile, no second trace; kept (100: the unclaimed graph made
+    slower), it is traced again and the backward runs the region. Gradients: eager's."""
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    request.getfixturevalue("clock")["graph_extra"] = graph_extra
+
+    def fn(x: Any) -> Any:
+        return F.max_pool2d(x, 2)
+
+    x = torch.randn(2, 4, 8, 8)
+    g = torch.randn(2, 4, 4, 4)
+    a = x.clone().requires_grad_()
+    b = x.clone().requires_grad_()
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend=partial(fusegraph_backend, options={**FLOOR, "warmup_s": 0.0}))
+    with collecting() as rows, caplog.at_level(logging.INFO, logger="fusegraph.torch"):
+        compiled(a).backward(g)
+    fn(b).backward(g)
+    assert a.grad is not None and b.grad is not None
+    assert float((a.grad - b.grad).norm() / b.grad.norm()) < 1e-6
+    regions = [r for r in rows if r.region is not None]
+    assert regions and all(r.node.startswith("bw") for r in regions), [(r.node, r.why) for r in rows]
+    if graph_extra == 0.0:
+        assert "traced again" not in caplog.text
+        assert all(r.where == "inductor" and r.why.endswith(INDUCTORS_OWN) for r in rows), [r.why for r in rows]
+        assert all("handed back with the whole graph" in r.why for r in regions if r.compute)
+    else:
+        assert "traced again" in caplog.text
+        assert any(r.fusegraph for r in regions) and not any(r.why.endswith(INDUCTORS_OWN) for r in rows)
