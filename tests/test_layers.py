@@ -406,7 +406,7 @@ def _implemented() -> dict[str, tuple[set[Any], set[Any]]]:
         "reference": (set(REFERENCE), set(POINTWISE_FNS)),
         "iree": (set(IREE_LOWER), set(POINTWISE_LOWER)),
         "torch": _torch_tables(),
-        "triton": ({*ROW_OPS, OpKind.POINTWISE}, set(POINTWISE_TRITON)),
+        "triton": ({*ROW_OPS, OpKind.POINTWISE, OpKind.RESHAPE}, set(POINTWISE_TRITON)),  # reshapes of the whole frame: views
     }
 
 

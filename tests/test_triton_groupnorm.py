@@ -357,9 +357,13 @@ def test_claimed_in_both_doors_forms(gn: GN) -> None:
     """The ONNX region graph as is and folded, and the torch door's once folded: one row
     kernel each, whose text is Python; the torch door's own graph (reshapes of the [C]
     weight) is refused with the reason, and folding takes those reshapes out."""
+    from fusegraph.engines.unsupported import declared_unsupported
+
     for g in (onnx_group_norm(gn, DT.HALF), folded(onnx_group_norm(gn, DT.HALF)), folded(torch_group_norm(gn, DT.HALF))):
         rg, _, _ = source_of(g)
         assert (rg.rows, rg.cols) == (gn.n * gn.groups, gn.k), g.name
+        # selection asks the op table's declared refusals before the engine's own rule
+        assert declared_unsupported("triton", g) is None, g.name
     with pytest.raises(Refusal, match="only reshapes of whole frames"):
         analyze(torch_group_norm(gn, DT.HALF))
 

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 Op = OpKind | PointwiseMode
 
 _ROW_KERNEL_ONLY = (
-    "the triton engine generates row kernels (pointwise ops around softmax, norms and trailing "
-    "reductions; layer and RMS norm backward); other ops go to cudnn or torch"
+    "the triton engine generates row kernels (pointwise ops and reshapes of the whole row frame around "
+    "softmax, norms and trailing reductions; layer and RMS norm backward); other ops go to cudnn or torch"
 )
 
 _NEW_BACKWARD_MODES = (
@@ -34,7 +34,7 @@ _NEW_BACKWARD_MODES = (
 )
 _NOT_EMITTED = "not emitted for IREE yet (the reference and torch engines run it)"
 _NOT_WIRED = (
-    "not wired to cuDNN's frontend yet in engines/cudnn/lower.py (the reference and torch engines run it)"
+    "not wired to cuDNN's frontend yet in engines/cudnn/rules.py (the reference and torch engines run it)"
 )
 _NO_GATHER = "cuDNN's graph API has no gather (indexing) node; the torch engine runs it"
 _DROPOUT_RNG = (
@@ -60,7 +60,7 @@ UNSUPPORTED: dict[str, dict[Op, str]] = {
             k: _ROW_KERNEL_ONLY
             for k in OpKind
             if k not in (OpKind.POINTWISE, OpKind.SOFTMAX, OpKind.LAYERNORM, OpKind.RMSNORM, OpKind.REDUCTION,
-                         OpKind.LAYERNORM_BACKWARD, OpKind.RMSNORM_BACKWARD)
+                         OpKind.RESHAPE, OpKind.LAYERNORM_BACKWARD, OpKind.RMSNORM_BACKWARD)
         },
         **{m: "no Triton expression for this mode yet (engines/triton/codegen.py)" for m in _NEW_BACKWARD_MODES},
     },
