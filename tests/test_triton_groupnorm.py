@@ -804,3 +804,44 @@ def test_the_bench_unet_runs_its_group_norms_on_triton(tmp_path: Path, rng: np.r
     rel = float(np.linalg.norm(got - want) / np.linalg.norm(want))
     print(f"UNet b2 fp32: rel err vs PyTorch {rel:.2e}; group norms on triton {len(on_triton)} of {len(norms)}")
     assert np.isfinite(got).all() and rel <= 1e-3, rel
+
+
+@pytest.mark.parametrize("wrong", [False, True], ids=["agrees", "one_row_off"])
+def test_the_first_build_of_a_reshaped_row_kernel_is_checked_against_the_torch_engine(wrong: bool) -> None:
+    """Until row kernels through reshapes have run on a GPU, each one's first build is run
+    once against the torch engine's op-by-op run of the same graph; a plan that disagrees is
+    refused with the error and its reproducer, one that agrees is not checked again. A
+    stand-in for the Triton plan on the CPU: the torch engine's own result, one row scaled
+    where ``wrong``."""
+    torch = pytest.importorskip("torch", reason="the self-check compares with the torch engine")
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.engines.registry import REGISTRY
+    from fusegraph.engines.triton.engine import TritonEngine
+    from fusegraph.errors import UnsupportedError
+    from fusegraph.runtime.handle import as_handle
+
+    g = onnx_group_norm(GN(2, 8, 4, (3, 5), silu=True), DT.FLOAT)
+    handle = as_handle("cpu")
+    eager = REGISTRY.get("torch").build(g, handle, EngineConfig("torch"))
+    runs = []
+
+    class StandIn:
+        def __init__(self) -> None:
+            self.device = torch.device("cpu")
+            self._tdt = {t.name: torch.float32 for t in g.inputs()}
+
+        def execute(self, pack: Mapping[str, Any]) -> dict[str, Any]:
+            runs.append(1)
+            out = {k: torch.as_tensor(v).clone() for k, v in eager.execute(pack).items()}
+            if wrong:
+                out["out"].view(-1)[:15] *= 1.5  # a few elements on one row, as a wrong address would
+            return out
+
+    engine = TritonEngine()
+    if wrong:
+        with pytest.raises(UnsupportedError, match=r"disagrees with the torch engine.*relative error .*reproducer"):
+            engine._self_check(StandIn(), g, handle, "# kernel text", "k" * 24)
+    else:
+        engine._self_check(StandIn(), g, handle, "# kernel text", "k" * 24)
+        engine._self_check(StandIn(), g, handle, "# kernel text", "k" * 24)
+        assert len(runs) == 1  # checked once per kernel

@@ -14,10 +14,12 @@ keeps the binary for later processes).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import importlib.util
 import logging
+import math
 import sys
 import tempfile
 import threading
@@ -27,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 from fusegraph import __version__
+from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, Knob, Support, distribution_version, knob_values
 from fusegraph.engines.torch.convert import cuda_torch_support, gpu_exists
 from fusegraph.errors import CompileError, UnsupportedError
 from fusegraph.graph.graph import Graph
+from fusegraph.graph.ops import OpKind
 from fusegraph.runtime.cache_dir import atomic_write_bytes, cache_enabled, cache_root, ensure_dir
 from fusegraph.runtime.handle import Handle
 
@@ -40,6 +44,9 @@ INSTALL_HINT = "Triton ships with PyTorch's CUDA wheels on Linux (pip install to
 ROWS_CHOICES = (1, 2, 4, 8, 16, 32, 64)
 WARPS_CHOICES = (1, 2, 4, 8, 16)
 TILE_TARGET = 4096  # elements per program (H200, 8192x4096 f16: one row per program)
+# _self_check's bound on ||triton - torch|| / ||torch|| over each output: the torch engine
+# rounds every intermediate to the graph's type, the row kernel only its outputs
+SELF_CHECK_TOL = {DataType.FLOAT: 1e-4, DataType.HALF: 2e-2, DataType.BFLOAT16: 5e-2}
 PER_THREAD = 32  # elements per thread: layernorm+GELU 0.0589 ms at 4 warps vs 0.0636 at 8, 0.0724 at 16 (H200)
 
 
@@ -65,6 +72,7 @@ class TritonEngine:
         self._runtime: Support | None = None
         self._lock = threading.Lock()
         self._kernels: dict[str, Any] = {}  # source key -> the loaded kernel module (Triton caches its binaries)
+        self._checked: set[str] = set()  # source keys whose first run agreed with the torch engine (_self_check)
 
     @property
     def version(self) -> str:
@@ -179,6 +187,8 @@ class TritonEngine:
         programs = -(-rg.rows // per)
         plan = TritonPlan(graph, handle, config, torch=torch, kernel=kernel, programs=programs, num_warps=warps, source=path)
         self._first_launch(plan, graph, handle, text, key)
+        if any(n.kind == OpKind.RESHAPE for n in rg.order):
+            self._self_check(plan, graph, handle, text, key)
         log.debug("triton: graph '%s' -> %s (%d programs x %d rows, %d warps)", graph.name, path, programs, per, warps)
         return plan
 
@@ -280,6 +290,40 @@ class TritonEngine:
         except Exception as exc:
             raise _compile_error(graph, exc, text, key) from exc
 
+    def _self_check(self, plan: Any, graph: Graph, handle: Handle, text: str, key: str) -> None:
+        """Row kernels through reshapes (a group norm's per-channel affine read through the
+        [N*G, K] frame) were written and checked under a NumPy stand-in for Triton before any
+        ran on a GPU. Until they have, each such kernel's first build runs it once on random
+        inputs against the torch engine running the same graph op by op, and a disagreement
+        refuses the graph (the reproducer kept) instead of returning wrong numbers."""
+        if key in self._checked:
+            return
+        import torch
+
+        from fusegraph.engines.registry import REGISTRY
+
+        gen = torch.Generator(device=plan.device).manual_seed(0)
+        on_gpu = plan.device.type == "cuda"
+        with torch.cuda.device(handle.device.index) if on_gpu else contextlib.nullcontext():
+            pack = {}
+            for t in graph.inputs():
+                x = torch.empty_strided(t.shape, t.strides, dtype=plan._tdt[t.name], device=plan.device)
+                pack[t.name] = x.normal_(generator=gen) if x.is_floating_point() else x.zero_()
+            got = plan.execute(pack)
+            want = REGISTRY.get("torch").build(graph, handle, EngineConfig("torch")).execute(pack)
+            worst = 0.0
+            for name, ref in want.items():
+                a, b = torch.as_tensor(got[name]).double(), torch.as_tensor(ref).double()
+                err = float((a - b).norm() / max(float(b.norm()), 1e-30)) if torch.isfinite(a).all() else math.inf
+                worst = max(worst, err)
+        tolerance = SELF_CHECK_TOL.get(graph.io_data_type or graph.inputs()[0].dtype, 1e-3)
+        if not worst <= tolerance:
+            kept = _keep_reproducer(graph, text, key)
+            raise UnsupportedError(
+                f"triton: the row kernel of graph '{graph.name}' disagrees with the torch engine's op-by-op run "
+                f"of the same graph on random inputs (relative error {worst:.1e} > {tolerance:.0e}); reproducer: {kept}")
+        self._checked.add(key)
+
 
 def _kernel_file(key: str, text: str) -> Path:
     """The kernel's text under ``<cache>/triton/``, or a temporary directory when the cache is off or unusable."""
@@ -294,16 +338,20 @@ def _kernel_file(key: str, text: str) -> Path:
     return path
 
 
-def _compile_error(graph: Graph, exc: BaseException, text: str, key: str) -> CompileError:
+def _keep_reproducer(graph: Graph, text: str, key: str) -> Path | None:
     repro = cache_root() / "failures" / f"triton-{graph.name}-{key[:12]}"
-    kept: Path | None = None
     try:
         repro.mkdir(parents=True, exist_ok=True)
         (repro / "kernel.py").write_text(text)
         (repro / "graph.json").write_text(graph.to_json(indent=1))
-        kept = repro
+        return repro
     except OSError as err:
         log.warning("could not keep the Triton reproducer in %s: %s", repro, err)
+        return None
+
+
+def _compile_error(graph: Graph, exc: BaseException, text: str, key: str) -> CompileError:
+    kept = _keep_reproducer(graph, text, key)
     return CompileError(
         f"Triton could not compile the row kernel of graph '{graph.name}': {type(exc).__name__}: {str(exc)[:2000]}",
         diagnostic=str(exc), reproducer=kept,
