@@ -292,10 +292,12 @@ class TritonEngine:
 
     def _self_check(self, plan: Any, graph: Graph, handle: Handle, text: str, key: str) -> None:
         """Row kernels through reshapes (a group norm's per-channel affine read through the
-        [N*G, K] frame) were written and checked under a NumPy stand-in for Triton before any
-        ran on a GPU. Until they have, each such kernel's first build runs it once on random
-        inputs against the torch engine running the same graph op by op, and a disagreement
-        refuses the graph (the reproducer kept) instead of returning wrong numbers."""
+        [N*G, K] frame) address each tensor by div/mod terms no other kernel uses. They matched
+        float64 on an H200 for 21 group norms and 30 random reshaped graphs built as given, but
+        the front doors' folded forms (views into the caller's tensors) have not run on a GPU
+        yet. So each such kernel's first build runs it once on random inputs against the torch
+        engine running the same graph op by op, and a disagreement refuses the graph (the
+        reproducer kept) instead of returning wrong numbers."""
         if key in self._checked:
             return
         import torch
