@@ -304,6 +304,23 @@ def draw_inputs(g: fg.Graph, rng: np.random.Generator) -> dict[str, np.ndarray]:
     return out
 
 
+def _catch_norm_regions(monkeypatch: pytest.MonkeyPatch) -> dict[str, fg.Graph]:
+    """The region graphs holding a norm that the region layer is asked to choose among, by key."""
+    from fusegraph.regions import choose
+
+    seen: dict[str, fg.Graph] = {}
+    original = choose.Chooser.choose_all
+
+    def catch(self: Any, regions: Any, inputs: Any = None) -> Any:
+        for r in regions:
+            if any(n.kind == OpKind.LAYERNORM for n in r.graph.nodes):
+                seen.setdefault(r.key, r.graph)
+        return original(self, regions, inputs)
+
+    monkeypatch.setattr(choose.Chooser, "choose_all", catch)
+    return seen
+
+
 def compare(got: Mapping[str, Any], ref: Mapping[str, Any], g: fg.Graph, dt: DT, what: str) -> str:
     """||got - ref|| / ||ref|| within TOL[dt] for every output (NaN fails; an all-zero
     reference is refused as a test that checks nothing); the errors as text."""
@@ -585,18 +602,7 @@ def unet_group_norm_regions(path: Path, monkeypatch: pytest.MonkeyPatch, x: np.n
     """The region graphs of the UNet's GroupNorms as the ONNX door builds them (the CPU
     smoke run's options: regions on, torch pinned), caught where the regions are chosen."""
     import fusegraph.onnx as fgo
-    from fusegraph.regions import choose
-
-    seen: dict[str, fg.Graph] = {}
-    original = choose.Chooser.choose_all
-
-    def catch(self: Any, regions: Any, inputs: Any = None) -> Any:
-        for r in regions:
-            if any(n.kind == OpKind.LAYERNORM for n in r.graph.nodes):
-                seen.setdefault(r.key, r.graph)
-        return original(self, regions, inputs)
-
-    monkeypatch.setattr(choose.Chooser, "choose_all", catch)
+    seen = _catch_norm_regions(monkeypatch)
     sess = fgo.InferenceSession(str(path), providers=["FusegraphExecutionProvider", "CPUExecutionProvider"],
                                 provider_options=[{"regions": "on", "engine": "torch", "runners": "off",
                                                    "floor_mode": "inline"}, {}])
@@ -632,19 +638,9 @@ def test_the_bench_unets_group_norm_regions_are_claimed_and_run_under_numpy(
 # ---- CPU: the torch door's own region graph ---------------------------------------------------------------
 def torch_door_norm_regions(model: Any, x: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, list[fg.Graph]]:
     """``fusegraph.torch.explain``'s report (rest eager) and the region graphs with a norm it chose among."""
-    from fusegraph.regions import choose
     from fusegraph.torch.explainer import explain
 
-    seen: dict[str, fg.Graph] = {}
-    original = choose.Chooser.choose_all
-
-    def catch(self: Any, regions: Any, inputs: Any = None) -> Any:
-        for r in regions:
-            if any(n.kind == OpKind.LAYERNORM for n in r.graph.nodes):
-                seen.setdefault(r.key, r.graph)
-        return original(self, regions, inputs)
-
-    monkeypatch.setattr(choose.Chooser, "choose_all", catch)
+    seen = _catch_norm_regions(monkeypatch)
     report = explain(model, x, options={"rest": "eager"})
     return report, list(seen.values())
 
