@@ -38,7 +38,8 @@ class Verdict:
     incumbent does. ``source``: "measured" (timed side by side), "claimed" (the floor was
     off: fusegraph runs it unmeasured), "refused" (fusegraph cannot run it: ``why``),
     "cached" (a measured verdict read back), "unmeasured" (the floor's budget was spent: the
-    incumbent runs it until a later session measures it; never stored)."""
+    incumbent runs it until a later session measures it; never stored), "concluded" (drawn
+    from measured and cached verdicts: a torch Dynamo graph in which no region was kept)."""
 
     fusegraph: bool
     source: str
@@ -107,9 +108,9 @@ class VerdictStore:
         return dataclasses.replace(found, source="cached") if found is not None else None
 
     def record(self, key: str, verdict: Verdict) -> None:
-        """Only measured verdicts are kept: a claim without measuring or a refusal says
-        nothing a later run could reuse."""
-        if self.enabled and verdict.source == "measured":
+        """Only measured (or concluded) verdicts are kept: a claim without measuring or a
+        refusal says nothing a later run could reuse."""
+        if self.enabled and verdict.source in ("measured", "concluded"):
             self._dirty[key] = verdict.to_json()
 
     def flush(self) -> None:

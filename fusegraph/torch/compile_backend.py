@@ -16,6 +16,9 @@ With Inductor as the rest, the ops fusegraph converts are kept whole through Ind
 decompositions (a layer norm stays ``native_layer_norm``) so that they can be claimed.
 Where no ATen graph of a Dynamo graph keeps a region, that trace is dropped and the Dynamo
 graph gets Inductor's own compile (_Compile): the same code as ``torch.compile(model)``.
+That conclusion is stored (_Own): a later compile of the same Dynamo graph, with the same
+options, mode, device and library versions, skips fusegraph's trace and goes straight to
+Inductor's own compile.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import contextvars
 import dataclasses
 import itertools
 import logging
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -135,10 +139,12 @@ def _stored_hand_back(original: torch.fx.GraphModule | None, inputs: Sequence[An
 
 def _settle(claimed_fn: Callable[..., Any], compile_original: Callable[[], Callable[..., Any]],
             original: torch.fx.GraphModule | None, inputs: Sequence[Any], rows: list[Row], opts: Options,
-            rest: str, device_time: bool = False) -> tuple[Callable[..., Any], list[Row]]:
+            rest: str, device_time: bool = False,
+            verdicts: list[Any] | None = None) -> tuple[Callable[..., Any], list[Row]]:
     """The graph-level floor (graph_floor.py) where the floor is on and something was
     claimed; where the unclaimed graph wins, the rows returned say so. Regions measured on
-    device time are handed back wherever the whole graph could not be timed."""
+    device time are handed back wherever the whole graph could not be timed. The verdict
+    taken, if any, is appended to ``verdicts``."""
     if original is None or not any(r.fusegraph for r in rows):
         return claimed_fn, rows
     from fusegraph.torch import graph_floor
@@ -164,6 +170,8 @@ def _settle(claimed_fn: Callable[..., Any], compile_original: Callable[[], Calla
             return claimed_fn, rows
         verdict = Verdict(False, "refused", f"the graph check failed: {type(exc).__name__}: {exc}",
                           incumbent=graph_floor.INCUMBENT)
+    if verdicts is not None:
+        verdicts.append(verdict)
     return fn, (rows if verdict.fusegraph else _handed_back(rows, verdict, rest))
 
 
@@ -244,9 +252,13 @@ class _Compile:
     kept: bool = False  # an ATen graph runs claimed regions
     skipped: bool = False  # an ATen graph was not compiled: nothing claimed in it, or all handed back
     redo: bool = False  # a graph kept regions after one was skipped: trace again, compiling each
+    lasting: bool = True  # every verdict taken would be taken again (none unmeasured, no check failed)
     rows: list[Row] = dataclasses.field(default_factory=list)
 
     def report(self, rows: list[Row]) -> None:
+        # a region left unmeasured (a budget spent) is measured by a later compile
+        if any(": unmeasured" in r.why for r in rows):
+            self.lasting = False
         if self.probing:
             self.rows.extend(rows)
         else:
@@ -298,7 +310,12 @@ def _inductor_inner(opts: Options, state: _Compile, patches: dict[str, Any] | No
             whole, whole_settled = _decompose_rest(original, inputs)
             return compile_fx_inner(whole, inputs, **_cacheable(whole_settled, kwargs))
 
-        chosen, rows = _settle(compiled, compile_original, original, inputs, rows, opts, "inductor", device_time)
+        verdicts: list[Any] = []
+        chosen, rows = _settle(compiled, compile_original, original, inputs, rows, opts, "inductor", device_time,
+                               verdicts)
+        # a graph check that failed or could not time the graph (memory) may go otherwise next time
+        if any(v.source not in ("measured", "cached") for v in verdicts):
+            state.lasting = False
         if chosen is compiled and context is not None and context.output_strides is not None and "claimed" in strides:
             context.output_strides[:] = strides["claimed"]
         kept = chosen is compiled and claimed
@@ -313,11 +330,84 @@ def _inductor_inner(opts: Options, state: _Compile, patches: dict[str, Any] | No
     return inner
 
 
+STORED_OWN = "Inductor's own compile: a stored verdict says no region of this graph was kept"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Own:
+    """Where a Dynamo graph's "no region kept" verdict is stored (the region verdicts' table,
+    so clearing the cache clears it) and its key (graph_floor.inductors_own_key): the graph's
+    content, the options that change what is claimed, the mode, the device and every
+    library version, so a new fusegraph or engine tries the graph again."""
+
+    key: str
+    store: Any  # regions.verdicts.VerdictStore
+
+    @staticmethod
+    def of(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Options, mode: str | None) -> _Own:
+        from fusegraph.engines.registry import REGISTRY
+        from fusegraph.regions.verdicts import VerdictStore
+        from fusegraph.select.device_id import device_id
+        from fusegraph.select.tuning_db import engine_versions
+        from fusegraph.torch import graph_floor
+        from fusegraph.torch.plans import PLANS
+
+        device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        # warmup_s bounds a timing's warm-up; it does not decide a verdict
+        settings = {"options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "warmup_s"},
+                    "mode": mode, "engine": PLANS.engine}
+        key = graph_floor.inductors_own_key(gm, example_inputs, settings, device_id(PLANS.handle(device)),
+                                            engine_versions(REGISTRY.available_engines()))
+        return _Own(key, VerdictStore())
+
+    def lookup(self) -> Any:
+        try:
+            found = self.store.lookup(self.key)
+        except Exception as exc:  # the usual path runs
+            log.info("the stored Dynamo graph verdict could not be read (%s: %s)", type(exc).__name__, exc)
+            return None
+        return found if found is not None and not found.fusegraph else None
+
+    def record(self, rows: list[Row]) -> None:
+        from fusegraph.regions.verdicts import Verdict
+        from fusegraph.torch import graph_floor
+
+        graphs = len({r.node.split(":", 1)[0] for r in rows})
+        regions = len({(r.node.split(":", 1)[0], r.region) for r in rows if r.region is not None})
+        why = (f"fusegraph's trace kept no region in {graphs} ATen graph{'s' * (graphs != 1)} "
+               f"({regions} region{'s' * (regions != 1)} chosen among)")
+        try:
+            self.store.record(self.key, Verdict(False, "concluded", why, incumbent=graph_floor.INDUCTORS_OWN))
+            self.store.flush()
+        except Exception as exc:  # the next compile traces the graph again
+            log.info("the Dynamo graph verdict was not stored (%s: %s)", type(exc).__name__, exc)
+
+    def rows(self, gm: torch.fx.GraphModule, verdict: Any) -> list[Row]:
+        """One row per call in the Dynamo graph (no ATen graph was traced), each saying why."""
+        why = f"{STORED_OWN} ({verdict.describe()}; stored in {self.store.path}, key {self.key[:16]})"
+        graph = f"graph{next(_COUNTER)}"
+        calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+        if not calls:
+            return [Row(graph, "graph", "inductor", why=why, compute=False)]
+        return [Row(f"{graph}:{n.name}", _dynamo_op(n), "inductor", why=why,
+                    compute=not (n.op == "call_function" and n.target is operator.getitem)) for n in calls]
+
+
+def _dynamo_op(n: torch.fx.Node) -> str:
+    if n.op != "call_function":
+        return str(n.target)
+    module = getattr(n.target, "__module__", None) or ""
+    name = getattr(n.target, "__name__", None) or str(n.target)
+    return f"{module}.{name}" if module else name
+
+
 def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Options,
                    mode: str | None) -> Callable[..., Any]:
     """Inductor compiles what fusegraph leaves; where nothing is claimed, Inductor's own
     compile of the Dynamo graph runs (_Compile). Costs one more AOTAutograd trace there
-    (the first pass compiles nothing)."""
+    (the first pass compiles nothing), once: with the floor on, that conclusion is stored
+    (_Own) and a later compile of the graph runs Inductor's own compile at once. With the
+    floor off every region fusegraph can build is claimed, so nothing is stored or read."""
     import torch._functorch.config as functorch_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
@@ -336,6 +426,17 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
                               inner_compile=_inductor_inner(opts, state, patches), config_patches=patches,
                               decompositions=_keep_whole())
 
+    own_verdict: _Own | None = None
+    if opts.floor:
+        try:
+            own_verdict = _Own.of(gm, example_inputs, opts, mode)
+        except Exception as exc:  # nothing stored or read: the usual path
+            log.info("no Dynamo graph verdict key (%s: %s)", type(exc).__name__, exc)
+    stored = own_verdict.lookup() if own_verdict is not None else None
+    if own_verdict is not None and stored is not None:
+        log.info("%s (%s)", STORED_OWN, stored.describe())
+        _report(own_verdict.rows(gm, stored))
+        return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
     state = _Compile(probing=True)
     try:
         first = trace(state, force_non_lazy_backward_lowering=True)
@@ -350,6 +451,8 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     if state.kept:
         _report(state.rows)
         return first
+    if own_verdict is not None and state.lasting:
+        own_verdict.record(state.rows)
     # the node's own reason first (bench_torch.py groups and truncates them)
     _report([dataclasses.replace(r, where="inductor", why=f"{r.why}; {INDUCTORS_OWN}" if r.why else INDUCTORS_OWN)
              for r in state.rows])

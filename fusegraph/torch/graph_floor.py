@@ -10,7 +10,11 @@ on the compiling thread with real tensors, and the faster one is returned; ties 
 Inductor. The verdict is cached like a region's, keyed by the graph's code, its inputs'
 shapes and the claimed regions: a later process measures nothing, and compiles the graph
 without its regions only where that side won (the claimed side is compiled first, since
-what was claimed is part of the key)."""
+what was claimed is part of the key).
+
+One level up, a Dynamo graph in which no ATen graph kept a region is stored too
+(``inductors_own_key``): a later compile of the same graph, options, device and versions
+goes straight to Inductor's own compile, with no trace of fusegraph's own (compile_backend.py)."""
 
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from fusegraph.torch import aten
 log = logging.getLogger("fusegraph.torch")
 
 INCUMBENT = "graph"  # the incumbent's name in verdict keys: the whole graph unclaimed
+INDUCTORS_OWN = "Inductor's own compile"  # the incumbent's name in a Dynamo graph's verdict key
 
 
 def copy_graph(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -90,6 +95,40 @@ def graph_key(original: torch.fx.GraphModule, inputs: Sequence[Any], claimed: Se
             metas.append(type(x).__name__)
     text = repr((original.code, metas, sorted(claimed)))
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _dynamo_meta(x: Any, traced: Any) -> object:
+    """An example input's metadata, sizes and strides as traced (a dynamic size by its
+    symbol, so every batch of one dynamic graph has one key)."""
+    if isinstance(x, torch.Tensor):
+        like = traced if isinstance(traced, torch.Tensor) else x
+        return (str(x.dtype), [str(d) for d in like.shape], [str(s) for s in like.stride()], str(x.device),
+                x.requires_grad, type(x).__name__)
+    if isinstance(x, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return (type(x).__name__, str(x))
+    return (type(x).__name__, repr(x) if isinstance(x, int | float | bool | str | None) else "")
+
+
+def inductors_own_key(gm: torch.fx.GraphModule, inputs: Sequence[Any], settings: dict[str, Any],
+                      device_name: str, versions: dict[str, str]) -> str:
+    """A Dynamo graph's verdict key: its code, its example inputs' metadata (parameters
+    included: Dynamo lifts them to inputs), the modules and attributes it calls, the global
+    state its trace depends on (grad mode, inference mode) and the caller's ``settings``
+    (the backend's options, the mode)."""
+    traced = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(traced) != len(inputs):
+        traced = [None] * len(inputs)
+    called: list[object] = []
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            called.append((n.target, repr(gm.get_submodule(str(n.target)))))
+        elif n.op == "get_attr":
+            value = getattr(gm, str(n.target), None)
+            called.append((n.target, _dynamo_meta(value, None) if isinstance(value, torch.Tensor) else type(value).__name__))
+    text = repr((gm.code, [_dynamo_meta(x, t) for x, t in zip(inputs, traced, strict=True)], called,
+                 torch.is_grad_enabled(), torch.is_inference_mode_enabled()))
+    content = hashlib.sha256(text.encode()).hexdigest()
+    return verdict_key(content, device_name, INDUCTORS_OWN, versions, settings)
 
 
 @contextlib.contextmanager
