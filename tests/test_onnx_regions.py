@@ -637,6 +637,52 @@ def test_a_failed_unit_rebuilt_op_by_op_gives_onnx_runtimes_answer(rng: np.rando
     assert np.linalg.norm(out - want) / max(float(np.linalg.norm(want)), 1e-30) <= 1e-5
 
 
+def test_a_group_that_failed_to_build_is_built_op_by_op_and_answers_as_onnx_runtime(rng: np.random.Generator) -> None:
+    """What a GPU session builds in place of a claimed group whose build failed
+    (``plan_build.op_by_op_built_instead``: the same nodes op by op on PyTorch, not ONNX
+    Runtime's CPU provider), checked on the CPU: it answers as ONNX Runtime does and its
+    notes say why it is there."""
+    from fusegraph.onnx import plan_build
+    from fusegraph.onnx.units import to_host
+
+    make, shape = MODELS["norm_attention"]
+    model = make(rng)
+    sess = _session(model, floor="off")
+    (plan,) = sess._plans.values()
+    unit = next(u for u in plan.units if isinstance(u, plan_regions.RegionUnit))
+    built = plan_build.op_by_op_built_instead(plan, "again", unit.nodes, unit.inputs, unit.outputs,
+                                              "CompileError: a stand-in")
+    assert built is not None and not isinstance(built, plan_regions.RegionUnit) and built.nodes == unit.nodes
+    assert any("failed to build, so run op by op on PyTorch: CompileError" in n for n in built.engine_notes)
+    x = rng.standard_normal(shape).astype(np.float32)
+    outs = built.run({"x": x})
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    (name,) = unit.outputs
+    out = np.asarray(to_host(outs[name]), np.float64)
+    assert np.linalg.norm(out - want) / max(float(np.linalg.norm(want)), 1e-30) <= 1e-5
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_group_failing_to_build_runs_op_by_op_on_pytorch(monkeypatch: pytest.MonkeyPatch,
+                                                                   rng: np.random.Generator) -> None:
+    """A claimed group whose region build fails on a GPU runs its nodes op by op on PyTorch
+    on the same GPU, not on ONNX Runtime's CPU provider."""
+    from fusegraph.errors import CompileError
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise CompileError("a stand-in build failure")
+
+    monkeypatch.setattr(plan_regions, "region_unit", broken)
+    make, shape = MODELS["norm_attention"]
+    model = make(rng)
+    sess = fgo.InferenceSession(model.SerializeToString(), providers=PROVIDERS,
+                                provider_options=[{"device": "cuda:0"}, {}])
+    _agree(sess, model, shape, rng, rel=1e-3)
+    report = str(sess.partition_report())
+    assert "failed to build, so run op by op on PyTorch: CompileError" in report, report
+    assert "onnxruntime" not in report.split("subgraphs:")[1].split("\n")[0], report
+
+
 def test_a_preferred_candidate_that_could_not_build_is_not_tried_again(monkeypatch: pytest.MonkeyPatch,
                                                                       rng: np.random.Generator) -> None:
     """Where the preferred candidate was refused and the usual build got a verdict, a later

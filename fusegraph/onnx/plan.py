@@ -302,6 +302,10 @@ class SessionPlan:
                     f"claimed subgraph {name} ({len(nodes)} nodes) failed to build and strict=1: {why}",
                     node=nodes[0].name,
                 ) from exc
+            if self.handle.device.is_gpu:  # the incumbent on a GPU: the same nodes op by op on PyTorch
+                instead = plan_build.op_by_op_built_instead(self, name, nodes, ins, outs, _one_line(why))
+                if instead is not None:
+                    return instead
             log.warning("claimed subgraph %s (%d nodes) falls back to ONNX Runtime: %s", name, len(nodes), why)
             self._release(
                 [n.name for n in nodes], f"claimed, but fell back to ONNX Runtime: {_one_line(why)}"

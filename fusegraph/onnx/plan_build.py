@@ -99,6 +99,21 @@ def op_by_op_unit(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[st
     return unit
 
 
+def op_by_op_built_instead(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[str], outs: list[str],
+                           why: str) -> FusegraphUnit | None:
+    """A claimed group whose build failed on a GPU, built op by op on PyTorch instead, or
+    None where that fails too (ONNX Runtime is then the last resort): as at run time
+    (``op_by_op_instead``), ONNX Runtime's CPU provider is no stand-in on a GPU."""
+    try:
+        unit = op_by_op_unit(plan, name, nodes, ins, outs)
+    except Exception as again:
+        log.warning("claimed subgraph %s: op by op on PyTorch did not build either: %s", name, again)
+        return None
+    log.warning("claimed subgraph %s failed to build, runs op by op on PyTorch: %s", name, why)
+    unit.engine_notes.append(f"failed to build, so run op by op on PyTorch: {why}")
+    return unit
+
+
 def op_by_op_instead(plan: SessionPlan, unit: FusegraphUnit, why: str,
                      env: Mapping[str, Any]) -> tuple[FusegraphUnit, dict[str, Any]] | None:
     """``unit``, which failed at run time on a GPU, replaced by its nodes op by op on PyTorch
