@@ -25,7 +25,7 @@ from test_torch_graph_floor import clock  # noqa: E402, F401  (the virtual clock
 
 from fusegraph.select import timing  # noqa: E402
 from fusegraph.torch import partition  # noqa: E402
-from fusegraph.torch.compile_backend import INDUCTORS_OWN, collecting, fusegraph_backend  # noqa: E402
+from fusegraph.torch.compile_backend import INDUCTORS_OWN, STORED_OWN, collecting, fusegraph_backend  # noqa: E402
 
 FLOOR = {"floor": True, "warmup_s": 0.02}
 
@@ -271,9 +271,11 @@ def test_regions_the_graph_check_hands_back_leave_inductors_own(
         graphs: list[str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every region wins alone and the whole-graph check hands them back (the virtual clock
     of tests/test_torch_graph_floor.py): Inductor's own compile runs, the rows say both
-    verdicts. Compiled again, the forward's stored graph verdict spares its two compiles;
-    the backward is timed once more, its saved inputs' strides no longer those of a
-    compiled forward (a new key); from the third compile on, nothing is compiled twice."""
+    verdicts. Compiled again, the Dynamo graph's stored verdict (no region kept) sends it
+    straight to Inductor's own compile. Without that verdict, the forward's stored graph
+    verdict spares its two compiles; the backward is timed once more, its saved inputs'
+    strides no longer those of a compiled forward (a new key); from then on, nothing is
+    compiled twice."""
     from test_torch_compile import ConvNet
     from torch._inductor import compile_fx as inductor
 
@@ -297,6 +299,14 @@ def test_regions_the_graph_check_hands_back_leave_inductors_own(
     assert all(r.where == "inductor" and r.why.endswith(INDUCTORS_OWN) for r in rows)
     assert first_pass, "the first compile times the claimed graphs against the unclaimed ones"
     first_pass.clear()
+    (want, want_graphs), (again, again_graphs), rows = _side_by_side(ConvNet, (2, 3, 8, 8), graphs, options)
+    assert not first_pass, first_pass
+    assert again_graphs == want_graphs and again[2] == want[2] and torch.equal(again[0], want[0])
+    assert rows and all(r.where == "inductor" and r.why.startswith(STORED_OWN) for r in rows), rows[:3]
+    # the Dynamo graph's verdict set aside: the ATen graphs' stored verdicts
+    from fusegraph.torch import compile_backend
+
+    monkeypatch.setattr(compile_backend._Own, "lookup", lambda self: None)
     (_, _), (again, again_graphs), rows = _side_by_side(ConvNet, (2, 3, 8, 8), graphs, options)
     assert first_pass == [True, True], first_pass  # the backward's two sides, timed
     assert again_graphs[-2:] == want_graphs and again[2] == want[2]
