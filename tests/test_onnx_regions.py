@@ -561,6 +561,19 @@ def test_a_step_hands_its_plan_activations_in_the_declared_layout(rng: np.random
     assert seen[-1] is ready
 
 
+def _on_cuda_op_by_op(rng: np.random.Generator, note: str) -> None:
+    """The norm-attention model on cuda:0 agrees with ONNX Runtime, its report carries
+    ``note``, and no unit of it runs on ONNX Runtime."""
+    make, shape = MODELS["norm_attention"]
+    model = make(rng)
+    sess = fgo.InferenceSession(model.SerializeToString(), providers=PROVIDERS,
+                                provider_options=[{"device": "cuda:0"}, {}])
+    _agree(sess, model, shape, rng, rel=1e-3)
+    report = str(sess.partition_report())
+    assert note in report, report
+    assert "onnxruntime" not in report.split("subgraphs:")[1].split("\n")[0], report
+
+
 @pytest.mark.gpu
 def test_on_cuda_a_unit_failing_at_run_time_runs_op_by_op_on_pytorch(monkeypatch: pytest.MonkeyPatch,
                                                                      rng: np.random.Generator) -> None:
@@ -572,14 +585,7 @@ def test_on_cuda_a_unit_failing_at_run_time_runs_op_by_op_on_pytorch(monkeypatch
         raise VariantPackError("a stand-in layout failure", tensor="in0")
 
     monkeypatch.setattr(plan_regions.RegionUnit, "run", broken)
-    make, shape = MODELS["norm_attention"]
-    model = make(rng)
-    sess = fgo.InferenceSession(model.SerializeToString(), providers=PROVIDERS,
-                                provider_options=[{"device": "cuda:0"}, {}])
-    _agree(sess, model, shape, rng, rel=1e-3)
-    report = str(sess.partition_report())
-    assert "run op by op on PyTorch: VariantPackError" in report, report
-    assert "onnxruntime" not in report.split("subgraphs:")[1].split("\n")[0], report
+    _on_cuda_op_by_op(rng, "run op by op on PyTorch: VariantPackError")
 
 
 def test_a_floor_budget_in_seconds_leaves_regions_to_later_sessions(monkeypatch: pytest.MonkeyPatch,
@@ -673,14 +679,7 @@ def test_on_cuda_a_group_failing_to_build_runs_op_by_op_on_pytorch(monkeypatch: 
         raise CompileError("a stand-in build failure")
 
     monkeypatch.setattr(plan_regions, "region_unit", broken)
-    make, shape = MODELS["norm_attention"]
-    model = make(rng)
-    sess = fgo.InferenceSession(model.SerializeToString(), providers=PROVIDERS,
-                                provider_options=[{"device": "cuda:0"}, {}])
-    _agree(sess, model, shape, rng, rel=1e-3)
-    report = str(sess.partition_report())
-    assert "failed to build, so run op by op on PyTorch: CompileError" in report, report
-    assert "onnxruntime" not in report.split("subgraphs:")[1].split("\n")[0], report
+    _on_cuda_op_by_op(rng, "failed to build, so run op by op on PyTorch: CompileError")
 
 
 def test_a_preferred_candidate_that_could_not_build_is_not_tried_again(monkeypatch: pytest.MonkeyPatch,
