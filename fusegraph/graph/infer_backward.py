@@ -12,15 +12,11 @@ from collections.abc import Callable
 
 from fusegraph.dtypes import DataType
 from fusegraph.graph.infer_attention import attention_operands
-from fusegraph.graph.infer_base import fail, same_float_type
+from fusegraph.graph.infer_base import Proposal, fail, same_float_type
 from fusegraph.graph.infer_norms import feature_param, norm_input, per_channel, row_stats
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import OpKind
 from fusegraph.graph.tensor import TensorAttr
-
-Proposal = dict[str, tuple[tuple[int, ...], DataType]]
-
-
 
 
 def _gradient_of(node: Node, dy: TensorAttr, x: TensorAttr) -> DataType:
