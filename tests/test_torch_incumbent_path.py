@@ -182,12 +182,9 @@ def test_a_model_with_claimed_regions_runs_them(graphs: list[str]) -> None:
     assert len(nodes) == len(set(nodes))  # each node reported once
 
 
-def test_a_backward_that_claims_where_its_forward_claimed_nothing(graphs: list[str],
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
-    """Max pooling's forward is refused in training (its indices are saved for the
-    backward); the backward is claimed. The first pass skipped the forward's compile, so
-    the Dynamo graph is traced again, both graphs compiled: the backward runs fusegraph's
-    region, the gradients are eager's."""
+def _max_pool_step(options: dict[str, Any], caplog: pytest.LogCaptureFixture) -> tuple[Any, Any, list[Any]]:
+    """Max pooling trained one step under the backend with ``options``: its gradient checked
+    against eager's on fresh data; the input, the compiled output and the report rows."""
 
     def fn(x: Any) -> Any:
         return F.max_pool2d(x, 2)
@@ -197,15 +194,26 @@ def test_a_backward_that_claims_where_its_forward_claimed_nothing(graphs: list[s
     a = x.clone().requires_grad_()
     b = x.clone().requires_grad_()
     torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=partial(fusegraph_backend, options={"floor": False}))
+    compiled = torch.compile(fn, backend=partial(fusegraph_backend, options=options))
     with collecting() as rows, caplog.at_level(logging.INFO, logger="fusegraph.torch"):
         out = compiled(a)
         out.backward(g)
-    assert "traced again" in caplog.text, caplog.text
     fn(b).backward(g)
-    assert torch.equal(out.detach(), fn(x))
     assert a.grad is not None and b.grad is not None
     assert float((a.grad - b.grad).norm() / b.grad.norm()) < 1e-6
+    return x, out, rows
+
+
+def test_a_backward_that_claims_where_its_forward_claimed_nothing(graphs: list[str],
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """Max pooling's forward is refused in training (its indices are saved for the
+    backward); the backward is claimed. The first pass skipped the forward's compile, so
+    the Dynamo graph is traced again, both graphs compiled: the backward runs fusegraph's
+    region, the gradients are eager's."""
+
+    x, out, rows = _max_pool_step({"floor": False}, caplog)
+    assert "traced again" in caplog.text, caplog.text
+    assert torch.equal(out.detach(), F.max_pool2d(x, 2))
     claimed = [r for r in rows if r.fusegraph]
     assert claimed and all(r.node.startswith("bw") for r in claimed), [(r.node, r.where) for r in rows]
     assert any(r.node.startswith("fw") for r in rows) and not any(r.why.endswith(INDUCTORS_OWN) for r in rows)
@@ -361,20 +369,7 @@ def test_a_backward_timed_whole_after_a_skipped_forward(
     monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
     request.getfixturevalue("clock")["graph_extra"] = graph_extra
 
-    def fn(x: Any) -> Any:
-        return F.max_pool2d(x, 2)
-
-    x = torch.randn(2, 4, 8, 8)
-    g = torch.randn(2, 4, 4, 4)
-    a = x.clone().requires_grad_()
-    b = x.clone().requires_grad_()
-    torch._dynamo.reset()
-    compiled = torch.compile(fn, backend=partial(fusegraph_backend, options={**FLOOR, "warmup_s": 0.0}))
-    with collecting() as rows, caplog.at_level(logging.INFO, logger="fusegraph.torch"):
-        compiled(a).backward(g)
-    fn(b).backward(g)
-    assert a.grad is not None and b.grad is not None
-    assert float((a.grad - b.grad).norm() / b.grad.norm()) < 1e-6
+    _, _, rows = _max_pool_step({**FLOOR, "warmup_s": 0.0}, caplog)
     regions = [r for r in rows if r.region is not None]
     assert regions and all(r.node.startswith("bw") for r in regions), [(r.node, r.why) for r in rows]
     if graph_extra == 0.0:
