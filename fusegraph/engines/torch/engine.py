@@ -20,7 +20,14 @@ from collections.abc import Sequence
 
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support, knob_values
-from fusegraph.engines.torch.convert import _FP8, _torch, torch_build_info, torch_installed
+from fusegraph.engines.torch.convert import (
+    _FP8,
+    _torch,
+    gpu_exists,
+    torch_build_info,
+    torch_installed,
+    visible_gpus,
+)
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import (
@@ -84,12 +91,10 @@ class TorchEngine:
             return Support.no("this PyTorch is a ROCm build; it drives AMD GPUs (use a 'hip' handle)")
         if kind == "hip" and not torch.version.hip:
             return Support.no("this PyTorch is not a ROCm build; it cannot drive AMD GPUs")
-        if not torch.cuda.is_available():
+        if not visible_gpus(torch):
             build = "a CPU-only build" if not (torch.version.cuda or torch.version.hip) else "no GPU visible"
             return Support.no(f"PyTorch {torch.__version__} sees no GPU ({build})")
-        if handle.device.index >= torch.cuda.device_count():
-            return Support.no(f"GPU {handle.device.index} does not exist ({torch.cuda.device_count()} visible)")
-        return Support.yes()
+        return gpu_exists(torch, handle.device.index)
 
     def supports(self, graph: Graph, handle: Handle) -> Support:
         avail = self.available()
