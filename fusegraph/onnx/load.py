@@ -7,8 +7,10 @@ refused before anything is read on their behalf.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -16,8 +18,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from fusegraph import __version__
 from fusegraph.errors import ValidationError
 from fusegraph.onnx.ir import DEFAULT_DOMAINS
+from fusegraph.runtime.cache_dir import cache_enabled, cache_root, read_table, update_table
 
 log = logging.getLogger("fusegraph.onnx")
 
@@ -31,16 +35,23 @@ class ModelError(ValidationError):
 
 
 # ---- loading ---------------------------------------------------------------------------------
-def load_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx.ModelProto:
+def load_model(
+    source: str | os.PathLike[str] | bytes | onnx.ModelProto, cache_dir: str | os.PathLike[str] | None = None
+) -> onnx.ModelProto:
     """A checked ModelProto at opset >= MIN_OPSET, or ModelError saying what is wrong.
 
     Hostile models are refused before anything is read on their behalf: external data must
     lie in regular files inside the model's directory (no absolute locations, no ``..``, no
     symlink leading out; offset and length within the file), opsets must be ones ONNX
     defines, and every initializer must hold as many values as its dims say.
+
+    A file this fusegraph and ONNX version already checked, unchanged since (the same
+    resolved path, size and mtime), skips ``onnx.checker`` and the initializer counts: a
+    record in the cache directory (``cache_dir``, else the default one) says it passed.
     """
     base_dir: Path | None = None
     data: bytes | None = None  # the model's serialized bytes as read, where the checker may take them
+    checked: CheckedRecord | None = None  # the file's record, where the model came as a file
     if isinstance(source, onnx.ModelProto):
         model = source
     elif isinstance(source, bytes | bytearray | memoryview):
@@ -56,7 +67,10 @@ def load_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx
         binary = (onnx.serialization.registry.get_format_from_file_extension(path.suffix) or "protobuf") == "protobuf"
         try:
             if binary:  # read once: the bytes are parsed here and handed to the checker as they are
+                checked = CheckedRecord.of(path, cache_dir)
                 data = path.read_bytes()
+                if checked is not None and not checked.unchanged(len(data)):
+                    checked = None  # the file changed while it was read: checked, and not recorded
                 model = onnx.load_model_from_string(data)
             else:  # a text format (.onnxtxt, .json): onnx.load picks its parser by the extension
                 model = onnx.load(str(path), load_external_data=False)
@@ -73,8 +87,14 @@ def load_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx
     _check_domains(model)
     if _load_external_data(model, base_dir):
         data = None  # the model now holds its external data: the bytes read are not all of it
-    _check_initializers(model)
-    _check(model, data)
+        checked = None  # the external files are not in the record's key: checked every time
+    if checked is not None and checked.passed():
+        log.debug("%s: checked before (same size and mtime), not checked again", checked.path)
+    else:
+        _check_initializers(model)
+        _check(model, data)
+        if checked is not None:
+            checked.record()
     version = default_opset(model)
     if version < MIN_OPSET:
         _fix_legacy_prelu(model)
@@ -87,6 +107,66 @@ def load_model(source: str | os.PathLike[str] | bytes | onnx.ModelProto) -> onnx
             ) from None
         log.info("upgraded the model from opset %d to %d", version, MIN_OPSET)
     return model
+
+
+# ---- files checked before ------------------------------------------------------------------------
+CHECKED_FILE = "onnx-checked.json"
+CHECKED_KEEP = 512  # records kept (the oldest go): one per model file version opened
+CHECKS = 1  # bump when the checks below change within one fusegraph version
+
+
+class CheckedRecord:
+    """Whether a model file, as it is now, passed the checker and the initializer counts
+    under this fusegraph and ONNX version: ``onnx.checker`` took 0.25 s of a warm ViT-B/16
+    session's setup (H200 host) and says the same of the same bytes every time. The file's
+    identity is its resolved path, size and mtime (ns), as the floor's verdicts key it; a
+    file rewritten in place gets a new mtime and is checked again."""
+
+    def __init__(self, path: str, key: str, table: Path, size: int, mtime_ns: int) -> None:
+        self.path, self.key, self.table = path, key, table
+        self.size, self.mtime_ns = size, mtime_ns
+
+    @classmethod
+    def of(cls, path: Path, cache_dir: str | os.PathLike[str] | None) -> CheckedRecord | None:
+        """The file's record handle; None where caching is off or the file cannot be stat'ed."""
+        if not cache_enabled():
+            return None
+        try:
+            real = os.path.realpath(path)
+            st = os.stat(real)
+        except OSError:
+            return None
+        ident = f"{real}|{st.st_size}|{st.st_mtime_ns}|fusegraph {__version__}|onnx {onnx.__version__}|checks {CHECKS}"
+        table = (Path(cache_dir) if cache_dir else cache_root()) / CHECKED_FILE
+        return cls(real, hashlib.sha256(ident.encode()).hexdigest(), table, st.st_size, st.st_mtime_ns)
+
+    def unchanged(self, size_read: int) -> bool:
+        """The file still is what its key says after it was read (``size_read`` bytes)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return size_read == self.size == st.st_size and st.st_mtime_ns == self.mtime_ns
+
+    def passed(self) -> bool:
+        return self.key in read_table(self.table)
+
+    def record(self) -> None:
+        """Notes that the file passed; a cache that cannot be written only costs the next check."""
+        def add(table: dict[str, object]) -> None:
+            table[self.key] = time.time()
+            if len(table) > CHECKED_KEEP:
+                for old in sorted(table, key=lambda k: _stamp(table[k]))[: len(table) - CHECKED_KEEP]:
+                    del table[old]
+
+        try:
+            update_table(self.table, add)
+        except OSError as exc:
+            log.debug("could not record that %s passed the checks: %s", self.path, exc)
+
+
+def _stamp(v: object) -> float:
+    return float(v) if isinstance(v, int | float) else 0.0
 
 
 # ---- hostile-model checks ----------------------------------------------------------------------

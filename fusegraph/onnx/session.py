@@ -256,7 +256,7 @@ class InferenceSession:
         """The checked model, parsed at first need (a session that runs the whole model on
         ONNX Runtime by a recorded verdict never parses it)."""
         if self._model_value is None:
-            self._model_value = load_model(self._source_arg)
+            self._model_value = load_model(self._source_arg, self._opts.cache_dir)
         return self._model_value
 
     def get_modelmeta(self) -> ModelMetadata:
