@@ -36,6 +36,11 @@ REGIONS = ("auto", "on", "off")
 # and compute (weights cast once, activations at region boundaries, outputs in the model's
 # declared type), tf32: fp32 storage with TF32 tensor-core matmuls / convolutions allowed.
 PRECISIONS = ("fp32", "fp16", "bf16", "tf32")
+# How float32 x float32 matmuls of an fp32 session's regions on CUDA may run (region_choice.py):
+# "auto" also builds each torch-engine region holding one with the engine's fp32_matmul=bf16x3
+# knob (three bf16 tensor-core products, ~5e-6 relative on the H200) and keeps it only where
+# it beats the incumbent; "ieee" keeps float32 products as declared.
+FP32_MATMULS = ("auto", "ieee")
 
 
 @dataclass(frozen=True)
@@ -62,6 +67,8 @@ class ProviderOptions:
     regions: str = "auto"  # claimed units run region by region (plan_regions.py): auto (GPU) / on / off
     # the precision of the claimed regions (precision.py); anything but fp32 needs the region path
     precision: str = "fp32"
+    # float32 matmuls on CUDA: auto (the bf16x3 split where it measures faster) / ieee
+    fp32_matmul: str = "auto"
 
     def runner_candidates(self) -> tuple[str, ...]:
         """The whole-model runners the floor measures (none with ``runners=off``)."""
@@ -132,6 +139,9 @@ class ProviderOptions:
             values["regions"] = "auto" if str(raw["regions"]).strip() == "" else _choice(raw["regions"], "regions", REGIONS)
         if "precision" in raw:
             values["precision"] = _precision(raw["precision"], values.get("regions", "auto"))
+        if "fp32_matmul" in raw:
+            v = raw["fp32_matmul"]
+            values["fp32_matmul"] = "auto" if str(v).strip() == "" else _choice(v, "fp32_matmul", FP32_MATMULS)
         return cls(**values)
 
     def as_strings(self) -> dict[str, str]:

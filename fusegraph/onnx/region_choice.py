@@ -2,7 +2,9 @@
 region by region (``wanted``, ``unavailable``), the bar a region must clear there
 (``incumbent_for``: the same nodes op by op on PyTorch, never ONNX Runtime's CPU provider
 for a GPU session), and the ``Chooser`` that decides each region (``chooser_for``): its
-builder (with ``precision=tf32`` a plan with its engine's ``tf32`` knob on), its timing
+builder (with ``precision=tf32`` a plan with its engine's ``tf32`` knob on; with
+``fp32_matmul=auto`` on CUDA a torch-engine plan holding a float32 matmul rebuilt with the
+engine's ``fp32_matmul=bf16x3`` knob), its timing
 (device time on a GPU, where the unit replays as one CUDA graph), its verdict store and the
 keys that keep a precision's verdicts apart.
 
@@ -75,6 +77,7 @@ def chooser_for(plan: SessionPlan) -> Chooser:
     compiled = plan.engine is not None and any(e.name != "reference" for e in plan.engine.candidates)
 
     tf32 = plan.opts.precision == "tf32"
+    split = split_wanted(plan.opts, handle)
 
     def build(region: Region) -> ExecutionPlan:
         """fusegraph's plan; any failure of an engine is the region's refusal (with its
@@ -85,6 +88,8 @@ def chooser_for(plan: SessionPlan) -> Chooser:
                 built: ExecutionPlan = first or region.graph.build(handle=handle, engine=engine)
                 if tf32 and first is None:
                     built = _with_tf32(built, region.graph, handle)
+                if split:
+                    built = _with_split(built, region.graph, handle)
         except FusegraphError:
             raise
         except Exception as exc:
@@ -107,8 +112,7 @@ def chooser_for(plan: SessionPlan) -> Chooser:
         # host cost is paid once at capture: both sides are timed on device time
         timing_options["device_clock"] = CudaClock(device)
         key_options["clock"] = "device"
-    # a precision's verdicts are its own (fp16 / bf16 regions also differ in content; tf32's do not)
-    options = {} if plan.opts.precision == "fp32" else {"precision": plan.opts.precision}
+    options = build_options(plan.opts, handle)
 
     def folded(region: Region) -> ExecutionPlan:
         """The preferred candidate on a GPU: the region with its border reshapes and output
@@ -126,6 +130,25 @@ def chooser_for(plan: SessionPlan) -> Chooser:
                    timing_options=timing_options, builder=build, build_options=options, key_options=key_options,
                    preferred=folded if handle.device.is_gpu and engine is None else None,
                    budget_s=region_budget(plan.opts))
+
+
+def split_wanted(opts: ProviderOptions, handle: Handle) -> bool:
+    """Whether torch-engine regions holding a float32 matmul are also built with the
+    engine's ``fp32_matmul=bf16x3`` knob: ``fp32_matmul=auto`` in an fp32 session on a GPU
+    (a tf32 session keeps TF32: the two are never combined; the floor keeps the split only
+    where it beats the incumbent)."""
+    return opts.fp32_matmul == "auto" and opts.precision == "fp32" and handle.device.is_gpu
+
+
+def build_options(opts: ProviderOptions, handle: Handle) -> dict[str, Any]:
+    """What the regions' plans are built with, as far as a verdict's key must tell them
+    apart: a precision's verdicts are its own (fp16 / bf16 regions also differ in content;
+    tf32's do not), and so are the split's (``fp32_matmul=auto`` on a GPU) -- never read by
+    an ``fp32_matmul=ieee`` session, nor the other way round."""
+    options: dict[str, Any] = {} if opts.precision == "fp32" else {"precision": opts.precision}
+    if split_wanted(opts, handle):
+        options["fp32_matmul"] = "bf16x3"
+    return options
 
 
 def region_budget(opts: ProviderOptions) -> float | None:
@@ -177,4 +200,27 @@ def _with_tf32(built: ExecutionPlan, graph: Graph, handle: Handle) -> ExecutionP
     return tf32
 
 
-__all__ = ["TIMING", "chooser_for", "incumbent_for", "region_budget", "unavailable", "wanted"]
+def _with_split(built: ExecutionPlan, graph: Graph, handle: Handle) -> ExecutionPlan:
+    """``built``, where it is a torch-engine plan holding a float32 matmul on CUDA, rebuilt
+    with the engine's ``fp32_matmul="bf16x3"`` knob (split_products.py: three bf16
+    tensor-core products, ~4.6e-5 |A||B| at worst); as it was elsewhere, or where that build
+    fails (float32 as declared stands). The chooser then measures it like any plan."""
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.engines.registry import REGISTRY
+
+    if built.engine != "torch":
+        return built
+    try:
+        engine = REGISTRY.get("torch")
+        if not any(k.name == "fp32_matmul" for k in engine.knobs(graph, handle)):
+            return built
+        knobs = (*(kv for kv in built.config.knobs if kv[0] != "fp32_matmul"), ("fp32_matmul", "bf16x3"))
+        split: ExecutionPlan = engine.build(graph, handle, EngineConfig("torch", knobs))
+    except Exception as exc:  # the split is an offer: the float32 plan stands
+        log.info("no bf16x3 plan of %s: %s: %s", graph.name, type(exc).__name__, exc)
+        return built
+    return split
+
+
+__all__ = ["TIMING", "build_options", "chooser_for", "incumbent_for", "region_budget", "split_wanted", "unavailable",
+           "wanted"]

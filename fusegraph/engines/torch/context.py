@@ -3,6 +3,7 @@ the small helpers for operands, memory formats and padding."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,6 +15,8 @@ from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import CONVOLUTIONS, ConvAttrs, OpKind, PointwiseAttrs, PointwiseMode
 from fusegraph.runtime.handle import Handle
+
+log = logging.getLogger("fusegraph.engines.torch")
 
 # Ops whose narrow-float kernels accumulate in f32 on NVIDIA (cuDNN / cuBLAS / flash attention).
 _TENSOR_CORE_OPS = CONVOLUTIONS | {OpKind.MATMUL, OpKind.SDPA}
@@ -96,6 +99,21 @@ class _Ctx:
         self.native = frozenset(
             id(n) for n in graph.nodes if self.gpu and not self.compiled and _native_pointwise(n, graph)
         )
+        # fp32_matmul=bf16x3 (split_products.py): float32 x float32 matmuls as one bf16 GEMM of
+        # the split operands; ``split_batched``: torch.bmm(out_dtype=float32) runs here too
+        # (probed now: never while a plan is traced or captured)
+        self.split_fp32 = self.gpu and config.get("fp32_matmul", "ieee") == "bf16x3"
+        self.split_batched = False
+        if self.split_fp32:
+            from fusegraph.engines.torch import split_products
+            from fusegraph.engines.torch.convert import _torch_device
+
+            device = _torch_device(handle)
+            self.split_batched = split_products.kernel_available(str(device), "bmm")
+            if not self.split_batched:
+                for n in graph.nodes:
+                    if n.kind == OpKind.MATMUL and split_products.batched(n.inputs["a"].shape, n.inputs["b"].shape):
+                        log.info(split_products.describe_fallback(n.name, device))
 
     def compute(self, node: Node) -> DataType:
         cd = self._compute.get(id(node))

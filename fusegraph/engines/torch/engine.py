@@ -169,6 +169,18 @@ class TorchEngine:
                     "TF32 (PyTorch's default for convolutions; off: float32 as declared)",
                 )
             )
+        if not _split_refusal(graph, handle):
+            out.append(
+                Knob(
+                    "fp32_matmul",
+                    "ieee",
+                    ("ieee", "bf16x3"),
+                    numerics=True,
+                    description="float32 x float32 matmuls as declared (ieee) or as one bf16 tensor-core GEMM "
+                    "of each operand's two bf16 halves over a 3K-long inner dimension, float32 out (bf16x3: "
+                    "|error| <= ~4.6e-5 |A||B| plus float32 summation; split_products.py)",
+                )
+            )
         if handle.device.is_gpu:
             out.append(
                 Knob(
@@ -242,6 +254,13 @@ class TorchEngine:
     def build(self, graph: Graph, handle: Handle, config: EngineConfig | None = None) -> ExecutionPlan:
         graph.ensure_valid()
         config = config or EngineConfig(self.name)
+        if config.get("fp32_matmul", "ieee") != "ieee":
+            why = _split_refusal(graph, handle)
+            if why:
+                from fusegraph.errors import UnsupportedError
+
+                raise UnsupportedError(f"torch engine, graph '{graph.name}': knob fp32_matmul="
+                                       f"{config.get('fp32_matmul')!r} is not offered here: {why}")
         knob_values("torch engine", self.knobs(graph, handle), config)
         sup = self.supports(graph, handle)
         if not sup:
@@ -305,3 +324,33 @@ def _float32_tensor_core_op(graph: Graph) -> bool:
 
     return any(n.kind in _TENSOR_CORE_OPS and any(t.dtype == DataType.FLOAT for t in n.inputs.values())
                for n in graph.nodes)
+
+
+def _float32_matmuls(graph: Graph) -> list[Node]:
+    """The matmuls of float32 operands computed in float32: what ``fp32_matmul`` splits."""
+    from fusegraph.engines.torch.context import _compute_type, _main_input_type
+
+    return [n for n in graph.nodes if n.kind == OpKind.MATMUL
+            and n.inputs["a"].dtype == DataType.FLOAT and n.inputs["b"].dtype == DataType.FLOAT
+            and _compute_type(n, graph, _main_input_type(n)) == DataType.FLOAT]
+
+
+def _split_refusal(graph: Graph, handle: Handle) -> str:
+    """Why the ``fp32_matmul`` knob is not offered for this graph and device ('' where it is)."""
+    if not handle.device.is_gpu:
+        return ("the bf16x3 split is one bf16 GEMM with float32 output (aten::mm.dtype), which has CUDA "
+                f"kernels only; {handle.device} runs float32 matmuls as declared")
+    if not _float32_matmuls(graph):
+        return "the graph has no float32 x float32 matmul to split"
+    if handle.device.kind != "cuda":
+        return f"the split's bf16 GEMM with float32 output is CUDA-only, not {handle.device.kind}"
+    from fusegraph.engines.torch import split_products
+    from fusegraph.engines.torch.convert import _torch_device
+
+    try:
+        device = str(_torch_device(handle))
+    except Exception as exc:  # torch fails to import: supports() says so
+        return f"PyTorch is unusable: {exc}"
+    if not split_products.kernel_available(device, "mm"):
+        return f"torch {_torch().__version__} has no mm(bf16, bf16, out_dtype=float32) on {device} (torch >= 2.8)"
+    return ""

@@ -7,6 +7,7 @@ Convolutions, matmul, reductions and data movement live here; pointwise nodes in
 
 from __future__ import annotations
 
+from fusegraph.engines.torch import split_products
 from fusegraph.engines.torch import steps as torch_fusion
 from fusegraph.engines.torch.context import (
     _F,
@@ -101,6 +102,10 @@ def _lower_matmul(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str, Te
         if a.element_size() <= 2 and b.element_size() <= 2:
             return {"c": torch.matmul(a.double(), b.double()).to(torch.int64)}
         return {"c": torch.matmul(a.long(), b.long())}
+    if ctx.split_fp32 and a.dtype == torch.float32 and b.dtype == torch.float32:
+        split = split_products.lowered(a, b, functional=ctx.functional, bmm=ctx.split_batched)
+        if split is not None:  # None: batched, without a bmm kernel (_Ctx logged it)
+            return {"c": split}
     if a.dim() >= 3 and all(d == 1 for d in b.shape[:-2]):
         # One weight for every batch (a linear layer: [b, s, k] @ [1, k, n]) is one GEMM of
         # [b*s, k] rows, as nn.Linear runs it; broadcast, cuBLAS runs a strided batch with a
