@@ -49,7 +49,14 @@ class Partitioning:
 
 
 class _Units:
-    """Union of nodes into units, with the unit graph kept current for the cycle check."""
+    """Union of nodes into units, with the unit graph kept current for the cycle check.
+
+    The units also keep a topological order (``pos``: unit -> slot, ``slots``: slot -> unit
+    or None): a unit can only reach units after it, so the cycle check's search stops at
+    the target's slot instead of walking everything downstream of the source (that walk,
+    repeated per merge, was 0.14 s of a warm ViT-B/16 session's setup on an H200 host). A
+    merge keeps the order valid by moving, inside the window between the two units, those
+    reachable from the first one behind the merged unit."""
 
     def __init__(self, preds: list[set[int]], succs: list[set[int]], label: list[bool]) -> None:
         self.preds, self.succs = preds, succs
@@ -63,16 +70,25 @@ class _Units:
         self.lo = list(range(n))
         self.out: dict[int, set[int]] = {i: set(self.succs[i]) for i in range(n)}
         self.inn: dict[int, set[int]] = {i: set(self.preds[i]) for i in range(n)}
+        # the nodes come in topological order (_edges checks it): so do the one-node units
+        self.pos: dict[int, int] = {i: i for i in range(n)}
+        self.slots: list[int | None] = list(range(n))
+        self._ordered = True
 
     def succ_units(self, u: int) -> set[int]:
         return self.out[u]
 
     def _reaches_indirectly(self, src: int, dst: int) -> bool:
         """A path src -> X -> ... -> dst through at least one other unit X."""
+        limit = self.pos[dst]
+        if self._ordered and self.pos[src] > limit:
+            return False  # dst comes first: nothing after src reaches it
         stack = [u for u in self.out[src] if u != dst]
         seen = set(stack)
         while stack:
             u = stack.pop()
+            if self._ordered and self.pos[u] > limit:
+                continue  # after dst in the order: reaches nothing before it
             for v in self.out[u]:
                 if v == dst:
                     return True
@@ -87,7 +103,11 @@ class _Units:
         return not self._reaches_indirectly(a, b) and not self._reaches_indirectly(b, a)
 
     def merge(self, a: int, b: int) -> int:
+        """Merges two units; the caller makes sure that no path between them passes another
+        unit (``can_merge``), or calls ``split`` (which orders the units afresh)."""
         keep, gone = (a, b) if a < b else (b, a)
+        if self._ordered:
+            self._reorder(a, b, keep)
         for i in self.members[gone]:
             self.unit[i] = keep
         self.members[keep] = sorted(self.members[keep] + self.members.pop(gone))
@@ -108,13 +128,51 @@ class _Units:
         self.inn[keep].discard(gone)
         return keep
 
+    def _reorder(self, a: int, b: int, keep: int) -> None:
+        """The order after merging ``a`` and ``b`` into ``keep``: in the window between the
+        two, the units reachable from the earlier one go behind the merged unit, the rest
+        (the later one's ancestors among them) before it, each side in its old order."""
+        first, last = (a, b) if self.pos[a] < self.pos[b] else (b, a)
+        lo, hi = self.pos[first], self.pos[last]
+        below: set[int] = set()  # reachable from ``first`` inside the window
+        stack = [u for u in self.out[first] if self.pos[u] < hi]
+        below.update(stack)
+        while stack:
+            for v in self.out[stack.pop()]:
+                if v not in below and self.pos[v] < hi:
+                    below.add(v)
+                    stack.append(v)
+        window = [u for u in self.slots[lo + 1:hi] if u is not None]
+        new = [u for u in window if u not in below] + [keep] + [u for u in window if u in below]
+        for k in range(lo, hi + 1):
+            self.slots[k] = None
+        for k, u in enumerate(new):
+            self.slots[lo + k] = u
+            self.pos[u] = lo + k
+        del self.pos[keep ^ a ^ b]  # the unit merged away
+
+    def _order_afresh(self) -> None:
+        """A topological order of the current unit graph (after merges that did not keep one)."""
+        from fusegraph.graph.order import ranked_order
+
+        ids = list(self.members)
+        at = {u: k for k, u in enumerate(ids)}
+        order = ranked_order([[at[v] for v in self.out[u]] for u in ids], [self.lo[u] for u in ids])
+        if len(order) != len(ids):
+            raise AssertionError("partitioning produced a cycle between units (a bug)")
+        self.slots = [ids[k] for k in order]
+        self.pos = {ids[j]: k for k, j in enumerate(order)}
+        self._ordered = True
+
     def split(self, u: int) -> None:
         """Releases a unit's nodes back to single-node units (rebuilding the unit graph)."""
         groups = [m for k, m in self.members.items() if k != u]
         self._reset(range(len(self.preds)))
+        self._ordered = False  # the groups are merged back in node order, not along edges
         for m in groups:
             for i in m[1:]:
                 self.merge(self.unit[m[0]], self.unit[i])
+        self._order_afresh()
 
 
 def _edges(nodes: Sequence[PNode]) -> tuple[list[set[int]], list[set[int]]]:
