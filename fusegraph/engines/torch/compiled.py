@@ -51,14 +51,16 @@ def compile_graph(
     out_names: Sequence[str],
     example: Sequence[Tensor],
     options: dict[str, Any] | None = None,
+    variant: tuple[Any, ...] = (),
 ) -> Positional:
     """Traces ``fn`` on ``example`` (tensors laid out as the graph declares) and compiles it
     with Inductor (``options``: torch._inductor.config patches); raises CompileError naming
-    the graph when either step fails. One compile per graph content, layout and options in a
-    process (``COMPILED``): a model's repeated layers share it."""
+    the graph when either step fails. One compile per graph content, layout, options and
+    ``variant`` (what the lowering traces differently: fp32_matmul=bf16x3) in a process
+    (``COMPILED``): a model's repeated layers share it."""
     key = (graph.key(), tuple(in_names), tuple(out_names),
            tuple((tuple(x.shape), tuple(x.stride()), str(x.dtype), str(x.device)) for x in example),
-           tuple(sorted((options or {}).items())))
+           tuple(sorted((options or {}).items())), variant)
     hit = COMPILED.get(key)
     if hit is not None:
         return hit

@@ -184,7 +184,8 @@ class TorchPlan(LeanCall, CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
         options = {"coordinate_descent_tuning": True} if self.handle.device.is_gpu else None
         with self._flags():
             self._positional = compile_graph(
-                self.graph, self._fn, [t.name for t in self._inputs], self._out_names, example, options
+                self.graph, self._fn, [t.name for t in self._inputs], self._out_names, example, options,
+                ("fp32_matmul", "bf16x3") if self._ctx.split_fp32 else (),  # a traced graph of its own
             )
         positional, strides, inputs, out_names = self._positional, self._strides, self._inputs, self._out_names
 
