@@ -220,6 +220,7 @@ def test_on_cuda_the_split_agrees_with_float64_and_differs_from_ieee(compiled: b
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("own_cache")
 def test_on_cuda_an_onnx_model_runs_with_the_split(rng: np.random.Generator) -> None:
     import onnx
     import onnxruntime as ort
