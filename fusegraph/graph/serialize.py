@@ -210,7 +210,7 @@ def _graph_from_dict(d: dict[str, Any]) -> Graph:
         except ValueError:
             raise ValidationError(f"unknown op {e['op']!r}", node=e.get("name")) from None
         spec = OPS[kind]
-        hints = typing.get_type_hints(spec.attrs)
+        hints = _hints(spec.attrs)
         try:
             attrs = spec.attrs(**{k: _field_value(hints[k], v) for k, v in e["attrs"].items()})
         except (TypeError, ValueError, KeyError) as exc:
@@ -244,6 +244,19 @@ def _graph_from_dict(d: dict[str, Any]) -> Graph:
         g._counters[n.kind.value] = max(g._counters.get(n.kind.value, 0), len(g.nodes))
     g._counters["scalar"] = len(g.tensors)
     return g
+
+
+_HINTS: dict[type, dict[str, Any]] = {}  # a cache: attribute class -> its resolved field types
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    """The attribute class's field types, resolved once per class: ``get_type_hints``
+    evaluates the annotations anew on every call (half of ``graph_from_dict``'s time where
+    the region path cuts a model's pieces, issue 24 item 6)."""
+    hints = _HINTS.get(cls)
+    if hints is None:
+        hints = _HINTS[cls] = typing.get_type_hints(cls)
+    return hints
 
 
 def _data_type(value: Any, tensor: str) -> DataType:

@@ -18,8 +18,7 @@ from fusegraph.engines.base import ExecutionPlan
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.order import ranked_order
-from fusegraph.graph.serialize import graph_to_dict
-from fusegraph.regions.subgraph import cut
+from fusegraph.regions.subgraph import Whole, cut
 
 
 class NoRegions(Exception):
@@ -61,7 +60,7 @@ def cuts(graph: Graph, rejected: Sequence[Any]) -> list[Cut]:
     """The nodes of ``graph`` no region took (``rejected``: split's rejections), as graphs: data
     movement together, the rest one by one."""
     out: list[Cut] = []
-    whole = graph_to_dict(graph)
+    whole = Whole(graph)
     outputs = {t.name for t in graph.outputs()}
     readers: dict[str, set[str]] = {}
     for n in graph.nodes:

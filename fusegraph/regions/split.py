@@ -16,9 +16,8 @@ from fusegraph.errors import ValidationError
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.node import Node
 from fusegraph.graph.order import ranked_order
-from fusegraph.graph.serialize import graph_to_dict
 from fusegraph.regions import pattern
-from fusegraph.regions.subgraph import cut
+from fusegraph.regions.subgraph import Whole, cut
 
 
 @dataclass(frozen=True)
@@ -181,7 +180,7 @@ def split(
         if n.kind not in pattern.EPILOGUE_ANCHORS:
             continue
         r = owner[i]
-        frontier = [j for j in range(len(dag.order)) if (members[r] >> j) & 1]
+        frontier = _bits(members[r])
         while frontier:
             j = frontier.pop(0)
             for c in dag.consumers[j]:
@@ -192,7 +191,7 @@ def split(
                     continue
                 before = members[r]
                 if join(r, c):
-                    frontier += [k for k in range(len(dag.order)) if ((members[r] & ~before) >> k) & 1]
+                    frontier += _bits(members[r] & ~before)
     # 2. what is left: pointwise / reduction / movement chains
     for i, n in enumerate(dag.order):
         if n is None or i in owner or not pattern.joins_chain(n) or (not movement and pattern.is_movement(n)):
@@ -214,7 +213,7 @@ def split(
     for i, n in real:
         for t in _reads(n):
             readers.setdefault(t, set()).add(owner.get(i))
-    whole = graph_to_dict(graph)  # serialized once: every piece is cut from it
+    whole = Whole(graph)  # serialized and indexed once: every piece is cut from it
     in_region: dict[int, list[Node]] = {}
     for i, n in real:
         if i in owner:
@@ -238,6 +237,16 @@ def split(
     if leftover:
         rejected.append(Rejection(leftover, "no pattern takes these ops"))
     return Split(tuple(regions), tuple(rejected))
+
+
+def _bits(m: int) -> list[int]:
+    """The positions set in the bitset ``m``, lowest first (without a scan of every node)."""
+    out = []
+    while m:
+        low = m & -m
+        out.append(low.bit_length() - 1)
+        m ^= low
+    return out
 
 
 def _reads(n: Node) -> list[str]:

@@ -23,16 +23,33 @@ class Cut:
     outputs: tuple[str, ...]  # parent tensor names, in the order of out0, out1, ...
 
 
+class Whole:
+    """The parent's ``graph_to_dict`` with its tensors and nodes indexed by name, made once
+    where a caller cuts many pieces of one graph: indexing it per cut was quadratic in the
+    graph's size (a ViT's 160 pieces, issue 24 item 6)."""
+
+    def __init__(self, parent: Graph) -> None:
+        self.d = graph_to_dict(parent)
+        self.by_name: dict[str, dict[str, Any]] = {e["name"]: e for e in self.d["tensors"]}
+        self.node_at: dict[str, int] = {e["name"]: k for k, e in enumerate(self.d["nodes"])}
+
+
 def cut(parent: Graph, nodes: Sequence[Node], keep: frozenset[str] | set[str], name: str,
-        whole: dict[str, Any] | None = None) -> Cut:
+        whole: Whole | dict[str, Any] | None = None) -> Cut:
     """``nodes`` (in topological order) of the validated ``parent`` as a Graph of their
     own. A tensor they read but do not write becomes an input; one they write that
     ``keep`` names (read elsewhere, or an output of the parent) becomes an output.
-    ``whole``: the parent's ``graph_to_dict``, when the caller cuts many pieces of it."""
+    ``whole``: the parent's :class:`Whole` (or its ``graph_to_dict``), when the caller cuts
+    many pieces of it."""
     parent.ensure_valid()
     if whole is None:
-        whole = graph_to_dict(parent)
-    by_name = {e["name"]: e for e in whole["tensors"]}
+        whole = Whole(parent)
+    if isinstance(whole, Whole):
+        by_name, node_at, whole_d = whole.by_name, whole.node_at, whole.d
+    else:
+        by_name = {e["name"]: e for e in whole["tensors"]}
+        node_at = {e["name"]: k for k, e in enumerate(whole["nodes"])}
+        whole_d = whole
     written: dict[str, None] = {}
     read: dict[str, None] = {}
     for n in nodes:
@@ -70,19 +87,16 @@ def cut(parent: Graph, nodes: Sequence[Node], keep: frozenset[str] | set[str], n
         e["name"] = rename[tname]
         tensors.append(e)
     node_entries = []
-    wanted = {n.name for n in nodes}
-    index = 0
-    for e in whole["nodes"]:
-        if e["name"] not in wanted:
-            continue
+    all_nodes = whole_d["nodes"]
+    for index, k in enumerate(sorted({node_at[n.name] for n in nodes})):  # in the parent's order
+        e = all_nodes[k]
         node_entries.append({
             **e,
             "name": f"n{index}",
             "inputs": {p: rename[t] for p, t in e["inputs"].items()},
             "outputs": {p: rename[t] for p, t in e["outputs"].items()},
         })
-        index += 1
-    d = {**whole, "name": name, "tensors": tensors, "nodes": node_entries}
+    d = {**whole_d, "name": name, "tensors": tensors, "nodes": node_entries}
     g = graph_from_dict(d)
     g.validate()
     return Cut(g, tuple(inputs), tuple(outputs))
