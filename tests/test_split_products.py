@@ -162,6 +162,47 @@ def test_the_knob_pinned_on_the_cpu_is_a_typed_error_naming_it() -> None:
         ENGINE.build(_conv_only(), GPU, EngineConfig("torch", (("fp32_matmul", "bf16x3"),)))
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_torch_lowering_runs_the_split(compiled: bool, monkeypatch: pytest.MonkeyPatch,
+                                           rng: np.random.Generator) -> None:
+    """The CPU stand-in for the GPU path: a plan whose context says fp32_matmul=bf16x3 (forced:
+    the knob is CUDA-only) with the emulated product in place of cuBLAS's -- eagerly and traced
+    by Inductor -- agrees with the float64 reference and differs from the float32 plan."""
+    from engine_fakes import rel_error
+
+    from fusegraph.engines.torch import context
+    from fusegraph.select.autotune import random_inputs
+
+    real_init = context._Ctx.__init__
+
+    def init(self: Any, graph: fg.Graph, handle: fg.Handle, config: EngineConfig) -> None:
+        real_init(self, graph, handle, config)
+        self.split_fp32 = self.split_batched = True
+
+    calls: list[tuple[int, ...]] = []
+
+    def product(a3: Any, b3: Any) -> Any:
+        calls.append(tuple(a3.shape))
+        return _f32_product(a3, b3)
+
+    engine = torch_engine.TorchEngine()  # its own: an engine caches compile_support for the first device asked
+    g = _gemm_gelu(DT.FLOAT, (2, 6, 64), 40)
+    offered = {k.name for k in engine.knobs(g, CPU)}
+    knobs = (("compile", True),) if compiled else (("onednn", False),) if "onednn" in offered else ()
+    if compiled and "compile" not in offered:
+        pytest.skip(f"Inductor cannot run here: {engine.compile_support(CPU).reason}")
+    pack = random_inputs(g, rng)
+    ref = g.execute(pack, engine="reference")
+    out = g.outputs()[0].name
+    ieee = engine.build(g, CPU, EngineConfig("torch", knobs)).execute(pack)[out]
+    monkeypatch.setattr(context._Ctx, "__init__", init)
+    monkeypatch.setattr(split_products, "cuda_product", product)
+    got = engine.build(g, CPU, EngineConfig("torch", knobs)).execute(pack)[out]
+    assert calls and all(c == (12, 3 * 64) for c in calls), calls  # [b*s, 3K]: one 2-D product
+    assert rel_error(got, ref[out]) <= 5e-5, rel_error(got, ref[out])
+    assert not np.array_equal(np.asarray(got), np.asarray(ieee)), "the float32 plan's bits: the split did not run"
+
+
 # ---- the provider option ---------------------------------------------------------------------------
 def test_the_provider_option_parses_auto_and_ieee_and_refuses_the_rest() -> None:
     assert ProviderOptions.parse({}).fp32_matmul == "auto"

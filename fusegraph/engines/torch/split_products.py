@@ -64,8 +64,13 @@ def stacked(x: Tensor, dim: int, lo_at: int, *, functional: bool = False) -> Ten
     written into one buffer (three kernels, no float32 temporaries)."""
     torch = _torch()
     if functional:
-        hi = x.to(torch.bfloat16)
-        lo = torch.sub(x, hi).to(torch.bfloat16)  # x - hi: exact in float32 (promoted)
+        # hi rounded by its bits, not by x.to(bf16).to(float32): Inductor drops such a round
+        # trip inside a fused kernel (emulate_precision_casts is off by default), which left
+        # lo = 0 -- one bf16 product, 2e-3 relative (seen on the CPU)
+        bits = x.view(torch.int32)
+        hi32 = ((bits + ((bits >> 16) & 1) + 0x7FFF) & -65536).view(torch.float32)  # round to nearest even
+        hi = hi32.to(torch.bfloat16)  # exact
+        lo = torch.sub(x, hi32).to(torch.bfloat16)  # x - hi: exact in float32
         return torch.cat((hi, hi, lo) if lo_at == 2 else (hi, lo, hi), dim=dim)
     shape = list(x.shape)
     k = shape[dim]
@@ -118,13 +123,14 @@ def batched(a: tuple[int, ...], b: tuple[int, ...]) -> bool:
     return not (len(a) >= 3 and all(d == 1 for d in b[:-2]))
 
 
-def lowered(a: Tensor, b: Tensor, *, functional: bool, bmm: bool,
-            mm: Product = cuda_product) -> Tensor | None:
+def lowered(a: Tensor, b: Tensor, *, functional: bool, bmm: bool, mm: Product | None = None) -> Tensor | None:
     """The torch lowering's float32 matmul (a [..., M, K] @ b [..., K, N], broadcast batch
     dims) split; None where it stays float32 (a true batched matmul without ``bmm``, the
     bmm kernel). One weight for every batch ([..., M, K] @ [K, N] or [1, K, N]) is one
-    2-D product of the flattened rows, as the float32 lowering runs it."""
+    2-D product of the flattened rows, as the float32 lowering runs it. ``mm`` defaults to
+    ``cuda_product`` (looked up at the call: the CPU tests put an emulation in its place)."""
     torch = _torch()
+    mm = mm or cuda_product
     k, n = b.shape[-2], b.shape[-1]
     if a.dim() == 2 and b.dim() == 2:
         return split_matmul(a, b, mm, functional=functional)
