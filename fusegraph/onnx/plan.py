@@ -115,10 +115,12 @@ class SessionPlan:
         model_name: str,
         model_path: str | None = None,
         direct: tuple[Any, floor.Verdict] | None = None,
+        initializers: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """``model_path``: the file ``model`` was read from, where ONNX Runtime may read it
         again; ``direct``: an ONNX Runtime session already running the whole model and the
-        verdict that put it there (the plan then only explains it: nothing is built)."""
+        verdict that put it there (the plan then only explains it: nothing is built);
+        ``initializers``: the model's initializers already read (``specialize``)."""
         t0 = time.perf_counter()
         self.model_path = model_path
         self._direct = direct
@@ -129,7 +131,7 @@ class SessionPlan:
         self.ort_providers = ort_providers
         self.dump = make_dumper(opts.dump_dir)
         self.model = model  # as given: the whole model on ONNX Runtime, where the floor decides so
-        self.og = og = specialize(model, shapes)
+        self.og = og = specialize(model, shapes, initializers)
         self.pattern_refusals: dict[str, str] = {}  # anchor node -> why its pattern did not apply
         self.rewrites = apply_rewrites(og, opts.op_types_to_exclude, self.pattern_refusals) if enabled else {}
         self._read_values: set[str] | None = None

@@ -33,10 +33,10 @@ from fusegraph.onnx.direct import (
 )
 from fusegraph.onnx.index_ranges import IndexRange, index_ranges, out_of_range
 from fusegraph.onnx.iobinding import IOBinding, feed_value, is_device_value, numpy_dtype
-from fusegraph.onnx.load import MIN_OPSET, _first_line, default_opset
+from fusegraph.onnx.load import MIN_OPSET, _first_line, default_opset, load_model_with_views
 from fusegraph.onnx.memory import PeakMemory, measure_peak
 from fusegraph.onnx.metadata import ModelMetadata
-from fusegraph.onnx.model import input_signature, load_model
+from fusegraph.onnx.model import input_signature
 from fusegraph.onnx.options import PROVIDER, ProviderOptions
 from fusegraph.onnx.ort_errors import InvalidFeedError, MissingFeedError
 from fusegraph.onnx.plan import EngineChoice, SessionPlan
@@ -180,6 +180,7 @@ class InferenceSession:
         )
         self._source_arg = path_or_bytes
         self._model_value: onnx.ModelProto | None = None
+        self._views: dict[str, np.ndarray] = {}  # initializers read without a copy, for the first plan
         self._handle: Handle = session_handle(self._opts)
         self._engine = EngineChoice(self._opts.engine, self._handle) if self._enabled else None
         self._plans: dict[tuple[Any, ...], SessionPlan] = {}
@@ -193,6 +194,7 @@ class InferenceSession:
         self._index_ranges: dict[str, list[IndexRange]] = {}  # the plan path's (ONNX Runtime checks its own)
         source = self._background_source(path_or_bytes)
         if source is not None and self._open_direct(source):
+            self._views = {}  # no plan now: the bytes under the views are not kept for one
             return
         self._signature = input_signature(self._model)
         self._index_ranges = index_ranges(self._model)
@@ -256,7 +258,7 @@ class InferenceSession:
         """The checked model, parsed at first need (a session that runs the whole model on
         ONNX Runtime by a recorded verdict never parses it)."""
         if self._model_value is None:
-            self._model_value = load_model(self._source_arg, self._opts.cache_dir)
+            self._model_value, self._views = load_model_with_views(self._source_arg, self._opts.cache_dir)
         return self._model_value
 
     def get_modelmeta(self) -> ModelMetadata:
@@ -440,12 +442,13 @@ class InferenceSession:
 
     def _new_plan(self, shapes: Mapping[str, tuple[int, ...]], direct: Any = None) -> SessionPlan:
         path = self._model_name if isinstance(self._source_arg, str | os.PathLike) else None
+        views, self._views = self._views, {}  # the plan drops its constants once built: so do we
         return SessionPlan(
             self._model, shapes, self._opts, enabled=self._enabled, handle=self._handle,
             engine=self._engine, sess_options=self._sess_options, ort_providers=self._ort_providers,
             model_name=self._model_name,
             model_path=path if path is not None and default_opset(self._model) > MIN_OPSET else None,
-            direct=direct,
+            direct=direct, initializers=views,
         )
 
     def _check_feed(self, input_feed: Mapping[str, Any]) -> dict[str, Any]:

@@ -131,12 +131,19 @@ def _type_info(t: onnx.TypeProto) -> TypeInfo:
 
 
 # ---- specialization: shapes fixed, constants folded -------------------------------------------
-def specialize(model: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]]) -> OnnxGraph:
-    """The model's graph for these input shapes, with every constant computation folded."""
+def specialize(
+    model: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]],
+    initializers: Mapping[str, np.ndarray] | None = None,
+) -> OnnxGraph:
+    """The model's graph for these input shapes, with every constant computation folded.
+    ``initializers``: values of the model's initializers already at hand (read-only views of
+    the bytes it was parsed from: ``load.initializer_views``); the others are converted."""
     g = model.graph
     constants: dict[str, np.ndarray] = {}
+    given = initializers or {}
     for init in g.initializer:
-        constants[init.name] = numpy_helper.to_array(init)
+        arr = given.get(init.name)
+        constants[init.name] = arr if arr is not None else numpy_helper.to_array(init)
     for sp in g.sparse_initializer:
         constants[sp.values.name] = _sparse_to_dense(sp)
     inputs = [i.name for i in g.input if i.name not in constants]
