@@ -25,7 +25,7 @@ PROVIDERS = ["FusegraphExecutionProvider", "CPUExecutionProvider"]
 OPTS: dict[str, Any] = {"engine": "torch", "floor": "off", "floor_mode": "inline", "runners": "off"}
 
 
-def _blocks(rng: np.random.Generator, n: int = 4, d: int = 8) -> onnx.ModelProto:
+def _blocks(rng: np.random.Generator, n: int = 4, d: int = 16) -> onnx.ModelProto:
     nodes, inits = [], []
     x = "x"
     for k in range(n):
@@ -75,7 +75,7 @@ def test_shared_verdicts_equal_the_plain_ones(rng: np.random.Generator, monkeypa
     refused = [k for k, v in plain._last.node_verdicts.items() if v]
     assert refused and all("op_types_to_exclude" in plain._last.node_verdicts[k] for k in refused)
     assert n_shared < n_plain, (n_shared, n_plain)  # the later blocks were not lowered node by node
-    x = rng.standard_normal((4, 8)).astype(np.float32)
+    x = rng.standard_normal((4, 16)).astype(np.float32)
     (want,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
     (got,) = shared.run(None, {"x": x})
     err = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want)
@@ -83,8 +83,9 @@ def test_shared_verdicts_equal_the_plain_ones(rng: np.random.Generator, monkeypa
 
 
 def test_key_tells_apart_what_lowering_reads(rng: np.random.Generator) -> None:
-    """Constants' values (small ones) or names (large ones), a value read twice and
-    attribute values (-0.0 and 0.0 included) give different keys; a tensor attribute none."""
+    """Constants' values (small ones), large ones' names (but their type and shape for ops
+    that only bind weights), a value read twice and attribute values (-0.0 and 0.0 included)
+    give different keys; a tensor attribute none."""
     model = _blocks(rng, n=2)
     sess = fgo.InferenceSession(model.SerializeToString(), providers=PROVIDERS, provider_options=[OPTS, {}])
     plan = sess._last
@@ -97,7 +98,9 @@ def test_key_tells_apart_what_lowering_reads(rng: np.random.Generator) -> None:
         return plan._verdict_key(n, False)
 
     mm0, mm1 = ops["MatMul"]
-    assert key(mm0) != key(mm1)  # their weights are other constants (large ones keyed by name)
+    assert key(mm0) == key(mm1)  # MatMul only binds its weight: keyed by its type and shape
+    as_prelu = [type(n)(**{**n.__dict__, "op_type": "PRelu"}) for n in (mm0, mm1)]
+    assert key(as_prelu[0]) != key(as_prelu[1])  # elsewhere a large constant is keyed by its name
     add0, add1 = ops["Add"]
     assert key(add0) == key(add1)
     mul0 = ops["Mul"][0]

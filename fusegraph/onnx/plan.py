@@ -83,6 +83,9 @@ def _read_outside(og: OnnxGraph, members: Sequence[ONode]) -> tuple[list[str], l
 
 
 _KEY_CONSTANT = 64  # constants with at most this many elements are keyed by value (_verdict_key)
+# ops whose lowerings read a large constant only to bind it as a weight (ops/gemm.py,
+# ops/elementwise.py, ops/norm.py), never to decide on its values: keyed by type and shape
+_BINDS_WEIGHTS = frozenset({"MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "LayerNormalization"})
 _NOT_PLAIN = object()
 
 
@@ -215,8 +218,9 @@ class SessionPlan:
 
     def _verdict_key(self, node: ONode, channels_last: bool) -> tuple[Any, ...] | None:
         """Everything a node's lowering and its engine verdict read, without its names: op,
-        domain and attributes, per input its type and shape (a constant's values where small,
-        its name where not: within one plan a name is one value), which inputs are the same
+        domain and attributes, per input its type and shape (a constant's values where small;
+        where large, its type and shape for ops that only bind weights (_BINDS_WEIGHTS), else
+        its name: within one plan a name is one value), which inputs are the same
         value, per output its type, shape and whether anything reads it. Two nodes with one
         key lower to the same graph up to names, so a node like one found claimable is
         claimable (refusals are not shared: their reasons name the node's values). None
@@ -225,6 +229,7 @@ class SessionPlan:
         went to lowering each node (H200 host, issue 24 item 6)."""
         if node.implicit_inputs:
             return None
+        weights_by_shape = node.op_type in _BINDS_WEIGHTS and node.is_default_domain
         attrs = []
         for k in sorted(node.attrs):
             v = _plain(node.attrs[k])
@@ -241,7 +246,10 @@ class SessionPlan:
             c = self.og.constants.get(name)
             if c is not None:
                 arr = np.asarray(c)
-                value = (arr.dtype.str, arr.shape, arr.tobytes()) if arr.size <= _KEY_CONSTANT else name
+                if arr.size <= _KEY_CONSTANT:
+                    value: Any = (arr.dtype.str, arr.shape, arr.tobytes())
+                else:  # a weight: where the lowering only binds it, its type and shape are what it reads
+                    value = ("weight", arr.dtype.str, arr.shape) if weights_by_shape else name
                 ins.append(("const", seen, value))
                 continue
             info = self.og.types.get(name)
