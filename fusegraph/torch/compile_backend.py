@@ -18,7 +18,9 @@ Where no ATen graph of a Dynamo graph keeps a region, that trace is dropped and 
 graph gets Inductor's own compile (_Compile): the same code as ``torch.compile(model)``.
 That conclusion is stored (_Own): a later compile of the same Dynamo graph, with the same
 options, mode, device and library versions, skips fusegraph's trace and goes straight to
-Inductor's own compile.
+Inductor's own compile. Where the trace did keep regions, it is timed as a step against
+Inductor's own compile (step_floor.py) and the faster runs; that verdict is stored under
+the same key, so a later compile builds and times only the side that won.
 """
 
 from __future__ import annotations
@@ -246,7 +248,12 @@ class _Compile:
     changed what AOTAutograd's partitioner saves for the backward and what it recomputes
     (a tiny ResNet-50's forward saved 138 tensors instead of 99), which cost a few percent
     even with every op re-decomposed afterwards (0.96x Inductor, ResNet-50 training on an
-    H200 and on the CPU)."""
+    H200 and on the CPU). The same cost stays where regions are kept: ResNet-50 training on
+    an H200 kept two regions worth ~0.02 ms of a 23 ms step and ran at 0.95x Inductor, the
+    per-ATen-graph check (graph_floor.py) unable to see it, since both of its sides come
+    from this trace. So a trace that kept regions is then timed, forward and backward as a
+    step, against Inductor's own compile of the Dynamo graph (step_floor.py), and the
+    faster is returned."""
 
     probing: bool
     kept: bool = False  # an ATen graph runs claimed regions
@@ -330,15 +337,17 @@ def _inductor_inner(opts: Options, state: _Compile, patches: dict[str, Any] | No
     return inner
 
 
-STORED_OWN = "Inductor's own compile: a stored verdict says no region of this graph was kept"
+STORED_OWN = "Inductor's own compile: a stored verdict chose it for this Dynamo graph"
 
 
 @dataclasses.dataclass(frozen=True)
 class _Own:
-    """Where a Dynamo graph's "no region kept" verdict is stored (the region verdicts' table,
-    so clearing the cache clears it) and its key (graph_floor.inductors_own_key): the graph's
-    content, the options that change what is claimed, the mode, the device and every
-    library version, so a new fusegraph or engine tries the graph again."""
+    """Where a Dynamo graph's verdict against Inductor's own compile is stored (the region
+    verdicts' table, so clearing the cache clears it): "no region kept" (concluded from the
+    regions' verdicts) or the step timed against it (step_floor.py: either side may win).
+    Its key (graph_floor.inductors_own_key): the graph's content, the options that change
+    what is claimed, the mode, the device and every library version, so a new fusegraph or
+    engine tries the graph again."""
 
     key: str
     store: Any  # regions.verdicts.VerdictStore
@@ -366,7 +375,15 @@ class _Own:
         except Exception as exc:  # the usual path runs
             log.info("the stored Dynamo graph verdict could not be read (%s: %s)", type(exc).__name__, exc)
             return None
-        return found if found is not None and not found.fusegraph else None
+        return found
+
+    def record_step(self, verdict: Any) -> None:
+        """The step's verdict (step_floor.py); the store keeps measured ones only."""
+        try:
+            self.store.record(self.key, verdict)
+            self.store.flush()
+        except Exception as exc:  # the next compile times the step again
+            log.info("the Dynamo graph verdict was not stored (%s: %s)", type(exc).__name__, exc)
 
     def record(self, rows: list[Row]) -> None:
         from fusegraph.regions.verdicts import Verdict
@@ -433,7 +450,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         except Exception as exc:  # nothing stored or read: the usual path
             log.info("no Dynamo graph verdict key (%s: %s)", type(exc).__name__, exc)
     stored = own_verdict.lookup() if own_verdict is not None else None
-    if own_verdict is not None and stored is not None:
+    if own_verdict is not None and stored is not None and not stored.fusegraph:
         log.info("%s (%s)", STORED_OWN, stored.describe())
         _report(own_verdict.rows(gm, stored))
         return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
@@ -449,14 +466,58 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         log.info("a backward graph claimed regions where its forward claimed none: traced again")
         return trace(_Compile(probing=False))
     if state.kept:
-        _report(state.rows)
-        return first
+        # under CUDA graphs both sides would be captured and replayed: the regions' verdicts decide
+        checked = opts.floor and opts.whole_graph and patches is None
+
+        def compile_own() -> Callable[..., Any]:
+            # the backward lowered now, not at its first call (the same graph: AOTAutograd
+            # gives it the forward's strides either way): lowered lazily inside this compile,
+            # as the timing's first step would, it sets Dynamo's compile metrics twice
+            with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
+
+        return _against_own(first, compile_own, gm, example_inputs, opts, state, own_verdict,
+                            stored if checked else None, checked)
     if own_verdict is not None and state.lasting:
         own_verdict.record(state.rows)
     # the node's own reason first (bench_torch.py groups and truncates them)
     _report([dataclasses.replace(r, where="inductor", why=f"{r.why}; {INDUCTORS_OWN}" if r.why else INDUCTORS_OWN)
              for r in state.rows])
     return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
+
+
+def _against_own(first: Callable[..., Any], compile_own: Callable[[], Callable[..., Any]], gm: torch.fx.GraphModule,
+                 example_inputs: Sequence[Any], opts: Options, state: _Compile, own_verdict: _Own | None,
+                 stored: Any, checked: bool) -> Callable[..., Any]:
+    """A trace that kept regions against Inductor's own compile of the Dynamo graph, timed as
+    a step (step_floor.py; ``checked``: the floor on, no CUDA graphs), unless a stored verdict
+    already chose the trace; the rows say which ran and why. Where the check cannot run the
+    trace stands, as before the check."""
+    from fusegraph.torch import step_floor
+
+    if not checked:
+        _report(state.rows)
+        return first
+    if stored is not None:  # the trace won before: nothing else is compiled or timed
+        log.info("fusegraph's trace: a stored verdict chose it (%s)", stored.describe())
+        verdict = stored
+        fn = first
+    else:
+        fn, found = step_floor.settle(first, compile_own, gm, example_inputs, margin=opts.margin,
+                                      warmup_s=opts.warmup_s)
+        if found is None:
+            _report(state.rows)
+            return first
+        verdict = found
+        if own_verdict is not None and state.lasting:
+            own_verdict.record_step(verdict)
+    why = step_floor.reason(verdict)
+    if verdict.fusegraph:
+        _report([dataclasses.replace(r, why=f"{r.why}; {why}") if r.fusegraph else r for r in state.rows])
+    else:  # the node's own reason first, as with INDUCTORS_OWN
+        _report([dataclasses.replace(r, where="inductor", why=f"{r.why}; {why}" if r.why else why)
+                 for r in state.rows])
+    return fn
 
 
 def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,

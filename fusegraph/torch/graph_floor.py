@@ -14,7 +14,9 @@ what was claimed is part of the key).
 
 One level up, a Dynamo graph in which no ATen graph kept a region is stored too
 (``inductors_own_key``): a later compile of the same graph, options, device and versions
-goes straight to Inductor's own compile, with no trace of fusegraph's own (compile_backend.py)."""
+goes straight to Inductor's own compile, with no trace of fusegraph's own (compile_backend.py);
+the same key holds the verdict of a Dynamo graph whose trace kept regions, timed as a step
+against Inductor's own compile (step_floor.py)."""
 
 from __future__ import annotations
 
@@ -132,14 +134,16 @@ def inductors_own_key(gm: torch.fx.GraphModule, inputs: Sequence[Any], settings:
 
 
 @contextlib.contextmanager
-def outside_the_compile(device: torch.device) -> Iterator[None]:
-    """Real tensors, ATen called directly (no Python dispatcher), no autograd: the state
-    the compiled graph runs in, not the tracing state it was compiled in."""
+def outside_the_compile(device: torch.device, *, grad: bool = False) -> Iterator[None]:
+    """Real tensors, ATen called directly (no Python dispatcher), autograd off (an ATen
+    graph runs inside AOTAutograd's function) or as ``grad`` says (a Dynamo graph's compile,
+    run as a step: step_floor.py): the state the compiled graph runs in, not the tracing
+    state it was compiled in."""
     from torch._dispatch.python import no_python_dispatcher
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-    with unset_fake_temporarily(), no_python_dispatcher(), torch.no_grad(), on_device:
+    with unset_fake_temporarily(), no_python_dispatcher(), torch.set_grad_enabled(grad), on_device:
         yield
 
 

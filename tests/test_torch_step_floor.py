@@ -1,0 +1,233 @@
+"""A Dynamo graph whose fusegraph trace kept regions is timed as a step against Inductor's
+own compile of the same graph (fusegraph/torch/step_floor.py), and the faster runs. Here
+every region wins (the virtual clock of tests/test_torch_graph_floor.py, the unclaimed ATen
+graph made slower), and the step's verdict is forced by a timer of this file's own that
+runs both sides and reports the times it is told: Inductor's own winning gives Inductor's
+ATen graphs, saved tensors, loss and gradients bit for bit; the trace winning keeps the
+regions. Either verdict is stored under the Dynamo graph's key and read back without
+timing, or compiling the losing side, again."""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections.abc import Iterator
+from functools import partial
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch.compile backend needs torch")
+
+from test_torch_graph_floor import clock  # noqa: E402, F401  (the virtual clock fixture)
+from test_torch_incumbent_path import (  # noqa: E402, F401  (fixtures and helpers)
+    FLOOR,
+    ConvBN,
+    LNBlock,
+    _rel,
+    _side_by_side,
+    _step,
+    graphs,
+)
+
+from fusegraph.select import timing  # noqa: E402
+from fusegraph.torch import step_floor  # noqa: E402
+from fusegraph.torch.compile_backend import STORED_OWN, collecting, fusegraph_backend  # noqa: E402
+from fusegraph.torch.graph_floor import INDUCTORS_OWN  # noqa: E402
+
+OPTIONS = {**FLOOR, "warmup_s": 0.0}
+REAL_TIMER = timing.time_candidates  # before any fixture replaces it
+
+
+@pytest.fixture
+def step_clock(request: pytest.FixtureRequest, tmp_path: Any,
+               monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    """Every region wins alone and in its ATen graph; the step's timing runs each side once
+    and reports ``trace_ms`` / ``own_ms``. ``calls`` counts step timings, ``backward`` says
+    for each side run whether it ran a backward."""
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    request.getfixturevalue("clock")["graph_extra"] = 100.0
+    state: dict[str, Any] = {"calls": 0, "trace_ms": 2.0, "own_ms": 1.0, "backward": [], "timer": None}
+    real = step_floor.measure
+
+    def fixed(candidates: Any, **_: Any) -> dict[str, timing.Timing]:
+        ms = {"fusegraph": state["trace_ms"], "incumbent": state["own_ms"]}
+        out = {}
+        for name, call in candidates.items():
+            call()
+            state["backward"].append(call.backward)
+            out[name] = timing.Timing(name, ms[name], ms[name], (ms[name],))
+        return out
+
+    def timed(fusegraph_call: Any, incumbent_call: Any, **kwargs: Any) -> Any:
+        state["calls"] += 1
+        return real(fusegraph_call, incumbent_call, timer=state["timer"] or fixed, **kwargs)
+
+    monkeypatch.setattr(step_floor, "measure", timed)
+    yield state
+
+
+def _stored() -> list[dict[str, Any]]:
+    from fusegraph.regions.verdicts import VerdictStore
+
+    path = VerdictStore().path
+    table = json.loads(path.read_text()) if path.exists() else {}
+    return [v for v in table.values() if v.get("incumbent") == INDUCTORS_OWN]
+
+
+def test_inductors_own_faster_runs_it_and_the_verdict_is_stored(step_clock: dict[str, Any],
+                                                                request: pytest.FixtureRequest) -> None:
+    seen: list[str] = request.getfixturevalue("graphs")
+    (want, want_graphs), (got, got_graphs), rows = _side_by_side(ConvBN, (4, 3, 8, 8), seen, OPTIONS)
+    assert step_clock["calls"] == 1 and step_clock["backward"] == [True, True], step_clock
+    # the last two lowered are Inductor's own forward and backward (the first pass's before them)
+    assert len(got_graphs) > 2 and any("fusegraph.region" in t for t in got_graphs[:-2])
+    assert got_graphs[-2:] == want_graphs
+    assert got[2] == want[2], (got[2], want[2])  # the same tensors saved for the backward
+    assert torch.equal(got[0], want[0]), (got[0], want[0])
+    for a, b in zip(got[1], want[1], strict=True):
+        assert torch.equal(a, b), float((a - b).abs().max())
+    regions = [r for r in rows if r.region is not None]
+    assert regions and all(r.where == "inductor" for r in rows), [(r.node, r.where) for r in rows]
+    assert all(step_floor.OWN_WON in r.why and "2.000 ms vs Inductor's own 1.000 ms" in r.why for r in rows), rows[0]
+    stored = _stored()
+    assert len(stored) == 1 and not stored[0]["fusegraph"] and stored[0]["source"] == "measured", stored
+    # compiled again: straight to Inductor's own, nothing traced, nothing timed
+    (want, want_graphs), (again, again_graphs), rows = _side_by_side(ConvBN, (4, 3, 8, 8), seen, OPTIONS)
+    assert step_clock["calls"] == 1
+    assert again_graphs == want_graphs and again[2] == want[2] and torch.equal(again[0], want[0])
+    assert rows and all(r.where == "inductor" and r.why.startswith(STORED_OWN) for r in rows), rows[:2]
+    assert all("cached" in r.why and "fusegraph 2.0000 ms" in r.why for r in rows), rows[0].why
+
+
+def test_the_trace_faster_keeps_its_regions_and_the_verdict_is_stored(step_clock: dict[str, Any],
+                                                                      request: pytest.FixtureRequest) -> None:
+    seen: list[str] = request.getfixturevalue("graphs")
+    step_clock["trace_ms"], step_clock["own_ms"] = 1.0, 2.0
+    (want, _), (got, _), rows = _side_by_side(LNBlock, (2, 8, 32), seen, OPTIONS)
+    assert step_clock["calls"] == 1 and step_clock["backward"] == [True, True], step_clock
+    claimed = [r for r in rows if r.fusegraph]
+    assert {r.node[:2] for r in claimed} == {"fw", "bw"}, [(r.node, r.where) for r in rows]
+    assert all(step_floor.TRACE_WON in r.why and "measured" in r.why for r in claimed), claimed[0].why
+    assert abs(float(got[0]) - float(want[0])) < 1e-5 * want[3], (got[0], want[0], want[3])
+    for a, b in zip(got[1], want[1], strict=True):
+        assert _rel(a, b) < 1e-4
+    stored = _stored()
+    assert len(stored) == 1 and stored[0]["fusegraph"] and stored[0]["source"] == "measured", stored
+    # compiled again: the trace (its ATen graphs' verdicts cached too), Inductor's own never compiled
+    (want, _), (again, again_graphs), rows = _side_by_side(LNBlock, (2, 8, 32), seen, OPTIONS)
+    assert step_clock["calls"] == 1
+    assert len(again_graphs) == 2 and all("fusegraph.region" in t for t in again_graphs), len(again_graphs)
+    claimed = [r for r in rows if r.fusegraph]
+    assert claimed and all(step_floor.TRACE_WON in r.why and "cached" in r.why for r in claimed), claimed[0].why
+    assert abs(float(again[0]) - float(want[0])) < 1e-5 * want[3]
+
+
+@pytest.mark.parametrize("winner", ["own", "trace"])
+def test_inference_without_grad_times_the_forward_alone(winner: str, step_clock: dict[str, Any]) -> None:
+    if winner == "trace":
+        step_clock["trace_ms"], step_clock["own_ms"] = 1.0, 2.0
+    model = LNBlock().eval()
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        want = torch.compile(model)(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=partial(fusegraph_backend, options=OPTIONS))
+        with collecting() as rows:
+            got = compiled(x)
+    assert step_clock["calls"] == 1 and step_clock["backward"] == [False, False], step_clock
+    if winner == "own":
+        assert torch.equal(got, want) and all(r.where == "inductor" for r in rows)
+    else:
+        assert any(r.fusegraph for r in rows) and _rel(got, want) < 1e-5
+    assert len(_stored()) == 1
+
+
+def test_the_users_parameters_and_random_state_are_untouched(step_clock: dict[str, Any]) -> None:
+    """The check runs a backward on fresh tensors: after the compiling call the model's
+    ``.grad`` are still unset and the random state is where it was; the step's gradients
+    are then eager's (float32 tolerances), whichever side won."""
+    model = ConvBN()
+    eager = copy.deepcopy(model)
+    x = torch.randn(4, 3, 8, 8)
+    g = torch.randn(4, 10)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=partial(fusegraph_backend, options=OPTIONS))
+    before = torch.get_rng_state()
+    out = compiled(x)
+    assert step_clock["calls"] == 1 and step_clock["backward"] == [True, True]
+    assert torch.equal(torch.get_rng_state(), before)
+    assert all(p.grad is None for p in model.parameters())
+    (out * g).sum().backward()
+    want = eager(x)
+    (want * g).sum().backward()
+    assert _rel(out.detach(), want.detach()) < 1e-5
+    for p, q in zip(model.parameters(), eager.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None and _rel(p.grad, q.grad) < 1e-4
+    # the running statistics: one update each, this call's (none from the check's steps)
+    for (name, a), b in zip(model.named_buffers(), eager.buffers(), strict=True):
+        assert torch.equal(a, b) if a.dtype == torch.long else _rel(a, b) < 1e-5, name
+
+
+def test_a_check_that_fails_keeps_the_trace_and_stores_nothing(
+        step_clock: dict[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("made to fail in this test")
+
+    monkeypatch.setattr(step_floor, "time_steps", broken)
+    model = LNBlock().eval()
+    x = torch.randn(2, 8, 32)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=partial(fusegraph_backend, options=OPTIONS))
+    with torch.no_grad(), collecting() as rows, caplog.at_level(logging.WARNING, logger="fusegraph.torch"):
+        got = compiled(x)
+    assert "the step check against Inductor's own compile did not run (RuntimeError: made to fail" in caplog.text
+    assert any(r.fusegraph for r in rows) and _stored() == []
+    assert _rel(got, model(x).detach()) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("winner", ["own", "trace", "timed"])
+def test_on_cuda_bf16_channels_last_training_runs_the_verdicts_side(
+        winner: str, step_clock: dict[str, Any], request: pytest.FixtureRequest) -> None:
+    """The ResNet-style step as bench_torch.py runs it on a GPU (channels-last, bf16
+    autocast), every region winning: the step's verdict forced either way, or timed on the
+    real clock ("timed"); the result is Inductor's own, bit for bit, exactly where the
+    verdict says so, else the trace's within bf16 tolerances."""
+    seen: list[str] = request.getfixturevalue("graphs")
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    if winner == "trace":
+        step_clock["trace_ms"], step_clock["own_ms"] = 1.0, 2.0
+    if winner == "timed":
+        step_clock["timer"] = REAL_TIMER
+    cuda = torch.device("cuda")
+    model = ConvBN().to(cuda).to(memory_format=torch.channels_last)
+    x = torch.randn(8, 3, 16, 16, device=cuda).to(memory_format=torch.channels_last)
+    g = torch.randn(8, 10, device=cuda)
+    sides = []
+    for backend in ("inductor", partial(fusegraph_backend, options=OPTIONS)):
+        twin = copy.deepcopy(model)
+        torch._dynamo.reset()
+        compiled = torch.compile(twin, backend=backend)
+        start = len(seen)
+        with torch.autocast("cuda", torch.bfloat16), collecting() as rows:
+            sides.append((_step(twin, compiled, x, g), seen[start:], rows))
+    (want, want_graphs, _), (got, got_graphs, rows) = sides
+    assert step_clock["calls"] == 1, step_clock
+    own = all(r.where == "inductor" for r in rows)
+    assert any(r.region is not None for r in rows) and rows
+    if winner != "timed":
+        assert own == (winner == "own")
+    if own:
+        assert all(step_floor.OWN_WON in r.why for r in rows), rows[0].why
+        assert got_graphs[-2:] == want_graphs and got[2] == want[2]
+        assert torch.equal(got[0], want[0])
+        for a, b in zip(got[1], want[1], strict=True):
+            assert torch.equal(a, b)
+    else:
+        assert all(step_floor.TRACE_WON in r.why for r in rows if r.fusegraph)
+        assert abs(float(got[0]) - float(want[0])) <= 2e-2 * want[3]
+        for a, b in zip(got[1], want[1], strict=True):
+            assert _rel(a, b) < 5e-2
