@@ -62,6 +62,12 @@ class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, Plan
         self._by_name: dict[str, TensorAttr] = {}  # a lookup cache, checked on every hit
         self.nodes: list[Node] = []
         self._counters: dict[str, int] = {}
+        # Taken tensor and node names with their counts, kept as tensors and nodes are added or
+        # renamed so _unique is O(1) (a set rebuilt per call made building quadratic). Callers
+        # may edit ``tensors``/``nodes`` directly (passes prune them), so the counts are trusted
+        # only while the lists are the ones, of the lengths, they were last synced with.
+        self._names: dict[str, int] | None = None
+        self._names_sync: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._validated = False
         self._key: str | None = None
         # Engines keep built plans here, keyed by (engine, handle); cleared on any change.
@@ -118,11 +124,49 @@ class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, Plan
 
     def _add_tensor(self, t: TensorAttr) -> TensorAttr:
         self.tensors.append(t)
+        self._names_added((t.name,), tensors=1)
         self._touch()
         return t
 
+    def _lists_fingerprint(self) -> tuple[int, int, int, int]:
+        return (id(self.tensors), len(self.tensors), id(self.nodes), len(self.nodes))
+
+    def _taken_names(self) -> dict[str, int]:
+        if self._names is None or self._names_sync != self._lists_fingerprint():
+            names: dict[str, int] = {}
+            for t in self.tensors:
+                names[t.name] = names.get(t.name, 0) + 1
+            for n in self.nodes:
+                names[n.name] = names.get(n.name, 0) + 1
+            self._names = names
+            self._names_sync = self._lists_fingerprint()
+        return self._names
+
+    def _names_added(self, names: Sequence[str], *, tensors: int = 0, nodes: int = 0) -> None:
+        """Count names just appended (``tensors`` to the tensor list, ``nodes`` to the node
+        list); if the lists were edited behind our back the counts are dropped, rebuilt on use."""
+        t_id, t_len, n_id, n_len = self._names_sync
+        if self._names is None or (t_id, t_len + tensors, n_id, n_len + nodes) != self._lists_fingerprint():
+            self._names = None
+            return
+        for name in names:
+            self._names[name] = self._names.get(name, 0) + 1
+        self._names_sync = self._lists_fingerprint()
+
+    def _renamed(self, old: str, new: str) -> None:
+        """A tensor of this graph changed its name (TensorAttr.set_name)."""
+        if self._names is None or self._names_sync != self._lists_fingerprint():
+            self._names = None
+            return
+        left = self._names.get(old, 0) - 1
+        if left > 0:
+            self._names[old] = left
+        else:
+            self._names.pop(old, None)
+        self._names[new] = self._names.get(new, 0) + 1
+
     def _unique(self, base: str) -> str:
-        taken = {t.name for t in self.tensors} | {n.name for n in self.nodes}
+        taken = self._taken_names()
         while True:
             i = self._counters.get(base, 0)
             self._counters[base] = i + 1
@@ -166,6 +210,7 @@ class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, Plan
             self.tensors.append(t)
         node = Node(node_name, kind, attrs, ins, outs)
         self.nodes.append(node)
+        self._names_added([node_name, *(t.name for t in outs.values())], tensors=len(outs), nodes=1)
         self._touch()
         self._try_infer(node)
         return node

@@ -138,7 +138,8 @@ class TensorAttr:
         return self
 
     def set_name(self, name: str) -> TensorAttr:
-        self._name = str(name)
+        old, self._name = self._name, str(name)
+        self._graph._renamed(old, self._name)
         self._graph._touch()
         return self
 
