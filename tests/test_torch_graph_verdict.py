@@ -25,6 +25,7 @@ from test_torch_incumbent_path import (  # noqa: E402, F401  (fixtures and helpe
     graphs,
     regions_lose,
 )
+from test_torch_step_floor import step_clock  # noqa: E402, F401  (the step check's forced timer)
 
 from fusegraph.torch import compile_backend  # noqa: E402
 from fusegraph.torch.compile_backend import INDUCTORS_OWN, STORED_OWN, collecting, fusegraph_backend  # noqa: E402
@@ -140,8 +141,11 @@ def test_a_graph_that_keeps_regions_stores_nothing(request: pytest.FixtureReques
                                                    monkeypatch: pytest.MonkeyPatch, claims: list[str]) -> None:
     """Every region wins alone and the whole graph with them (the virtual clock: the unclaimed
     graph made slower): nothing is stored, the next compile traces and claims again. Handed
-    back at the graph level (the unclaimed graph the faster), the conclusion is stored."""
+    back at the graph level (the unclaimed graph the faster), the conclusion is stored. (The
+    step check against Inductor's own compile, step_floor.py, is made to keep the trace.)"""
     monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    step = request.getfixturevalue("step_clock")
+    step["trace_ms"], step["own_ms"] = 1.0, 2.0
     state: Callable[[], Any] = request.getfixturevalue("clock").__setitem__  # type: ignore[assignment]
     state("graph_extra", 100.0)
     model = LNBlock().eval()
