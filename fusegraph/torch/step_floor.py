@@ -16,8 +16,9 @@ interleaved, medians, the region layer's margin (ties go to Inductor's own).
 Nothing the user holds is touched: the inputs are fresh tensors (a Dynamo graph that owns
 parameters of its own, not lifted to inputs, is not checked: its backward would write
 their ``.grad``), the caller's saved-tensor hooks are set aside while the steps run, and
-the random number generators are restored afterwards (a step's dropout would have
-advanced them)."""
+the random number generators are restored afterwards (the steps draw random inputs and
+run dropout; Dynamo restores them around a compile as well, the backend called alone
+does not)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from fusegraph.torch import graph_floor
 log = logging.getLogger("fusegraph.torch")
 
 ENGINE = "fusegraph's trace"  # the candidate's name in the verdict
-OWN_WON = "the step timed whole: Inductor's own compile of the Dynamo graph ran faster than fusegraph's trace"
+OWN_WON = ("the step timed whole: fusegraph's trace was not faster than Inductor's own compile of the Dynamo "
+           "graph (ties go to Inductor's own), which runs it")
 TRACE_WON = "the step timed whole: fusegraph's trace ran faster than Inductor's own compile"
 
 
