@@ -37,6 +37,9 @@ from fusegraph.torch import graph_floor
 log = logging.getLogger("fusegraph.torch")
 
 ENGINE = "fusegraph's trace"  # the candidate's name in the verdict
+# timed rounds at least: a step (tens of ms on a GPU) fills a round alone, and timing's
+# default five samples are few for a verdict that decides the whole training run
+ROUNDS = 10
 OWN_WON = ("the step timed whole: fusegraph's trace was not faster than Inductor's own compile of the Dynamo "
            "graph (ties go to Inductor's own), which runs it")
 TRACE_WON = "the step timed whole: fusegraph's trace ran faster than Inductor's own compile"
@@ -139,7 +142,7 @@ def time_steps(claimed: Callable[..., Any], own: Callable[..., Any], example_inp
         if sides["claimed"].backward != sides["own"].backward:
             raise RuntimeError("the two compiles disagree on whether the step has a backward")
         verdict = measure(sides["claimed"], sides["own"], incumbent=graph_floor.INDUCTORS_OWN, engine=ENGINE,
-                          margin=margin, sync=sync, warmup_s=warmup_s)
+                          margin=margin, sync=sync, warmup_s=warmup_s, min_rounds=ROUNDS)
         del sides
         if sync is not None:
             sync()
