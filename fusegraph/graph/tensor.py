@@ -7,6 +7,7 @@ what was left unset (dims, strides and types of virtual tensors).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,10 @@ class TensorAttr:
         is_virtual: bool = False,
         value: Scalar | None = None,
     ) -> None:
-        self._graph = graph
+        # Weak: the graph owns its tensors, and a strong reference back would make every graph
+        # a reference cycle, freed (with the engine plans and weights it caches) only by the
+        # garbage collector's full pass instead of when its last user lets go of it.
+        self._graph: weakref.ref[Graph] = weakref.ref(graph)
         self._name = name
         self._dim: tuple[int, ...] | None = _ints(dim, name, "dims") if dim is not None else None
         self._stride: tuple[int, ...] | None = (
@@ -97,7 +101,18 @@ class TensorAttr:
 
     @property
     def graph(self) -> Graph:
-        return self._graph
+        g = self._graph()
+        if g is None:
+            raise ValidationError(
+                "the tensor's graph was freed: keep a reference to the Graph while its tensors are in use",
+                tensor=self._name,
+            )
+        return g
+
+    def _touch(self) -> None:
+        g = self._graph()
+        if g is not None:  # a freed graph has no plans or key left to invalidate
+            g._touch()
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -123,36 +138,38 @@ class TensorAttr:
         self._is_output = bool(is_output)
         if is_output:
             self._is_virtual = False
-        self._graph._touch()
+        self._touch()
         return self
 
     def set_is_virtual(self, is_virtual: bool = True) -> TensorAttr:
         self._is_virtual = bool(is_virtual)
-        self._graph._touch()
+        self._touch()
         return self
 
     def set_data_type(self, data_type: Any) -> TensorAttr:
         self._data_type = _data_type(data_type, self._name)
         self.dtype_set = True
-        self._graph._touch()
+        self._touch()
         return self
 
     def set_name(self, name: str) -> TensorAttr:
         old, self._name = self._name, str(name)
-        self._graph._renamed(old, self._name)
-        self._graph._touch()
+        g = self._graph()
+        if g is not None:
+            g._renamed(old, self._name)
+        self._touch()
         return self
 
     def set_dim(self, dim: Sequence[int]) -> TensorAttr:
         self._dim = _ints(dim, self._name, "dims")
         self.dim_set = True
-        self._graph._touch()
+        self._touch()
         return self
 
     def set_stride(self, stride: Sequence[int]) -> TensorAttr:
         self._stride = _ints(stride, self._name, "strides")
         self.stride_set = True
-        self._graph._touch()
+        self._touch()
         return self
 
     # ---- inference (validate() only) -----------------------------------------------------

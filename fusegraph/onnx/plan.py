@@ -14,9 +14,11 @@ claimed group is lowered and built is in ``plan_build``, the partition report in
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -25,7 +27,9 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from fusegraph.engines.base import ExecutionPlan
 from fusegraph.errors import CompileError, ExecutionError, FusegraphError
+from fusegraph.graph.graph import Graph
 from fusegraph.onnx import (
     floor,
     plan_build,
@@ -44,6 +48,8 @@ from fusegraph.onnx.partition import Group, Partitioning, PNode, partition
 from fusegraph.onnx.patterns import apply_rewrites
 from fusegraph.onnx.report import Boundaries, PartitionReport
 from fusegraph.onnx.units import FusegraphUnit, OrtUnit, Unit, _ort_value, to_host
+from fusegraph.regions.choose import Chooser
+from fusegraph.regions.plan import RegionPlan, Step
 from fusegraph.runtime.handle import Handle
 
 log = logging.getLogger("fusegraph.onnx")
@@ -683,6 +689,16 @@ class SessionPlan:
             self.reasons[n.name] = f"its claimed subgraph failed: {why}"
         return repl.run({i: env[i] for i in repl.inputs})
 
+    # ---- end of life ------------------------------------------------------------------------
+    def release(self) -> None:
+        """Breaks the reference cycles inside the plan (below) and drops its units, so that
+        their weights and engine plans are freed as soon as the last reference goes, not at
+        the garbage collector's next full pass. For a plan no one runs again: the session
+        calls it when it is itself freed."""
+        units, self.units = self.units, []
+        self._whole_ort = None
+        break_cycles(units)
+
     # ---- report -----------------------------------------------------------------------------
     def report(self) -> PartitionReport:
         return plan_report.report(self)
@@ -690,6 +706,57 @@ class SessionPlan:
     def boundaries(self) -> Boundaries:
         """Static count of the values crossing units and the copies made there (see Boundaries)."""
         return plan_report.boundaries(self)
+
+
+# What a plan's units own and may hold a cycle, walked by break_cycles. A graph and its engine
+# plans refer to each other (Graph.plans and Graph._selection hold the plans, each plan holds
+# its graph: the plan keeps the bound weights), and a region unit's chooser builds through a
+# closure over the unit. Only these types are walked into, never shared objects (handles,
+# engines, caches, verdict stores), so nothing another session uses is touched.
+_OWNED = (FusegraphUnit, RegionPlan, Step, ExecutionPlan, Graph)
+
+
+def break_cycles(roots: Sequence[Any]) -> int:
+    """Clears the back references of the graphs, engine plans and choosers reachable from
+    ``roots`` through the objects of _OWNED, lists, tuples, dicts, sets and closures;
+    returns how many objects were cut. Whatever it reaches must be unused from then on."""
+    seen: set[int] = set()
+    stack: list[Any] = list(roots)
+    cut = 0
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+            stack.extend(k for k in obj if not isinstance(k, str | int | float | bytes))
+        elif isinstance(obj, list | tuple | set | frozenset):
+            stack.extend(obj)
+        elif isinstance(obj, types.MethodType):
+            stack.append(obj.__self__)
+        elif isinstance(obj, types.FunctionType):  # a closure: what it captured
+            stack.extend(c.cell_contents for c in obj.__closure__ or () if _filled(c))
+        elif isinstance(obj, functools.partial):
+            stack.extend((obj.func, *obj.args, *obj.keywords.values()))
+        elif isinstance(obj, Chooser):  # the unit's own: its builders close over the unit
+            obj.builder = obj.preferred = None
+            cut += 1
+        elif isinstance(obj, _OWNED):
+            if isinstance(obj, Graph):
+                obj.plans.clear()
+                obj._selection = None
+                cut += 1
+            stack.extend(getattr(obj, "__dict__", {}).values())
+    return cut
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:  # an empty cell
+        return False
+    return True
 
 
 __all__ = ["EngineChoice", "SessionPlan", "engine_warnings", "make_dumper"]

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import os
 import warnings
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -184,6 +185,9 @@ class InferenceSession:
         self._handle: Handle = session_handle(self._opts)
         self._engine = EngineChoice(self._opts.engine, self._handle) if self._enabled else None
         self._plans: dict[tuple[Any, ...], SessionPlan] = {}
+        # Plans hold reference cycles (a graph and its engine plans, a region unit and its
+        # chooser): cut when the session goes, so `del sess` frees the weights at once.
+        weakref.finalize(self, _release_plans, self._plans)
         self._last: SessionPlan | None = None
         self.last_peak: PeakMemory | None = None
         # Off by default: resetting the kernel's peak-RSS mark walks the page tables, which
@@ -508,6 +512,12 @@ class InferenceSession:
                     shape = list(info.shape)
             out.append(NodeArg(o.name, shape, _type_string(o.type)))
         return out
+
+
+def _release_plans(plans: dict[tuple[Any, ...], SessionPlan]) -> None:
+    for plan in plans.values():
+        plan.release()
+    plans.clear()
 
 
 def _shapes(feed: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

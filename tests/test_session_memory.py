@@ -1,0 +1,173 @@
+"""Dropping a session frees its model's weights and plans at once, without waiting for the
+garbage collector: the tests run with the collector off, open a session, run it, drop it,
+and check that what its plan owned (units, engine plans, weights) is gone."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import fusegraph.onnx as fgo
+from fusegraph.onnx.plan import break_cycles
+from fusegraph.onnx.units import FusegraphUnit
+
+pytestmark = pytest.mark.usefixtures("own_cache")
+
+D = 256  # two 256x256 float32 layers: 0.5 MB of weights
+
+
+def _mlp(rng: np.random.Generator, layers: int = 2) -> onnx.ModelProto:
+    nodes, inits, x = [], [], "x"
+    for i in range(layers):
+        w = (rng.standard_normal((D, D)) / np.sqrt(D)).astype(np.float32)
+        b = rng.standard_normal(D).astype(np.float32)
+        inits += [numpy_helper.from_array(w, f"w{i}"), numpy_helper.from_array(b, f"b{i}")]
+        nodes += [helper.make_node("MatMul", [x, f"w{i}"], [f"m{i}"]),
+                  helper.make_node("Add", [f"m{i}", f"b{i}"], [f"a{i}"]),
+                  helper.make_node("Relu", [f"a{i}"], [f"r{i}"])]
+        x = f"r{i}"
+    g = helper.make_graph(nodes, "mlp", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, D])],
+                          [helper.make_tensor_value_info(x, TensorProto.FLOAT, [4, D])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+
+
+@pytest.fixture
+def no_gc() -> Iterator[None]:
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
+def _weak(obj: Any) -> weakref.ref[Any] | None:
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return None
+
+
+def _owned(sess: fgo.InferenceSession) -> tuple[list[weakref.ref[Any]], int]:
+    """Weak references to what the session's plans own that may sit in a reference cycle
+    (units, engine plans, bound weights; a whole-model runner where one won), and how many
+    fusegraph units there are."""
+    refs: list[weakref.ref[Any] | None] = [_weak(sess._direct)] if sess._direct is not None else []
+    fused = 0
+    for plan in sess._plans.values():
+        refs.append(_weak(plan))
+        for u in plan.units:
+            refs.append(_weak(u))
+            if not isinstance(u, FusegraphUnit):
+                continue
+            fused += 1
+            refs += [_weak(u.plan), *(_weak(p) for p in u.graph.plans.values())]
+            refs += [_weak(w) for w in u.weights.values()]
+            refs += [_weak(w) for w in getattr(u, "_weights_dev", {}).values()]
+    return [r for r in refs if r is not None], fused
+
+
+def _run_checked(sess: fgo.InferenceSession, model: onnx.ModelProto, x: np.ndarray) -> None:
+    got = sess.run(None, {"x": x})[0]
+    want = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    assert not np.isnan(got).any()
+    err = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want.astype(np.float64))
+    assert err < 1e-5, f"relative error {err:.2e}, max abs {np.abs(got - want).max():.2e}"
+
+
+CASES = {
+    "defaults": {},
+    "floor_off": {"floor": "off"},
+    "torch": {"floor": "off", "engine": "torch"},
+    "regions": {"floor": "off", "engine": "torch", "regions": "on"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_del_frees_the_plan_without_the_collector(case: str, rng: np.random.Generator, no_gc: None) -> None:
+    model = _mlp(rng)
+    x = rng.standard_normal((4, D)).astype(np.float32)
+    sess = fgo.InferenceSession(model.SerializeToString(), providers=[(fgo.PROVIDER, CASES[case])])
+    _run_checked(sess, model, x)
+    refs, fused = _owned(sess)
+    if case != "defaults":  # the floor off: the fusegraph units are kept, whatever their speed
+        assert fused >= 1
+    assert refs
+    del sess
+    alive = [r() for r in refs if r() is not None]
+    assert not alive, f"{len(alive)} object(s) the session owned outlive it: {[type(a).__name__ for a in alive][:8]}"
+
+
+@pytest.mark.parametrize("case", ["regions"])
+def test_replacing_a_session_frees_the_old_one(case: str, rng: np.random.Generator, no_gc: None) -> None:
+    model = _mlp(rng)
+    x = rng.standard_normal((4, D)).astype(np.float32)
+    opts = [(fgo.PROVIDER, CASES[case])]
+    sess: fgo.InferenceSession | None = fgo.InferenceSession(model.SerializeToString(), providers=opts)
+    assert sess is not None
+    _run_checked(sess, model, x)
+    refs, fused = _owned(sess)
+    assert fused >= 1
+    sess = fgo.InferenceSession(model.SerializeToString(), providers=opts)  # a reload
+    assert all(r() is None for r in refs)
+    refs, _ = _owned(sess)
+    sess = None
+    assert all(r() is None for r in refs)
+
+
+def test_open_run_drop_loop_does_not_grow(rng: np.random.Generator, no_gc: None) -> None:
+    """20 sessions opened, run and dropped in turn: the traced memory after the last is what
+    it was after the fifth (the weights of each are freed before the next is opened)."""
+    model = _mlp(rng).SerializeToString()
+    x = rng.standard_normal((4, D)).astype(np.float32)
+    opts = [(fgo.PROVIDER, CASES["regions"])]
+    weights = 2 * D * D * 4
+    tracemalloc.start()
+    try:
+        current: list[int] = []
+        for _ in range(20):
+            sess = fgo.InferenceSession(model, providers=opts)
+            sess.run(None, {"x": x})
+            del sess
+            current.append(tracemalloc.get_traced_memory()[0])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    growth = current[-1] - current[4]
+    assert growth < weights // 4, f"traced memory grew {growth} bytes over 15 sessions (weights: {weights})"
+    assert peak < current[4] + 8 * weights, f"peak {peak} bytes, {current[4]} after the fifth session"
+
+
+def _holding(obj: Any) -> Any:
+    def closure() -> Any:
+        return obj
+
+    return closure
+
+
+def test_break_cycles_cuts_graph_plan_and_closure_cycles(rng: np.random.Generator, no_gc: None) -> None:
+    """break_cycles alone (what the session's finalizer calls): a graph built with its plan
+    cached in it, held only through a closure, is freed once cut."""
+    import fusegraph as fg
+
+    g = fg.Graph(io_data_type=fg.DataType.FLOAT)
+    a = g.tensor("a", [3, 4])
+    g.relu(a).set_name("y").set_output(True)
+    plan = g.build(engine="reference")
+    assert g.plans  # the graph holds its plan, the plan its graph: a cycle
+    probe = weakref.ref(plan)
+    closure = _holding(plan)
+    del plan
+    assert break_cycles([[closure]]) >= 1
+    assert not g.plans and g._selection is None
+    del closure
+    assert probe() is None
