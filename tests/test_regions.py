@@ -223,6 +223,60 @@ def test_a_preferred_candidate_is_measured_first(preferred_ms: float | None, bui
     assert (str(again.plan.config) if again.plan is not None else "incumbent") == kept
 
 
+@pytest.mark.parametrize(("builder_ms", "fallback_ms", "kept"), [
+    (1.0, 1.0, "split"),      # the builder's plan wins: the fallback is never built
+    (5.0, 1.0, "ieee"),       # it loses: the fallback is measured and kept
+    (None, 1.0, "ieee"),      # it cannot build: the fallback as well
+    (5.0, 5.0, "incumbent"),  # both lose: the incumbent keeps it, the reason names both
+])
+def test_a_fallback_candidate_is_measured_where_the_builders_plan_loses(
+        builder_ms: float | None, fallback_ms: float, kept: str, rng: np.random.Generator, tmp_path: Path) -> None:
+    """The ONNX door's split-product plan (the builder) with the float32 plan it replaced as a
+    fallback: a region the split slows down is still claimed by the float32 plan."""
+    clock = Clock()
+    built: list[str] = []
+
+    def make(name: str, ms: float | None) -> Callable[[Region], ExecutionPlan]:
+        def build(region: Region) -> ExecutionPlan:
+            if ms is None:
+                raise UnsupportedError(f"{name} takes no such graph")
+            built.append(name)
+            return _TimedPlan(region.graph.build(handle=fg.Handle("cpu"), engine="torch"), clock, ms, name)
+
+        return build
+
+    def timer(cands: Mapping[str, Callable[[], object]], **kw: Any) -> dict[str, timing.Timing]:
+        return timing.time_candidates(cands, clock=clock, steady=False, min_rounds=3, per_round=1, **kw)
+
+    fake = CallableIncumbent("fake", lambda region, inputs: virtual_call(clock, 3.0))
+
+    def chooser(timing_fn: Any) -> Chooser:
+        return Chooser(fg.Handle("cpu"), fake, engine="torch", timer=timing_fn, store=VerdictStore(tmp_path),
+                       builder=make("split", builder_ms), fallbacks=(("ieee", make("ieee", fallback_ms)),))
+
+    region = split(_model()).regions[0]
+    first = chooser(timer)
+    assert not first.stored(region)
+    choices = first.choose_all([region, region], _inputs(rng))  # one content key twice: measured once
+    c = choices[0]
+    assert (c.verdict.engine if c.claimed else "incumbent") == kept
+    assert [x.claimed for x in choices] == [c.claimed] * 2
+    assert all((x.plan is not None and str(x.plan.config) == kept) for x in choices) == c.claimed
+    if kept == "split":
+        assert "ieee" not in built
+    if kept == "incumbent":
+        assert "also tried: split" in c.verdict.why, c.verdict.why
+    # a later front door reads the verdicts back and measures nothing
+    def no_timing(*args: Any, **kw: Any) -> dict[str, timing.Timing]:
+        raise AssertionError("measured again")
+
+    later = chooser(no_timing)
+    assert later.stored(region)
+    again = later.choose(region, _inputs(rng))
+    assert again.verdict.source in ("cached", "refused") and again.claimed == c.claimed
+    assert (str(again.plan.config) if again.plan is not None else "incumbent") == kept
+
+
 def test_floor_off_claims_every_region_it_can_build_and_refusals_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(UNSUPPORTED, "torch", {**UNSUPPORTED.get("torch", {}), OpKind.SOFTMAX: "not in this test"})
     chooser = Chooser(fg.Handle("cpu"), TorchOpByOp(fg.Handle("cpu")), floor=False, engine="torch")

@@ -129,10 +129,11 @@ class RegionUnit(FusegraphUnit):
         self.accuracy: Accuracy | None = None  # fp16 / bf16: the built unit against its float32 path
         self._buffers = base.handle.device.is_gpu  # outputs live on the device: a copy to reach the host
         build = chooser.builder or (lambda r: r.graph.build(handle=chooser.handle, engine=chooser.engine))
-        self._trial_passed: set[tuple[str, bool]] = set()  # (region content key, preferred) whose plan passed
+        self._trial_passed: set[tuple[str, bool | str]] = set()  # (region content key, candidate) whose plan passed
         chooser.builder = self._checked(build)
         if chooser.preferred is not None:
             chooser.preferred = self._checked(chooser.preferred, preferred=True)
+        chooser.fallbacks = tuple((name, self._checked(fn, preferred=name)) for name, fn in chooser.fallbacks)
 
     # ---- what the plan and the report read -----------------------------------------------------
     @property
@@ -314,7 +315,8 @@ class RegionUnit(FusegraphUnit):
         with working(f"fusegraph {self.name}: {fresh} regions measured against {c.incumbent.name}"):
             return c.choose_all(regions, self._example)
 
-    def _checked(self, build: Callable[[Region], ExecutionPlan], preferred: bool = False) -> Callable[[Region], ExecutionPlan]:
+    def _checked(self, build: Callable[[Region], ExecutionPlan],
+                 preferred: bool | str = False) -> Callable[[Region], ExecutionPlan]:
         """``build``, and where the floor is on a trial run of its plan against the same nodes
         op by op on PyTorch on the region's example inputs: a plan that fails or disagrees is
         the region's refusal (never measured, so no verdict of it is kept), as the floor

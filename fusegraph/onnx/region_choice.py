@@ -79,9 +79,10 @@ def chooser_for(plan: SessionPlan) -> Chooser:
     tf32 = plan.opts.precision == "tf32"
     split = split_wanted(plan.opts, handle)
 
-    def build(region: Region) -> ExecutionPlan:
+    def build(region: Region, split: bool = split) -> ExecutionPlan:
         """fusegraph's plan; any failure of an engine is the region's refusal (with its
-        reason), never the unit's."""
+        reason), never the unit's. ``split``: a torch-engine plan with a float32 matmul
+        rebuilt with split products (the plan as selected is then the fallback candidate)."""
         try:
             with engine_cache(cache_dir), tf32_allowed(tf32):
                 first = _cudnn_tf32(region.graph, handle) if tf32 and engine is None else None
@@ -129,6 +130,8 @@ def chooser_for(plan: SessionPlan) -> Chooser:
                    store=VerdictStore(cache_dir) if floor else None, sync=sync,
                    timing_options=timing_options, builder=build, build_options=options, key_options=key_options,
                    preferred=folded if handle.device.is_gpu and engine is None else None,
+                   # where the split plan loses, the float32 plan it replaced is measured too
+                   fallbacks=(("fp32_matmul=ieee", lambda region: build(region, False)),) if split else (),
                    budget_s=region_budget(plan.opts))
 
 

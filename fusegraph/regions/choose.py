@@ -57,6 +57,11 @@ class Chooser:
     # the builder's plan is never built (an Inductor compile it would cost); where it loses
     # or cannot build, the builder's plan is measured as before. Its verdicts are its own.
     preferred: Callable[[Region], ExecutionPlan] | None = None
+    # Candidates tried, in order, where the builder's plan lost or was refused, each with
+    # verdicts of its own (``candidate=<name>`` in their keys): the ONNX door's float32
+    # plan behind its split-product one, so a region the split slows down can still be
+    # claimed by the plan it replaced.
+    fallbacks: Sequence[tuple[str, Callable[[Region], ExecutionPlan]]] = ()
     # Seconds ``choose_all`` may spend building and measuring regions without a stored
     # verdict (None: no limit). Past it the rest go to the incumbent unmeasured and
     # unrecorded, so each later session measures more until every region has its verdict.
@@ -71,16 +76,19 @@ class Chooser:
             self._versions = engine_versions(REGISTRY.available_engines())
         return self._versions
 
-    def key(self, region: Region, preferred: bool = False) -> str:
+    def key(self, region: Region, preferred: bool | str = False) -> str:
+        """The verdict key of a candidate: the builder's (False), the preferred one (True) or
+        a fallback (its name)."""
         from fusegraph.select.device_id import device_id
 
+        candidate = "preferred" if preferred is True else preferred or None
         settings = {"engine": self.engine or "auto", "margin": self.margin, **dict(self.build_options),
-                    **dict(self.key_options), **({"candidate": "preferred"} if preferred else {})}
+                    **dict(self.key_options), **({"candidate": candidate} if candidate else {})}
         return verdict_key(region.key, device_id(self.handle), self.incumbent.name, self.versions(), settings)
 
-    def cached(self, region: Region, preferred: bool = False) -> Verdict | None:
-        """The stored verdict on the region's candidate (the preferred one, or the builder's),
-        where the floor is on and one was recorded."""
+    def cached(self, region: Region, preferred: bool | str = False) -> Verdict | None:
+        """The stored verdict on the region's candidate (the preferred one, the builder's or a
+        fallback), where the floor is on and one was recorded."""
         if not self.floor or self.store is None:
             return None
         return self.store.lookup(self.key(region, preferred))
@@ -95,8 +103,20 @@ class Chooser:
 
     def stored(self, region: Region) -> bool:
         """Whether stored verdicts decide the region without measuring it."""
-        if self.cached(region) is not None:
+        own = self.cached(region)
+        if own is not None and (own.fusegraph or not self.fallbacks):
             return True
+        # the builder's plan lost, or was refused (refusals are not stored; a fallback's
+        # verdict exists only where the builder's plan was tried): the fallbacks decide
+        for name, _ in self.fallbacks:
+            v = self.cached(region, name)
+            if v is None:
+                break
+            if v.fusegraph or name == self.fallbacks[-1][0]:
+                return True
+        else:
+            if own is not None:
+                return True
         first = self.cached(region, True) if self.preferred is not None else None
         return first is not None and first.fusegraph
 
@@ -116,22 +136,51 @@ class Chooser:
     def choose(self, region: Region, inputs: Callable[[Region], Mapping[str, Any]] | None = None) -> Choice:
         return self._pick(region, inputs)[0]
 
-    def _pick(self, region: Region, inputs: Callable[[Region], Mapping[str, Any]] | None) -> tuple[Choice, bool]:
-        """The choice, and whether the preferred candidate made it."""
+    def _pick(self, region: Region,
+              inputs: Callable[[Region], Mapping[str, Any]] | None) -> tuple[Choice, bool | str]:
+        """The choice, and which candidate made it: True the preferred one, False the
+        builder's (or none), else the fallback's name."""
         if self.floor and self._tries_preferred(region):
             assert self.preferred is not None
             first = self._choose(region, inputs, self.preferred, preferred=True)
             if first.claimed:
                 return first, True
-            choice = self._choose(region, inputs, None)
+            choice, which = self._with_fallbacks(region, inputs)
             if not choice.claimed and first.verdict.source != "refused":  # both measured: say so
                 why = f"{choice.verdict.why}; first tried: {first.verdict.engine}, {first.verdict.why}"
                 choice = Choice(region, replace(choice.verdict, why=why), None)
+            return choice, which
+        return self._with_fallbacks(region, inputs)
+
+    def _with_fallbacks(self, region: Region,
+                        inputs: Callable[[Region], Mapping[str, Any]] | None) -> tuple[Choice, bool | str]:
+        """The builder's plan, then (floor on) each fallback in turn where it lost or was
+        refused; the last candidate's verdict says what the others said."""
+        choice = self._choose(region, inputs, None)
+        if choice.claimed or not self.floor:
             return choice, False
-        return self._choose(region, inputs, None), False
+        tried = [choice]
+        for name, fn in self.fallbacks:
+            alt = self._choose(region, inputs, fn, preferred=name)
+            if alt.claimed:
+                return alt, name
+            tried.append(alt)
+        if len(tried) == 1:
+            return choice, False
+        last = tried[-1]
+        others = "; ".join(f"{c.verdict.engine or 'not built'}: {c.verdict.why}" for c in tried[:-1])
+        return Choice(region, replace(last.verdict, why=f"{last.verdict.why}; also tried: {others}"), None), False
+
+    def candidate(self, which: bool | str) -> Callable[[Region], ExecutionPlan] | None:
+        """The build function of a candidate named as ``_pick`` names it (None: the builder)."""
+        if which is True:
+            return self.preferred
+        if which is False:
+            return None
+        return dict(self.fallbacks)[which]
 
     def _choose(self, region: Region, inputs: Callable[[Region], Mapping[str, Any]] | None,
-                fn: Callable[[Region], ExecutionPlan] | None, preferred: bool = False) -> Choice:
+                fn: Callable[[Region], ExecutionPlan] | None, preferred: bool | str = False) -> Choice:
         cached = self.cached(region, preferred)
         if cached is not None and not cached.fusegraph:  # a plan that lost is not built again
             return Choice(region, cached)
@@ -167,7 +216,7 @@ class Chooser:
         self, regions: Sequence[Region], inputs: Callable[[Region], Mapping[str, Any]] | None = None
     ) -> list[Choice]:
         """Every region's choice; regions with one content key are measured once."""
-        by_key: dict[str, tuple[Verdict, bool]] = {}  # content key -> verdict, whether the preferred won
+        by_key: dict[str, tuple[Verdict, bool | str]] = {}  # content key -> verdict, which candidate won
         out: list[Choice] = []
         spent = 0.0  # seconds on regions without a stored verdict
         for region in regions:
@@ -176,7 +225,7 @@ class Chooser:
                 verdict, first = seen
                 plan = None
                 if verdict.fusegraph:
-                    built = self.build(region, self.preferred if first else None)
+                    built = self.build(region, self.candidate(first))
                     plan = built if isinstance(built, ExecutionPlan) else None
                 out.append(Choice(region, verdict, plan))
                 continue
