@@ -176,6 +176,28 @@ class _TimedPlan(ExecutionPlan):
         return self.inner.execute(variant_pack)
 
 
+class _Candidates:
+    """Candidates on one virtual clock: ``make(name, ms)`` builds a plan taking ``ms`` a call
+    (None: refused), ``built`` lists what was built, ``fake`` is an incumbent at 3 ms."""
+
+    def __init__(self) -> None:
+        self.clock = Clock()
+        self.built: list[str] = []
+        self.fake = CallableIncumbent("fake", lambda region, inputs: virtual_call(self.clock, 3.0))
+
+    def make(self, name: str, ms: float | None) -> Callable[[Region], ExecutionPlan]:
+        def build(region: Region) -> ExecutionPlan:
+            if ms is None:
+                raise UnsupportedError(f"{name} takes no such graph")
+            self.built.append(name)
+            return _TimedPlan(region.graph.build(handle=fg.Handle("cpu"), engine="torch"), self.clock, ms, name)
+
+        return build
+
+    def timer(self, cands: Mapping[str, Callable[[], object]], **kw: Any) -> dict[str, timing.Timing]:
+        return timing.time_candidates(cands, clock=self.clock, steady=False, min_rounds=3, per_round=1, **kw)
+
+
 @pytest.mark.parametrize(("preferred_ms", "builder_ms", "kept"), [
     (1.0, 5.0, "first"),      # the preferred candidate wins: the builder's plan is never built
     (5.0, 1.0, "second"),     # it loses: the builder's plan is measured and kept
@@ -184,22 +206,8 @@ class _TimedPlan(ExecutionPlan):
 ])
 def test_a_preferred_candidate_is_measured_first(preferred_ms: float | None, builder_ms: float, kept: str,
                                                   rng: np.random.Generator, tmp_path: Path) -> None:
-    clock = Clock()
-    built: list[str] = []
-
-    def make(name: str, ms: float | None) -> Callable[[Region], ExecutionPlan]:
-        def build(region: Region) -> ExecutionPlan:
-            if ms is None:
-                raise UnsupportedError(f"{name} takes no such graph")
-            built.append(name)
-            return _TimedPlan(region.graph.build(handle=fg.Handle("cpu"), engine="torch"), clock, ms, name)
-
-        return build
-
-    def timer(cands: Mapping[str, Callable[[], object]], **kw: Any) -> dict[str, timing.Timing]:
-        return timing.time_candidates(cands, clock=clock, steady=False, min_rounds=3, per_round=1, **kw)
-
-    fake = CallableIncumbent("fake", lambda region, inputs: virtual_call(clock, 3.0))
+    cs = _Candidates()
+    make, timer, fake, built = cs.make, cs.timer, cs.fake, cs.built
     chooser = Chooser(fg.Handle("cpu"), fake, engine="torch", timer=timer, store=VerdictStore(tmp_path),
                       builder=make("second", builder_ms), preferred=make("first", preferred_ms))
     region = split(_model()).regions[0]
@@ -233,22 +241,8 @@ def test_a_fallback_candidate_is_measured_where_the_builders_plan_loses(
         builder_ms: float | None, fallback_ms: float, kept: str, rng: np.random.Generator, tmp_path: Path) -> None:
     """The ONNX door's split-product plan (the builder) with the float32 plan it replaced as a
     fallback: a region the split slows down is still claimed by the float32 plan."""
-    clock = Clock()
-    built: list[str] = []
-
-    def make(name: str, ms: float | None) -> Callable[[Region], ExecutionPlan]:
-        def build(region: Region) -> ExecutionPlan:
-            if ms is None:
-                raise UnsupportedError(f"{name} takes no such graph")
-            built.append(name)
-            return _TimedPlan(region.graph.build(handle=fg.Handle("cpu"), engine="torch"), clock, ms, name)
-
-        return build
-
-    def timer(cands: Mapping[str, Callable[[], object]], **kw: Any) -> dict[str, timing.Timing]:
-        return timing.time_candidates(cands, clock=clock, steady=False, min_rounds=3, per_round=1, **kw)
-
-    fake = CallableIncumbent("fake", lambda region, inputs: virtual_call(clock, 3.0))
+    cs = _Candidates()
+    make, timer, fake, built = cs.make, cs.timer, cs.fake, cs.built
 
     def chooser(timing_fn: Any) -> Chooser:
         return Chooser(fg.Handle("cpu"), fake, engine="torch", timer=timing_fn, store=VerdictStore(tmp_path),
