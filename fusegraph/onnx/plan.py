@@ -741,8 +741,7 @@ def break_cycles(roots: Sequence[Any]) -> int:
             stack.extend((obj.func, *obj.args, *obj.keywords.values()))
         elif isinstance(obj, Chooser):  # the unit's own: its builders close over the unit
             obj.builder = obj.preferred = None
-            if getattr(obj, "fallbacks", ()):  # further candidates, built the same way
-                vars(obj)["fallbacks"] = ()  # (a field newer than some checkouts of choose.py)
+            obj.fallbacks = ()  # further candidates, built the same way
             cut += 1
         elif isinstance(obj, _OWNED):
             if isinstance(obj, Graph):
