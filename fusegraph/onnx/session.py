@@ -187,7 +187,7 @@ class InferenceSession:
         self._plans: dict[tuple[Any, ...], SessionPlan] = {}
         # Plans hold reference cycles (a graph and its engine plans, a region unit and its
         # chooser): cut when the session goes, so `del sess` frees the weights at once.
-        weakref.finalize(self, _release_plans, self._plans)
+        weakref.finalize(self, _release_plans, self._plans).atexit = False  # nothing to free at exit
         self._last: SessionPlan | None = None
         self.last_peak: PeakMemory | None = None
         # Off by default: resetting the kernel's peak-RSS mark walks the page tables, which
