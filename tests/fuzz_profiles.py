@@ -83,6 +83,16 @@ PROFILES: dict[str, Profile] = {
         one_family=True,
         first=("matmul", "conv", "conv", "dgrad", "wgrad", "sdpa", "layernorm", "rmsnorm", "batchnorm"),
     ),
+    # The torch engine with fp32_matmul=bf16x3 (test_fuzz_graphs.VARIANTS): float32 graphs
+    # that start with a matmul (2-D, broadcast weight or batched; operands also transposed),
+    # with pointwise neighbours and reductions, and more matmuls after.
+    "bf16x3": Profile(
+        "bf16x3",
+        io_types=(DataType.FLOAT,),
+        kinds=("unary", "binary", "binary", "matmul", "matmul", "reduction"),
+        layouts={"any": ("row-major",), "matmul": ("row-major", "transposed")},
+        first=("matmul",),
+    ),
     # Triton row kernels: softmax, norms and reductions over trailing dims with their
     # pointwise neighbours, on row-major tensors.
     "triton": Profile(
