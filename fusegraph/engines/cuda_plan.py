@@ -208,7 +208,7 @@ class CudaTensorPlan(ExecutionPlan):
             if type(key) is str:
                 name = key
             elif isinstance(key, TensorAttr):
-                if key.graph is not self.graph:
+                if not key.belongs_to(self.graph):
                     raise VariantPackError("tensor belongs to another graph", tensor=key.name)
                 name = key.name
             else:

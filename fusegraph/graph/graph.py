@@ -187,7 +187,7 @@ class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, Plan
             raise ValidationError(
                 f"input '{port}' must be a TensorAttr of this graph, got {type(t).__name__}", node=op
             )
-        if t.graph is not self:
+        if not t.belongs_to(self):
             raise ValidationError(f"input '{port}' belongs to another graph", node=op, tensor=t.name)
         return t
 

@@ -109,6 +109,11 @@ class TensorAttr:
             )
         return g
 
+    def belongs_to(self, graph: Graph) -> bool:
+        """Whether this tensor is ``graph``'s: False for another graph's, freed or not (a
+        check of membership must not raise where the other graph is gone)."""
+        return self._graph() is graph
+
     def _touch(self) -> None:
         g = self._graph()
         if g is not None:  # a freed graph has no plans or key left to invalidate

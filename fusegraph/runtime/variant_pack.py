@@ -36,7 +36,7 @@ class ResolvedPack:
 
 def _key_name(graph: Any, key: Any) -> TensorAttr:
     if isinstance(key, TensorAttr):
-        if key.graph is not graph:
+        if not key.belongs_to(graph):
             raise VariantPackError("tensor belongs to another graph", tensor=key.name)
         return key
     if isinstance(key, str):

@@ -293,7 +293,7 @@ class TorchPlan(LeanCall, CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
         for key, value in variant_pack.items():
             if type(key) is str:
                 name = key
-            elif isinstance(key, TensorAttr) and key.graph is self.graph:
+            elif isinstance(key, TensorAttr) and key.belongs_to(self.graph):
                 name = key.name
             else:
                 return self._resolve_slowly(variant_pack)
