@@ -35,6 +35,7 @@ PARTS: tuple[Part, ...] = (
     Part("onnx-floor", "onnx-floor.json", "ONNX provider: floor verdicts (fusegraph vs ONNX Runtime)"),
     Part("onnx-tier", "onnx-tier", "ONNX provider: torch-mlir tier modules"),
     Part("onnx-background", "onnx-background", "ONNX provider: background evaluations (locks, child logs)"),
+    Part("onnx-checked", "onnx-checked.json", "ONNX provider: model files already checked (path, size, mtime)"),
     Part("openvino", "openvino", "ONNX provider: OpenVINO's compiled models (the openvino whole-model runner)"),
     Part("onednn-graph", "onednn-graph-verdicts.json", "torch engine: oneDNN Graph probe verdicts"),
     Part("torch-aoti", "torch-aoti", "torch engine: AOTInductor packages"),
