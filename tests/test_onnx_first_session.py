@@ -310,6 +310,40 @@ def test_a_new_shape_runs_on_ort_at_once_and_is_evaluated_in_the_background(
     assert "ORT won" in sess.partition_report().floor
 
 
+def test_a_dropped_dynamic_session_frees_its_plans_without_the_collector(
+        tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, fake_timer: Any) -> None:  # noqa: F811
+    """The shapes runner (direct.ShapedOrt) holds its session weakly: dropping a dynamic-shape
+    session frees it and the plans built for its shapes at once, with the collector off."""
+    import gc
+    import weakref
+
+    with contextlib.suppress(ImportError):  # a first import of torch inside the session leaves a frame cycle
+        import torch  # noqa: F401
+    data = _dynamic(rng).SerializeToString()
+    source = background.source_of(data)
+    assert source is not None
+    cache = _cache(tmp_path)
+    cache.record(background.at_shapes(source, {"x": (2, 4, 6, 6)}).content, floor.Verdict(True, 1.0, 2.0, "measured"))
+    cache.flush()
+    monkeypatch.setattr(background, "launch", _no_launch)
+    fake_timer([(1.0, 2.0), (1.0, 2.0)])
+    sess = _open(data, tmp_path)
+    sess.run(None, {"x": rng.standard_normal((2, 4, 6, 6)).astype(np.float32)})
+    assert sess.wait_for_evaluation(timeout=120)
+    assert isinstance(sess._direct, direct.ShapedOrt)
+    (plan,) = sess._direct.plans.values()
+    refs = [weakref.ref(sess), weakref.ref(sess._direct), weakref.ref(plan)]
+    del plan
+    gc.collect()
+    gc.disable()
+    try:
+        del sess
+        alive = [type(r()).__name__ for r in refs if r() is not None]
+    finally:
+        gc.enable()
+    assert not alive, f"outlive the dropped session: {alive}"
+
+
 def test_a_recorded_shape_verdict_is_not_evaluated_again(tmp_path: Path, rng: np.random.Generator,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     data = _dynamic(rng).SerializeToString()

@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
@@ -269,7 +270,9 @@ class ShapedOrt(DirectOrt):
         super().__init__(runner, verdict, None)
         self._source = source
         self._cache = cache
-        self._sess = sess
+        # weak: the session holds this runner, and a strong reference back would keep a
+        # dropped session (its model, its plans) until the collector's next full pass
+        self._session = weakref.ref(sess)
         self._lock = threading.Lock()
         self._seen: set[ShapeKey] = set()
         self._queue: collections.deque[ShapeKey] = collections.deque()
@@ -342,17 +345,21 @@ class ShapedOrt(DirectOrt):
 
     def _work(self) -> None:
         """Off the caller's thread: the finished child's verdict taken in, then the queued
-        sets' verdicts looked up (plans built where fusegraph won) until one needs a child."""
+        sets' verdicts looked up (plans built where fusegraph won) until one needs a child.
+        A session dropped meanwhile ends it: nothing is left to run the verdicts."""
+        sess = self._session()
+        if sess is None:
+            return
         if self.evaluation is not None:
             key, done = self._evaluating, self.evaluation
             verdict = done.verdict() or floor.Verdict(
                 False, source="not measured", why=f"the background evaluation left no verdict (log: {done.log_path})")
-            log.info("background evaluation of %s at %s: %s", self._sess._model_name, _shapes_text(key or ()),
+            log.info("background evaluation of %s at %s: %s", sess._model_name, _shapes_text(key or ()),
                      verdict.describe())
             with self._lock:
                 self.evaluation, self._evaluating = None, None
             if key is not None:
-                self._decided(key, verdict)
+                self._decided(sess, key, verdict)
         while True:
             with self._lock:
                 if not self._queue:
@@ -361,25 +368,25 @@ class ShapedOrt(DirectOrt):
             at = background.at_shapes(self._source, dict(key))
             known = floor.VerdictCache(str(self._cache.path.parent), self._cache.settings).lookup(at.content)
             if known is not None:
-                self._decided(key, known)
+                self._decided(sess, key, known)
                 continue
-            started = background.launch(at, self._sess._opts, self._cache, dict(key))
+            started = background.launch(at, sess._opts, self._cache, dict(key))
             if started is None:  # cannot be measured (no cache directory): ONNX Runtime there
-                self._decided(key, floor.Verdict(False, source="not measured", why="not evaluated"))
+                self._decided(sess, key, floor.Verdict(False, source="not measured", why="not evaluated"))
                 continue
             with self._lock:
                 self.evaluation, self._evaluating = started, key
             return
 
-    def _decided(self, key: ShapeKey, verdict: floor.Verdict) -> None:
+    def _decided(self, sess: InferenceSession, key: ShapeKey, verdict: floor.Verdict) -> None:
         self.shape_verdicts[key] = verdict
         if not verdict.keep:
             return
         try:
-            self.plans[key] = self._sess._new_plan(dict(key))
+            self.plans[key] = sess._new_plan(dict(key))
         except Exception as exc:  # that shape stays on ONNX Runtime, and says why
             log.warning("fusegraph's plan for %s at %s could not be built after its evaluation: %s",
-                        self._sess._model_name, _shapes_text(key), exc)
+                        sess._model_name, _shapes_text(key), exc)
             self.shape_verdicts[key] = floor.with_note(verdict, f"its plan failed to build: {type(exc).__name__}: {exc}")
 
     def report(self, sess: InferenceSession) -> PartitionReport:
