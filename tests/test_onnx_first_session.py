@@ -310,6 +310,19 @@ def test_a_new_shape_runs_on_ort_at_once_and_is_evaluated_in_the_background(
     assert "ORT won" in sess.partition_report().floor
 
 
+def _recorded_at_batch_2(tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch,
+                         verdict: floor.Verdict) -> bytes:
+    """A dynamic model whose verdict at batch 2 is already in the cache (no child is launched)."""
+    data = _dynamic(rng).SerializeToString()
+    source = background.source_of(data)
+    assert source is not None
+    cache = _cache(tmp_path)
+    cache.record(background.at_shapes(source, {"x": (2, 4, 6, 6)}).content, verdict)
+    cache.flush()
+    monkeypatch.setattr(background, "launch", _no_launch)
+    return data
+
+
 def test_a_dropped_dynamic_session_frees_its_plans_without_the_collector(
         tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, fake_timer: Any) -> None:  # noqa: F811
     """The shapes runner (direct.ShapedOrt) holds its session weakly: dropping a dynamic-shape
@@ -319,13 +332,7 @@ def test_a_dropped_dynamic_session_frees_its_plans_without_the_collector(
 
     with contextlib.suppress(ImportError):  # a first import of torch inside the session leaves a frame cycle
         import torch  # noqa: F401
-    data = _dynamic(rng).SerializeToString()
-    source = background.source_of(data)
-    assert source is not None
-    cache = _cache(tmp_path)
-    cache.record(background.at_shapes(source, {"x": (2, 4, 6, 6)}).content, floor.Verdict(True, 1.0, 2.0, "measured"))
-    cache.flush()
-    monkeypatch.setattr(background, "launch", _no_launch)
+    data = _recorded_at_batch_2(tmp_path, rng, monkeypatch, floor.Verdict(True, 1.0, 2.0, "measured"))
     fake_timer([(1.0, 2.0), (1.0, 2.0)])
     sess = _open(data, tmp_path)
     sess.run(None, {"x": rng.standard_normal((2, 4, 6, 6)).astype(np.float32)})
@@ -346,13 +353,7 @@ def test_a_dropped_dynamic_session_frees_its_plans_without_the_collector(
 
 def test_a_recorded_shape_verdict_is_not_evaluated_again(tmp_path: Path, rng: np.random.Generator,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    data = _dynamic(rng).SerializeToString()
-    source = background.source_of(data)
-    assert source is not None
-    cache = _cache(tmp_path)
-    cache.record(background.at_shapes(source, {"x": (2, 4, 6, 6)}).content, floor.Verdict(False, 3.0, 1.0, "measured"))
-    cache.flush()
-    monkeypatch.setattr(background, "launch", _no_launch)
+    data = _recorded_at_batch_2(tmp_path, rng, monkeypatch, floor.Verdict(False, 3.0, 1.0, "measured"))
     sess = _open(data, tmp_path)
     sess.run(None, {"x": rng.standard_normal((2, 4, 6, 6)).astype(np.float32)})
     assert sess.wait_for_evaluation(timeout=30)
@@ -363,14 +364,7 @@ def test_a_recorded_shape_verdict_is_not_evaluated_again(tmp_path: Path, rng: np
 
 def test_a_shape_where_fusegraph_won_gets_its_plan(tmp_path: Path, rng: np.random.Generator,
                                                    monkeypatch: pytest.MonkeyPatch, fake_timer: Any) -> None:  # noqa: F811
-    model = _dynamic(rng)
-    data = model.SerializeToString()
-    source = background.source_of(data)
-    assert source is not None
-    cache = _cache(tmp_path)
-    cache.record(background.at_shapes(source, {"x": (2, 4, 6, 6)}).content, floor.Verdict(True, 1.0, 2.0, "measured"))
-    cache.flush()
-    monkeypatch.setattr(background, "launch", _no_launch)
+    data = _recorded_at_batch_2(tmp_path, rng, monkeypatch, floor.Verdict(True, 1.0, 2.0, "measured"))
     fake_timer([(1.0, 2.0), (1.0, 2.0)])  # the plan's own floor (no unit verdicts cached here): fusegraph wins
     sess = _open(data, tmp_path)
     x = rng.standard_normal((2, 4, 6, 6)).astype(np.float32)
