@@ -82,8 +82,9 @@ def _relabel(edges: set[tuple[int, int]], gone: int) -> set[tuple[int, int]]:
 
 
 @st.composite
-def dags(draw: st.DrawFn) -> tuple[list[PNode], dict[str, str | None]]:
-    n = draw(st.integers(1, 24))
+def dags(draw: st.DrawFn, max_nodes: int = 24) -> tuple[list[PNode], dict[str, str | None]]:
+    """Random DAGs of one-output nodes over two graph inputs, three in four claimable."""
+    n = draw(st.integers(1, max_nodes))
     nodes: list[PNode] = []
     values = ["x0", "x1"]
     reasons: dict[str, str | None] = {}

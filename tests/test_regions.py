@@ -56,7 +56,9 @@ def test_a_model_splits_along_what_the_engines_fuse() -> None:
     assert got.regions[-1].outputs == ("out",)
 
 
-def test_a_transformer_block_splits_into_norm_gemm_attention() -> None:
+def transformer_block(scale: float | None = None) -> fg.Graph:
+    """Layer norm, a QKV GEMM + bias, causal attention over its slices, the residual add
+    (the attention output scaled by ``scale`` first, where given)."""
     g = fg.Graph("block", io_data_type=fg.DataType.FLOAT)
     x = g.tensor("x", [8, 32])
     h, _, _ = g.layernorm(x, g.tensor("g", [1, 32]), g.tensor("beta", [1, 32]), 1e-5)
@@ -65,8 +67,14 @@ def test_a_transformer_block_splits_into_norm_gemm_attention() -> None:
     k = g.reshape(g.slice(qkv, [0, 32], [8, 64], [1, 1]), [1, 2, 8, 16])
     v = g.reshape(g.slice(qkv, [0, 64], [8, 96], [1, 1]), [1, 2, 8, 16])
     o = g.reshape(g.sdpa(q, k, v, causal=True), [8, 32])
+    if scale is not None:
+        o = g.mul(o, g.scalar(scale))
     g.add(o, x).set_output(True).set_name("y")
-    got = split(g.validate())
+    return g.validate()
+
+
+def test_a_transformer_block_splits_into_norm_gemm_attention() -> None:
+    got = split(transformer_block())
     assert [r.pattern for r in got.regions] == [
         "triton.norm.layernorm", "cudnn.matmul.bias", "cudnn.sdpa", "triton.pointwise",
     ]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_onnx_partition import dags
 
 from fusegraph.onnx import partition as part_mod
 from fusegraph.onnx.partition import Partitioning, PNode, partition
@@ -42,23 +43,10 @@ def _same(a: Partitioning, b: Partitioning) -> None:
     assert a.reasons == b.reasons
 
 
-@st.composite
-def dags(draw: st.DrawFn) -> tuple[list[PNode], dict[str, str | None]]:
-    n = draw(st.integers(1, 40))
-    nodes: list[PNode] = []
-    values = ["x0", "x1"]
-    reasons: dict[str, str | None] = {}
-    for i in range(n):
-        k = draw(st.integers(1, min(3, len(values))))
-        ins = tuple(draw(st.lists(st.sampled_from(values), min_size=k, max_size=k)))
-        nodes.append(PNode(f"n{i}", "Op", ins, (f"v{i}",)))
-        values.append(f"v{i}")
-        reasons[f"n{i}"] = None if draw(st.integers(0, 3)) else "unsupported"
-    return nodes, reasons
 
 
 @settings(max_examples=300, deadline=None)
-@given(dags(), st.integers(1, 4))
+@given(dags(max_nodes=40), st.integers(1, 4))
 def test_random_dags_partition_alike(dag: tuple[list[PNode], dict[str, str | None]], min_size: int) -> None:
     nodes, reasons = dag
     with pytest.MonkeyPatch.context() as mp:

@@ -5,7 +5,7 @@ graphs from JSON."""
 
 from __future__ import annotations
 
-from test_regions import _model
+from test_regions import _model, transformer_block
 
 import fusegraph as fg
 from fusegraph.graph.serialize import graph_from_dict, graph_to_dict
@@ -14,16 +14,7 @@ from fusegraph.regions.subgraph import Whole, cut
 
 
 def _block() -> fg.Graph:
-    g = fg.Graph("block", io_data_type=fg.DataType.FLOAT)
-    x = g.tensor("x", [8, 32])
-    h, _, _ = g.layernorm(x, g.tensor("g", [1, 32]), g.tensor("beta", [1, 32]), 1e-5)
-    qkv = g.add(g.matmul(h, g.tensor("wqkv", [32, 96])), g.tensor("bqkv", [1, 96]))
-    q = g.reshape(g.slice(qkv, [0, 0], [8, 32], [1, 1]), [1, 2, 8, 16])
-    k = g.reshape(g.slice(qkv, [0, 32], [8, 64], [1, 1]), [1, 2, 8, 16])
-    v = g.reshape(g.slice(qkv, [0, 64], [8, 96], [1, 1]), [1, 2, 8, 16])
-    o = g.reshape(g.sdpa(q, k, v, causal=True), [8, 32])
-    g.add(g.mul(o, g.scalar(0.5)), x).set_output(True).set_name("y")
-    return g.validate()
+    return transformer_block(scale=0.5)
 
 
 def test_pieces_cut_alike_from_the_index_and_the_dict() -> None:
