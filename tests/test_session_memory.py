@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fusegraph.onnx as fgo
-from fusegraph.onnx.plan import break_cycles
+from fusegraph.onnx.plan_release import break_cycles
 from fusegraph.onnx.units import FusegraphUnit
 
 pytestmark = pytest.mark.usefixtures("own_cache")

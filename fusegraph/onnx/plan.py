@@ -14,11 +14,9 @@ claimed group is lowered and built is in ``plan_build``, the partition report in
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
 import time
-import types
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,13 +25,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from fusegraph.engines.base import ExecutionPlan
 from fusegraph.errors import CompileError, ExecutionError, FusegraphError
-from fusegraph.graph.graph import Graph
 from fusegraph.onnx import (
     floor,
     plan_build,
     plan_regions,
+    plan_release,
     plan_report,
     region_choice,
     torch_mlir_tier,
@@ -43,13 +40,12 @@ from fusegraph.onnx.engine_choice import one_line as _one_line
 from fusegraph.onnx.importer import SPATIAL_OPS, Importer, Unmappable, with_strides
 from fusegraph.onnx.memory import LiveBytes
 from fusegraph.onnx.model import OnnxGraph, ONode, specialize
+from fusegraph.onnx.node_key import node_key
 from fusegraph.onnx.options import PROVIDER, ProviderOptions
 from fusegraph.onnx.partition import Group, Partitioning, PNode, partition
 from fusegraph.onnx.patterns import apply_rewrites
 from fusegraph.onnx.report import Boundaries, PartitionReport
 from fusegraph.onnx.units import FusegraphUnit, OrtUnit, Unit, _ort_value, to_host
-from fusegraph.regions.choose import Chooser
-from fusegraph.regions.plan import RegionPlan, Step
 from fusegraph.runtime.handle import Handle
 
 log = logging.getLogger("fusegraph.onnx")
@@ -86,25 +82,6 @@ def _read_outside(og: OnnxGraph, members: Sequence[ONode]) -> tuple[list[str], l
     read_outside = {i for n in og.nodes if id(n) not in inside for i in n.all_inputs()}
     outs = [o for n in members for o in n.outputs if o and (o in read_outside or o in og.outputs)]
     return ins, list(dict.fromkeys(outs))
-
-
-_KEY_CONSTANT = 64  # constants with at most this many elements are keyed by value (_verdict_key)
-# ops whose lowerings read a large constant only to bind it as a weight (ops/gemm.py,
-# ops/elementwise.py, ops/norm.py), never to decide on its values: keyed by type and shape
-_BINDS_WEIGHTS = frozenset({"MatMul", "Gemm", "Add", "Sub", "Mul", "Div", "LayerNormalization"})
-_NOT_PLAIN = object()
-
-
-def _plain(v: Any) -> Any:
-    """An attribute value as a hashable key part, or _NOT_PLAIN (tensors, graphs, arrays)."""
-    if isinstance(v, float):
-        return ("float", repr(v))  # -0.0 and 0.0 apart, NaN equal to itself
-    if v is None or isinstance(v, bool | int | str | bytes):
-        return (type(v).__name__, v)
-    if isinstance(v, list | tuple):
-        parts = [_plain(x) for x in v]
-        return _NOT_PLAIN if any(p is _NOT_PLAIN for p in parts) else (type(v).__name__, tuple(parts))
-    return _NOT_PLAIN
 
 
 class SessionPlan:
@@ -229,52 +206,8 @@ class SessionPlan:
         return why
 
     def _verdict_key(self, node: ONode, channels_last: bool) -> tuple[Any, ...] | None:
-        """Everything a node's lowering and its engine verdict read, without its names: op,
-        domain and attributes, per input its type and shape (a constant's values where small;
-        where large, its type and shape for ops that only bind weights (_BINDS_WEIGHTS), else
-        its name: within one plan a name is one value), which inputs are the same
-        value, per output its type, shape and whether anything reads it. Two nodes with one
-        key lower to the same graph up to names, so a node like one found claimable is
-        claimable (refusals are not shared: their reasons name the node's values). None
-        where a node reads more than this (subgraphs, tensor-valued attributes): checked
-        on its own. A ViT-B/16 has 12 layers of the same nodes: 0.21 s of its warm setup
-        went to lowering each node (H200 host, issue 24 item 6)."""
-        if node.implicit_inputs:
-            return None
-        weights_by_shape = node.op_type in _BINDS_WEIGHTS and node.is_default_domain
-        attrs = []
-        for k in sorted(node.attrs):
-            v = _plain(node.attrs[k])
-            if v is _NOT_PLAIN:
-                return None
-            attrs.append((k, v))
-        first: dict[str, int] = {}
-        ins: list[Any] = []
-        for pos, name in enumerate(node.inputs):
-            if not name:
-                ins.append(None)
-                continue
-            seen = first.setdefault(name, pos)
-            c = self.og.constants.get(name)
-            if c is not None:
-                arr = np.asarray(c)
-                if arr.size <= _KEY_CONSTANT:
-                    value: Any = (arr.dtype.str, arr.shape, arr.tobytes())
-                else:  # a weight: where the lowering only binds it, its type and shape are what it reads
-                    value = ("weight", arr.dtype.str, arr.shape) if weights_by_shape else name
-                ins.append(("const", seen, value))
-                continue
-            info = self.og.types.get(name)
-            if info is None or not info.elem or info.shape is None:
-                return None
-            ins.append(("value", seen, info.elem, info.shape))
-        outs: list[Any] = []
-        for name in node.outputs:
-            info = self.og.types.get(name) if name else None
-            if name and (info is None or not info.elem or info.shape is None):
-                return None
-            outs.append(None if not name else (info.elem, info.shape, self._is_read(name)))  # type: ignore[union-attr]
-        return (node.op_type, node.domain, tuple(attrs), tuple(ins), tuple(outs), channels_last)
+        """See node_key.node_key (what a node's lowering and verdict read)."""
+        return node_key(self.og, node, channels_last, self._is_read)
 
     def _gather_stays_with_ort(self, g: Any) -> bool:
         """Units run on one engine: on the CPU, where IREE compiles the claimed units by
@@ -697,7 +630,7 @@ class SessionPlan:
         calls it when it is itself freed."""
         units, self.units = self.units, []
         self._whole_ort = None
-        break_cycles(units)
+        plan_release.break_cycles(units)
 
     # ---- report -----------------------------------------------------------------------------
     def report(self) -> PartitionReport:
@@ -706,58 +639,6 @@ class SessionPlan:
     def boundaries(self) -> Boundaries:
         """Static count of the values crossing units and the copies made there (see Boundaries)."""
         return plan_report.boundaries(self)
-
-
-# What a plan's units own and may hold a cycle, walked by break_cycles. A graph and its engine
-# plans refer to each other (Graph.plans and Graph._selection hold the plans, each plan holds
-# its graph: the plan keeps the bound weights), and a region unit's chooser builds through a
-# closure over the unit. Only these types are walked into, never shared objects (handles,
-# engines, caches, verdict stores), so nothing another session uses is touched.
-_OWNED = (FusegraphUnit, RegionPlan, Step, ExecutionPlan, Graph)
-
-
-def break_cycles(roots: Sequence[Any]) -> int:
-    """Clears the back references of the graphs, engine plans and choosers reachable from
-    ``roots`` through the objects of _OWNED, lists, tuples, dicts, sets and closures;
-    returns how many objects were cut. Whatever it reaches must be unused from then on."""
-    seen: set[int] = set()
-    stack: list[Any] = list(roots)
-    cut = 0
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, dict):
-            stack.extend(obj.values())
-            stack.extend(k for k in obj if not isinstance(k, str | int | float | bytes))
-        elif isinstance(obj, list | tuple | set | frozenset):
-            stack.extend(obj)
-        elif isinstance(obj, types.MethodType):
-            stack.append(obj.__self__)
-        elif isinstance(obj, types.FunctionType):  # a closure: what it captured
-            stack.extend(c.cell_contents for c in obj.__closure__ or () if _filled(c))
-        elif isinstance(obj, functools.partial):
-            stack.extend((obj.func, *obj.args, *obj.keywords.values()))
-        elif isinstance(obj, Chooser):  # the unit's own: its builders close over the unit
-            obj.builder = obj.preferred = None
-            obj.fallbacks = ()  # further candidates, built the same way
-            cut += 1
-        elif isinstance(obj, _OWNED):
-            if isinstance(obj, Graph):
-                obj.plans.clear()
-                obj._selection = None
-                cut += 1
-            stack.extend(getattr(obj, "__dict__", {}).values())
-    return cut
-
-
-def _filled(cell: Any) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018
-    except ValueError:  # an empty cell
-        return False
-    return True
 
 
 __all__ = ["EngineChoice", "SessionPlan", "engine_warnings", "make_dumper"]
