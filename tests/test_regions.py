@@ -279,6 +279,21 @@ def test_a_fallback_candidate_is_measured_where_the_builders_plan_loses(
     assert (str(again.plan.config) if again.plan is not None else "incumbent") == kept
 
 
+def test_fallbacks_are_tried_only_where_they_apply(rng: np.random.Generator, tmp_path: Path) -> None:
+    """A region the fallbacks are not for (``fallback_when`` False: nothing was split) keeps the
+    builder's verdict alone: the fallback is never built or measured, and the stored loss
+    decides the region in a later session."""
+    cs = _Candidates()
+    chooser = Chooser(fg.Handle("cpu"), cs.fake, engine="torch", timer=cs.timer, store=VerdictStore(tmp_path),
+                      builder=cs.make("split", 5.0), fallbacks=(("ieee", cs.make("ieee", 1.0)),),
+                      fallback_when=lambda region: False)
+    region = split(_model()).regions[0]
+    c = chooser.choose(region, _inputs(rng))
+    assert not c.claimed and c.verdict.source == "measured" and "also tried" not in c.verdict.why
+    assert cs.built == ["split"]
+    assert chooser.stored(region)
+
+
 def test_floor_off_claims_every_region_it_can_build_and_refusals_say_why(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(UNSUPPORTED, "torch", {**UNSUPPORTED.get("torch", {}), OpKind.SOFTMAX: "not in this test"})
     chooser = Chooser(fg.Handle("cpu"), TorchOpByOp(fg.Handle("cpu")), floor=False, engine="torch")

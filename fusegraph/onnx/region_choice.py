@@ -132,6 +132,7 @@ def chooser_for(plan: SessionPlan) -> Chooser:
                    preferred=folded if handle.device.is_gpu and engine is None else None,
                    # where the split plan loses, the float32 plan it replaced is measured too
                    fallbacks=(("fp32_matmul=ieee", lambda region: build(region, False)),) if split else (),
+                   fallback_when=(lambda region: _splittable(region.graph, handle)) if split else None,
                    budget_s=region_budget(plan.opts))
 
 
@@ -203,6 +204,18 @@ def _with_tf32(built: ExecutionPlan, graph: Graph, handle: Handle) -> ExecutionP
     return tf32
 
 
+def _splittable(graph: Graph, handle: Handle) -> bool:
+    """Whether the torch engine offers its ``fp32_matmul`` knob for ``graph`` (a float32 matmul
+    on CUDA): the regions whose plan ``_with_split`` may replace, so the only ones with a
+    float32 plan left to fall back to."""
+    from fusegraph.engines.registry import REGISTRY
+
+    try:
+        return any(k.name == "fp32_matmul" for k in REGISTRY.get("torch").knobs(graph, handle))
+    except Exception:  # no torch engine here: nothing was split
+        return False
+
+
 def _with_split(built: ExecutionPlan, graph: Graph, handle: Handle) -> ExecutionPlan:
     """``built``, where it is a torch-engine plan holding a float32 matmul on CUDA, rebuilt
     with the engine's ``fp32_matmul="bf16x3"`` knob (split_products.py: three bf16
@@ -211,12 +224,10 @@ def _with_split(built: ExecutionPlan, graph: Graph, handle: Handle) -> Execution
     from fusegraph.engines.base import EngineConfig
     from fusegraph.engines.registry import REGISTRY
 
-    if built.engine != "torch":
+    if built.engine != "torch" or not _splittable(graph, handle):
         return built
     try:
         engine = REGISTRY.get("torch")
-        if not any(k.name == "fp32_matmul" for k in engine.knobs(graph, handle)):
-            return built
         knobs = (*(kv for kv in built.config.knobs if kv[0] != "fp32_matmul"), ("fp32_matmul", "bf16x3"))
         split: ExecutionPlan = engine.build(graph, handle, EngineConfig("torch", knobs))
     except Exception as exc:  # the split is an offer: the float32 plan stands

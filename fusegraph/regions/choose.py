@@ -62,6 +62,9 @@ class Chooser:
     # plan behind its split-product one, so a region the split slows down can still be
     # claimed by the plan it replaced.
     fallbacks: Sequence[tuple[str, Callable[[Region], ExecutionPlan]]] = ()
+    # Which regions the fallbacks are for (None: all): elsewhere the builder's plan is the
+    # only one, and trying a fallback would build and measure that same plan again.
+    fallback_when: Callable[[Region], bool] | None = None
     # Seconds ``choose_all`` may spend building and measuring regions without a stored
     # verdict (None: no limit). Past it the rest go to the incumbent unmeasured and
     # unrecorded, so each later session measures more until every region has its verdict.
@@ -104,7 +107,7 @@ class Chooser:
     def stored(self, region: Region) -> bool:
         """Whether stored verdicts decide the region without measuring it."""
         own = self.cached(region)
-        if own is not None and (own.fusegraph or not self.fallbacks):
+        if own is not None and (own.fusegraph or not self._falls_back(region)):
             return True
         # the builder's plan lost, or was refused (refusals are not stored; a fallback's
         # verdict exists only where the builder's plan was tried): the fallbacks decide
@@ -157,7 +160,7 @@ class Chooser:
         """The builder's plan, then (floor on) each fallback in turn where it lost or was
         refused; the last candidate's verdict says what the others said."""
         choice = self._choose(region, inputs, None)
-        if choice.claimed or not self.floor:
+        if choice.claimed or not self.floor or not self._falls_back(region):
             return choice, False
         tried = [choice]
         for name, fn in self.fallbacks:
@@ -170,6 +173,9 @@ class Chooser:
         last = tried[-1]
         others = "; ".join(f"{c.verdict.engine or 'not built'}: {c.verdict.why}" for c in tried[:-1])
         return Choice(region, replace(last.verdict, why=f"{last.verdict.why}; also tried: {others}"), None), False
+
+    def _falls_back(self, region: Region) -> bool:
+        return bool(self.fallbacks) and (self.fallback_when is None or self.fallback_when(region))
 
     def candidate(self, which: bool | str) -> Callable[[Region], ExecutionPlan] | None:
         """The build function of a candidate named as ``_pick`` names it (None: the builder)."""
