@@ -40,6 +40,8 @@ import argparse
 import inspect
 import json
 import math
+import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -53,7 +55,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import fusegraph
 import fusegraph.onnx as fgo
+from fusegraph.runtime.cache_dir import CACHE_DIR_ENV, cache_root
 from fusegraph.select.timing import time_candidates
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -203,6 +207,10 @@ ATTENTION = {"vit_b_16", "swin_t", "bert", "distilbert", "gpt2", "whisper_encode
 VARIANTS = ("fusegraph", "eager", "compile", "fusegraph-whole", "fusegraph-cuda")
 PRECISIONS = ("fp32", "fp16", "bf16", "tf32")
 TORCH_TYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# setup_s's fusegraph columns: open + first run; "-ready": until wait_for_evaluation returned;
+# "-warm": a second session in this process; "-warm-process": one in a new process
+SETUP_COLUMNS = tuple(f"{v}{s}" for v in ("fusegraph", "fusegraph-cuda", "fusegraph-whole", "fusegraph-warm",
+                                          "fusegraph-warm-process") for s in ("", "-ready"))
 
 
 def export(module: nn.Module, inputs: tuple[torch.Tensor, ...], names: list[str], path: Path) -> None:
@@ -305,27 +313,32 @@ def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dic
             sess = sessions.get(key)
             opened[key] = opts
             if sess is None:
-                sess = fgo.InferenceSession(str(path), providers=["FusegraphExecutionProvider", "CPUExecutionProvider"],
-                                            provider_options=[opts, {}])
+                sess = _open(path, opts)
                 sessions[key] = sess
             if variant == "fusegraph-cuda":  # io_binding: CUDA tensors in, the output allocated on the device
                 binding = sess.io_binding()
                 for n, x in zip(names, inputs, strict=True):
                     binding.bind_input(n, x.to(device) if device.type == "cuda" else x.numpy())
                 binding.bind_output("out", "cuda" if device.type == "cuda" else "cpu")
-                sess.run_with_iobinding(binding)
-                got = binding.copy_outputs_to_cpu()[0]
-                row["setup_s"][variant] = time.perf_counter() - t0
-                row["rel_err"][variant] = _rel(got, want)
+
+                def first(sess: Any = sess, b: Any = binding) -> Any:
+                    sess.run_with_iobinding(b)
+                    return b.copy_outputs_to_cpu()[0]
+
                 calls[variant] = lambda sess=sess, b=binding: sess.run_with_iobinding(b)  # type: ignore[misc]
-                if "fusegraph" not in args.variants:  # the report, where no NumPy variant gives it
-                    _report(row, "fusegraph", sess, args.verbose)
-                continue
-            got = sess.run(None, feed)[0]
+            else:
+                def first(sess: Any = sess, b: Any = None) -> Any:
+                    return sess.run(None, feed)[0]
+
+                calls[variant] = lambda sess=sess: sess.run(None, feed)  # type: ignore[misc]
+            got = first()
             row["setup_s"][variant] = time.perf_counter() - t0
+            if _wait_ready(row, variant, sess, t0, args.ready_timeout):  # the plan timed below: its agreement
+                row["rel_err"][f"{variant}-first"] = _rel(got, want)  # the first run's plan, since replaced
+                got = first()
             row["rel_err"][variant] = _rel(got, want)
-            _report(row, variant, sess, args.verbose)
-            calls[variant] = lambda sess=sess: sess.run(None, feed)  # type: ignore[misc]
+            if variant != "fusegraph-cuda" or "fusegraph" not in args.variants:  # the report of the plan timed
+                _report(row, "fusegraph" if variant == "fusegraph-cuda" else variant, sess, args.verbose)
             continue
         fn: Any = module if variant == "eager" else torch.compile(module)
         with torch.inference_mode():
@@ -344,13 +357,19 @@ def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dic
     timings = time_candidates(calls, sync=sync, warmup_s=args.warmup_s, min_rounds=args.rounds)
     row["ms"] = {k: t.median_ms for k, t in timings.items()}
     if args.warm_setup and "regions" in opened:
-        # a second session of the same model: plans, verdicts and cuDNN plans in the cache
+        # a second session of the same model in this process: plans, verdicts and cuDNN plans in
+        # the cache, and Inductor, Triton and cuDNN already imported and initialised
         t0 = time.perf_counter()
-        again = fgo.InferenceSession(str(path), providers=["FusegraphExecutionProvider", "CPUExecutionProvider"],
-                                     provider_options=[opened["regions"], {}])
+        again = _open(path, opened["regions"])
         again.run(None, feed)
         row["setup_s"]["fusegraph-warm"] = time.perf_counter() - t0
+        _wait_ready(row, "fusegraph-warm", again, t0, args.ready_timeout)
         del again
+        # ... and in a new process, as a restarted server meets it
+        feed_path = path.with_suffix(".npz")
+        feed_any: dict[str, Any] = dict(feed)
+        np.savez(feed_path, **feed_any)
+        _warm_process(row, path, feed_path, opened["regions"], want, args)
     if args.profile:
         row["profile"] = {k: profile(call, device, args.profile) for k, call in calls.items()}
     fg = row["ms"].get("fusegraph")
@@ -361,6 +380,110 @@ def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dic
         if fgc and base in row["ms"]:  # CUDA tensors in and out on both sides
             row[f"{base}_over_fusegraph_cuda"] = row["ms"][base] / fgc
     return row
+
+
+def _open(path: Path, opts: dict[str, Any]) -> Any:
+    return fgo.InferenceSession(str(path), providers=["FusegraphExecutionProvider", "CPUExecutionProvider"],
+                                provider_options=[opts, {}])
+
+
+def _wait_ready(row: dict[str, Any], variant: str, sess: Any, t0: float, timeout: float) -> bool:
+    """``setup_s[variant + "-ready"]``: from ``t0`` (the open) until the session's background
+    evaluation is over and its upgraded plan in place (``wait_for_evaluation``) -- when the
+    session is at full speed. Where nothing was pending that is the first run's end. True
+    where something was pending (the first run's plan may have been replaced)."""
+    pending = not sess.wait_for_evaluation(timeout=0)
+    row[f"{variant}_pending"] = pending
+    if not pending or sess.wait_for_evaluation(timeout=timeout):
+        row["setup_s"][f"{variant}-ready"] = time.perf_counter() - t0
+    else:
+        row[f"{variant}_ready_error"] = f"still evaluating after {timeout:g} s (the plan in place then is timed)"
+    return pending
+
+
+# A new Python process (issue 24 item 6: what a restarted server meets): imports timed apart
+# from the setup (numpy, onnx, torch where installed -- fusegraph's engines import it at the
+# open otherwise -- and fusegraph.onnx) and, on a GPU, CUDA's context creation (any GPU
+# framework pays it); then the open, the first run and the wait for the upgraded plan, as the
+# parent times them. Arguments: model, feed (.npz), output (.npy), options (JSON), device,
+# timeout of the wait, CHILD_TAG. One line on stdout starts with the tag: the numbers, as JSON.
+CHILD_TAG = "bench_onnx_gpu child:"
+CHILD = """
+import importlib, json, sys, time
+imports = {}
+def timed(name):
+    t = time.perf_counter()
+    try:
+        mod = importlib.import_module(name)
+    except ImportError:
+        return None
+    imports[name] = time.perf_counter() - t
+    return mod
+np = timed("numpy")
+timed("onnx")
+torch = timed("torch")
+fgo = timed("fusegraph.onnx")
+model, feed_path, out_path, opts, device, timeout, tag = sys.argv[1:8]
+cuda_init = None
+if torch is not None and device.startswith("cuda"):
+    t = time.perf_counter()
+    torch.cuda.init()
+    torch.empty(1, device=device)
+    torch.cuda.synchronize(device)
+    cuda_init = time.perf_counter() - t
+feed = dict(np.load(feed_path))
+t0 = time.perf_counter()
+sess = fgo.InferenceSession(model, providers=["FusegraphExecutionProvider", "CPUExecutionProvider"],
+                            provider_options=[json.loads(opts), {}])
+opened = time.perf_counter() - t0
+got = sess.run(None, feed)[0]
+setup = time.perf_counter() - t0
+pending = not sess.wait_for_evaluation(timeout=0)
+ready = None
+if not pending or sess.wait_for_evaluation(timeout=float(timeout)):
+    ready = time.perf_counter() - t0
+if pending:
+    got = sess.run(None, feed)[0]
+np.save(out_path, got)
+print(tag + " " + json.dumps({"imports_s": imports, "cuda_init_s": cuda_init, "open_s": opened, "setup_s": setup,
+                          "ready_s": ready, "pending": pending}), flush=True)
+"""
+
+
+def _warm_process(row: dict[str, Any], path: Path, feed_path: Path, opts: dict[str, Any], want: np.ndarray,
+                  args: argparse.Namespace) -> None:
+    """``setup_s["fusegraph-warm-process"]`` (open + first run in a fresh interpreter, same
+    environment and cache directory) and its ``-ready``; ``warm_process`` keeps the child's
+    import and CUDA-init seconds. A failing child leaves ``warm_process_error`` saying why."""
+    out_path = path.with_name(path.stem + "_warm_process_out.npy")
+    env = dict(os.environ)
+    env[CACHE_DIR_ENV] = str(cache_root())  # the cache the parent's sessions used, explicitly
+    # the fusegraph this process imported, whatever the interpreter's install points at
+    root = str(Path(fusegraph.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    argv = [sys.executable, "-c", CHILD, str(path), str(feed_path), str(out_path),
+            json.dumps(opts), args.device, str(args.ready_timeout), CHILD_TAG]
+    try:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=args.process_timeout)
+    except subprocess.TimeoutExpired:
+        row["warm_process_error"] = f"the new process ran past --process-timeout {args.process_timeout:g} s"
+        return
+    except OSError as exc:
+        row["warm_process_error"] = f"the new process did not start: {exc}"
+        return
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(CHILD_TAG)]
+    if proc.returncode or not lines:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        row["warm_process_error"] = f"the new process exited {proc.returncode}: {tail[:300]}"
+        return
+    got = json.loads(lines[-1][len(CHILD_TAG):])
+    row["warm_process"] = got
+    row["setup_s"]["fusegraph-warm-process"] = got["setup_s"]
+    if got["ready_s"] is None:
+        row["warm_process_error"] = f"the new process was still evaluating after {args.ready_timeout:g} s"
+    else:
+        row["setup_s"]["fusegraph-warm-process-ready"] = got["ready_s"]
+    row["rel_err"]["fusegraph-warm-process"] = _rel(np.load(out_path), want)
 
 
 def _report(row: dict[str, Any], variant: str, sess: Any, verbose: bool) -> None:
@@ -383,13 +506,20 @@ def _geomean(xs: list[float]) -> float:
 
 
 def chart(rows: list[dict[str, Any]], path: str, device: str, precision: str = "fp32") -> None:
+    """The ratios per row and, beside them, fusegraph's setup seconds (log scale): open + first
+    run, until full speed, warm in this process, warm in a new process."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     labels = [f"{r['model']} b{r['batch']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.5 * len(rows) + 2), 4))
+    setups = [(label, [_setup_value(r, col) for r in rows]) for label, col in
+              (("first run", ""), ("ready", "-ready"), ("warm", "warm"), ("new process", "warm-process"))]
+    setups = [(label, vals) for label, vals in setups if any(v > 0 for v in vals)]
+    width = max(6.0, 0.5 * len(rows) + 2)
+    fig, axes = plt.subplots(1, 2 if setups else 1, figsize=(2 * width if setups else width, 4), squeeze=False)
+    ax = axes[0][0]
     xs = np.arange(len(rows))
     for k, base in enumerate(("eager", "compile")):
         vals = [r.get(f"{base}_over_fusegraph", 0.0) for r in rows]
@@ -399,13 +529,33 @@ def chart(rows: list[dict[str, Any]], path: str, device: str, precision: str = "
     ax.set_ylabel("speed-up of fusegraph (x)")
     ax.set_title(f"ONNX models on {device}, {precision}")
     ax.legend()
+    if setups:
+        ax = axes[0][1]
+        w = 0.8 / len(setups)
+        for k, (label, vals) in enumerate(setups):
+            ax.bar(xs + (k - (len(setups) - 1) / 2) * w, vals, w, label=label)
+        ax.set_yscale("log")
+        ax.set_xticks(xs, labels, rotation=60, ha="right")
+        ax.set_ylabel("fusegraph setup (s)")
+        ax.set_title("setup: open + first run, until full speed, warm")
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def _setup_value(row: dict[str, Any], col: str) -> float:
+    """A row's setup seconds for the chart (0: not measured): ``col`` "" / "-ready" of the
+    reported variant, "warm" / "warm-process" of the warm sessions."""
+    key = _setup_column(row)
+    if key is None:
+        return 0.0
+    name = key + col if col in ("", "-ready") else f"fusegraph-{col}"
+    return float(row["setup_s"].get(name, 0.0))
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--models", default=",".join(DEFAULT), help=f"comma-separated, among {list(MODELS)}")
+    p.add_argument("--models", help=f"comma-separated, among {list(MODELS)} (default: all but convnet, block)")
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--device", default="cuda:0")
     p.add_argument("--variants", default="fusegraph,eager,compile", help=f"comma-separated, among {list(VARIANTS)}")
@@ -420,14 +570,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="CPU smoke: convnet and block, batch 1, few rounds")
     p.add_argument("--verbose", action="store_true", help="print each partition report (stderr)")
     p.add_argument("--warm-setup", action="store_true",
-                   help="also open each model a second time, its plans and verdicts cached (setup + first run)")
+                   help="also open each model a second time, its plans and verdicts cached (setup + first run), "
+                        "in this process and in a new one")
+    p.add_argument("--ready-timeout", type=float, default=900.0, metavar="S",
+                   help="longest wait for a session's background evaluation (wait_for_evaluation)")
+    p.add_argument("--process-timeout", type=float, default=1200.0, metavar="S",
+                   help="--warm-setup: longest run of the new process (imports, open, first run, wait)")
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="after timing, the N costliest device kernels of each variant per call (torch.profiler; "
                         "in the JSON and printed)")
     args = p.parse_args(argv)
     if args.quick:
-        args.models, args.batch, args.device, args.rounds, args.warmup_s = "convnet,block", "1", "cpu", 3, 0.05
+        args.models = args.models or "convnet,block"
+        args.batch, args.device, args.rounds, args.warmup_s = "1", "cpu", 3, 0.05
         args.variants = "fusegraph,eager,fusegraph-whole"
+    args.models = args.models or ",".join(DEFAULT)
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     try:
         args.options = dict(kv.split("=", 1) for kv in args.options.split(",") if kv.strip())
@@ -460,15 +617,48 @@ def main(argv: list[str] | None = None) -> int:
                for key in ("fusegraph", "fusegraph_cuda") for b in ("eager", "compile")
                if any(f"{b}_over_{key}" in r for r in rows)}
     print(f"{gpu}: " + ", ".join(f"{k} {v:.3f}" for k, v in summary.items()))
+    setup = {c: _geomean([r["setup_s"][c] for r in rows if c in r.get("setup_s", {})]) for c in SETUP_COLUMNS
+             if any(c in r.get("setup_s", {}) for r in rows)}
+    if setup:
+        print("setup, geomean over rows: " + ", ".join(f"{k} {v:.2f} s" for k, v in setup.items()))
     if args.json:
         Path(args.json).write_text(json.dumps({"device": gpu, "torch": torch.__version__, "precision": args.precision,
-                                               "rows": rows, **summary}, indent=1, default=str))
+                                               "rows": rows, **summary, "geomean_setup_s": setup},
+                                              indent=1, default=str))
     if args.png:
         try:
             chart([r for r in rows if "ms" in r], args.png, gpu, args.precision)
         except ImportError:
             print("no matplotlib: no chart", file=sys.stderr)
     return 1 if any("error" in r for r in rows) else 0
+
+
+def _setup_column(row: dict[str, Any]) -> str | None:
+    """The variant whose setup the row reports: the NumPy session, else the io_binding one."""
+    return next((k for k in ("fusegraph", "fusegraph-cuda") if k in row["setup_s"]), None)
+
+
+def _setup_text(row: dict[str, Any]) -> str:
+    """``  fusegraph setup 4.1 s (ready 9.0 s; warm 0.9 s, new process 2.8 s)``: open + first
+    run, then until full speed (the background evaluation over), then with the caches warm."""
+    s, key = row["setup_s"], _setup_column(row)
+    if key is None:
+        return ""
+
+    def with_ready(name: str, label: str) -> str:
+        ready = s.get(f"{name}-ready")
+        late = ready is not None and row.get(f"{name}_pending")
+        return f"{label} {s[name]:.1f} s" + (f" [ready {ready:.1f} s]" if late else "")
+
+    ready = f"ready {s[key + '-ready']:.1f} s" if f"{key}-ready" in s else "ready: not yet"
+    warm = []
+    if "fusegraph-warm" in s:
+        warm.append(with_ready("fusegraph-warm", "warm"))
+    if "fusegraph-warm-process" in s:
+        warm.append(with_ready("fusegraph-warm-process", "new process"))
+    if "warm_process_error" in row:
+        warm.append(f"new process: {row['warm_process_error'][:160]}")
+    return f"  fusegraph setup {s[key]:.1f} s ({'; '.join([ready, ', '.join(warm)] if warm else [ready])})"
 
 
 def _print(row: dict[str, Any]) -> None:
@@ -479,11 +669,13 @@ def _print(row: dict[str, Any]) -> None:
     ratio = "  ".join(f"{b}/{k} {row[f'{b}_over_{key}']:.2f}x" for b in ("eager", "compile")
                       for k, key in (("fg", "fusegraph"), ("fg-cuda", "fusegraph_cuda")) if f"{b}_over_{key}" in row)
     err = max((v for v in row["rel_err"].values() if not math.isnan(v)), default=float("nan"))
-    setup = row["setup_s"].get("fusegraph", row["setup_s"].get("fusegraph-cuda", float("nan")))
-    warm = row["setup_s"].get("fusegraph-warm")
-    warm_text = f" (warm {warm:.1f} s)" if warm is not None else ""
-    print(f"{row['model']:<20} b{row['batch']:<3} {ms}  {ratio}  max rel err {err:.1e}  fusegraph setup {setup:.1f} s"
-          f"{warm_text}")
+    print(f"{row['model']:<20} b{row['batch']:<3} {ms}  {ratio}  max rel err {err:.1e}{_setup_text(row)}")
+    child = row.get("warm_process")
+    if child:
+        imports = ", ".join(f"{k} {v:.1f}" for k, v in child["imports_s"].items())
+        cuda = f", CUDA init {child['cuda_init_s']:.1f} s" if child.get("cuda_init_s") is not None else ""
+        print(f"    new process: imports {sum(child['imports_s'].values()):.1f} s ({imports}){cuda}, not setup; "
+              f"open {child['open_s']:.1f} s + first run {child['setup_s'] - child['open_s']:.1f} s")
     if "fusegraph_report" in row:
         print(f"    {row['fusegraph_report']}")
     for line in dict.fromkeys(row.get("fusegraph_precision", [])):
