@@ -20,7 +20,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import fusegraph.onnx as fgo
 from fusegraph.errors import UnsupportedError
-from fusegraph.onnx import plan_regions, region_choice, region_pieces
+from fusegraph.onnx import plan_regions, region_choice, region_pieces, region_values
 from fusegraph.onnx.report import PartitionReport, RegionEntry
 from fusegraph.regions.choose import Chooser
 from fusegraph.regions.incumbent import CallableIncumbent
@@ -551,7 +551,7 @@ def test_a_step_hands_its_plan_activations_in_the_declared_layout(rng: np.random
         seen.append(x)
         return {"out0": x * 2}
 
-    run = plan_regions._laid_out(strict, [dense], ["in0"])
+    run = region_values.laid_out(strict, [dense], ["in0"])
     base = torch.from_numpy(rng.standard_normal((2, 3, 3, 6)).astype(np.float32))
     view = base.permute(0, 3, 1, 2)  # [2, 6, 3, 3] with strides (54, 1, 18, 6)
     got = run({"in0": view})["out0"]

@@ -630,7 +630,20 @@ class SessionPlan:
         calls it when it is itself freed."""
         units, self.units = self.units, []
         self._whole_ort = None
-        plan_release.break_cycles(units)
+        busy = [u for u in units if not getattr(u, "stop_upgrade", lambda _t: True)(5.0)]
+        if busy:  # a region still building in the background: its thread holds the unit until it ends
+            log.info("%s: left to the garbage collector (a region was still being built)", [u.name for u in busy])
+        plan_release.break_cycles([u for u in units if u not in busy])
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until the units' background region choices (region_upgrade.py) are done;
+        True when nothing is pending any more."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for u in self.units:
+            wait = getattr(u, "wait", None)
+            if wait is not None and not wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return False
+        return True
 
     # ---- report -----------------------------------------------------------------------------
     def report(self) -> PartitionReport:

@@ -25,16 +25,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
-
-import numpy as np
 
 from fusegraph.engines.base import ExecutionPlan
 from fusegraph.errors import FusegraphError, UnsupportedError
 from fusegraph.graph.graph import Graph
-from fusegraph.onnx import plan_build, region_choice, region_pieces
+from fusegraph.onnx import plan_build, region_choice, region_pieces, region_upgrade
 from fusegraph.onnx.importer import filter_layout_for
 from fusegraph.onnx.model import ONode
 from fusegraph.onnx.precision import (
@@ -47,10 +44,14 @@ from fusegraph.onnx.precision import (
     tf32_allowed,
 )
 from fusegraph.onnx.region_pieces import Cut, NoRegions, Piece
+from fusegraph.onnx.region_values import declared as _declared
+from fusegraph.onnx.region_values import laid_out as _laid_out
+from fusegraph.onnx.region_values import rel_err as _rel_err
+from fusegraph.onnx.region_values import to_device as _to_device
 from fusegraph.onnx.report import RegionEntry
-from fusegraph.onnx.units import FusegraphUnit, engine_cache, to_host
+from fusegraph.onnx.units import FusegraphUnit, engine_cache
 from fusegraph.regions import split
-from fusegraph.regions.choose import Choice, Chooser
+from fusegraph.regions.choose import PENDING, Choice, Chooser
 from fusegraph.regions.incumbent import op_by_op_config
 from fusegraph.regions.plan import RegionPlan, Step
 from fusegraph.regions.split import Region
@@ -81,6 +82,7 @@ def region_unit(plan: SessionPlan, name: str, nodes: list[ONode], ins: list[str]
         if plan.opts.autotune > 0:  # a tuned plan's verdict is no verdict on the untuned one
             unit.tune_budget = plan.opts.autotune
             unit.chooser.build_options = {**unit.chooser.build_options, "autotuned": True}
+        unit.defer = unit.chooser.floor and region_upgrade.deferred(plan.opts, plan.handle)
         if plan.opts.lazy_compile:
             return unit
         try:
@@ -130,6 +132,14 @@ class RegionUnit(FusegraphUnit):
         self._buffers = base.handle.device.is_gpu  # outputs live on the device: a copy to reach the host
         build = chooser.builder or (lambda r: r.graph.build(handle=chooser.handle, engine=chooser.engine))
         self._trial_passed: set[tuple[str, bool | str]] = set()  # (region content key, candidate) whose plan passed
+        # Deferred choice (region_upgrade.py): regions without a stored verdict start on the
+        # incumbent and are chosen by a background thread, which swaps the upgraded plan in.
+        self.defer = False
+        self.gate = region_upgrade.Gate()
+        self.upgrade: region_upgrade.Upgrade | None = None
+        self._deferred: dict[tuple[str, ...], Region] = {}  # a pending piece's nodes -> its region
+        self._later: tuple[list[Piece], list[int], list[Step]] | None = None  # what the upgrade rebuilds
+        self._swapped = False  # the upgraded plan is in place
         chooser.builder = self._checked(build)
         if chooser.preferred is not None:
             chooser.preferred = self._checked(chooser.preferred, preferred=True)
@@ -177,9 +187,56 @@ class RegionUnit(FusegraphUnit):
         steps = [self._step(f"r{k}", pieces[i]) for k, i in enumerate(order)]
         self.rows = [self._row(k, pieces[i]) for k, i in enumerate(order)]
         self.plan = RegionPlan(steps, [self._out[o] for o in self.outputs])
+        if self._deferred:  # chosen in the background; the weights stay for the plans built there
+            self._later = (pieces, order, steps)
+            self.upgrade = region_upgrade.Upgrade(self.name, self._choose_later)
+            log.info("%s: %d regions, %d of them chosen in the background", self.name, len(steps),
+                     len(self._deferred))
+            return
         self._state_precision(len(pieces))
         self._weights_dev, self._cast = {}, {}  # the steps hold what they read
         log.info("%s: %d regions, %s", self.name, len(steps), self.engine_name)
+
+    def _choose_later(self, cancel: Any) -> None:
+        """The background thread's work: each deferred region chosen (built, checked and
+        measured, its verdict stored), then the plan rebuilt with the new choices and swapped
+        in between two runs. Stops after the region at hand where ``cancel`` is set."""
+        import torch
+
+        assert self._later is not None
+        pieces, order, steps = self._later
+        regions = list(self._deferred.values())
+        with engine_cache(self.cache_dir), torch.inference_mode():
+            choices = self.chooser.choose_all(regions, self._example, stop=cancel.is_set)
+            if len(choices) < len(regions):
+                log.info("%s: background choice stopped with %d of %d regions chosen (their verdicts are kept)",
+                         self.name, len(choices), len(regions))
+                return
+            fresh = {c.region.nodes: self._chosen(c) for c in choices}
+            new_steps = list(steps)
+            for k, i in enumerate(order):
+                piece = fresh.get(pieces[i].nodes)
+                if piece is not None:
+                    pieces[i] = piece
+                    new_steps[k] = self._step(f"r{k}", piece)
+            plan = RegionPlan(new_steps, [self._out[o] for o in self.outputs])
+            rows = [self._row(k, pieces[i]) for k, i in enumerate(order)]
+        with self.gate.run():  # between two of the user's runs
+            self.plan, self.rows, self._ran, self._swapped = plan, rows, False, True
+            self._state_precision(len(pieces))
+        self._weights_dev, self._cast, self._later = {}, {}, None
+        log.info("%s: regions chosen in the background: %s", self.name, self.engine_name)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Blocks until the background choice (if any) is done; True when nothing is pending."""
+        return self.upgrade is None or self.upgrade.wait(timeout)
+
+    def stop_upgrade(self, timeout: float | None = None) -> bool:
+        """Stops the background choice after its region at hand; True when the thread ended."""
+        if self.upgrade is None:
+            return True
+        self.upgrade.stop(timeout)
+        return self.upgrade.done
 
     def _state_precision(self, n: int) -> None:
         """The report's line on the precision: how many regions took it, and (fp16 / bf16)
@@ -219,7 +276,9 @@ class RegionUnit(FusegraphUnit):
         elif self.precision.tf32:  # only the float32 reference the report's accuracy is stated against
             self._observe([(r.nodes, r.graph, r.inputs, r.outputs) for r in regions]
                           + [(c.nodes, c.graph, c.inputs, c.outputs) for c in cuts])
-        pieces = [self._chosen(c) for c in self._choose(regions)]
+        choices = self._choose(regions)
+        self._deferred = {c.region.nodes: c.region for c in choices if c.verdict.source == PENDING}
+        pieces = [self._chosen(c) for c in choices]
         for c in cuts:
             try:
                 plan = self._eager(c.graph)
@@ -310,8 +369,8 @@ class RegionUnit(FusegraphUnit):
         ``Chooser``); a sign of life while regions without a stored verdict are measured."""
         c = self.chooser
         fresh = sum(1 for r in regions if c.floor and not c.stored(r))
-        if not fresh:
-            return c.choose_all(regions, self._example)
+        if not fresh or self.defer:
+            return c.choose_all(regions, self._example, defer=self.defer)
         with working(f"fusegraph {self.name}: {fresh} regions measured against {c.incumbent.name}"):
             return c.choose_all(regions, self._example)
 
@@ -480,6 +539,12 @@ class RegionUnit(FusegraphUnit):
         import torch
 
         feed = {t.name: _to_device(values[onnx_name], t, self._device) for onnx_name, t in self._in.items()}
+        up = self.upgrade
+        if up is not None and not up.done:  # regions are being measured: take turns with them
+            with self.gate.run(), torch.inference_mode():
+                if not self._swapped:  # step by step, uncaptured, until the upgraded plan is in
+                    return self._outputs(self.plan.execute(feed))
+            # swapped in while this run waited: it runs (and is captured) below
         plan: RegionPlan = self.plan
         with torch.inference_mode(), tf32_allowed(self.precision.tf32):
             res = plan.execute(feed)
@@ -492,79 +557,12 @@ class RegionUnit(FusegraphUnit):
                     why = plan.capture(feed)
                     self.capture_note = "one CUDA graph" if not why else f"run step by step (not captured: {why})"
                     log.info("%s: %s", self.name, self.capture_note)
-            if self.precision.reduced is not None:  # in the model's declared types
-                return {o: _declared(res[tname], self.graph.tensor_by_name(tname)) for o, tname in self._out.items()}
+        return self._outputs(res)
+
+    def _outputs(self, res: Mapping[str, Any]) -> dict[str, Any]:
+        if self.precision.reduced is not None:  # in the model's declared types
+            return {o: _declared(res[tname], self.graph.tensor_by_name(tname)) for o, tname in self._out.items()}
         return {o: res[tname] for o, tname in self._out.items()}
-
-
-def _laid_out(execute: Callable[[dict[str, Any]], Any], declared: Sequence[Any],
-              keys: Sequence[str]) -> Callable[[dict[str, Any]], Any]:
-    """``execute`` given its activations in the layouts its graph declares: a piece run op by
-    op may hand on a view (Swin-T's Transpose gave a channels-last-strided [8, 768, 7, 7] to a
-    region declaring it dense), and kernel plans read the declared layout only. A copy where
-    the strides differ, nothing where they match. Not for torch engine plans, which take a
-    view as it is (copying every transposed head before ViT-B/16's attention cost 1.4 ms of
-    its 3.8 on an H200)."""
-    from fusegraph.engines.torch.compiled import as_declared
-    from fusegraph.graph import layout
-
-    fixed = [(k, t, tuple(t.strides)) for k, t in zip(keys, declared, strict=True)
-             if not layout.self_overlapping(t.shape, t.strides)]
-
-    def run(pack: dict[str, Any]) -> Any:
-        for k, t, strides in fixed:
-            pack[k] = as_declared(t, pack[k], strides)
-        return execute(pack)
-
-    return run
-
-
-def _declared(value: Any, t: Any) -> Any:
-    """A torch tensor in the declared type of the unit's tensor ``t`` (cast where a reduced
-    region produced it)."""
-    from fusegraph.engines.torch.convert import torch_dtype
-
-    want = torch_dtype(t.dtype)
-    return value if value.dtype == want else value.to(want)
-
-
-def _rel_err(got: Any, want: Any) -> float:
-    """||got - want|| / ||want|| in float64; inf for a wrong shape or a non-finite value."""
-    g = np.asarray(to_host(got), dtype=np.float64)
-    w = np.asarray(to_host(want), dtype=np.float64)
-    if g.shape != w.shape or not np.isfinite(g).all():
-        return float("inf")
-    return float(np.linalg.norm(g - w) / max(float(np.linalg.norm(w)), 1e-30))
-
-
-def _to_device(value: Any, t: Any, device: Any) -> Any:
-    """``value`` as a torch tensor on ``device`` with ``t``'s dtype and strides (no copy where
-    it already is one)."""
-    import torch
-
-    from fusegraph.engines.torch.convert import torch_dtype
-
-    dtype = torch_dtype(t.dtype)
-    if isinstance(value, torch.Tensor):
-        if value.device == device and value.dtype == dtype and tuple(value.stride()) == tuple(t.strides):
-            return value
-        out = torch.empty_strided(t.shape, t.strides, dtype=dtype, device=device)
-        out.copy_(value)
-        return out
-    arr = to_host(value)
-    if not isinstance(arr, np.ndarray):
-        arr = np.asarray(arr)
-    if str(arr.dtype) == "bfloat16":  # NumPy has no bfloat16 of its own: through its bits
-        host = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16)).view(torch.bfloat16)
-    elif arr.flags.writeable:
-        host = torch.from_numpy(arr)
-    else:  # only read, by the copy below: no copy of its own (a weight over the model's bytes)
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            host = torch.from_numpy(arr)
-    out = torch.empty_strided(t.shape, t.strides, dtype=dtype, device=device)
-    out.copy_(host)
-    return out
 
 
 __all__ = ["AGREE", "RegionUnit", "region_unit"]

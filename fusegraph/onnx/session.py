@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import time
 import warnings
 import weakref
 from collections.abc import Mapping, Sequence
@@ -349,9 +350,16 @@ class InferenceSession:
 
     def wait_for_evaluation(self, timeout: float | None = None) -> bool:
         """Waits for fusegraph's background evaluation of the model (``floor_mode=background``)
-        and, where fusegraph's plan won, for the plan to be built; later ``run`` calls use it.
-        True when nothing is pending any more (at once where nothing was)."""
-        return self._direct.wait(self, timeout) if self._direct is not None else True
+        and, where fusegraph's plan won, for the plan to be built; on a GPU, for the regions
+        chosen in the background (region_upgrade.py) and their plan swapped in. Later ``run``
+        calls use it. True when nothing is pending any more (at once where nothing was)."""
+        if self._direct is not None:
+            return self._direct.wait(self, timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for plan in list(self._plans.values()):
+            if not plan.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+                return False
+        return True
 
     # ---- internals ------------------------------------------------------------------------------
     def _background_source(self, path_or_bytes: Any) -> background.Source | None:

@@ -6,6 +6,7 @@ incumbent and their regions' example inputs."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +22,8 @@ from fusegraph.regions.verdicts import Verdict, VerdictStore, verdict_key
 from fusegraph.runtime.handle import Handle
 
 log = logging.getLogger("fusegraph.regions")
+
+PENDING = "pending"  # the source of a deferred region's verdict (``choose_all(defer=True)``)
 
 
 @dataclass
@@ -69,6 +72,10 @@ class Chooser:
     # verdict (None: no limit). Past it the rest go to the incumbent unmeasured and
     # unrecorded, so each later session measures more until every region has its verdict.
     budget_s: float | None = None
+    # Entered around each measurement (None: nothing): where regions are measured beside the
+    # user's runs (the ONNX door's deferred choice, onnx/region_upgrade.py), the runs wait
+    # while a region is timed, so neither side's kernels are in the other's samples.
+    guard: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
     _versions: dict[str, str] | None = None
 
     def versions(self) -> dict[str, str]:
@@ -203,29 +210,37 @@ class Chooser:
         if inputs is None:
             raise ValueError("the floor is on: choose() needs the region's example inputs to measure")
         pack = dict(inputs(region))
-        verdict = measure(
-            lambda: built.execute(pack),
-            self.incumbent.runnable(region, pack),
-            incumbent=self.incumbent.name,
-            engine=engine,
-            margin=self.margin,
-            sync=self.sync,
-            timer=self.timer,
-            **dict(self.timing_options),
-        )
+        with self.guard() if self.guard is not None else contextlib.nullcontext():
+            verdict = measure(
+                lambda: built.execute(pack),
+                self.incumbent.runnable(region, pack),
+                incumbent=self.incumbent.name,
+                engine=engine,
+                margin=self.margin,
+                sync=self.sync,
+                timer=self.timer,
+                **dict(self.timing_options),
+            )
         log.info("region %d (%s): %s", region.index, region.pattern, verdict.describe())
         if self.store is not None:
             self.store.record(key, verdict)
         return Choice(region, verdict, built if verdict.fusegraph else None)
 
     def choose_all(
-        self, regions: Sequence[Region], inputs: Callable[[Region], Mapping[str, Any]] | None = None
+        self, regions: Sequence[Region], inputs: Callable[[Region], Mapping[str, Any]] | None = None,
+        *, defer: bool = False, stop: Callable[[], bool] | None = None,
     ) -> list[Choice]:
-        """Every region's choice; regions with one content key are measured once."""
+        """Every region's choice; regions with one content key are measured once. ``defer``:
+        a region that would need measuring is neither built nor measured but left to the
+        incumbent with a ``pending`` verdict (never recorded), for the caller to choose later
+        (with ``choose_all`` again, off the user's path). ``stop``: asked before each region;
+        where it says so the choices so far are returned (fewer than the regions)."""
         by_key: dict[str, tuple[Verdict, bool | str]] = {}  # content key -> verdict, which candidate won
         out: list[Choice] = []
         spent = 0.0  # seconds on regions without a stored verdict
         for region in regions:
+            if stop is not None and stop():
+                break
             seen = by_key.get(region.key)
             if seen is not None and seen[0].source in ("measured", "cached"):
                 verdict, first = seen
@@ -236,6 +251,12 @@ class Chooser:
                 out.append(Choice(region, verdict, plan))
                 continue
             fresh = self.floor and not self.stored(region)
+            if fresh and defer:
+                out.append(Choice(region, Verdict(
+                    False, PENDING, "not measured yet: built and measured in the background while the session "
+                    "runs it op by op; the plan is upgraded when every region has its verdict",
+                    incumbent=self.incumbent.name)))
+                continue
             if fresh and self.budget_s is not None and spent >= self.budget_s:
                 out.append(Choice(region, Verdict(
                     False, "unmeasured", f"the region floor's budget ({self.budget_s:g} s) was spent before it; "

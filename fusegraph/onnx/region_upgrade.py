@@ -1,0 +1,132 @@
+"""A GPU session's regions chosen after it opens (issue 24 item 6: a cold session usable
+within seconds).
+
+Choosing a model's regions the first time builds every candidate plan (Triton and cuDNN
+compiles, an Inductor compile where the torch engine fuses) and times each against the
+incumbent: 4-30 s on an H200 before the first run. With ``floor_mode=background`` (the
+default) a GPU session does not wait for it: the regions without a stored verdict start on
+the incumbent itself -- the same nodes op by op on PyTorch, what the region would lose to --
+so the session runs from the first call at the speed the user had without fusegraph, and a
+background thread builds and measures those regions and then swaps the upgraded plan in
+between two runs. A warm session (every verdict stored) has nothing pending and builds its
+chosen plan at once, as before.
+
+The user's runs and the thread's measurements take turns (``Gate``): a region is timed only
+while no run is in flight, and a run waits at most for one region's timing; building a plan
+(compiles, trial runs) overlaps the runs. While anything is pending the unit runs step by
+step, not captured in a CUDA graph, so no capture of the user's thread meets the thread's
+work; the upgraded plan is captured at its first run.
+
+Why a thread, not the CPU floor's child process: on a GPU the incumbent is PyTorch in this
+process, and the plan the verdicts choose must be built in this process anyway (its
+kernels, its device memory); a child would build it twice.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+log = logging.getLogger("fusegraph.onnx")
+
+
+class Gate:
+    """Runs and measurements of one unit, one at a time, runs first: a measurement starts
+    only when no run is waiting (a plain lock would let the thread take it back at once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count = threading.Lock()
+        self._waiting = 0
+
+    @contextlib.contextmanager
+    def run(self) -> Iterator[None]:
+        with self._count:
+            self._waiting += 1
+        self._lock.acquire()
+        with self._count:
+            self._waiting -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
+
+    @contextlib.contextmanager
+    def measure(self) -> Iterator[None]:
+        while self._waiting:
+            time.sleep(0.0005)
+        with self._lock:
+            yield
+
+
+class Upgrade:
+    """The background choice of one unit: ``work`` (the unit's own, given the cancel flag)
+    runs on a daemon thread; ``wait`` joins it. A failure is logged and kept in ``error``
+    (the unit keeps running its incumbent steps: nothing the user sees breaks)."""
+
+    def __init__(self, name: str, work: Callable[[threading.Event], None]) -> None:
+        self.name = name
+        self.cancel = threading.Event()
+        self.error: BaseException | None = None
+        self.started = time.perf_counter()
+        self.finished: float | None = None
+
+        def target() -> None:
+            try:
+                work(self.cancel)
+            except BaseException as exc:  # the thread must never take the process down
+                self.error = exc
+                log.warning("%s: choosing its regions in the background failed (%s: %s); it keeps running "
+                            "them op by op on PyTorch", name, type(exc).__name__, exc)
+            finally:
+                self.finished = time.perf_counter()
+
+        self.thread = threading.Thread(target=target, name=f"fusegraph-regions-{name}", daemon=True)
+        _LIVE.add(self)
+        self.thread.start()
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.thread.join(timeout)
+        return self.done
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Asks the thread to stop after the region at hand (its verdicts so far are kept)."""
+        self.cancel.set()
+        self.thread.join(timeout)
+
+
+# The upgrades still running, so the interpreter's exit stops them first (a daemon thread
+# killed inside a CUDA call at exit can crash the process). Weak: a finished or dropped
+# upgrade is not kept alive by this registry.
+_LIVE: weakref.WeakSet[Upgrade] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for up in list(_LIVE):
+        if not up.done:
+            log.info("%s: stopping the background choice of its regions at exit (verdicts so far are kept)",
+                     up.name)
+            up.stop(timeout=30.0)
+
+
+def deferred(opts: Any, handle: Any) -> bool:
+    """Whether a region unit of this session defers its unmeasured regions: on a GPU with the
+    floor on, ``floor_mode=background`` (the default), no autotuning (a tuned plan is chosen at
+    once) and not ``precision=tf32`` (its TF32 flags are process-wide: a thread setting them
+    would change the user's own float32 math)."""
+    return (bool(handle.device.is_gpu) and opts.floor_mode == "background" and opts.autotune <= 0
+            and not opts.lazy_compile and opts.precision != "tf32")
+
+
+__all__ = ["Gate", "Upgrade", "deferred"]
