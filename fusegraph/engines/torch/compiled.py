@@ -15,15 +15,18 @@ inputs; the plan passes it only tensors laid out as declared.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from fusegraph.engines.expanded_copy import copy_strided
+from fusegraph.engines.torch import aoti_cache
 from fusegraph.engines.torch.convert import Tensor, _torch
 from fusegraph.errors import CompileError
 from fusegraph.graph import layout
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.tensor import TensorAttr
+from fusegraph.runtime.cache_dir import cache_enabled
 
 log = logging.getLogger("fusegraph.engines.torch")
 
@@ -57,30 +60,74 @@ def compile_graph(
     with Inductor (``options``: torch._inductor.config patches); raises CompileError naming
     the graph when either step fails. One compile per graph content, layout, options and
     ``variant`` (what the lowering traces differently: fp32_matmul=bf16x3) in a process
-    (``COMPILED``): a model's repeated layers share it."""
+    (``COMPILED``): a model's repeated layers share it.
+
+    Where fusegraph's cache is on, the compiled code is an AOTInductor package kept there
+    (aoti_cache.py): a later process loads it without importing Dynamo or Inductor. Where
+    the package cannot be made, the in-process compile runs, and the refusal is kept so
+    that later processes do not try again."""
     key = (graph.key(), tuple(in_names), tuple(out_names),
            tuple((tuple(x.shape), tuple(x.stride()), str(x.dtype), str(x.device)) for x in example),
            tuple(sorted((options or {}).items())), variant)
     hit = COMPILED.get(key)
     if hit is not None:
         return hit
-    try:
-        compiled = inductor_compile(positional(fn, in_names, out_names), example, options)
-    except Exception as exc:
-        raise CompileError(
-            f"torch engine: Inductor could not compile graph '{graph.name}': {type(exc).__name__}",
-            diagnostic=str(exc),
-        ) from exc
+    disk = aoti_cache.region_key(graph.key(), in_names, out_names, example, options, variant) if cache_enabled() else ""
+    compiled: Positional | None = aoti_cache.cached(disk, example[0].device if example else None) if disk else None
+    if compiled is not None:
+        log.info("graph '%s': compiled plan loaded from the cache (%s)", graph.name, disk)
+    else:
+        try:
+            gm = trace(positional(fn, in_names, out_names), example)
+            refused = aoti_cache.refusal(disk) if disk else "fusegraph's cache is off"
+            if not refused:
+                try:
+                    t0 = time.perf_counter()
+                    compiled = aoti_cache.build(gm, example, options, disk)
+                    log.info("graph '%s': AOTInductor package compiled in %.1f s (%s)",
+                             graph.name, time.perf_counter() - t0, disk)
+                except Exception as exc:  # export or AOTInductor refused the graph: Inductor in process
+                    why = _reason(exc)
+                    log.warning("graph '%s': no AOTInductor package (%s); compiling in process, and "
+                                "remembering the refusal", graph.name, why)
+                    aoti_cache.remember_refusal(disk, why)
+            elif disk:
+                log.info("graph '%s': compiling in process (AOTInductor refused it before: %s)", graph.name, refused)
+            if compiled is None:
+                compiled = compile_traced(gm, example, options)
+        except Exception as exc:
+            raise CompileError(
+                f"torch engine: Inductor could not compile graph '{graph.name}': {type(exc).__name__}",
+                diagnostic=str(exc),
+            ) from exc
     COMPILED[key] = compiled
     return compiled
 
 
-# Inductor's callables by (graph content key, input and output names, example layouts,
+# Compiled callables by (graph content key, input and output names, example layouts,
 # options). A compiled callable allocates its outputs on every call and keeps no state
 # between calls, so plans of one graph share it: ViT-B/16's twelve identical layer-norm
 # regions each loaded the compiled module and tuned its kernels on their first call again
-# (about 0.4 s each, H200). Inductor's own FX graph cache serves other processes.
+# (about 0.4 s each, H200). Other processes load the package kept on disk (or, where there
+# is none, Inductor's own FX graph cache serves them).
 COMPILED: dict[tuple[Any, ...], Positional] = {}
+
+
+def trace(run: Callable[..., list[Tensor]], example: Sequence[Tensor]) -> Any:
+    """``run`` (positional tensors -> a list) as an FX graph of aten ops, traced once on
+    ``example`` with make_fx: nothing of fusegraph is left in it."""
+    torch = _torch()
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with torch.inference_mode(False), torch.no_grad():
+        return make_fx(run, tracing_mode="real")(*example)
+
+
+def compile_traced(gm: Any, example: Sequence[Tensor], options: dict[str, Any] | None = None) -> Positional:
+    """A traced graph compiled in process by ``torch._inductor.compile``."""
+    torch = _torch()
+    with torch.inference_mode(False), torch.no_grad(), torch._guards.tracing(_cache_context()):
+        return torch._inductor.compile(gm, list(example), options=options)  # type: ignore[no-any-return]
 
 
 def inductor_compile(
@@ -88,13 +135,13 @@ def inductor_compile(
 ) -> Positional:
     """``run`` (positional tensors -> a list) traced once on ``example`` with make_fx and
     compiled by ``torch._inductor.compile``; raises whatever either step raises."""
-    torch = _torch()
-    from torch.fx.experimental.proxy_tensor import make_fx
+    return compile_traced(trace(run, example), example, options)
 
-    with torch.inference_mode(False), torch.no_grad():
-        gm = make_fx(run, tracing_mode="real")(*example)
-        with torch._guards.tracing(_cache_context()):
-            return torch._inductor.compile(gm, list(example), options=options)  # type: ignore[no-any-return]
+
+def _reason(exc: BaseException) -> str:
+    """An exception as one short line for the log and the cache."""
+    first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    return f"{type(exc).__name__}: {first[:240]}" if first else type(exc).__name__
 
 
 def _cache_context() -> Any:

@@ -30,12 +30,10 @@ keeps the faster: under load it settles on one thread, on a quiet machine on all
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import math
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -48,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from fusegraph.engines.base import EngineConfig
+from fusegraph.engines.torch.aoti_cache import cpu_identity, load_package
 from fusegraph.engines.torch.compiled import inductor_compile
 from fusegraph.engines.torch.context import _Ctx
 from fusegraph.engines.torch.convert import Tensor, _torch
@@ -171,38 +170,6 @@ def package_key(graph: Graph, weights: Mapping[str, Tensor], acts: Sequence[Tens
         arr = value.detach().contiguous().numpy() if value.dtype != torch.bfloat16 else value.view(torch.int16).contiguous().numpy()
         h.update(np.ascontiguousarray(arr).reshape(-1).view(np.uint8).data)
     return h.hexdigest()[:32]
-
-
-def cpu_identity() -> str:
-    """The CPU model and its instruction-set flags (Inductor compiles for the host)."""
-    text = ""
-    with contextlib.suppress(OSError):
-        text = Path("/proc/cpuinfo").read_text(errors="replace")
-    model = flags = ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and not model:
-            model = value.strip()
-        elif key == "flags" and not flags:
-            flags = hashlib.sha256(value.strip().encode()).hexdigest()[:12]
-    return f"{platform.machine()} {model or platform.processor()} {flags}"
-
-
-def load_package(path: Path) -> Callable[..., Sequence[Tensor]]:
-    """An AOTInductor package through torch's C++ loader: tens of milliseconds, where
-    ``torch._inductor.aoti_load_package`` first imports Inductor and Dynamo (5-12 s on the
-    shared 2-core machine). The plan's inputs and outputs are flat tensors, so the Python
-    wrapper's pytree handling is not needed."""
-    torch = _torch()
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-    run = loader.run
-
-    def call(*xs: Tensor) -> list[Tensor]:
-        return run(list(xs))  # type: ignore[no-any-return]
-
-    call.loader = loader  # type: ignore[attr-defined]  # keeps the loaded library alive
-    return call
 
 
 def cached_package(key: str) -> Callable[..., Sequence[Tensor]] | None:

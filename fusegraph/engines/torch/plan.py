@@ -182,10 +182,14 @@ class TorchPlan(LeanCall, CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
         # pointwise chains (H100, against the untuned compile; max-autotune gave 1-4% more
         # for 2-4 s).
         options = {"coordinate_descent_tuning": True} if self.handle.device.is_gpu else None
+        # what the lowering traces or Inductor compiles differently: a compile (and a cached
+        # package) of its own
+        variant = (("fp32_matmul", "bf16x3") if self._ctx.split_fp32 else ()) + (
+            ("memory_format", self._ctx.memory_format) if self._ctx.memory_format != "auto" else ()
+        ) + (("tf32", True) if self._tf32 else ())
         with self._flags():
             self._positional = compile_graph(
-                self.graph, self._fn, [t.name for t in self._inputs], self._out_names, example, options,
-                ("fp32_matmul", "bf16x3") if self._ctx.split_fp32 else (),  # a traced graph of its own
+                self.graph, self._fn, [t.name for t in self._inputs], self._out_names, example, options, variant,
             )
         positional, strides, inputs, out_names = self._positional, self._strides, self._inputs, self._out_names
 
