@@ -318,7 +318,7 @@ def bench(name: str, batch: int, args: argparse.Namespace, workdir: Path) -> dic
                 opts["precision"] = args.precision
             if device.type == "cpu":  # the smoke run: the region path on the CPU, torch pinned, no runners
                 opts |= {"regions": "off" if whole else "on", "engine": "torch", "runners": "off",
-                         "floor_mode": "inline"}
+                         "floor_mode": "inline", **args.options}  # --options still win
             key = "whole" if whole else "regions"
             sess = sessions.get(key)
             opened[key] = opts
@@ -573,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", help=f"comma-separated, among {list(MODELS)} (default: all but convnet, block)")
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
     p.add_argument("--device", default="cuda:0")
-    p.add_argument("--variants", default="fusegraph,eager,compile", help=f"comma-separated, among {list(VARIANTS)}")
+    p.add_argument("--variants", help=f"comma-separated, among {list(VARIANTS)} (default: fusegraph,eager,compile; "
+                                       "--quick: fusegraph,eager,fusegraph-whole)")
     p.add_argument("--precision", default="fp32", choices=list(PRECISIONS),
                    help="fp32 as exported; fp16 / bf16 / tf32 for fusegraph (provider option) and PyTorch alike")
     p.add_argument("--rounds", type=int, default=30, help="timed rounds (medians)")
@@ -582,7 +583,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--options", default="", help="extra provider options for fusegraph, k=v,k=v (autotune=30, floor=off)")
     p.add_argument("--json", help="write the rows here")
     p.add_argument("--png", help="a chart of the ratios (needs matplotlib)")
-    p.add_argument("--quick", action="store_true", help="CPU smoke: convnet and block, batch 1, few rounds")
+    p.add_argument("--quick", action="store_true",
+                   help="CPU smoke: convnet and block (unless --models), batch 1, few rounds; --options override its "
+                        "provider options")
     p.add_argument("--verbose", action="store_true", help="print each partition report (stderr)")
     p.add_argument("--warm-setup", action="store_true",
                    help="also open each model a second time, its plans and verdicts cached (setup + first run), "
@@ -598,8 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.models = args.models or "convnet,block"
         args.batch, args.device, args.rounds, args.warmup_s = "1", "cpu", 3, 0.05
-        args.variants = "fusegraph,eager,fusegraph-whole"
+        args.variants = args.variants or "fusegraph,eager,fusegraph-whole"
     args.models = args.models or ",".join(DEFAULT)
+    args.variants = args.variants or "fusegraph,eager,compile"
     args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     try:
         args.options = dict(kv.split("=", 1) for kv in args.options.split(",") if kv.strip())

@@ -80,6 +80,29 @@ def test_quick_warm_setup_reports_every_setup_column(bench: ModuleType, tmp_path
     assert "new process: imports " in printed and "not setup" in printed, printed
 
 
+def test_a_background_evaluation_is_waited_for_and_its_plan_checked(
+        bench: ModuleType, tmp_path: Path, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``floor_mode=background`` with no engine pinned (a cache of its own): the first session
+    is pending after its first run; ``-ready`` is read after the wait, the first run's plan and
+    the upgraded one are both checked against PyTorch, the sessions opened later find the
+    verdict stored (nothing pending, in this process and in the new one)."""
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("FUSEGRAPH_FLOOR_MODE", "background")
+    seed = str(int(rng.integers(1 << 31)))
+    data, printed = _row(bench, ["--quick", "--warm-setup", "--models", "convnet", "--seed", seed, "--variants",
+                                 "fusegraph", "--options", "engine=,floor_mode=background"], tmp_path, capsys)
+    row = data["rows"][0]
+    assert "error" not in row and "warm_process_error" not in row, row
+    assert row["fusegraph_pending"] is True, "the conv net was not pending on the CPU: this test no longer covers the wait"
+    assert row["setup_s"]["fusegraph-ready"] >= row["setup_s"]["fusegraph"]
+    for variant in ("fusegraph-first", "fusegraph", "fusegraph-warm-process"):
+        assert row["rel_err"][variant] < 1e-5, (variant, row["rel_err"])
+    assert row["fusegraph-warm_pending"] is False and row["warm_process"]["pending"] is False, row
+    assert _positive(row["setup_s"]["fusegraph-warm-process-ready"])
+    assert "(ready " in printed
+
+
 def test_a_failing_new_process_is_reported_in_the_row(bench: ModuleType, tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """The new process exiting with an error, or running past --process-timeout: the row says
