@@ -482,6 +482,7 @@ def test_inductors_fx_graph_cache_serves_a_second_build(rng: np.random.Generator
     from torch._dynamo.utils import counters
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FUSEGRAPH_CACHE", "0")  # with it on, an AOTInductor package is kept instead (test_torch_aoti_regions.py)
     g = _g(DT.FLOAT)
     x = g.tensor("x", [48, 24])
     g.sigmoid(g.mul(g.add(x, g.tensor("b", [1, 24])), g.scalar(3.0))).set_output(True)

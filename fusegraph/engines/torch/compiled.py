@@ -10,6 +10,13 @@ call on the CPU where the ``torch.compile`` path took 39.
 
 The compiled callable is specialized to the declared shapes, strides and dtypes of the
 inputs; the plan passes it only tensors laid out as declared.
+
+Where fusegraph's cache is on, the compiled code is built as an AOTInductor package and
+kept (aoti_cache.py): a later process loads it through torch's C++ loader in tens of
+milliseconds, without importing Dynamo or Inductor (their import alone took ~5 s of a
+warm Swin-T ONNX session's setup on an H200, their re-tracing and code generation much
+more). ``torch._inductor.compile`` remains the path where the cache is off or the graph
+cannot be exported or packaged.
 """
 
 from __future__ import annotations
@@ -79,20 +86,7 @@ def compile_graph(
     else:
         try:
             gm = trace(positional(fn, in_names, out_names), example)
-            refused = aoti_cache.refusal(disk) if disk else "fusegraph's cache is off"
-            if not refused:
-                try:
-                    t0 = time.perf_counter()
-                    compiled = aoti_cache.build(gm, example, options, disk)
-                    log.info("graph '%s': AOTInductor package compiled in %.1f s (%s)",
-                             graph.name, time.perf_counter() - t0, disk)
-                except Exception as exc:  # export or AOTInductor refused the graph: Inductor in process
-                    why = _reason(exc)
-                    log.warning("graph '%s': no AOTInductor package (%s); compiling in process, and "
-                                "remembering the refusal", graph.name, why)
-                    aoti_cache.remember_refusal(disk, why)
-            elif disk:
-                log.info("graph '%s': compiling in process (AOTInductor refused it before: %s)", graph.name, refused)
+            compiled = _package(graph, gm, example, options, disk) if disk else None
             if compiled is None:
                 compiled = compile_traced(gm, example, options)
         except Exception as exc:
@@ -111,6 +105,30 @@ def compile_graph(
 # (about 0.4 s each, H200). Other processes load the package kept on disk (or, where there
 # is none, Inductor's own FX graph cache serves them).
 COMPILED: dict[tuple[Any, ...], Positional] = {}
+
+
+def _package(graph: Graph, gm: Any, example: Sequence[Tensor], options: dict[str, Any] | None,
+             disk: str) -> Positional | None:
+    """``gm``'s AOTInductor package, compiled and kept under ``disk``; None where it cannot
+    be made -- found now (logged, and the refusal kept for later processes) or before."""
+    refused = aoti_cache.refusal(disk)
+    if refused:
+        log.info("graph '%s': compiling in process (no AOTInductor package: %s)", graph.name, refused)
+        return None
+    if _torch()._guards.TracingContext.try_get() is not None:  # no export inside a compile of torch's
+        log.info("graph '%s': compiling in process (built inside a torch compile)", graph.name)
+        return None
+    t0 = time.perf_counter()
+    try:
+        compiled = aoti_cache.build(gm, example, options, disk)
+    except Exception as exc:  # export or AOTInductor refused the graph, or its outputs disagreed
+        why = _reason(exc)
+        log.warning("graph '%s': no AOTInductor package (%s); compiling in process, and remembering the refusal",
+                    graph.name, why)
+        aoti_cache.remember_refusal(disk, why)
+        return None
+    log.info("graph '%s': AOTInductor package compiled in %.1f s (%s)", graph.name, time.perf_counter() - t0, disk)
+    return compiled
 
 
 def trace(run: Callable[..., list[Tensor]], example: Sequence[Tensor]) -> Any:
