@@ -228,3 +228,18 @@ def test_on_cuda_a_first_session_defers_and_its_upgrade_is_captured(rng: np.rand
     again = fgo.InferenceSession(model.SerializeToString(), providers=PROVIDERS, provider_options=[opts, {}])
     assert _unit(again).upgrade is None
     _agree(again, model, SHAPE, rng, rel=1e-3)
+
+
+def test_captures_are_postponed_on_the_choosing_thread_only() -> None:
+    from fusegraph.engines import cuda_capture
+
+    seen: list[bool] = []
+    with cuda_capture.postponed():
+        assert not cuda_capture.allowed()
+        other = threading.Thread(target=lambda: seen.append(cuda_capture.allowed()))
+        other.start()
+        other.join(10)
+        with cuda_capture.postponed():
+            assert not cuda_capture.allowed()
+        assert not cuda_capture.allowed()  # nested: still postponed
+    assert cuda_capture.allowed() and seen == [True]

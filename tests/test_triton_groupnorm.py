@@ -311,11 +311,11 @@ def _catch_norm_regions(monkeypatch: pytest.MonkeyPatch) -> dict[str, fg.Graph]:
     seen: dict[str, fg.Graph] = {}
     original = choose.Chooser.choose_all
 
-    def catch(self: Any, regions: Any, inputs: Any = None) -> Any:
+    def catch(self: Any, regions: Any, inputs: Any = None, **kw: Any) -> Any:
         for r in regions:
             if any(n.kind == OpKind.LAYERNORM for n in r.graph.nodes):
                 seen.setdefault(r.key, r.graph)
-        return original(self, regions, inputs)
+        return original(self, regions, inputs, **kw)
 
     monkeypatch.setattr(choose.Chooser, "choose_all", catch)
     return seen

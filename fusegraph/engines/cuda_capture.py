@@ -28,6 +28,29 @@ from typing import Any
 
 FIRST_COLLECTION = 32
 
+_THREAD = threading.local()
+
+
+@contextlib.contextmanager
+def postponed() -> Iterator[None]:
+    """No plan captures a CUDA graph on this thread meanwhile: each runs eagerly and captures
+    at a later call made elsewhere. For a thread that builds and measures plans beside the
+    user's own CUDA work (onnx/region_upgrade.py): while a stream captures, a device-wide
+    synchronize from any other thread fails ("operation not permitted when stream is
+    capturing"), so a capture there could break the user's run (seen on an H200: a
+    ResNet-50 session's step failed that way in the user's thread)."""
+    before = getattr(_THREAD, "postponed", False)
+    _THREAD.postponed = True
+    try:
+        yield
+    finally:
+        _THREAD.postponed = before
+
+
+def allowed() -> bool:
+    """Whether a plan may capture a CUDA graph on this thread now (``postponed``)."""
+    return not getattr(_THREAD, "postponed", False)
+
 
 class CaptureCensus:
     """How many captured graphs are alive (their owners not yet freed), and when to collect.

@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from fusegraph.engines.cuda_capture import CENSUS, capturing
+from fusegraph.engines.cuda_capture import CENSUS, allowed, capturing
 
 log = logging.getLogger("fusegraph.engines")
 
@@ -68,7 +68,7 @@ class LaunchReplay:
         """After a launch with ``key`` on the default stream: counts the repeats and, at
         ``REPEATS``, captures ``capture(stream)`` -- the same launch on the given raw
         stream -- under ``guard`` (a lock the launch itself takes, e.g. the handle's)."""
-        if not self.on:
+        if not self.on or not allowed():
             return
         if key == self._last:
             self._repeats += 1

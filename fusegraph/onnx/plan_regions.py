@@ -205,8 +205,12 @@ class RegionUnit(FusegraphUnit):
 
         assert self._later is not None
         pieces, order, steps = self._later
+        from fusegraph.engines.cuda_capture import postponed
+
         regions = list(self._deferred.values())
-        with engine_cache(self.cache_dir), torch.inference_mode():
+        # no CUDA graph captured on this thread: a capture here would make a device-wide
+        # synchronize on the user's thread fail (the plans capture at their first run there)
+        with engine_cache(self.cache_dir), torch.inference_mode(), postponed():
             choices = self.chooser.choose_all(regions, self._example, stop=cancel.is_set)
             if len(choices) < len(regions):
                 log.info("%s: background choice stopped with %d of %d regions chosen (their verdicts are kept)",
@@ -221,7 +225,7 @@ class RegionUnit(FusegraphUnit):
                     new_steps[k] = self._step(f"r{k}", piece)
             plan = RegionPlan(new_steps, [self._out[o] for o in self.outputs])
             rows = [self._row(k, pieces[i]) for k, i in enumerate(order)]
-        with self.gate.run():  # between two of the user's runs
+        with self.gate.run(), postponed():  # between two of the user's runs
             self.plan, self.rows, self._ran, self._swapped = plan, rows, False, True
             self._state_precision(len(pieces))
         self._weights_dev, self._cast, self._later = {}, {}, None
@@ -541,7 +545,11 @@ class RegionUnit(FusegraphUnit):
         feed = {t.name: _to_device(values[onnx_name], t, self._device) for onnx_name, t in self._in.items()}
         up = self.upgrade
         if up is not None and not up.done:  # regions are being measured: take turns with them
-            with self.gate.run(), torch.inference_mode():
+            from fusegraph.engines.cuda_capture import postponed
+
+            # nothing captured while the thread works (see _choose_later), on this side either:
+            # its device-wide synchronizes (timing) would fail during a capture here
+            with self.gate.run(), torch.inference_mode(), postponed():
                 if not self._swapped:  # step by step, uncaptured, until the upgraded plan is in
                     return self._outputs(self.plan.execute(feed))
             # swapped in while this run waited: it runs (and is captured) below

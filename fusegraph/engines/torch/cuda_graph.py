@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from fusegraph.engines.cuda_capture import CENSUS, capturing
+from fusegraph.engines.cuda_capture import CENSUS, allowed, capturing
 from fusegraph.engines.expanded_copy import copy_strided
 from fusegraph.engines.torch.convert import (
     Tensor,
@@ -77,7 +77,7 @@ class CudaGraphs:
         if pack.overridden:  # a captured or traced plan holds the bound values: run eagerly
             return None
         stale = self._graph is None or self._graph_bound is not self._bound
-        if stale and not self._capture(pack):
+        if stale and (not allowed() or not self._capture(pack)):  # postponed: eager now, captured later
             return None
         if not self._on_graph_stream():
             return None
