@@ -67,7 +67,7 @@ def assert_close(got: np.ndarray, ref: np.ndarray, tol: float, what: str) -> Non
     g64, r64 = np.asarray(got, dtype=np.float64), np.asarray(ref, dtype=np.float64)
     assert g64.shape == r64.shape, (what, g64.shape, r64.shape)
     assert not np.isnan(g64).any() and not np.isnan(r64).any(), f"{what}: NaN"
-    err = np.linalg.norm(g64 - r64) / max(np.linalg.norm(r64), 1e-30)
+    err = float(np.linalg.norm(g64 - r64)) / max(float(np.linalg.norm(r64)), 1e-30)
     assert err <= tol, f"{what}: rel err {err:.2e} > {tol:.0e} (max abs {np.abs(g64 - r64).max():.2e})"
 
 
@@ -132,7 +132,7 @@ CHILD = textwrap.dedent("""
 
 def run_child(device: str, tmp_path: Path, pack: dict[str, np.ndarray]) -> tuple[dict[str, bool], np.ndarray]:
     """Builds the region graph in a new process (this module's cache): what it imported, what it computed."""
-    np.savez(tmp_path / "pack.npz", **pack)
+    np.savez(tmp_path / "pack.npz", **pack)  # type: ignore[arg-type]
     code = CHILD.format(tests=str(ROOT / "tests"), device=device, pack=str(tmp_path / "pack.npz"),
                         out=str(tmp_path / "out.npy"))
     res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
