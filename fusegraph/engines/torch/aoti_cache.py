@@ -24,6 +24,7 @@ frozen.py's CPU packages (weights frozen in) share the directory and the loader.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib.metadata
 import logging
@@ -60,6 +61,7 @@ AGREE = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 3e-2}
 
 
 # ---- what the compiled code depends on ---------------------------------------------------------
+@functools.cache
 def cpu_identity() -> str:
     """The CPU model and its instruction-set flags (Inductor compiles for the host)."""
     text = ""
@@ -80,16 +82,20 @@ def device_identity(device: Any) -> str:
     """What code compiled for ``device`` (a torch.device) runs on: the CPU's model and flags,
     or the GPU's name and compute capability with the CUDA and Triton versions it was
     built with (a cubin is compiled for one architecture)."""
-    torch = _torch()
     if device.type == "cpu":
         return f"cpu {cpu_identity()}"
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _gpu_identity(device.type, device.index if device.index is not None else _torch().cuda.current_device())
+
+
+@functools.cache
+def _gpu_identity(kind: str, index: int) -> str:
+    torch = _torch()
     major, minor = torch.cuda.get_device_capability(index)
     try:
         triton = importlib.metadata.version("triton")
     except importlib.metadata.PackageNotFoundError:
         triton = "none"
-    return (f"{device.type} {torch.cuda.get_device_name(index)} sm{major}{minor} "
+    return (f"{kind} {torch.cuda.get_device_name(index)} sm{major}{minor} "
             f"cuda {torch.version.cuda} hip {torch.version.hip} triton {triton}")
 
 
