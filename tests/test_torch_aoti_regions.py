@@ -249,6 +249,24 @@ def test_with_the_cache_off_nothing_is_kept(tmp_path: Path, rng: np.random.Gener
     assert not (tmp_path / aoti_cache.PACKAGES).exists()
 
 
+def test_an_unwritable_cache_compiles_in_process(tmp_path: Path, rng: np.random.Generator,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file where the cache directory should be: one warning, no package compiled (nobody
+    could load it later), the plan right."""
+    if not ENGINE.compile_support(fg.Handle("cpu")):
+        pytest.skip(f"Inductor cannot compile here: {ENGINE.compile_support(fg.Handle('cpu')).reason}")
+    from fusegraph.runtime.cache_dir import CacheUnavailableWarning
+
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file")
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(blocked))
+    monkeypatch.delenv("FUSEGRAPH_CACHE", raising=False)
+    monkeypatch.setattr(compiled, "COMPILED", {})
+    with pytest.warns(CacheUnavailableWarning):
+        check(pointwise_graph(), "cpu", rng, 1e-5)
+    assert not any(getattr(f, "loader", None) is not None for f in compiled.COMPILED.values())
+
+
 # ---- the GPU ---------------------------------------------------------------------------------------
 @pytest.mark.gpu
 def test_gpu_a_new_process_loads_the_package_without_dynamo(cache_dir: Path, tmp_path: Path,

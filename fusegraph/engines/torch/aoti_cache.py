@@ -208,6 +208,12 @@ def cached(key: str, device: Any) -> Callable[..., list[Tensor]] | None:
 
 
 # ---- building ----------------------------------------------------------------------------------
+def can_keep() -> bool:
+    """Whether a package can be kept: the cache on and its directory writable (else one
+    CacheUnavailableWarning; a package nobody can load later is not worth its compile)."""
+    return cache_enabled() and ensure_dir(cache_root() / PACKAGES, cache_root())
+
+
 def remember_refusal(key: str, why: str) -> None:
     """Keeps why ``key``'s package cannot be made, so a later process does not try again."""
     if not cache_enabled() or not ensure_dir(cache_root() / PACKAGES):
@@ -232,7 +238,7 @@ def build(
     torch = _torch()
     device = example[0].device if example else torch.device("cpu")
     root = cache_root() / PACKAGES
-    keep = cache_enabled() and ensure_dir(root)
+    keep = can_keep()
     with torch.inference_mode(False), torch.no_grad():
         plain = [_plain(x) for x in example]
 
@@ -322,6 +328,7 @@ __all__ = [
     "agrees",
     "build",
     "cached",
+    "can_keep",
     "cpu_identity",
     "device_identity",
     "load_package",

@@ -118,6 +118,9 @@ def _package(graph: Graph, gm: Any, example: Sequence[Tensor], options: dict[str
     if _torch()._guards.TracingContext.try_get() is not None:  # no export inside a compile of torch's
         log.info("graph '%s': compiling in process (built inside a torch compile)", graph.name)
         return None
+    if not aoti_cache.can_keep():
+        log.info("graph '%s': compiling in process (the cache directory cannot be written)", graph.name)
+        return None
     t0 = time.perf_counter()
     try:
         compiled = aoti_cache.build(gm, example, options, disk)
