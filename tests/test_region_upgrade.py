@@ -76,14 +76,14 @@ def test_a_first_session_runs_the_incumbent_at_once_and_upgrades_in_the_backgrou
     model = conv_blocks(rng)
     sess = _session(model, floor="on")
     unit = _unit(sess)
-    assert unit.upgrade is not None and not unit.upgrade.done
+    assert unit.upgrade is None and unit._later is not None  # the thread starts at the first run
     rows = _rows(sess.partition_report())
     assert [r.source for r in rows] == [PENDING] * 4, str(sess.partition_report())
     assert all(r.where == "fake" for r in rows)  # the incumbent runs them
     assert all("built and measured in the background" in r.why for r in rows)
     assert built == [] and measured == []
     _agree(sess, model, SHAPE, rng)  # runs while every region is pending: the incumbent's numbers
-    assert not unit._swapped and not unit._ran, "a pending unit must not be captured"
+    assert unit.upgrade is not None and not unit.upgrade.done and not unit._swapped
     assert sess.wait_for_evaluation(timeout=0.05) is False  # still held back
     release.set()
     assert sess.wait_for_evaluation(timeout=60)
@@ -112,11 +112,9 @@ def test_runs_during_the_upgrade_stay_right_and_the_incumbent_keeps_what_it_wins
     model = conv_blocks(rng)
     sess = _session(model, floor="on")
     unit = _unit(sess)
-    upgrade = unit.upgrade
-    assert upgrade is not None
     ref_sess = fgo.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     runs = 0
-    while not upgrade.done or runs < 3:  # runs interleaved with the thread's work
+    while unit.upgrade is None or not unit.upgrade.done or runs < 3:  # runs beside the thread's work
         x = rng.standard_normal(SHAPE).astype(np.float32)
         got, want = sess.run(None, {"x": x})[0], ref_sess.run(None, {"x": x})[0]
         assert np.linalg.norm(got - want) <= 1e-4 * np.linalg.norm(want)
@@ -138,7 +136,7 @@ def test_a_failing_background_choice_leaves_the_incumbent_running(
     model = conv_blocks(rng)
     sess = _session(model, floor="on")
     unit = _unit(sess)
-    assert sess.wait_for_evaluation(timeout=60)
+    assert sess.wait_for_evaluation(timeout=60)  # starts the thread where no run has
     assert isinstance(unit.upgrade.error, RuntimeError) if unit.upgrade else False
     assert "choosing its regions in the background failed (RuntimeError: boom in a compiler)" in caplog.text
     assert [r.source for r in _rows(sess.partition_report())] == [PENDING] * 4
@@ -151,8 +149,10 @@ def test_a_dropped_session_stops_its_background_thread(
     _fake_floor(monkeypatch, lambda r: 4.0, 2.0, [])
     release, built = threading.Event(), []
     _held_builder(monkeypatch, release, built)
-    sess = _session(conv_blocks(rng), floor="on")
+    model = conv_blocks(rng)
+    sess = _session(model, floor="on")
     unit = _unit(sess)
+    sess.run(None, {"x": rng.standard_normal(SHAPE).astype(np.float32)})  # starts the thread
     upgrade = unit.upgrade
     assert upgrade is not None
     threading.Timer(0.2, release.set).start()  # the region at hand finishes after the drop

@@ -1,5 +1,6 @@
 """torch[compile=True] plans kept as AOTInductor packages in fusegraph's cache
-(fusegraph/engines/torch/aoti_cache.py): a later process loads the package without
+(fusegraph/engines/torch/aoti_cache.py) when asked (``plan.persist()``; a build alone keeps
+nothing): a later process loads the package without
 importing Dynamo or Inductor and computes what the float64 reference does; a damaged
 package is compiled again with a log line; a graph the export refuses is compiled in
 process, and the refusal is remembered. GPU tests (``-m gpu``) check the package runs on
@@ -71,15 +72,18 @@ def assert_close(got: np.ndarray, ref: np.ndarray, tol: float, what: str) -> Non
     assert err <= tol, f"{what}: rel err {err:.2e} > {tol:.0e} (max abs {np.abs(g64 - r64).max():.2e})"
 
 
-def check(g: fg.Graph, device: str, rng: np.random.Generator, tol: float) -> Any:
+def check(g: fg.Graph, device: str, rng: np.random.Generator, tol: float, persist: bool = True) -> Any:
     """Builds ``g`` with compile=True on ``device``, runs fresh random data, compares every
-    output with the float64 reference; returns the plan."""
+    output with the float64 reference, then (``persist``) asks the plan to keep its package;
+    returns the plan."""
     plan = ENGINE.build(g, fg.Handle(device), COMPILE)
     pack = random_pack(g, rng)
     got = plan.execute(pack)
     ref = g.execute(pack, engine="reference")
     for t in g.outputs():
         assert_close(got[t.name], ref[t.name], TOL.get(t.dtype, 1e-4), t.name)
+    if persist:
+        plan.persist()
     return plan
 
 
@@ -238,6 +242,20 @@ def test_the_key_covers_layout_options_variant_and_device() -> None:
     assert aoti_cache.device_identity(torch.device("cpu")).startswith("cpu ")
 
 
+def test_a_build_alone_keeps_no_package(tmp_path: Path, rng: np.random.Generator,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Packaging costs an AOTInductor compile: only a plan the caller keeps is packaged."""
+    if not ENGINE.compile_support(fg.Handle("cpu")):
+        pytest.skip(f"Inductor cannot compile here: {ENGINE.compile_support(fg.Handle('cpu')).reason}")
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("FUSEGRAPH_CACHE", raising=False)
+    monkeypatch.setattr(compiled, "COMPILED", {})
+    plan = check(pointwise_graph(), "cpu", rng, 1e-5, persist=False)
+    assert packages(tmp_path) == []
+    assert plan.persist().startswith("AOTInductor package kept") and len(packages(tmp_path)) == 1
+    assert plan.persist() == ""  # once
+
+
 def test_with_the_cache_off_nothing_is_kept(tmp_path: Path, rng: np.random.Generator,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     if not ENGINE.compile_support(fg.Handle("cpu")):
@@ -290,7 +308,7 @@ def test_gpu_a_loaded_package_replays_in_a_cuda_graph(dt: DT, cache_dir: Path, r
 
     g = region_graph(dt, name=f"region_graph_{dt.name}")
     compiled.COMPILED.clear()
-    ENGINE.build(g, fg.Handle("cuda:0"), COMPILE)  # compiled and kept
+    ENGINE.build(g, fg.Handle("cuda:0"), COMPILE).persist()  # compiled and kept
     compiled.COMPILED.clear()
     plan = ENGINE.build(g, fg.Handle("cuda:0"), COMPILE)  # loaded from the cache
     assert any(getattr(f, "loader", None) is not None for f in compiled.COMPILED.values())

@@ -137,6 +137,13 @@ class ExecutionPlan(abc.ABC):
         """Bytes that rebuild this plan elsewhere (None when the engine cannot)."""
         return None
 
+    def persist(self) -> str:
+        """Keeps what a later process would otherwise compile again for this plan (the torch
+        engine's ``compile=True`` plans: an AOTInductor package in the cache), for a plan
+        the caller means to use again; '' where there is nothing to keep, else what was done.
+        Not done at build: it costs seconds, worth paying only for a plan that won."""
+        return ""
+
     def describe(self) -> dict[str, Any]:
         return {"engine": self.engine, "config": str(self.config)}
 

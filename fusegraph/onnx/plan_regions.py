@@ -188,28 +188,34 @@ class RegionUnit(FusegraphUnit):
         self.rows = [self._row(k, pieces[i]) for k, i in enumerate(order)]
         self.plan = RegionPlan(steps, [self._out[o] for o in self.outputs])
         if self._deferred:  # chosen in the background; the weights stay for the plans built there
-            self._later = (pieces, order, steps)
-            self.upgrade = region_upgrade.Upgrade(self.name, self._choose_later)
-            log.info("%s: %d regions, %d of them chosen in the background", self.name, len(steps),
+            self._later = (pieces, order, steps)  # the thread starts after the first run's capture
+            log.info("%s: %d regions, %d of them to be chosen in the background", self.name, len(steps),
                      len(self._deferred))
             return
         self._state_precision(len(pieces))
         self._weights_dev, self._cast = {}, {}  # the steps hold what they read
         log.info("%s: %d regions, %s", self.name, len(steps), self.engine_name)
 
+    def _start_upgrade(self) -> None:
+        """Starts the background choice of the deferred regions (once)."""
+        if self._later is not None and self.upgrade is None:
+            self.upgrade = region_upgrade.Upgrade(self.name, self._choose_later)
+
     def _choose_later(self, cancel: Any) -> None:
         """The background thread's work: each deferred region chosen (built, checked and
-        measured, its verdict stored), then the plan rebuilt with the new choices and swapped
-        in between two runs. Stops after the region at hand where ``cancel`` is set."""
+        measured, its verdict stored); the plan rebuilt with the new choices, swapped in and
+        captured between two runs; then the kept plans' compiled code packaged for later
+        processes. Stops after the region at hand where ``cancel`` is set."""
         import torch
+
+        from fusegraph.engines.cuda_capture import postponed
 
         assert self._later is not None
         pieces, order, steps = self._later
-        from fusegraph.engines.cuda_capture import postponed
-
         regions = list(self._deferred.values())
-        # no CUDA graph captured on this thread: a capture here would make a device-wide
-        # synchronize on the user's thread fail (the plans capture at their first run there)
+        # No plan captures a CUDA graph on this thread while the user's runs go on: a capture
+        # makes a device-wide synchronize on any other thread fail. (The user's thread captured
+        # the incumbent plan at its first run, before this thread started, and only replays.)
         with engine_cache(self.cache_dir), torch.inference_mode(), postponed():
             choices = self.chooser.choose_all(regions, self._example, stop=cancel.is_set)
             if len(choices) < len(regions):
@@ -225,14 +231,46 @@ class RegionUnit(FusegraphUnit):
                     new_steps[k] = self._step(f"r{k}", piece)
             plan = RegionPlan(new_steps, [self._out[o] for o in self.outputs])
             rows = [self._row(k, pieces[i]) for k, i in enumerate(order)]
-        with self.gate.run(), postponed():  # between two of the user's runs
-            self.plan, self.rows, self._ran, self._swapped = plan, rows, False, True
+        with self.gate.run(), torch.inference_mode(), postponed():  # between two of the user's runs
+            self.plan, self.rows, self._swapped = plan, rows, True
             self._state_precision(len(pieces))
+            if self.handle.device.is_gpu:  # captured here, where no run of the user's can interleave
+                self.capture_note = self._capture(plan, self._sample_inputs())
+            self._ran = True
         self._weights_dev, self._cast, self._later = {}, {}, None
         log.info("%s: regions chosen in the background: %s", self.name, self.engine_name)
+        with engine_cache(self.cache_dir), torch.inference_mode(), postponed():
+            for piece in fresh.values():  # the user's thread only replays now: nothing of it is captured
+                if cancel.is_set():
+                    return
+                if piece.where.startswith("fusegraph:"):
+                    kept = piece.plan.persist()
+                    if kept:
+                        log.info("%s: %s: %s", self.name, piece.pattern, kept)
+
+    def _sample_inputs(self) -> dict[str, Any]:
+        """Random inputs of the unit's declared shapes and layouts (what a capture runs on)."""
+        import torch
+
+        from fusegraph.engines.torch.convert import torch_dtype
+
+        feed: dict[str, Any] = {}
+        for t in self._in.values():
+            x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=self._device)
+            feed[t.name] = x.normal_() if x.is_floating_point() else x.zero_()
+        return feed
+
+    def _capture(self, plan: RegionPlan, feed: Mapping[str, Any]) -> str:
+        """The unit's plan captured as one CUDA graph; the report's note on it."""
+        why = plan.capture(feed)
+        note = "one CUDA graph" if not why else f"run step by step (not captured: {why})"
+        log.info("%s: %s", self.name, note)
+        return note
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Blocks until the background choice (if any) is done; True when nothing is pending."""
+        """Blocks until the background choice (if any; started now where no run has started
+        it) is done; True when nothing is pending."""
+        self._start_upgrade()
         return self.upgrade is None or self.upgrade.wait(timeout)
 
     def stop_upgrade(self, timeout: float | None = None) -> bool:
@@ -550,9 +588,9 @@ class RegionUnit(FusegraphUnit):
             # nothing captured while the thread works (see _choose_later), on this side either:
             # its device-wide synchronizes (timing) would fail during a capture here
             with self.gate.run(), torch.inference_mode(), postponed():
-                if not self._swapped:  # step by step, uncaptured, until the upgraded plan is in
+                if not self._swapped:  # the incumbent plan (replayed, captured at the first run)
                     return self._outputs(self.plan.execute(feed))
-            # swapped in while this run waited: it runs (and is captured) below
+            # swapped in (and captured) while this run waited: it replays below
         plan: RegionPlan = self.plan
         with torch.inference_mode(), tf32_allowed(self.precision.tf32):
             res = plan.execute(feed)
@@ -562,9 +600,8 @@ class RegionUnit(FusegraphUnit):
                     # after one run step by step on the caller's stream: the steps' own CUDA graphs
                     # (a torch plan's, captured at its first call) exist before this capture, which
                     # runs them eagerly (they replay only on the stream they were captured on)
-                    why = plan.capture(feed)
-                    self.capture_note = "one CUDA graph" if not why else f"run step by step (not captured: {why})"
-                    log.info("%s: %s", self.name, self.capture_note)
+                    self.capture_note = self._capture(plan, feed)
+        self._start_upgrade()  # a deferred unit: its regions chosen from now on, beside the replays
         return self._outputs(res)
 
     def _outputs(self, res: Mapping[str, Any]) -> dict[str, Any]:

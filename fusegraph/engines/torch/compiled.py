@@ -11,17 +11,19 @@ call on the CPU where the ``torch.compile`` path took 39.
 The compiled callable is specialized to the declared shapes, strides and dtypes of the
 inputs; the plan passes it only tensors laid out as declared.
 
-Where fusegraph's cache is on, the compiled code is built as an AOTInductor package and
-kept (aoti_cache.py): a later process loads it through torch's C++ loader in tens of
-milliseconds, without importing Dynamo or Inductor (their import alone took ~5 s of a
+A plan the caller keeps can be packaged as AOTInductor code in fusegraph's cache
+(``persist``, aoti_cache.py): a later process loads it through torch's C++ loader in tens
+of milliseconds, without importing Dynamo or Inductor (their import alone took ~5 s of a
 warm Swin-T ONNX session's setup on an H200, their re-tracing and code generation much
-more). ``torch._inductor.compile`` remains the path where the cache is off or the graph
-cannot be exported or packaged.
+more). Packaging is not done at build: an AOTInductor compile took ~40 s of a cold
+ResNet-50 session on an H200 for one region that then lost its measurement.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -69,10 +71,10 @@ def compile_graph(
     ``variant`` (what the lowering traces differently: fp32_matmul=bf16x3) in a process
     (``COMPILED``): a model's repeated layers share it.
 
-    Where fusegraph's cache is on, the compiled code is an AOTInductor package kept there
-    (aoti_cache.py): a later process loads it without importing Dynamo or Inductor. Where
-    the package cannot be made, the in-process compile runs, and the refusal is kept so
-    that later processes do not try again."""
+    Where fusegraph's cache holds an AOTInductor package of the same code (aoti_cache.py),
+    it is loaded instead: no Dynamo or Inductor import. Otherwise the graph is compiled in
+    process and the package is made only when asked (``persist``: the ONNX door asks for the
+    regions it keeps; making one costs an AOTInductor compile, 5-40 s)."""
     key = (graph.key(), tuple(in_names), tuple(out_names),
            tuple((tuple(x.shape), tuple(x.stride()), str(x.dtype), str(x.device)) for x in example),
            tuple(sorted((options or {}).items())), variant)
@@ -86,16 +88,58 @@ def compile_graph(
     else:
         try:
             gm = trace(positional(fn, in_names, out_names), example)
-            compiled = _package(graph, gm, example, options, disk) if disk else None
-            if compiled is None:
-                compiled = compile_traced(gm, example, options)
+            compiled = compile_traced(gm, example, options)
         except Exception as exc:
             raise CompileError(
                 f"torch engine: Inductor could not compile graph '{graph.name}': {type(exc).__name__}",
                 diagnostic=str(exc),
             ) from exc
+        if disk:
+            _TRACED[id(compiled)] = _Traced(graph.name, disk, gm, [_spec(x) for x in example], options)
     COMPILED[key] = compiled
     return compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class _Traced:
+    """What ``persist`` needs to package a graph compiled in process: its traced FX graph and
+    its inputs' layouts (example tensors are made again then, not held)."""
+
+    name: str
+    disk: str
+    gm: Any
+    example: list[tuple[tuple[int, ...], tuple[int, ...], Any, Any]]  # sizes, strides, dtype, device
+    options: dict[str, Any] | None
+
+
+# Compiled in process, not yet packaged: by the id of the compiled callable (COMPILED keeps
+# every such callable alive, so an id names one callable for the process's life).
+_TRACED: dict[int, _Traced] = {}
+_PERSIST_LOCK = threading.Lock()
+
+
+def _spec(x: Tensor) -> tuple[tuple[int, ...], tuple[int, ...], Any, Any]:
+    return tuple(x.shape), tuple(x.stride()), x.dtype, x.device
+
+
+def persist(compiled: Positional) -> str:
+    """Packages ``compiled`` (a ``compile_graph`` result) for later processes, where it was
+    compiled in process with the cache on; '' where there is nothing to do (loaded from a
+    package, packaged already, the cache off). A refusal (export or AOTInductor failed, or
+    the package disagreed) is logged and kept, so no later process tries again."""
+    with _PERSIST_LOCK:
+        traced = _TRACED.pop(id(compiled), None)
+    if traced is None:
+        return ""
+    torch = _torch()
+    example = [torch.empty_strided(sz, st, dtype=dt, device=dev) for sz, st, dt, dev in traced.example]
+    for x in example:
+        if x.is_floating_point():
+            x.normal_()
+        else:
+            x.zero_()
+    kept = _package(traced.name, traced.gm, example, traced.options, traced.disk)
+    return f"AOTInductor package kept ({traced.disk[:16]})" if kept is not None else "no AOTInductor package"
 
 
 # Compiled callables by (graph content key, input and output names, example layouts,
@@ -107,19 +151,19 @@ def compile_graph(
 COMPILED: dict[tuple[Any, ...], Positional] = {}
 
 
-def _package(graph: Graph, gm: Any, example: Sequence[Tensor], options: dict[str, Any] | None,
+def _package(name: str, gm: Any, example: Sequence[Tensor], options: dict[str, Any] | None,
              disk: str) -> Positional | None:
     """``gm``'s AOTInductor package, compiled and kept under ``disk``; None where it cannot
     be made -- found now (logged, and the refusal kept for later processes) or before."""
     refused = aoti_cache.refusal(disk)
     if refused:
-        log.info("graph '%s': compiling in process (no AOTInductor package: %s)", graph.name, refused)
+        log.info("graph '%s': compiling in process (no AOTInductor package: %s)", name, refused)
         return None
     if _torch()._guards.TracingContext.try_get() is not None:  # no export inside a compile of torch's
-        log.info("graph '%s': compiling in process (built inside a torch compile)", graph.name)
+        log.info("graph '%s': compiling in process (built inside a torch compile)", name)
         return None
     if not aoti_cache.can_keep():
-        log.info("graph '%s': compiling in process (the cache directory cannot be written)", graph.name)
+        log.info("graph '%s': compiling in process (the cache directory cannot be written)", name)
         return None
     t0 = time.perf_counter()
     try:
@@ -127,10 +171,10 @@ def _package(graph: Graph, gm: Any, example: Sequence[Tensor], options: dict[str
     except Exception as exc:  # export or AOTInductor refused the graph, or its outputs disagreed
         why = _reason(exc)
         log.warning("graph '%s': no AOTInductor package (%s); compiling in process, and remembering the refusal",
-                    graph.name, why)
+                    name, why)
         aoti_cache.remember_refusal(disk, why)
         return None
-    log.info("graph '%s': AOTInductor package compiled in %.1f s (%s)", graph.name, time.perf_counter() - t0, disk)
+    log.info("graph '%s': AOTInductor package compiled in %.1f s (%s)", name, time.perf_counter() - t0, disk)
     return compiled
 
 

@@ -238,6 +238,15 @@ class TorchPlan(LeanCall, CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
             return buffer_to_torch(value, t)
         return value
 
+    def persist(self) -> str:
+        """A ``compile=True`` plan's compiled code packaged for later processes (compiled.persist)."""
+        if self._positional is None:
+            return ""
+        from fusegraph.engines.torch.compiled import persist
+
+        with self._flags():
+            return persist(self._positional)
+
     def bind_constants(self, values: Mapping[Any, Any]) -> bool:
         """Keeps a torch view of each bound input, so later calls may omit it and skip checking
         and wrapping it, and -- unless the oneDNN Graph path will take the plan over -- reorders the
