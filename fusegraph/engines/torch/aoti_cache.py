@@ -140,7 +140,12 @@ def load_package(path: Path, device: Any = None) -> Callable[..., list[Tensor]]:
     torch = _torch()
     gpu = device is not None and device.type == "cuda"
     index = (device.index if device.index is not None else torch.cuda.current_device()) if gpu else -1
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", gpu, 1, index)
+    if gpu:  # the loader's C++ side expects torch's CUDA state (a process's first CUDA touch here crashed it)
+        torch.cuda.init()
+        with torch.cuda.device(index):
+            loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", gpu, 1, index)
+    else:
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", gpu, 1, index)
     run = loader.run
     if gpu:
         lock = threading.Lock()
