@@ -57,6 +57,11 @@ INDEX = "regions.json"  # in PACKAGES: digests of compiled plans' packages, and 
 RECIPE = 1  # how a compiled plan is written as a package; part of the key (bump on change)
 # Relative L2 a package's outputs may differ from the traced graph's run eagerly on its
 # first build (Inductor reorders float reductions; narrow types round in other places).
+# Whether packages are made and loaded for CUDA plans. Off: on an H200 (torch 2.11) the C++
+# loader crashed the process (SIGSEGV inside AOTIModelPackageLoader's constructor) on a
+# freshly compiled CUDA package of a layer norm + transpose + pointwise region; a crash
+# cannot be caught, so CUDA plans compile in process until that is understood.
+CUDA_PACKAGES = False
 AGREE = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 3e-2}
 
 
@@ -213,6 +218,11 @@ def cached(key: str, device: Any) -> Callable[..., list[Tensor]] | None:
 
 
 # ---- building ----------------------------------------------------------------------------------
+def packs(device: Any) -> bool:
+    """Whether plans on ``device`` (a torch device, None: the CPU) are packaged (CUDA_PACKAGES)."""
+    return device is None or device.type != "cuda" or CUDA_PACKAGES
+
+
 def can_keep() -> bool:
     """Whether a package can be kept: the cache on and its directory writable (else one
     CacheUnavailableWarning; a package nobody can load later is not worth its compile)."""

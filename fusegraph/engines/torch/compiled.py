@@ -81,7 +81,8 @@ def compile_graph(
     hit = COMPILED.get(key)
     if hit is not None:
         return hit
-    disk = aoti_cache.region_key(graph.key(), in_names, out_names, example, options, variant) if cache_enabled() else ""
+    packs = cache_enabled() and aoti_cache.packs(example[0].device if example else None)
+    disk = aoti_cache.region_key(graph.key(), in_names, out_names, example, options, variant) if packs else ""
     compiled: Positional | None = aoti_cache.cached(disk, example[0].device if example else None) if disk else None
     if compiled is not None:
         log.info("graph '%s': compiled plan loaded from the cache (%s)", graph.name, disk)
