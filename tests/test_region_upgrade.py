@@ -104,6 +104,38 @@ def test_a_first_session_runs_the_incumbent_at_once_and_upgrades_in_the_backgrou
     _agree(again, model, SHAPE, rng)
 
 
+def test_a_warm_session_builds_slow_winners_in_the_background(
+        monkeypatch: pytest.MonkeyPatch, deferring: None, rng: np.random.Generator) -> None:
+    """A stored verdict keeping a plan whose build is slow (on a GPU: an Inductor compile) is
+    not built at open: the region starts on the incumbent and its plan is built (not
+    measured again) in the background."""
+    measured: list[str] = []
+    _fake_floor(monkeypatch, lambda r: 1.0 if r.pattern.startswith("cudnn.conv") else 4.0, 2.0, measured)
+    model = conv_blocks(rng)
+    first = _session(model, floor="on")
+    assert first.wait_for_evaluation(timeout=60)
+    faked = region_choice.chooser_for
+    slow: list[str] = []
+
+    def chooser_for(plan: Any) -> Chooser:
+        c = faked(plan)
+        c.slow_build = lambda v: slow.append(v.engine) or True  # type: ignore[func-returns-value]
+        return c
+
+    monkeypatch.setattr(region_choice, "chooser_for", chooser_for)
+    measured.clear()
+    sess = _session(model, floor="on")
+    rows = _rows(sess.partition_report())
+    # the pooling region won (its plan deferred); the convolutions lost (the incumbent, at once)
+    assert [r.source for r in rows] == ["cached", "cached", "cached", PENDING], str(sess.partition_report())
+    assert "whose build is slow: built in the background" in rows[3].why and slow == ["torch"]
+    _agree(sess, model, SHAPE, rng)
+    assert sess.wait_for_evaluation(timeout=60) and measured == []  # built, not measured again
+    rows = _rows(sess.partition_report())
+    assert [r.source for r in rows] == ["cached"] * 4 and rows[3].where == "fusegraph:torch"
+    _agree(sess, model, SHAPE, rng)
+
+
 def test_runs_during_the_upgrade_stay_right_and_the_incumbent_keeps_what_it_wins(
         monkeypatch: pytest.MonkeyPatch, deferring: None, rng: np.random.Generator) -> None:
     measured: list[str] = []

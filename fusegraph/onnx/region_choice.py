@@ -133,7 +133,9 @@ def chooser_for(plan: SessionPlan) -> Chooser:
                    # where the split plan loses, the float32 plan it replaced is measured too
                    fallbacks=(("fp32_matmul=ieee", lambda region: build(region, False)),) if split else (),
                    fallback_when=(lambda region: _splittable(region.graph, handle)) if split else None,
-                   budget_s=region_budget(plan.opts))
+                   budget_s=region_budget(plan.opts),
+                   # deferred sessions (region_upgrade.py) build Inductor-compiled winners later
+                   slow_build=lambda v: "compile=True" in (v.engine or ""))
 
 
 def split_wanted(opts: ProviderOptions, handle: Handle) -> bool:
