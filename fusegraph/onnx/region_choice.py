@@ -134,8 +134,8 @@ def chooser_for(plan: SessionPlan) -> Chooser:
                    fallbacks=(("fp32_matmul=ieee", lambda region: build(region, False)),) if split else (),
                    fallback_when=(lambda region: _splittable(region.graph, handle)) if split else None,
                    budget_s=region_budget(plan.opts),
-                   # deferred sessions (region_upgrade.py) build Inductor-compiled winners later
-                   slow_build=lambda v: "compile=True" in (v.engine or ""))
+                   # a deferred session (region_upgrade.py) builds every stored winner later
+                   build_later=lambda v: True)
 
 
 def split_wanted(opts: ProviderOptions, handle: Handle) -> bool:

@@ -77,9 +77,10 @@ class Chooser:
     # while a region is timed, so neither side's kernels are in the other's samples.
     guard: Callable[[], contextlib.AbstractContextManager[Any]] | None = None
     # With ``choose_all(defer=True)``: a region whose stored verdict keeps a plan this says
-    # is slow to build (the ONNX door: an Inductor compile, seconds and Dynamo's import in
-    # every new process) is deferred too, built later off the user's path.
-    slow_build: Callable[[Verdict], bool] | None = None
+    # is worth building later is deferred too, built off the user's path (the ONNX door on
+    # a GPU: every such plan -- loading Triton's and cuDNN's kernels, an Inductor compile
+    # with Dynamo's import, took 1.8-17.5 s of a warm open in a new process on an H200).
+    build_later: Callable[[Verdict], bool] | None = None
     _versions: dict[str, str] | None = None
 
     def versions(self) -> dict[str, str]:
@@ -185,17 +186,17 @@ class Chooser:
         others = "; ".join(f"{c.verdict.engine or 'not built'}: {c.verdict.why}" for c in tried[:-1])
         return Choice(region, replace(last.verdict, why=f"{last.verdict.why}; also tried: {others}"), None), False
 
-    def _slow_winner(self, region: Region) -> Verdict | None:
-        """The stored verdict that keeps a plan ``slow_build`` names, among the region's
+    def _later_winner(self, region: Region) -> Verdict | None:
+        """The stored verdict that keeps a plan ``build_later`` names, among the region's
         candidates (preferred, builder, fallbacks); None where there is none."""
-        if self.slow_build is None:
+        if self.build_later is None:
             return None
         which: list[bool | str] = [*([True] if self.preferred is not None else []), False,
                                    *(name for name, _ in self.fallbacks)]
         for w in which:
             v = self.cached(region, w)
             if v is not None and v.fusegraph:
-                return v if self.slow_build(v) else None
+                return v if self.build_later(v) else None
         return None
 
     def _falls_back(self, region: Region) -> bool:
@@ -274,12 +275,11 @@ class Chooser:
                     "runs it op by op; the plan is upgraded when every region has its verdict",
                     incumbent=self.incumbent.name)))
                 continue
-            slow = self._slow_winner(region) if defer and not fresh else None
-            if slow is not None:
+            later = self._later_winner(region) if defer and not fresh else None
+            if later is not None:
                 out.append(Choice(region, Verdict(
-                    False, PENDING, f"a stored verdict keeps fusegraph's plan ({slow.engine}), whose build is slow: "
-                    "built in the background while the session runs it op by op",
-                    incumbent=self.incumbent.name)))
+                    False, PENDING, f"a stored verdict keeps fusegraph's plan ({later.engine}): built in the "
+                    "background while the session runs it op by op", incumbent=self.incumbent.name)))
                 continue
             if fresh and self.budget_s is not None and spent >= self.budget_s:
                 out.append(Choice(region, Verdict(
