@@ -77,6 +77,7 @@ def test_a_first_session_runs_the_incumbent_at_once_and_upgrades_in_the_backgrou
     sess = _session(model, floor="on")
     unit = _unit(sess)
     assert unit.upgrade is None and unit._later is not None  # the thread starts at the first run
+    assert unit._measuring  # regions without a verdict: measured (the incumbent is captured on a GPU)
     rows = _rows(sess.partition_report())
     assert [r.source for r in rows] == [PENDING] * 4, str(sess.partition_report())
     assert all(r.where == "fake" for r in rows)  # the incumbent runs them
@@ -138,6 +139,7 @@ def test_a_warm_session_builds_its_winners_in_the_background(
     # the pooling region won (its plan deferred); the convolutions lost (the incumbent, at once)
     assert [r.source for r in rows] == ["cached", "cached", "cached", PENDING], str(sess.partition_report())
     assert "keeps fusegraph's plan (torch): built in the background" in rows[3].why and slow == ["torch"]
+    assert not _unit(sess)._measuring  # only built: the incumbent plan is not worth a capture
     _agree(sess, model, SHAPE, rng)
     assert sess.wait_for_evaluation(timeout=60) and measured == []  # built, not measured again
     rows = _rows(sess.partition_report())

@@ -140,6 +140,7 @@ class RegionUnit(FusegraphUnit):
         self._deferred: dict[tuple[str, ...], Region] = {}  # a pending piece's nodes -> its region
         self._later: tuple[list[Piece], list[int], list[Step]] | None = None  # what the upgrade rebuilds
         self._swapped = False  # the upgraded plan is in place
+        self._measuring = False  # a deferred region is measured, not only built (it takes long)
         chooser.builder = self._checked(build)
         if chooser.preferred is not None:
             chooser.preferred = self._checked(chooser.preferred, preferred=True)
@@ -320,6 +321,9 @@ class RegionUnit(FusegraphUnit):
                           + [(c.nodes, c.graph, c.inputs, c.outputs) for c in cuts])
         choices = self._choose(regions)
         self._deferred = {c.region.nodes: c.region for c in choices if c.verdict.source == PENDING}
+        # a pending region without a stored verdict is measured (seconds to minutes); one whose
+        # stored verdict names its plan (``engine``) is only built
+        self._measuring = any(not c.verdict.engine for c in choices if c.verdict.source == PENDING)
         pieces = [self._chosen(c) for c in choices]
         for c in cuts:
             try:
@@ -596,7 +600,9 @@ class RegionUnit(FusegraphUnit):
             res = plan.execute(feed)
             if not self._ran:
                 self._ran = True
-                if self.handle.device.is_gpu:
+                # a deferred unit that only builds its stored winners is upgraded within seconds:
+                # its incumbent plan is not worth a capture (~0.5 s for Swin-T's)
+                if self.handle.device.is_gpu and (self._later is None or self._measuring):
                     # after one run step by step on the caller's stream: the steps' own CUDA graphs
                     # (a torch plan's, captured at its first call) exist before this capture, which
                     # runs them eagerly (they replay only on the stream they were captured on)

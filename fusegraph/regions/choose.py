@@ -279,7 +279,7 @@ class Chooser:
             if later is not None:
                 out.append(Choice(region, Verdict(
                     False, PENDING, f"a stored verdict keeps fusegraph's plan ({later.engine}): built in the "
-                    "background while the session runs it op by op", incumbent=self.incumbent.name)))
+                    "background while the session runs it op by op", later.engine, incumbent=self.incumbent.name)))
                 continue
             if fresh and self.budget_s is not None and spent >= self.budget_s:
                 out.append(Choice(region, Verdict(
