@@ -210,6 +210,29 @@ def test_a_dropped_session_stops_its_background_thread(
     assert ref() is None, "the stopped unit is still alive"
 
 
+def test_measurements_wait_for_the_runs_of_every_unit_on_the_device(
+        monkeypatch: pytest.MonkeyPatch, deferring: None, rng: np.random.Generator) -> None:
+    """The chooser's measurements go through the device's gate: while a run (of any session
+    on the device) holds it, a built region waits to be timed."""
+    measured: list[str] = []
+    _fake_floor(monkeypatch, lambda r: 4.0, 2.0, measured)
+    release, built = threading.Event(), []
+    release.set()
+    _held_builder(monkeypatch, release, built)
+    sess = _session(conv_blocks(rng), floor="on")
+    unit = _unit(sess)
+    assert unit.chooser.guard is not None and unit.gate is region_upgrade.gate_for("cpu")
+    with unit.gate.run():  # as a run of another session would
+        unit._start_upgrade()
+        deadline = time.monotonic() + 30
+        while not built and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+        assert built and measured == [], (built, measured)  # built, and waiting to be timed
+    assert unit.wait(60) and unit.upgrade is not None and unit.upgrade.error is None
+    assert sorted(measured) == ["cudnn.conv.bias_act", "cudnn.conv.bias_act", "triton.reduction"]
+
+
 def test_the_gate_lets_a_waiting_run_in_before_the_next_measurement() -> None:
     gate = region_upgrade.Gate()
     order: list[str] = []

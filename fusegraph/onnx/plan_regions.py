@@ -135,7 +135,8 @@ class RegionUnit(FusegraphUnit):
         # Deferred choice (region_upgrade.py): regions without a stored verdict start on the
         # incumbent and are chosen by a background thread, which swaps the upgraded plan in.
         self.defer = False
-        self.gate = region_upgrade.Gate()
+        self.gate = region_upgrade.gate_for(str(base.handle.device))
+        chooser.guard = self.gate.measure  # measurements wait for the runs in flight (free where none are)
         self.upgrade: region_upgrade.Upgrade | None = None
         self._deferred: dict[tuple[str, ...], Region] = {}  # a pending piece's nodes -> its region
         self._later: tuple[list[Piece], list[int], list[Step]] | None = None  # what the upgrade rebuilds

@@ -11,9 +11,9 @@ background thread builds and measures those regions and then swaps the upgraded 
 between two runs. A warm session (every verdict stored) has nothing pending and builds its
 chosen plan at once, as before.
 
-The user's runs and the thread's measurements take turns (``Gate``): a region is timed only
-while no run is in flight, and a run waits at most for one region's timing; building a plan
-(compiles, trial runs) overlaps the runs. While anything is pending the unit runs step by
+The user's runs and the thread's measurements take turns (``Gate``, one per device): a region
+is timed only while no run of a deferred unit on that device is in flight, and a run waits at
+most for one region's timing; building a plan (compiles, trial runs) overlaps the runs. While anything is pending the unit runs step by
 step, not captured in a CUDA graph, so no capture of the user's thread meets the thread's
 work; the upgraded plan is captured at its first run.
 
@@ -63,6 +63,21 @@ class Gate:
             time.sleep(0.0005)
         with self._lock:
             yield
+
+
+# One gate per device, shared by every deferred unit of the process: a unit's region is
+# timed only while no run of any unit on that device is in flight (two sessions' background
+# choices, or a model split into several units, would otherwise time each other's kernels).
+_GATES: dict[str, Gate] = {}
+_GATES_LOCK = threading.Lock()
+
+
+def gate_for(device: str) -> Gate:
+    with _GATES_LOCK:
+        gate = _GATES.get(device)
+        if gate is None:
+            gate = _GATES[device] = Gate()
+        return gate
 
 
 class Upgrade:
@@ -129,4 +144,4 @@ def deferred(opts: Any, handle: Any) -> bool:
             and not opts.lazy_compile and opts.precision != "tf32")
 
 
-__all__ = ["Gate", "Upgrade", "deferred"]
+__all__ = ["Gate", "Upgrade", "deferred", "gate_for"]
