@@ -130,9 +130,9 @@ _LIVE: weakref.WeakSet[Upgrade] = weakref.WeakSet()
 def _stop_all() -> None:
     for up in list(_LIVE):
         if not up.done:
-            log.info("%s: stopping the background choice of its regions at exit (verdicts so far are kept)",
-                     up.name)
-            up.stop(timeout=30.0)
+            log.info("%s: stopping the background choice of its regions at exit (the verdicts measured so "
+                     "far are kept; the region at hand is dropped after 5 s)", up.name)
+            up.stop(timeout=5.0)
 
 
 def deferred(opts: Any, handle: Any) -> bool:

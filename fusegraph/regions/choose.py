@@ -290,6 +290,8 @@ class Chooser:
             choice, first = self._pick(region, inputs)
             if fresh:
                 spent += time.perf_counter() - t0
+                if stop is not None and self.store is not None:  # a background choice may be cut short
+                    self.store.flush()
             by_key[region.key] = (choice.verdict, first)
             out.append(choice)
         if self.store is not None:
