@@ -630,7 +630,7 @@ class SessionPlan:
         calls it when it is itself freed."""
         units, self.units = self.units, []
         self._whole_ort = None
-        busy = [u for u in units if not getattr(u, "stop_upgrade", lambda _t: True)(5.0)]
+        busy = [u for u in units if not getattr(u, "stop_upgrade", lambda _t: True)(0.2)]
         if busy:  # a region still building in the background: its thread holds the unit until it ends
             log.info("%s: left to the garbage collector (a region was still being built)", [u.name for u in busy])
         plan_release.break_cycles([u for u in units if u not in busy])
