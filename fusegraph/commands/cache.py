@@ -36,6 +36,8 @@ PARTS: tuple[Part, ...] = (
     Part("onnx-tier", "onnx-tier", "ONNX provider: torch-mlir tier modules"),
     Part("onnx-background", "onnx-background", "ONNX provider: background evaluations (locks, child logs)"),
     Part("onnx-checked", "onnx-checked.json", "ONNX provider: model files already checked (path, size, mtime)"),
+    Part("onnx-specialized", "onnx-specialized",
+         "ONNX provider: specialized graphs (shapes inferred, constants folded) per model and input shapes"),
     Part("openvino", "openvino", "ONNX provider: OpenVINO's compiled models (the openvino whole-model runner)"),
     Part("onednn-graph", "onednn-graph-verdicts.json", "torch engine: oneDNN Graph probe verdicts"),
     Part("torch-aoti", "torch-aoti", "torch engine: AOTInductor packages"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -70,9 +71,10 @@ def _outer_reads(graph: onnx.GraphProto) -> set[str]:
     return reads
 
 
-def _parse_nodes(graph: onnx.GraphProto) -> list[ONode]:
+def _node_names(graph: onnx.GraphProto) -> list[str]:
+    """Every node's name, made unique (a missing or repeated name gets a numbered one)."""
     taken: set[str] = set()
-    nodes = []
+    names = []
     for i, p in enumerate(graph.node):
         name = p.name
         if not name or name in taken:
@@ -82,23 +84,29 @@ def _parse_nodes(graph: onnx.GraphProto) -> list[ONode]:
                 k += 1
                 name = f"{base}_{k}"
         taken.add(name)
-        attrs: dict[str, Any] = {}
-        implicit: set[str] = set()
-        for a in p.attribute:
-            subs = _subgraphs(a)
-            if subs:
-                for g in subs:
-                    implicit |= _outer_reads(g)
-                attrs[a.name] = a  # kept as the proto: only ORT runs these
-            else:
-                attrs[a.name] = helper.get_attribute_value(a)
-        nodes.append(
-            ONode(
-                name, p.op_type, p.domain, tuple(p.input), tuple(p.output), attrs, p,
-                sources=(name,), implicit_inputs=tuple(sorted(implicit - set(p.input))),
-            )
-        )
-    return nodes
+        names.append(name)
+    return names
+
+
+def _parse_node(p: onnx.NodeProto, name: str) -> ONode:
+    attrs: dict[str, Any] = {}
+    implicit: set[str] = set()
+    for a in p.attribute:
+        subs = _subgraphs(a)
+        if subs:
+            for g in subs:
+                implicit |= _outer_reads(g)
+            attrs[a.name] = a  # kept as the proto: only ORT runs these
+        else:
+            attrs[a.name] = helper.get_attribute_value(a)
+    return ONode(
+        name, p.op_type, p.domain, tuple(p.input), tuple(p.output), attrs, p,
+        sources=(name,), implicit_inputs=tuple(sorted(implicit - set(p.input))),
+    )
+
+
+def _parse_nodes(graph: onnx.GraphProto) -> list[ONode]:
+    return [_parse_node(p, name) for p, name in zip(graph.node, _node_names(graph), strict=True)]
 
 
 def _constant_value(node: ONode) -> np.ndarray | None:
@@ -133,11 +141,16 @@ def _type_info(t: onnx.TypeProto) -> TypeInfo:
 # ---- specialization: shapes fixed, constants folded -------------------------------------------
 def specialize(
     model: onnx.ModelProto, input_shapes: Mapping[str, Sequence[int]],
-    initializers: Mapping[str, np.ndarray] | None = None,
+    initializers: Mapping[str, np.ndarray] | None = None, *, cache_dir: str | os.PathLike[str] | None = None,
 ) -> OnnxGraph:
     """The model's graph for these input shapes, with every constant computation folded.
     ``initializers``: values of the model's initializers already at hand (read-only views of
-    the bytes it was parsed from: ``load.initializer_views``); the others are converted."""
+    the bytes it was parsed from: ``load.initializer_views``); the others are converted.
+    Where the cache is on, the result is kept in ``cache_dir`` (else the default cache
+    directory) and a later call for the same model and shapes loads it
+    (``specialized_cache``)."""
+    from fusegraph.onnx import specialized_cache
+
     g = model.graph
     constants: dict[str, np.ndarray] = {}
     given = initializers or {}
@@ -146,6 +159,12 @@ def specialize(
         constants[init.name] = arr if arr is not None else numpy_helper.to_array(init)
     for sp in g.sparse_initializer:
         constants[sp.values.name] = _sparse_to_dense(sp)
+    entry = specialized_cache.entry_for(model, input_shapes, constants, cache_dir)
+    if entry is not None:
+        kept = entry.load(model, constants)
+        if kept is not None:
+            return kept
+    model_constants = dict(constants)
     inputs = [i.name for i in g.input if i.name not in constants]
     input_types: dict[str, TypeInfo] = {}
     for i in g.input:
@@ -180,6 +199,8 @@ def specialize(
             break
     _prune_dead(og)
     _check_sizes(og)
+    if entry is not None:
+        entry.store(og, model, model_constants)
     return og
 
 

@@ -51,6 +51,7 @@ STORES: tuple[Store, ...] = (
     Store("torch-aoti", "torch-aoti/*.pt2"),
     Store("onnx-tier", "onnx-tier/*.vmfb"),
     Store("openvino", "openvino/*"),
+    Store("onnx-specialized", "onnx-specialized/*.fgspec"),
 )
 
 
