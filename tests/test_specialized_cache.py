@@ -312,7 +312,7 @@ def test_the_shape_chain_folds_rounds_and_loads_them(rng: np.random.Generator, c
 def _run_graph(og: OnnxGraph, feed: dict[str, np.ndarray]) -> np.ndarray:
     """The specialized graph as a model of its own (constants as initializers) on ONNX Runtime."""
     used = {i for n in og.nodes for i in n.all_inputs()} | set(og.outputs)
-    inits = [numpy_helper.from_array(np.ascontiguousarray(a), k) for k, a in og.constants.items() if k in used]
+    inits = [numpy_helper.from_array(a.copy(order="C"), k) for k, a in og.constants.items() if k in used]
     g = helper.make_graph([n.to_proto() for n in og.nodes], "g",
                           [_vi(i, og.types[i].elem, list(og.types[i].shape or ())) for i in og.inputs],
                           [onnx.ValueInfoProto(name=o) for o in og.outputs], inits)
@@ -638,3 +638,67 @@ def test_loaded_in_a_new_process(rng: np.random.Generator, cache: Path, tmp_path
                            check=True, cwd=repo).stdout for _ in range(2)]
     assert "specialized graph loaded" not in runs[0] and "specialized graph loaded" in runs[1], runs
     assert runs[0].split("NODES")[1] == runs[1].split("NODES")[1]
+
+
+def _torch_window_attention() -> tuple[bytes, np.ndarray, np.ndarray]:
+    """A Swin-like window attention exported by torch with dynamic batch, height and width:
+    the exporter writes ``x.shape`` arithmetic as Shape -> Gather -> Div -> Unsqueeze ->
+    Concat chains feeding its Reshapes. Returns (model bytes, input, torch's output)."""
+    import inspect
+    import io
+    import warnings
+
+    import torch
+    from torch import nn
+
+    class Window(nn.Module):
+        def __init__(self, c: int = 8, heads: int = 2) -> None:
+            super().__init__()
+            self.qkv, self.proj, self.heads = nn.Linear(c, 3 * c), nn.Linear(c, c), heads
+            self.table = nn.Parameter(torch.randn(9, heads) * 0.5)
+            idx = torch.arange(4).view(2, 2)
+            self.register_buffer("index", (idx.view(-1, 1) - idx.view(1, -1)).abs().clamp(max=8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b, h, w, c = x.shape
+            win = x.view(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, 4, c)
+            qkv = self.qkv(win).reshape(win.shape[0], 4, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+            bias = self.table[self.index.view(-1)].view(4, 4, -1).permute(2, 0, 1)
+            a = (qkv[0] @ qkv[1].transpose(-2, -1)) * (c // self.heads) ** -0.5 + bias.unsqueeze(0)
+            o = (a.softmax(-1) @ qkv[2]).transpose(1, 2).reshape(win.shape[0], 4, c)
+            o = self.proj(o).view(b, h // 2, w // 2, 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(b, h, w, c)
+            return x + o
+
+    torch.manual_seed(int(np.random.default_rng().integers(2**31)))
+    module = Window().eval()
+    x = torch.randn(2, 6, 4, 8)
+    f = io.BytesIO()
+    kw: dict[str, Any] = {"input_names": ["x"], "output_names": ["y"], "opset_version": 17,
+                          "dynamic_axes": {"x": {0: "B", 1: "H", 2: "W"}}}
+    if "dynamo" in inspect.signature(torch.onnx.export).parameters:
+        kw["dynamo"] = False
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, (x,), f, **kw)
+        want = module(x).numpy()
+    return f.getvalue(), x.numpy(), want
+
+
+def test_torch_export_shape_chains_fold_and_load(cache: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 no_folding: Any) -> None:
+    pytest.importorskip("torch", reason="exports the model with torch.onnx (fusegraph[torch])")
+    data, x, want_y = _torch_window_attention()
+    model = onnx.load_from_string(data)
+    assert {"Shape", "Gather", "Concat"} <= {n.op_type for n in model.graph.node}
+    shapes = {"x": x.shape}
+    want = _fresh(model, shapes, monkeypatch)
+    # what is left runs on data (the Gathers pick q, k and v); the shape arithmetic folded
+    assert not {"Shape", "Concat", "Unsqueeze", "Div", "Cast"} & {n.op_type for n in want.nodes}, \
+        sorted(n.op_type for n in want.nodes)
+    specialize_mod.specialize(model, shapes)
+    with no_folding():
+        got = specialize_mod.specialize(onnx.load_from_string(data), shapes)
+    assert_same_graph(got, want)
+    out = _run_graph(got, {"x": x})
+    err = np.linalg.norm(out.astype(np.float64) - want_y) / np.linalg.norm(want_y)
+    assert np.isfinite(out).all() and err < 1e-5 and np.abs(out - want_y).max() < 1e-4, err
