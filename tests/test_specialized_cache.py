@@ -500,6 +500,14 @@ def _bad_node(h: dict[str, Any]) -> None:
     h["nodes"].append(10**6)
 
 
+def _negative_node(h: dict[str, Any]) -> None:
+    h["nodes"][0] = -1
+
+
+def _nodes_reordered(h: dict[str, Any]) -> None:
+    h["nodes"].reverse()
+
+
 def _past_end(h: dict[str, Any]) -> None:
     d = next(c for c in h["constants"] if c[0] == "d")
     d[4] = 10**9
@@ -525,7 +533,8 @@ def _header_flipped(p: Path) -> None:
 
 DAMAGE: dict[str, Callable[[Path], None]] = {
     "truncated": _truncate, "garbage": _garbage, "empty": _empty, "header flipped": _header_flipped,
-    "node out of range": _edit(_bad_node), "data past the end": _edit(_past_end),
+    "node out of range": _edit(_bad_node), "negative node": _edit(_negative_node),
+    "nodes reordered": _edit(_nodes_reordered), "data past the end": _edit(_past_end),
     "object dtype": _edit(_object_dtype), "unknown kind": _edit(_unknown_kind), "other key": _edit(_other_key),
 }
 

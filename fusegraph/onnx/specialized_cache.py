@@ -26,6 +26,7 @@ import base64
 import bisect
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -121,7 +122,10 @@ class Entry:
                 return None
         g = model.graph
         names = _node_names(g)
-        nodes = [_parse_node(g.node[i], names[i]) for i in head["nodes"]]
+        kept, folded = head["nodes"], head["folded"]
+        if not _indices(kept, len(names), increasing=True) or not _indices(folded, len(names)):
+            raise ValueError("node indices out of range or order")
+        nodes = [_parse_node(g.node[i], names[i]) for i in kept]
         out: dict[str, np.ndarray] = {}
         for c in head["constants"]:
             kind, name = c[0], c[1]
@@ -160,7 +164,7 @@ class Entry:
             opset_imports=list(model.opset_import),
             ir_version=int(model.ir_version),
             functions=list(model.functions),
-            folded=[names[i] for i in head["folded"]],
+            folded=[names[i] for i in folded],
             all_node_names=names,
         )
 
@@ -329,6 +333,13 @@ def _bounds(a: np.ndarray) -> tuple[int, int]:
         else:
             hi += (n - 1) * s
     return lo, hi + a.itemsize
+
+
+def _indices(values: Any, n: int, *, increasing: bool = False) -> bool:
+    """A list of ints in [0, n) (strictly increasing where asked: nodes keep the model's order)."""
+    if not isinstance(values, list) or not all(type(v) is int and 0 <= v < n for v in values):
+        return False
+    return not increasing or all(a < b for a, b in itertools.pairwise(values))
 
 
 def _aligned(n: int) -> int:
