@@ -44,6 +44,7 @@ def _stores(root: Path) -> dict[str, Path]:
         "torch-aoti": _file(root / "torch-aoti" / "m.pt2", 1000, 300),
         "onnx-tier": _file(root / "onnx-tier" / "r.vmfb", 1000, 200),
         "openvino": _file(root / "openvino" / "o.blob", 1000, 100),
+        "onnx-specialized": _file(root / "onnx-specialized" / "k.fgspec", 1000, 50),
     }
 
 
@@ -52,11 +53,11 @@ def test_every_store_counts_and_the_oldest_go_first(root: Path) -> None:
     _file(root / "cudnn" / ".plan-tmp123", 5000, 1000)  # a writer's temporary file: not an artifact
     _file(root / "tuning" / "db.json", 5000, 1000)  # a table: not an artifact
     assert cache_limit.usage(root) == {k: 1000 for k in paths}
-    gone = cache_limit.set_limit(2500, root)
+    gone = cache_limit.set_limit(3500, root)
     assert gone == 3
-    assert [k for k, p in paths.items() if p.exists()] == ["onnx-tier", "openvino"]
+    assert [k for k, p in paths.items() if p.exists()] == ["onnx-tier", "openvino", "onnx-specialized"]
     assert (root / "cudnn" / ".plan-tmp123").exists() and (root / "tuning" / "db.json").exists()
-    assert cache_limit.limit(root) == 2500
+    assert cache_limit.limit(root) == 3500
 
 
 def test_the_artifact_just_written_stays_even_alone_over_the_limit(root: Path) -> None:
@@ -102,4 +103,5 @@ def test_cli_limit_reports_every_store(root: Path, capsys: pytest.CaptureFixture
     assert _limit(Args()) == 0  # type: ignore[arg-type]
     out = capsys.readouterr().out
     assert cache_limit.limit(root) == 3072
-    assert out.startswith("size limit 0.00 MB; compiled artifacts use 0.00 MB (torch-aoti 1000 B, onnx-tier 1000 B, openvino 1000 B)")
+    assert out.startswith("size limit 0.00 MB; compiled artifacts use 0.00 MB (onnx-tier 1000 B, openvino 1000 B, "
+                          "onnx-specialized 1000 B)")
