@@ -117,7 +117,7 @@ class SessionPlan:
         self.ort_providers = ort_providers
         self.dump = make_dumper(opts.dump_dir)
         self.model = model  # as given: the whole model on ONNX Runtime, where the floor decides so
-        self.og = og = specialize(model, shapes, initializers)
+        self.og = og = specialize(model, shapes, initializers, cache_dir=opts.cache_dir)
         self.pattern_refusals: dict[str, str] = {}  # anchor node -> why its pattern did not apply
         self.rewrites = apply_rewrites(og, opts.op_types_to_exclude, self.pattern_refusals) if enabled else {}
         self._read_values: set[str] | None = None
