@@ -82,10 +82,6 @@ def to_device(value: Any, t: Any, device: Any) -> Any:
     arr = to_host(value)
     if not isinstance(arr, np.ndarray):
         arr = np.asarray(arr)
-    if device.type == "cpu":
-        own = _host_copy(arr, t, dtype)
-        if own is not None:
-            return own
     if str(arr.dtype) == "bfloat16":  # NumPy has no bfloat16 of its own: through its bits
         host = torch.from_numpy(np.ascontiguousarray(arr).view(np.uint16)).view(torch.bfloat16)
     elif arr.flags.writeable:
@@ -97,34 +93,6 @@ def to_device(value: Any, t: Any, device: Any) -> Any:
     out = torch.empty_strided(t.shape, t.strides, dtype=dtype, device=device)
     out.copy_(host)
     return out
-
-
-def _host_copy(arr: np.ndarray, t: Any, dtype: Any) -> Any:
-    """``arr`` copied by NumPy into a tensor of its own, where that copy already has ``t``'s
-    dtype and strides (None elsewhere). NumPy's copy runs on one thread; torch's ``copy_``
-    into fresh memory spread over its OpenMP threads took 0.3-1.4 s for a 147 MB model's
-    weights where those threads had to share two busy cores, against NumPy's 0.03-0.1."""
-    import torch
-
-    shape = tuple(t.shape)
-    if str(arr.dtype) == "bfloat16" or tuple(arr.shape) != shape or tuple(t.strides) != _dense(shape):
-        return None
-    try:
-        if torch.from_numpy(np.empty(0, arr.dtype)).dtype != dtype:
-            return None
-    except TypeError:  # a NumPy type torch does not take
-        return None
-    out = torch.from_numpy(np.array(arr, order="C", copy=True))
-    return out if tuple(out.stride()) == tuple(t.strides) else None
-
-
-def _dense(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major strides in elements, as torch gives a dense tensor of ``shape``."""
-    strides, acc = [], 1
-    for d in reversed(shape):
-        strides.append(acc)
-        acc *= max(d, 1)
-    return tuple(reversed(strides))
 
 
 __all__ = ["declared", "laid_out", "rel_err", "to_device"]
