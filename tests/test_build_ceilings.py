@@ -94,7 +94,7 @@ def test_memory_ceiling_stops_the_child_and_names_its_peak(tmp_path: Path, monke
     msg = str(info.value)
     assert "memory ceiling (memory 200 MiB, time 60 s)" in msg and "MiB resident" in msg
     peak = int(msg.split("reached ")[1].split(" MiB")[0])
-    assert 200 < peak < 1200, msg
+    assert 200 <= peak < 1200, msg  # stopped at or past the ceiling (the message rounds to whole MiB)
 
 
 def test_time_ceiling_stops_the_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
