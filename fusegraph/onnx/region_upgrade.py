@@ -1,21 +1,24 @@
-"""A GPU session's regions chosen after it opens (issue 24 item 6: a cold session usable
-within seconds).
+"""A GPU session's regions chosen after it opens (issue 24 item 6: a session usable within
+seconds).
 
 Choosing a model's regions the first time builds every candidate plan (Triton and cuDNN
 compiles, an Inductor compile where the torch engine fuses) and times each against the
-incumbent: 4-30 s on an H200 before the first run. With ``floor_mode=background`` (the
-default) a GPU session does not wait for it: the regions without a stored verdict start on
-the incumbent itself -- the same nodes op by op on PyTorch, what the region would lose to --
-so the session runs from the first call at the speed the user had without fusegraph, and a
-background thread builds and measures those regions and then swaps the upgraded plan in
-between two runs. A warm session (every verdict stored) has nothing pending and builds its
-chosen plan at once, as before.
+incumbent: 4-56 s on an H200 before the first run; and a warm session in a new process still
+built every kept plan first (1.8-17.5 s). With ``floor_mode=background`` (the default) a GPU
+session does not wait: the regions without a stored verdict, and those whose stored verdict
+keeps fusegraph's plan, start on the incumbent itself -- the same nodes op by op on PyTorch,
+what the region is measured against -- so the session runs from the first call at the speed
+the user had without fusegraph. A background thread then builds (and, without a verdict,
+measures) those regions and swaps the upgraded plan in between two runs.
 
 The user's runs and the thread's measurements take turns (``Gate``, one per device): a region
 is timed only while no run of a deferred unit on that device is in flight, and a run waits at
-most for one region's timing; building a plan (compiles, trial runs) overlaps the runs. While anything is pending the unit runs step by
-step, not captured in a CUDA graph, so no capture of the user's thread meets the thread's
-work; the upgraded plan is captured at its first run.
+most for one region's timing; building a plan (compiles, trial runs) overlaps the runs. Where
+regions are measured (long), the first run captures the incumbent plan as one CUDA graph
+before the thread starts, and later runs replay it; where plans are only built, the runs go
+step by step meanwhile. The thread captures nothing while the user's runs go on
+(engines/cuda_capture.postponed: a capture makes other threads' device-wide synchronizes
+fail); it captures the upgraded plan under the gate.
 
 Why a thread, not the CPU floor's child process: on a GPU the incumbent is PyTorch in this
 process, and the plan the verdicts choose must be built in this process anyway (its
