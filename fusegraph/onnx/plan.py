@@ -630,7 +630,7 @@ class SessionPlan:
         calls it when it is itself freed."""
         units, self.units = self.units, []
         self._whole_ort = None
-        busy = [u for u in units if not getattr(u, "stop_upgrade", lambda _t: True)(0.2)]
+        busy = [u for u in units if isinstance(u, plan_regions.RegionUnit) and not u.stop_upgrade(0.2)]
         if busy:  # a region still building in the background: its thread holds the unit until it ends
             log.info("%s: left to the garbage collector (a region was still being built)", [u.name for u in busy])
         plan_release.break_cycles([u for u in units if u not in busy])
@@ -640,8 +640,8 @@ class SessionPlan:
         True when nothing is pending any more."""
         deadline = None if timeout is None else time.monotonic() + timeout
         for u in self.units:
-            wait = getattr(u, "wait", None)
-            if wait is not None and not wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if isinstance(u, plan_regions.RegionUnit) and not u.wait(left):
                 return False
         return True
 

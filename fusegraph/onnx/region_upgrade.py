@@ -34,7 +34,11 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fusegraph.onnx.options import ProviderOptions
+    from fusegraph.runtime.handle import Handle
 
 log = logging.getLogger("fusegraph.onnx")
 
@@ -92,8 +96,6 @@ class Upgrade:
         self.name = name
         self.cancel = threading.Event()
         self.error: BaseException | None = None
-        self.started = time.perf_counter()
-        self.finished: float | None = None
 
         def target() -> None:
             try:
@@ -102,8 +104,6 @@ class Upgrade:
                 self.error = exc
                 log.warning("%s: choosing its regions in the background failed (%s: %s); it keeps running "
                             "them op by op on PyTorch", name, type(exc).__name__, exc)
-            finally:
-                self.finished = time.perf_counter()
 
         self.thread = threading.Thread(target=target, name=f"fusegraph-regions-{name}", daemon=True)
         _LIVE.add(self)
@@ -138,7 +138,7 @@ def _stop_all() -> None:
             up.stop(timeout=5.0)
 
 
-def deferred(opts: Any, handle: Any) -> bool:
+def deferred(opts: ProviderOptions, handle: Handle) -> bool:
     """Whether a region unit of this session defers its unmeasured regions: on a GPU with the
     floor on, ``floor_mode=background`` (the default), no autotuning (a tuned plan is chosen at
     once) and not ``precision=tf32`` (its TF32 flags are process-wide: a thread setting them
