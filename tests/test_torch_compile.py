@@ -408,11 +408,15 @@ def test_rows_of_a_backward_compiled_in_another_thread_are_collected() -> None:
     assert any(r.fusegraph and r.op == "aten.convolution_backward" for r in rows), [r.op for r in rows]
 
 
-def test_inductors_fx_graph_cache_serves_the_backends_graphs() -> None:
+def test_inductors_fx_graph_cache_serves_the_backends_graphs(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """The unclaimed rest compiles through Inductor's FX graph cache: compiled again (a new
     process, or after ``torch._dynamo.reset()``), a graph is read back, not compiled afresh
-    (the table that keeps ops whole made every graph bypass the cache)."""
+    (the table that keeps ops whole made every graph bypass the cache). The step check is
+    made to choose Inductor's own compile (eager would compile nothing)."""
+    from test_torch_step_floor import step_timer
     from torch._dynamo.utils import counters
+
+    step_timer(monkeypatch, tmp_path)
 
     def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.layer_norm(x, (16,), w, b).relu() * 3.0

@@ -1,8 +1,10 @@
-"""A Dynamo graph in which fusegraph's trace kept no region is stored ("concluded", in the
-region verdicts' table): the next compile of the same graph, options, mode, device and
-library versions goes straight to Inductor's own compile, without fusegraph's trace
-(no region claimed, nothing converted). Here regions lose (or win) on a virtual clock;
-the trace is detected by counting the backend's claiming calls."""
+"""A Dynamo graph in which fusegraph's trace kept no region is stored (in the region
+verdicts' table: with the step check, eager timed against Inductor's own compile, the
+"measured" winner; "concluded", no step timed, where the check does not run): the next
+compile of the same graph, options, mode, device and library versions goes straight to
+Inductor's own compile, without fusegraph's trace (no region claimed, nothing converted).
+Here regions lose (or win) on a virtual clock, Inductor's own taking the step's tie with
+eager; the trace is detected by counting the backend's claiming calls."""
 
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from test_torch_incumbent_path import (  # noqa: E402, F401  (fixtures and helpe
 )
 from test_torch_step_floor import step_clock  # noqa: E402, F401  (the step check's forced timer)
 
-from fusegraph.torch import compile_backend  # noqa: E402
+from fusegraph.torch import compile_backend, step_floor  # noqa: E402
 from fusegraph.torch.compile_backend import INDUCTORS_OWN, STORED_OWN, collecting, fusegraph_backend  # noqa: E402
 
 
@@ -45,12 +47,13 @@ def claims(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
-def _concluded() -> list[dict[str, Any]]:
+def _dynamo() -> list[dict[str, Any]]:
+    """The Dynamo graphs' verdicts: "concluded" ones and the step check's."""
     from fusegraph.regions.verdicts import VerdictStore
 
     path = VerdictStore().path
     table = json.loads(path.read_text()) if path.exists() else {}
-    return [v for v in table.values() if v.get("source") == "concluded"]
+    return [v for v in table.values() if v.get("source") == "concluded" or v.get("engine") == step_floor.ENGINE]
 
 
 def _infer(model: nn.Module, x: Any, options: dict[str, Any], dynamic: bool = False) -> tuple[Any, list[Any]]:
@@ -74,8 +77,10 @@ def test_the_second_compile_skips_fusegraphs_trace(request: pytest.FixtureReques
     (_, _), (_, _), rows = _side_by_side(LNBlock, (2, 8, 32), seen, FLOOR)
     assert sorted(claims) == ["bw", "fw"], claims
     assert rows and all(r.why.endswith(INDUCTORS_OWN) for r in rows), rows[:3]
-    stored = _concluded()
-    assert len(stored) == 1 and "no region in 2 ATen graphs" in stored[0]["why"], stored
+    assert all(step_floor.OWN_WON in r.why and "eager 2.000 ms" in r.why for r in rows), rows[0].why
+    stored = _dynamo()
+    assert len(stored) == 1 and stored[0]["source"] == "measured" and not stored[0]["fusegraph"], stored
+    assert stored[0]["incumbent"] == step_floor.NAMES["own"] and stored[0]["fusegraph_ms"] is None, stored
     claims.clear()
     (want, want_graphs), (got, got_graphs), rows = _side_by_side(LNBlock, (2, 8, 32), seen, FLOOR)
     assert claims == [], claims
@@ -90,7 +95,7 @@ def test_the_second_compile_skips_fusegraphs_trace(request: pytest.FixtureReques
     assert rows and all(r.where == "inductor" and r.why.startswith(STORED_OWN) for r in rows), rows[:3]
     assert all(path in r.why and "cached" in r.why for r in rows), rows[0].why
     assert any("layer_norm" in r.op for r in rows), [r.op for r in rows]  # the Dynamo graph's calls
-    assert len(_concluded()) == 1
+    assert len(_dynamo()) == 1
 
 
 @pytest.mark.usefixtures("regions_lose")
@@ -101,14 +106,14 @@ def test_what_changes_the_key_traces_again(claims: list[str], monkeypatch: pytes
     x = torch.randn(2, 8, 32)
     want = model(x).detach()
     out, _ = _infer(model, x, FLOOR)
-    assert claims == ["fw"] and torch.equal(out, torch.compile(model)(x).detach()) and len(_concluded()) == 1
+    assert claims == ["fw"] and torch.equal(out, torch.compile(model)(x).detach()) and len(_dynamo()) == 1
     assert float((out - want).norm() / want.norm()) < 1e-5
     for changed in (lambda: _infer(model, torch.randn(3, 8, 32), FLOOR),
                     lambda: _infer(model, x, {**FLOOR, "margin": 0.5})):
         claims.clear()
         changed()
         assert claims == ["fw"], claims
-    assert len(_concluded()) == 3
+    assert len(_dynamo()) == 3
     claims.clear()
     _, rows = _infer(model, x, FLOOR)
     assert claims == [] and all(r.why.startswith(STORED_OWN) for r in rows)
@@ -140,9 +145,10 @@ def test_what_changes_the_key_traces_again(claims: list[str], monkeypatch: pytes
 def test_a_graph_that_keeps_regions_stores_nothing(request: pytest.FixtureRequest, tmp_path: Any,
                                                    monkeypatch: pytest.MonkeyPatch, claims: list[str]) -> None:
     """Every region wins alone and the whole graph with them (the virtual clock: the unclaimed
-    graph made slower): nothing is stored, the next compile traces and claims again. Handed
-    back at the graph level (the unclaimed graph the faster), the conclusion is stored. (The
-    step check against Inductor's own compile, step_floor.py, is made to keep the trace.)"""
+    graph made slower): no "no region kept" is stored, the next compile traces and claims
+    again (the step check, step_floor.py, made to keep the trace, stores that). Handed back
+    at the graph level (the unclaimed graph the faster), the step check times eager against
+    Inductor's own compile and stores Inductor's own."""
     monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
     step = request.getfixturevalue("step_clock")
     step["trace_ms"], step["own_ms"] = 1.0, 2.0
@@ -157,13 +163,14 @@ def test_a_graph_that_keeps_regions_stores_nothing(request: pytest.FixtureReques
         out, rows = _infer(model, x, options)
         assert claims == ["fw"] and any(r.fusegraph for r in rows)
         assert float((out - want).norm() / want.norm()) < 1e-5
-        assert _concluded() == []
+        assert [v["fusegraph"] for v in _dynamo()] == [True]
     state("graph_extra", 0.0)
     torch._dynamo.reset()
     _, rows = _infer(copy.deepcopy(model), torch.randn(3, 8, 32), options)
     assert rows and not any(r.fusegraph for r in rows)
     assert any("handed back with the whole graph" in r.why for r in rows)
-    assert len(_concluded()) == 1
+    assert sorted(v["fusegraph"] for v in _dynamo()) == [False, True]
+    assert step["calls"] == 2 and step["backward"] == {"own": False, "eager": False, "trace": False}
 
 
 @pytest.mark.usefixtures("regions_lose")
@@ -177,6 +184,6 @@ def test_a_failed_first_pass_stores_nothing(claims: list[str], monkeypatch: pyte
     x = torch.randn(2, 8, 32)
     out, _ = _infer(model, x, FLOOR)
     assert claims == ["fw", "fw"], claims  # the failed pass, then the single trace
-    assert _concluded() == []
+    assert _dynamo() == []
     want = model(x).detach()
     assert float((out - want).norm() / want.norm()) < 1e-5

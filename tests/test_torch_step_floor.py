@@ -1,11 +1,12 @@
 """A Dynamo graph whose fusegraph trace kept regions is timed as a step against Inductor's
-own compile of the same graph (fusegraph/torch/step_floor.py), and the faster runs. Here
-every region wins (the virtual clock of tests/test_torch_graph_floor.py, the unclaimed ATen
-graph made slower), and the step's verdict is forced by a timer of this file's own that
-runs both sides and reports the times it is told: Inductor's own winning gives Inductor's
-ATen graphs, saved tensors, loss and gradients bit for bit; the trace winning keeps the
-regions. Either verdict is stored under the Dynamo graph's key and read back without
-timing, or compiling the losing side, again."""
+own compile of the same graph and against eager (fusegraph/torch/step_floor.py), and the
+fastest runs. Here every region wins (the virtual clock of tests/test_torch_graph_floor.py,
+the unclaimed ATen graph made slower), and the step's verdict is forced by a timer of this
+file's own that runs every side and reports the times it is told: Inductor's own winning
+gives Inductor's ATen graphs, saved tensors, loss and gradients bit for bit; the trace
+winning keeps the regions. Either verdict is stored under the Dynamo graph's key and read
+back without timing, or compiling the losing side, again. Eager winning:
+tests/test_torch_step_candidates.py."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from fusegraph.torch.compile_backend import STORED_OWN, collecting, fusegraph_ba
 from fusegraph.torch.graph_floor import INDUCTORS_OWN  # noqa: E402
 
 OPTIONS = {**FLOOR, "warmup_s": 0.0}
+ALL = ("own", "eager", "trace")
 REAL_TIMER = timing.time_candidates  # before any fixture replaces it
 
 
@@ -44,28 +46,36 @@ REAL_TIMER = timing.time_candidates  # before any fixture replaces it
 def step_clock(request: pytest.FixtureRequest, tmp_path: Any,
                monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     """Every region wins alone and in its ATen graph; the step's timing runs each side once
-    and reports ``trace_ms`` / ``own_ms``. ``calls`` counts step timings, ``backward`` says
-    for each side run whether it ran a backward."""
-    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    and reports ``trace_ms`` / ``own_ms`` / ``eager_ms`` (eager the slowest unless a test
+    says otherwise). ``calls`` counts step timings, ``backward`` says for each side run
+    (by name: own, eager, trace) whether it ran a backward; ``timer`` replaces the forced
+    times (REAL_TIMER: the real clock)."""
+    state = step_timer(monkeypatch, tmp_path)
     request.getfixturevalue("clock")["graph_extra"] = 100.0
-    state: dict[str, Any] = {"calls": 0, "trace_ms": 2.0, "own_ms": 1.0, "backward": [], "timer": None}
-    real = step_floor.measure
+    yield state
+
+
+def step_timer(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> dict[str, Any]:
+    """The step check's timing forced (step_clock's state), for a cache of the test's own."""
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    state: dict[str, Any] = {"calls": 0, "trace_ms": 2.0, "own_ms": 1.0, "eager_ms": 3.0, "backward": {},
+                             "timer": None}
 
     def fixed(candidates: Any, **_: Any) -> dict[str, timing.Timing]:
-        ms = {"fusegraph": state["trace_ms"], "incumbent": state["own_ms"]}
         out = {}
         for name, call in candidates.items():
             call()
-            state["backward"].append(call.backward)
-            out[name] = timing.Timing(name, ms[name], ms[name], (ms[name],))
+            state["backward"][name] = call.backward
+            ms = state[f"{name}_ms"]
+            out[name] = timing.Timing(name, ms, ms, (ms,))
         return out
 
-    def timed(fusegraph_call: Any, incumbent_call: Any, **kwargs: Any) -> Any:
+    def timed(candidates: Any, **kwargs: Any) -> Any:
         state["calls"] += 1
-        return real(fusegraph_call, incumbent_call, timer=state["timer"] or fixed, **kwargs)
+        return (state["timer"] or fixed)(candidates, **kwargs)
 
-    monkeypatch.setattr(step_floor, "measure", timed)
-    yield state
+    monkeypatch.setattr(step_floor, "_time", timed)
+    return state
 
 
 def _stored() -> list[dict[str, Any]]:
@@ -73,14 +83,14 @@ def _stored() -> list[dict[str, Any]]:
 
     path = VerdictStore().path
     table = json.loads(path.read_text()) if path.exists() else {}
-    return [v for v in table.values() if v.get("incumbent") == INDUCTORS_OWN]
+    return [v for v in table.values() if v.get("source") == "concluded" or v.get("engine") == step_floor.ENGINE]
 
 
 def test_inductors_own_faster_runs_it_and_the_verdict_is_stored(step_clock: dict[str, Any],
                                                                 request: pytest.FixtureRequest) -> None:
     seen: list[str] = request.getfixturevalue("graphs")
     (want, want_graphs), (got, got_graphs), rows = _side_by_side(ConvBN, (4, 3, 8, 8), seen, OPTIONS)
-    assert step_clock["calls"] == 1 and step_clock["backward"] == [True, True], step_clock
+    assert step_clock["calls"] == 1 and step_clock["backward"] == dict.fromkeys(ALL, True), step_clock
     # the last two lowered are Inductor's own forward and backward (the first pass's before them)
     assert len(got_graphs) > 2 and any("fusegraph.region" in t for t in got_graphs[:-2])
     assert got_graphs[-2:] == want_graphs
@@ -90,7 +100,8 @@ def test_inductors_own_faster_runs_it_and_the_verdict_is_stored(step_clock: dict
         assert torch.equal(a, b), float((a - b).abs().max())
     regions = [r for r in rows if r.region is not None]
     assert regions and all(r.where == "inductor" for r in rows), [(r.node, r.where) for r in rows]
-    assert all(step_floor.OWN_WON in r.why and "2.000 ms vs Inductor's own 1.000 ms" in r.why for r in rows), rows[0]
+    times = f"{INDUCTORS_OWN} 1.000 ms vs {step_floor.ENGINE} 2.000 ms vs eager 3.000 ms"
+    assert all(step_floor.OWN_WON in r.why and times in r.why for r in rows), rows[0]
     stored = _stored()
     assert len(stored) == 1 and not stored[0]["fusegraph"] and stored[0]["source"] == "measured", stored
     # compiled again: straight to Inductor's own, nothing traced, nothing timed
@@ -106,7 +117,7 @@ def test_the_trace_faster_keeps_its_regions_and_the_verdict_is_stored(step_clock
     seen: list[str] = request.getfixturevalue("graphs")
     step_clock["trace_ms"], step_clock["own_ms"] = 1.0, 2.0
     (want, _), (got, _), rows = _side_by_side(LNBlock, (2, 8, 32), seen, OPTIONS)
-    assert step_clock["calls"] == 1 and step_clock["backward"] == [True, True], step_clock
+    assert step_clock["calls"] == 1 and step_clock["backward"] == dict.fromkeys(ALL, True), step_clock
     claimed = [r for r in rows if r.fusegraph]
     assert {r.node[:2] for r in claimed} == {"fw", "bw"}, [(r.node, r.where) for r in rows]
     assert all(step_floor.TRACE_WON in r.why and "measured" in r.why for r in claimed), claimed[0].why
@@ -126,7 +137,7 @@ def test_the_trace_faster_keeps_its_regions_and_the_verdict_is_stored(step_clock
 
 @pytest.mark.parametrize("winner", ["own", "trace", "timed"])
 def test_inference_without_grad_times_the_forward_alone(winner: str, step_clock: dict[str, Any]) -> None:
-    """Forced either way, or timed on the real clock ("timed": either side may win on this
+    """Forced either way, or timed on the real clock ("timed": any side may win on this
     machine; the output follows the verdict the rows give)."""
     if winner == "trace":
         step_clock["trace_ms"], step_clock["own_ms"] = 1.0, 2.0
@@ -142,13 +153,15 @@ def test_inference_without_grad_times_the_forward_alone(winner: str, step_clock:
             got = compiled(x)
     assert step_clock["calls"] == 1, step_clock
     if winner != "timed":
-        assert step_clock["backward"] == [False, False], step_clock
-    own = not any(r.fusegraph for r in rows)
-    assert own == (winner == "own") or winner == "timed"
-    assert rows and all((step_floor.OWN_WON if own else step_floor.TRACE_WON) in r.why
-                        for r in rows if (r.region is not None if own else r.fusegraph)), rows[0].why
-    if own:
+        assert step_clock["backward"] == dict.fromkeys(ALL, False), step_clock
+    side = "trace" if any(r.fusegraph for r in rows) else "eager" if rows[0].where == "torch.eager" else "own"
+    assert side == winner or winner == "timed"
+    assert rows and all(step_floor.RUNS[side] in r.why
+                        for r in rows if (r.fusegraph if side == "trace" else r.region is not None)), rows[0].why
+    if side == "own":
         assert torch.equal(got, want) and all(r.where == "inductor" for r in rows)
+    elif side == "eager":
+        assert torch.equal(got, model(x)) and all(r.where == "torch.eager" for r in rows)
     else:
         assert _rel(got, want) < 1e-5
     assert len(_stored()) == 1
@@ -169,7 +182,7 @@ def test_a_dynamic_batch_is_timed_once(step_clock: dict[str, Any]) -> None:
                 x = x.clone()
                 torch._dynamo.mark_dynamic(x, 0)
                 outs[name].append(compiled(x))
-    assert step_clock["calls"] == 1 and step_clock["backward"] == [False, False], step_clock
+    assert step_clock["calls"] == 1 and step_clock["backward"] == dict.fromkeys(ALL, False), step_clock
     for a, b in zip(outs["fusegraph"], outs["inductor"], strict=True):
         assert torch.equal(a, b), float((a - b).abs().max())
 
@@ -185,7 +198,7 @@ def test_the_users_parameters_are_untouched(step_clock: dict[str, Any]) -> None:
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=partial(fusegraph_backend, options=OPTIONS))
     out = compiled(x)
-    assert step_clock["calls"] == 1 and step_clock["backward"] == [True, True]
+    assert step_clock["calls"] == 1 and step_clock["backward"] == dict.fromkeys(ALL, True)
     assert all(p.grad is None for p in model.parameters())
     (out * g).sum().backward()
     want = eager(x)
@@ -210,24 +223,26 @@ def test_a_check_that_fails_keeps_the_trace_and_stores_nothing(
     compiled = torch.compile(model, backend=partial(fusegraph_backend, options=OPTIONS))
     with torch.no_grad(), collecting() as rows, caplog.at_level(logging.WARNING, logger="fusegraph.torch"):
         got = compiled(x)
-    assert "the step check against Inductor's own compile did not run (RuntimeError: made to fail" in caplog.text
+    assert "the step check did not run (RuntimeError: made to fail" in caplog.text
     assert any(r.fusegraph for r in rows) and _stored() == []
     assert _rel(got, model(x).detach()) < 1e-5
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("winner", ["own", "trace", "timed"])
+@pytest.mark.parametrize("winner", ["own", "eager", "trace", "timed"])
 def test_on_cuda_bf16_channels_last_training_runs_the_verdicts_side(
         winner: str, step_clock: dict[str, Any], request: pytest.FixtureRequest) -> None:
     """The ResNet-style step as bench_torch.py runs it on a GPU (channels-last, bf16
-    autocast), every region winning: the step's verdict forced either way, or timed on the
-    real clock ("timed"); the result is Inductor's own, bit for bit, exactly where the
+    autocast), every region winning: the step's verdict forced each way, or timed on the
+    real clock ("timed"); the result is Inductor's own, or eager's, exactly where the
     verdict says so, else the trace's within bf16 tolerances."""
     seen: list[str] = request.getfixturevalue("graphs")
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     if winner == "trace":
         step_clock["trace_ms"], step_clock["own_ms"] = 1.0, 2.0
+    if winner == "eager":
+        step_clock["eager_ms"] = 0.5
     if winner == "timed":
         step_clock["timer"] = REAL_TIMER
     cuda = torch.device("cuda")
@@ -235,24 +250,25 @@ def test_on_cuda_bf16_channels_last_training_runs_the_verdicts_side(
     x = torch.randn(8, 3, 16, 16, device=cuda).to(memory_format=torch.channels_last)
     g = torch.randn(8, 10, device=cuda)
     sides = []
-    for backend in ("inductor", partial(fusegraph_backend, options=OPTIONS)):
+    for backend in ("eager", "inductor", partial(fusegraph_backend, options=OPTIONS)):
         twin = copy.deepcopy(model)
         torch._dynamo.reset()
         compiled = torch.compile(twin, backend=backend)
         start = len(seen)
         with torch.autocast("cuda", torch.bfloat16), collecting() as rows:
             sides.append((_step(twin, compiled, x, g), seen[start:], rows))
-    (want, want_graphs, _), (got, got_graphs, rows) = sides
+    (eager, _, _), (want, want_graphs, _), (got, got_graphs, rows) = sides
     assert step_clock["calls"] == 1, step_clock
-    own = all(r.where == "inductor" for r in rows)
+    side = "trace" if any(r.fusegraph for r in rows) else "eager" if rows[0].where == "torch.eager" else "own"
     assert any(r.region is not None for r in rows) and rows
-    if winner != "timed":
-        assert own == (winner == "own")
-    if own:  # Inductor's code; cuDNN's weight gradients need not be bitwise repeatable
-        assert all(step_floor.OWN_WON in r.why for r in rows), rows[0].why
-        assert got_graphs[-2:] == want_graphs and got[2] == want[2]
-        assert abs(float(got[0]) - float(want[0])) <= 1e-6 * want[3]
-        for a, b in zip(got[1], want[1], strict=True):
+    assert side == winner or winner == "timed", (side, winner)
+    if side != "trace":  # Inductor's code, or eager's; cuDNN's weight gradients need not be bitwise repeatable
+        assert all(step_floor.RUNS[side] in r.why for r in rows), rows[0].why
+        if side == "own":
+            assert got_graphs[-2:] == want_graphs and got[2] == want[2]
+        ref = want if side == "own" else eager
+        assert abs(float(got[0]) - float(ref[0])) <= 1e-6 * ref[3]
+        for a, b in zip(got[1], ref[1], strict=True):
             assert _rel(a, b) < 1e-5
     else:
         assert all(step_floor.TRACE_WON in r.why for r in rows if r.fusegraph)

@@ -18,9 +18,11 @@ Where no ATen graph of a Dynamo graph keeps a region, that trace is dropped and 
 graph gets Inductor's own compile (_Compile): the same code as ``torch.compile(model)``.
 That conclusion is stored (_Own): a later compile of the same Dynamo graph, with the same
 options, mode, device and library versions, skips fusegraph's trace and goes straight to
-Inductor's own compile. Where the trace did keep regions, it is timed as a step against
-Inductor's own compile (step_floor.py) and the faster runs; that verdict is stored under
-the same key, so a later compile builds and times only the side that won.
+Inductor's own compile. With the floor on and no CUDA graphs, the Dynamo graph is then
+timed as a step (step_floor.py) against the other ways the user could run it: Inductor's
+own compile, eager (the Dynamo graph as it is, ``backend="eager"``) and, where it kept
+regions, fusegraph's trace; the fastest runs. That verdict is stored under the same key,
+so a later compile builds only the side that won: eager compiles nothing at all.
 """
 
 from __future__ import annotations
@@ -338,6 +340,8 @@ def _inductor_inner(opts: Options, state: _Compile, patches: dict[str, Any] | No
 
 
 STORED_OWN = "Inductor's own compile: a stored verdict chose it for this Dynamo graph"
+STORED_EAGER = "eager: a stored verdict chose it for this Dynamo graph (run as it is, nothing compiled)"
+NO_REGION_EAGER = "no region kept in this graph: it runs eagerly, the Dynamo graph as it is"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,7 +357,8 @@ class _Own:
     store: Any  # regions.verdicts.VerdictStore
 
     @staticmethod
-    def of(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Options, mode: str | None) -> _Own:
+    def of(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Options, mode: str | None,
+           checked: bool) -> _Own:
         from fusegraph.engines.registry import REGISTRY
         from fusegraph.regions.verdicts import VerdictStore
         from fusegraph.select.device_id import device_id
@@ -363,8 +368,12 @@ class _Own:
 
         device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
         # warmup_s bounds a timing's warm-up; it does not decide a verdict
-        settings = {"options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "warmup_s"},
+        settings: dict[str, Any] = {"options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "warmup_s"},
                     "mode": mode, "engine": PLANS.engine}
+        if checked:  # the step check's candidates: a verdict stored before eager was one is not read
+            from fusegraph.torch.step_floor import ORDER
+
+            settings["candidates"] = list(ORDER)
         key = graph_floor.inductors_own_key(gm, example_inputs, settings, device_id(PLANS.handle(device)),
                                             engine_versions(REGISTRY.available_engines()))
         return _Own(key, VerdictStore())
@@ -399,15 +408,18 @@ class _Own:
         except Exception as exc:  # the next compile traces the graph again
             log.info("the Dynamo graph verdict was not stored (%s: %s)", type(exc).__name__, exc)
 
-    def rows(self, gm: torch.fx.GraphModule, verdict: Any) -> list[Row]:
-        """One row per call in the Dynamo graph (no ATen graph was traced), each saying why."""
-        why = f"{STORED_OWN} ({verdict.describe()}; stored in {self.store.path}, key {self.key[:16]})"
-        graph = f"graph{next(_COUNTER)}"
-        calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-        if not calls:
-            return [Row(graph, "graph", "inductor", why=why, compute=False)]
-        return [Row(f"{graph}:{n.name}", _dynamo_op(n), "inductor", why=why,
-                    compute=not (n.op == "call_function" and n.target is operator.getitem)) for n in calls]
+    def why(self, verdict: Any, prefix: str = STORED_OWN) -> str:
+        return f"{prefix} ({verdict.describe()}; stored in {self.store.path}, key {self.key[:16]})"
+
+
+def _dynamo_rows(gm: torch.fx.GraphModule, where: str, why: str) -> list[Row]:
+    """One row per call in the Dynamo graph (no ATen graph was traced), each saying why."""
+    graph = f"graph{next(_COUNTER)}"
+    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    if not calls:
+        return [Row(graph, "graph", where, why=why, compute=False)]
+    return [Row(f"{graph}:{n.name}", _dynamo_op(n), where, why=why,
+                compute=not (n.op == "call_function" and n.target is operator.getitem)) for n in calls]
 
 
 def _dynamo_op(n: torch.fx.Node) -> str:
@@ -424,7 +436,11 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     compile of the Dynamo graph runs (_Compile). Costs one more AOTAutograd trace there
     (the first pass compiles nothing), once: with the floor on, that conclusion is stored
     (_Own) and a later compile of the graph runs Inductor's own compile at once. With the
-    floor off every region fusegraph can build is claimed, so nothing is stored or read."""
+    floor on and no CUDA graphs (``checked``), the step check (step_floor.py) sets eager
+    and, where regions were kept, fusegraph's trace against Inductor's own compile, and its
+    verdict is stored instead: a later compile builds only the winner (eager: nothing).
+    With the floor off every region fusegraph can build is claimed, so nothing is stored or
+    read."""
     import torch._functorch.config as functorch_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
@@ -443,17 +459,46 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
                               inner_compile=_inductor_inner(opts, state, patches), config_patches=patches,
                               decompositions=_keep_whole())
 
+    # under CUDA graphs every side would be captured and replayed: the regions' verdicts decide
+    checked = opts.floor and opts.whole_graph and patches is None
     own_verdict: _Own | None = None
     if opts.floor:
         try:
-            own_verdict = _Own.of(gm, example_inputs, opts, mode)
+            own_verdict = _Own.of(gm, example_inputs, opts, mode, checked)
         except Exception as exc:  # nothing stored or read: the usual path
             log.info("no Dynamo graph verdict key (%s: %s)", type(exc).__name__, exc)
     stored = own_verdict.lookup() if own_verdict is not None else None
+
+    def compile_own() -> Callable[..., Any]:
+        # the backward lowered now, not at its first call (the same graph: AOTAutograd
+        # gives it the forward's strides either way): lowered lazily inside this compile,
+        # as the timing's first step would, it sets Dynamo's compile metrics twice
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+            return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
+
+    from fusegraph.torch import step_floor
+    from fusegraph.torch.graph_floor import copy_graph
+
     if own_verdict is not None and stored is not None and not stored.fusegraph:
-        log.info("%s (%s)", STORED_OWN, stored.describe())
-        _report(own_verdict.rows(gm, stored))
-        return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
+        side = step_floor.winner(stored)
+        if side == step_floor.EAGER:  # nothing compiled at all
+            log.info("%s (%s)", STORED_EAGER, stored.describe())
+            _report(_dynamo_rows(gm, step_floor.WHERE[side], own_verdict.why(stored, STORED_EAGER)))
+            return gm.forward
+        if not checked or stored.incumbent_ms is not None:
+            log.info("%s (%s)", STORED_OWN, stored.describe())
+            _report(_dynamo_rows(gm, "inductor", own_verdict.why(stored)))
+            return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
+        # "no region kept", stored before eager was timed (or where the check could not run): timed now
+        module = copy_graph(gm)  # before Inductor's pre-grad passes rewrite ``gm`` in place
+        side, fn, verdict = step_floor.settle(gm, example_inputs, compile_own, module.forward, margin=opts.margin,
+                                              warmup_s=opts.warmup_s)
+        if verdict is not None:
+            own_verdict.record_step(verdict)
+        why = own_verdict.why(stored, "fusegraph's trace: a stored verdict found no region kept")
+        _report(_dynamo_rows(gm, step_floor.WHERE[side], f"{step_floor.reason(verdict)}; {why}" if verdict else why))
+        return fn
+    eager = copy_graph(gm) if checked else None
     state = _Compile(probing=True)
     try:
         first = trace(state, force_non_lazy_backward_lowering=True)
@@ -466,56 +511,54 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         log.info("a backward graph claimed regions where its forward claimed none: traced again")
         return trace(_Compile(probing=False))
     if state.kept:
-        # under CUDA graphs both sides would be captured and replayed: the regions' verdicts decide
-        checked = opts.floor and opts.whole_graph and patches is None
-
-        def compile_own() -> Callable[..., Any]:
-            # the backward lowered now, not at its first call (the same graph: AOTAutograd
-            # gives it the forward's strides either way): lowered lazily inside this compile,
-            # as the timing's first step would, it sets Dynamo's compile metrics twice
-            with functorch_config.patch(force_non_lazy_backward_lowering=True):
-                return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
-
-        return _against_own(first, compile_own, gm, example_inputs, opts, state, own_verdict,
-                            stored if checked else None, checked)
+        return _against_others(first, compile_own, eager, gm, example_inputs, opts, state, own_verdict,
+                               stored if checked else None)
+    side, chosen, found = step_floor.OWN, None, None
+    if eager is not None:
+        side, chosen, found = step_floor.settle(gm, example_inputs, compile_own, eager.forward,
+                                                margin=opts.margin, warmup_s=opts.warmup_s)
     if own_verdict is not None and state.lasting:
-        own_verdict.record(state.rows)
+        if found is not None:
+            own_verdict.record_step(found)
+        else:
+            own_verdict.record(state.rows)
     # the node's own reason first (bench_torch.py groups and truncates them)
-    _report([dataclasses.replace(r, where="inductor", why=f"{r.why}; {INDUCTORS_OWN}" if r.why else INDUCTORS_OWN)
+    end = f"{step_floor.reason(found)}; " if found is not None else ""
+    end += NO_REGION_EAGER if side == step_floor.EAGER else INDUCTORS_OWN
+    _report([dataclasses.replace(r, where=step_floor.WHERE[side], why=f"{r.why}; {end}" if r.why else end)
              for r in state.rows])
-    return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
+    return chosen if chosen is not None else compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
 
 
-def _against_own(first: Callable[..., Any], compile_own: Callable[[], Callable[..., Any]], gm: torch.fx.GraphModule,
-                 example_inputs: Sequence[Any], opts: Options, state: _Compile, own_verdict: _Own | None,
-                 stored: Any, checked: bool) -> Callable[..., Any]:
-    """A trace that kept regions against Inductor's own compile of the Dynamo graph, timed as
-    a step (step_floor.py; ``checked``: the floor on, no CUDA graphs), unless a stored verdict
-    already chose the trace; the rows say which ran and why. Where the check cannot run the
-    trace stands, as before the check."""
+def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callable[..., Any]],
+                    eager: torch.fx.GraphModule | None, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
+                    opts: Options, state: _Compile, own_verdict: _Own | None, stored: Any) -> Callable[..., Any]:
+    """A trace that kept regions timed as a step against Inductor's own compile of the
+    Dynamo graph and against eager (step_floor.py; ``eager`` None: not checked, the floor
+    off or CUDA graphs), unless a stored verdict already chose the trace; the rows say which
+    ran and why. Where the check cannot run the trace stands, as before the check."""
     from fusegraph.torch import step_floor
 
-    if not checked:
+    if eager is None:
         _report(state.rows)
         return first
     if stored is not None:  # the trace won before: nothing else is compiled or timed
         log.info("fusegraph's trace: a stored verdict chose it (%s)", stored.describe())
-        verdict = stored
-        fn = first
+        side, fn, verdict = step_floor.TRACE, first, stored
     else:
-        fn, found = step_floor.settle(first, compile_own, gm, example_inputs, margin=opts.margin,
-                                      warmup_s=opts.warmup_s)
+        side, fn, found = step_floor.settle(gm, example_inputs, compile_own, eager.forward, first,
+                                            margin=opts.margin, warmup_s=opts.warmup_s)
         if found is None:
             _report(state.rows)
-            return first
+            return fn
         verdict = found
         if own_verdict is not None and state.lasting:
             own_verdict.record_step(verdict)
     why = step_floor.reason(verdict)
-    if verdict.fusegraph:
+    if side == step_floor.TRACE:
         _report([dataclasses.replace(r, why=f"{r.why}; {why}") if r.fusegraph else r for r in state.rows])
     else:  # the node's own reason first, as with INDUCTORS_OWN
-        _report([dataclasses.replace(r, where="inductor", why=f"{r.why}; {why}" if r.why else why)
+        _report([dataclasses.replace(r, where=step_floor.WHERE[side], why=f"{r.why}; {why}" if r.why else why)
                  for r in state.rows])
     return fn
 

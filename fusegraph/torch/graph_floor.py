@@ -76,15 +76,19 @@ def real_inputs(inputs: Sequence[Any]) -> list[Any]:
     return out
 
 
-def room(inputs: Sequence[Any], device: torch.device) -> str:
+def room(inputs: Sequence[Any], device: torch.device, copies: int = 2) -> str:
     """Why the graph cannot be timed whole on this device ('' when it can): its inputs are
-    allocated again for the timing (a forward graph's parameters, a backward graph's saved
-    activations), which must fit in half the device's free memory."""
+    allocated again for each of the ``copies`` sides timed (a forward graph's parameters, a
+    backward graph's saved activations), each copy within 1/``copies`` of the device's free
+    memory (half for the two sides of a graph check)."""
     if device.type != "cuda":
         return ""
     need = sum(math.prod(aten.hint(d) for d in x.shape) * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
     free, _ = torch.cuda.mem_get_info(device)
-    return f"its inputs take {need / 2**30:.1f} GiB, over half of the {free / 2**30:.1f} GiB free" if need > free // 2 else ""
+    if need <= free // copies:
+        return ""
+    share = "half" if copies == 2 else f"1/{copies}"
+    return f"its inputs take {need / 2**30:.1f} GiB, over {share} of the {free / 2**30:.1f} GiB free"
 
 
 def graph_key(original: torch.fx.GraphModule, inputs: Sequence[Any], claimed: Sequence[str]) -> str:

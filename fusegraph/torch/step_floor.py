@@ -1,70 +1,105 @@
-"""The floor over a whole Dynamo graph: fusegraph's own trace, with the regions it kept,
-against Inductor's own compile of the same graph, each timed as a training step runs it.
+"""The step check: a whole Dynamo graph timed as a training step runs it, in every way the
+user could have run it, and the fastest runs. The candidates:
 
-graph_floor.py compares each ATen graph with its claimed regions against the same graph
-with none, both from fusegraph's trace. That trace keeps the ops fusegraph converts whole
-through Inductor's decompositions, so AOTAutograd's partitioner saves and recomputes other
-tensors than under Inductor's own compile (a tiny ResNet-50's forward saved 138 tensors
-instead of 99): a cost no check inside the trace can see. On an H200, ResNet-50 training
-kept two regions worth ~0.02 ms of a 23 ms step and ran at 0.95x Inductor. So where the
-trace kept regions, Inductor's own compile is built too and both are run as a step runs
-them -- fresh inputs (those whose examples require grad require it too, as parameters
-do), the forward, then the backward of every floating output that requires grad with
-fixed random gradients (the forward alone where nothing does: inference, ``no_grad``) --
-interleaved, medians, the region layer's margin (ties go to Inductor's own).
+- **Inductor's own compile** of the Dynamo graph (what ``torch.compile(model)`` gives: the
+  incumbent; ties, and anything within the region layer's margin, go to it);
+- **eager**: the Dynamo graph module run as it is, as ``backend="eager"`` returns it
+  (autograd runs the ATen ops one by one). On an H200, bf16 ResNet-50 training (batch 64,
+  channels-last) ran faster in PyTorch eager than under Inductor in every run made
+  (eager / Inductor ms: 21.04/22.37, 20.64/21.29, 21.91/23.28), so a floor that only
+  compared fusegraph with Inductor handed the user Inductor's slower step;
+- **fusegraph's trace**, where it kept regions. graph_floor.py compares each ATen graph with
+  its claimed regions against the same graph with none, both from fusegraph's trace. That
+  trace keeps the ops fusegraph converts whole through Inductor's decompositions, so
+  AOTAutograd's partitioner saves and recomputes other tensors than under Inductor's own
+  compile (a tiny ResNet-50's forward saved 138 tensors instead of 99): a cost no check
+  inside the trace can see (an H200 ResNet-50 step kept two regions worth ~0.02 ms of 23 ms
+  and ran at 0.95x Inductor).
+
+Each is run as a step runs it -- fresh inputs (those whose examples require grad require
+it too, as parameters do), the forward, then the backward of every floating output that
+requires grad with fixed random gradients (the forward alone where nothing does: inference,
+``no_grad``) -- interleaved, medians (select/timing.py). The cost over Inductor's own
+compile: one more step per candidate per timing round, no other compile.
 
 Nothing the user holds is touched: the inputs are fresh tensors (a Dynamo graph that owns
 parameters of its own, not lifted to inputs, is not checked: its backward would write
 their ``.grad``), the caller's saved-tensor hooks are set aside while the steps run, and
 the random number generators are restored afterwards (the steps draw random inputs and
 run dropout; Dynamo restores them around a compile as well, the backend called alone
-does not)."""
+does not).
+
+The verdict is a region verdict (regions/verdicts.py) under the Dynamo graph's key:
+``fusegraph`` where the trace won, else ``incumbent`` names the side that runs (Inductor's
+own compile, or eager); ``why`` holds every candidate's step time."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
-from fusegraph.regions.measure import measure
 from fusegraph.regions.verdicts import Verdict
+from fusegraph.select import timing
 from fusegraph.torch import graph_floor
 
 log = logging.getLogger("fusegraph.torch")
 
-ENGINE = "fusegraph's trace"  # the candidate's name in the verdict
+OWN, EAGER, TRACE = "own", "eager", "trace"  # the candidates' names in the timing
+ORDER = (OWN, EAGER, TRACE)  # who takes a tie: the incumbent, then what the user could call without fusegraph
+NAMES = {OWN: graph_floor.INDUCTORS_OWN, EAGER: "eager", TRACE: "fusegraph's trace"}
+ENGINE = NAMES[TRACE]  # the fusegraph candidate's name in the verdict
 # timed rounds at least: a step (tens of ms on a GPU) fills a round alone, and timing's
 # default five samples are few for a verdict that decides the whole training run
 ROUNDS = 10
-OWN_WON = ("the step timed whole: fusegraph's trace was not faster than Inductor's own compile of the Dynamo "
-           "graph (ties go to Inductor's own), which runs it")
-TRACE_WON = "the step timed whole: fusegraph's trace ran faster than Inductor's own compile"
+TIMED = "the step timed whole: "
+OWN_WON = "Inductor's own compile of the Dynamo graph runs it"
+EAGER_WON = 'eager runs it (the Dynamo graph as it is, as backend="eager" runs it)'
+TRACE_WON = "fusegraph's trace runs it"
+RUNS = {OWN: OWN_WON, EAGER: EAGER_WON, TRACE: TRACE_WON}
+WHERE = {OWN: "inductor", EAGER: "torch.eager"}  # a report row's ``where`` for a side that is not fusegraph
 
 
 def device_of(example_inputs: Sequence[Any]) -> torch.device:
     return next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
-def why_not(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> str:
-    """Why the step cannot be timed here ('' when it can)."""
+def why_not(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sides: int = 2) -> str:
+    """Why the step cannot be timed here ('' when it can), with ``sides`` candidates."""
     if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
         return "the Dynamo graph holds parameters or buffers of its own (its backward would change theirs)"
     if any(isinstance(x, torch.Tensor) and x.is_sparse for x in example_inputs):
         return "a sparse input"
-    return graph_floor.room(example_inputs, device_of(example_inputs))
+    return graph_floor.room(example_inputs, device_of(example_inputs), copies=sides)
+
+
+def winner(verdict: Verdict) -> str:
+    """The candidate a verdict names (a "concluded" one, no step timed: Inductor's own)."""
+    if verdict.fusegraph:
+        return TRACE
+    return EAGER if verdict.incumbent == NAMES[EAGER] else OWN
 
 
 def reason(verdict: Verdict) -> str:
-    """The verdict in a report row: both step times where measured."""
-    side = TRACE_WON if verdict.fusegraph else OWN_WON
-    if verdict.fusegraph_ms is not None and verdict.incumbent_ms is not None:
-        times = f"{ENGINE} {verdict.fusegraph_ms:.3f} ms vs Inductor's own {verdict.incumbent_ms:.3f} ms"
-        return f"{side} ({times}; {verdict.source}; {verdict.why})"
+    """The verdict in a report row: every step time where measured, and who runs it."""
+    side = RUNS[winner(verdict)]
+    if verdict.incumbent_ms is not None:
+        return f"{TIMED}{verdict.why}; {side} ({verdict.source})"
     return f"{side} ({verdict.describe()})"
+
+
+def _verdict(ms: Mapping[str, float], failed: Mapping[str, str], margin: float) -> Verdict:
+    """The fastest of the candidates timed, with ties within ``margin`` going the ORDER's way."""
+    won = timing.fastest({n: timing.Timing(n, t, t, (t,)) for n, t in ms.items()}, order=ORDER, tie_margin=margin)
+    times = " vs ".join(f"{NAMES[n]} {ms[n]:.3f} ms" for n in sorted(ms, key=ms.__getitem__))
+    why = f"{times} (medians; ties within {margin:.0%} go to {NAMES[OWN]}, then eager)"
+    why += "".join(f"; {NAMES[n]} failed: {e}" for n, e in failed.items())
+    other = won if won != TRACE else OWN  # the side the trace is set against
+    return Verdict(won == TRACE, "measured", why, ENGINE, ms.get(TRACE), ms[other], NAMES[other])
 
 
 def _fresh(example_inputs: Sequence[Any]) -> list[Any]:
@@ -122,47 +157,79 @@ def _without_saved_tensors_hooks() -> Iterator[None]:
             hooks._push_saved_tensors_default_hooks(pack, unpack)
 
 
-def time_steps(claimed: Callable[..., Any], own: Callable[..., Any], example_inputs: Sequence[Any], *,
-               margin: float, warmup_s: float) -> Verdict:
-    """Both compiled Dynamo graphs timed as a step runs them (module docstring); raises where
-    either cannot run. Each side runs one step first, outside the timing: a backward that
-    Inductor lowers at its first call is compiled there, as in a real first step."""
+def _time(candidates: Mapping[str, Callable[[], object]], **options: Any) -> Mapping[str, timing.Timing]:
+    """The timing routine (select/timing.py), looked up at each call; tests replace this."""
+    return timing.time_candidates(candidates, **options)
+
+
+def time_steps(sides: Mapping[str, Callable[..., Any]], example_inputs: Sequence[Any], *, margin: float,
+               warmup_s: float) -> Verdict:
+    """The compiled Dynamo graphs (``sides``: name -> callable; OWN among them) timed as a
+    step runs them (module docstring). Each side runs one step first, outside the timing: a
+    backward that Inductor lowers at its first call is compiled there, as in a real first
+    step. A side other than Inductor's own that raises loses, and the verdict says why;
+    Inductor's own raising raises (the check did not run)."""
     device = device_of(example_inputs)
     devices = [device] if device.type == "cuda" else []
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
+    failed: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"))
         stack.enter_context(graph_floor.outside_the_compile(device, grad=torch.is_grad_enabled()))
         stack.enter_context(_without_saved_tensors_hooks())
-        sides = {"claimed": _Step(claimed, example_inputs), "own": _Step(own, example_inputs)}
-        for step in sides.values():
-            step()
-            if sync is not None:
-                sync()
-        if sides["claimed"].backward != sides["own"].backward:
-            raise RuntimeError("the two compiles disagree on whether the step has a backward")
-        verdict = measure(sides["claimed"], sides["own"], incumbent=graph_floor.INDUCTORS_OWN, engine=ENGINE,
-                          margin=margin, sync=sync, warmup_s=warmup_s, min_rounds=ROUNDS)
-        del sides
+        steps = {name: _Step(fn, example_inputs) for name, fn in sides.items()}
+        for name, step in list(steps.items()):
+            try:
+                step()
+                if sync is not None:
+                    sync()
+            except Exception as exc:
+                if name == OWN:
+                    raise
+                log.info("the step check: %s failed its first step (%s: %s)", NAMES[name], type(exc).__name__, exc)
+                failed[name] = f"{type(exc).__name__}: {exc}"
+                del steps[name]
+        if len({step.backward for step in steps.values()}) > 1:
+            raise RuntimeError("the candidates disagree on whether the step has a backward")
+        errors: dict[str, Exception] = {}
+        timings = _time(steps, sync=sync, warmup_s=warmup_s, min_rounds=ROUNDS, on_error=errors.__setitem__)
+        failed.update({name: f"{type(exc).__name__}: {exc}" for name, exc in errors.items()})
+        del steps
         if sync is not None:
             sync()
-    return verdict
+    if OWN not in timings:
+        raise RuntimeError(f"{NAMES[OWN]} failed when timed: {failed.get(OWN, 'no time')}")
+    return _verdict({name: t.median_ms for name, t in timings.items()}, failed, margin)
 
 
-def settle(claimed: Callable[..., Any], compile_own: Callable[[], Callable[..., Any]], gm: torch.fx.GraphModule,
-           example_inputs: Sequence[Any], *, margin: float, warmup_s: float) -> tuple[Callable[..., Any], Verdict | None]:
-    """The compiled Dynamo graph to return and the verdict that chose it; None where the
-    check could not run (the log says why): the claimed trace stands, as before the check."""
-    cannot = why_not(gm, example_inputs)
+def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own: Callable[[], Callable[..., Any]],
+           eager: Callable[..., Any], trace: Callable[..., Any] | None = None, *, margin: float,
+           warmup_s: float) -> tuple[str, Callable[..., Any], Verdict | None]:
+    """The candidate chosen, its compiled Dynamo graph and the verdict that chose it
+    (``eager``: the Dynamo graph module's forward, taken before any compile rewrote the
+    module; ``trace``: fusegraph's, where it kept regions). The verdict is None where the
+    check could not run (the log says why): the trace then stands where there is one, as
+    before the check, else Inductor's own compile."""
+    sides = 3 if trace is not None else 2
+    cannot = why_not(gm, example_inputs, sides)
     if cannot:
-        log.info("fusegraph's trace kept regions; not timed against Inductor's own compile: %s", cannot)
-        return claimed, None
+        log.info("the Dynamo graph's step was not timed against eager and Inductor's own compile: %s", cannot)
+        return (TRACE, trace, None) if trace is not None else (OWN, compile_own(), None)
     try:
         own = compile_own()
-        verdict = time_steps(claimed, own, example_inputs, margin=margin, warmup_s=warmup_s)
+    except Exception:
+        if trace is None:
+            raise  # as without the check: Inductor's own compile is all there is
+        log.warning("Inductor's own compile of the Dynamo graph failed; fusegraph's trace is kept", exc_info=True)
+        return TRACE, trace, None
+    candidates = {OWN: own, EAGER: eager, **({TRACE: trace} if trace is not None else {})}
+    try:
+        verdict = time_steps(candidates, example_inputs, margin=margin, warmup_s=warmup_s)
     except Exception as exc:  # never the user's compile
-        log.warning("fusegraph's trace kept regions; the step check against Inductor's own compile did not run "
-                    "(%s: %s); the trace is kept", type(exc).__name__, exc, exc_info=log.isEnabledFor(logging.DEBUG))
-        return claimed, None
+        kept = TRACE if trace is not None else OWN
+        log.warning("the step check did not run (%s: %s); %s is kept", type(exc).__name__, exc, NAMES[kept],
+                    exc_info=log.isEnabledFor(logging.DEBUG))
+        return kept, candidates[kept], None
     log.info("%s", reason(verdict))
-    return (claimed if verdict.fusegraph else own), verdict
+    won = winner(verdict)
+    return won, candidates[won], verdict
