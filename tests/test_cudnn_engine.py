@@ -232,6 +232,24 @@ def _check(g: fg.Graph, rng: np.random.Generator, tol: float, config: EngineConf
 
 
 @pytest.mark.gpu
+def test_library_versions_name_the_library_the_frontend_binds() -> None:
+    """The versions in every key come from package metadata and torch (no frontend import):
+    they must name the cuDNN library the frontend itself reports, and not import it."""
+    code = textwrap.dedent("""
+        import sys
+        from fusegraph.engines.cudnn import CudnnEngine
+        got = CudnnEngine().library_versions()
+        assert "cudnn" not in sys.modules, "library_versions imported the frontend"
+        import cudnn
+        assert got["cudnn"] == str(cudnn.backend_version()), (got, cudnn.backend_version())
+        assert got["cudnn_frontend"] == str(cudnn.__version__), (got, cudnn.__version__)
+        print("ok", got)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
 @pytest.mark.parametrize("dt", [DT.HALF, DT.BFLOAT16, DT.FLOAT])
 def test_conv_bias_relu(dt: DT, layout: str, rng: np.random.Generator) -> None:

@@ -48,6 +48,7 @@ from fusegraph.onnx.region_values import declared as _declared
 from fusegraph.onnx.region_values import laid_out as _laid_out
 from fusegraph.onnx.region_values import rel_err as _rel_err
 from fusegraph.onnx.region_values import to_device as _to_device
+from fusegraph.onnx.region_values import to_device_all
 from fusegraph.onnx.report import RegionEntry
 from fusegraph.onnx.units import FusegraphUnit, engine_cache
 from fusegraph.regions import split
@@ -180,8 +181,8 @@ class RegionUnit(FusegraphUnit):
         import torch
 
         self._device = torch.device(str(self.handle.device))
-        self._weights_dev = {k: _to_device(v, self.graph.tensor_by_name(k), self._device)
-                             for k, v in self.weights.items()}
+        self._weights_dev = to_device_all({k: (v, self.graph.tensor_by_name(k)) for k, v in self.weights.items()},
+                                          self._device)
         self.weights = {}  # the steps hold the device copies
         with engine_cache(self.cache_dir), torch.inference_mode(), tf32_allowed(self.precision.tf32):
             pieces = self._pieces()
