@@ -285,10 +285,14 @@ def test_on_cuda_a_first_session_defers_and_its_upgrade_is_captured(rng: np.rand
     sess = fgo.InferenceSession(model.SerializeToString(), providers=PROVIDERS, provider_options=[opts, {}])
     unit = _unit(sess)
     assert unit._later is not None and unit.upgrade is None, "a cold GPU session should defer its regions"
+    pieces = unit._later[0]  # rebuilt in place by the upgrade
+    slow = ("cudnn_benchmark", False)
+    assert any(slow in p.plan.config.knobs for p in pieces), "the incumbent's convolutions should start untimed"
     _agree(sess, model, SHAPE, rng, rel=1e-3)  # the first run captures the incumbent plan, then the thread starts
     assert unit.upgrade is not None
     assert sess.wait_for_evaluation(timeout=300)
     assert unit.upgrade.error is None
+    assert not [p.where for p in pieces if slow in p.plan.config.knobs], "the upgrade should time every convolution"
     assert all(r.source in ("measured", "refused") for r in _rows(sess.partition_report()))
     _agree(sess, model, SHAPE, rng, rel=1e-3)
     assert unit.capture_note == "one CUDA graph", unit.capture_note

@@ -56,6 +56,31 @@ def test_conv_bias_relu_f16(layout: str, knobs: tuple[tuple[str, object], ...], 
     _check(_conv_f16(layout), rng, 1e-2, EngineConfig("torch", knobs))
 
 
+def test_untimed_convolutions_take_cudnns_deterministic_pick_and_restore_the_flags(rng: np.random.Generator) -> None:
+    """``cudnn_benchmark=False`` runs under ``cudnn.deterministic``: PyTorch caches a shape's
+    first algorithm under a key holding that flag but not ``benchmark``, so an untimed pick
+    must not become what a timing plan of the same shape runs. Both plans agree with the
+    reference, and the caller's flags come back as they were."""
+    g = _conv_f16("NCHW")
+    seen: list[tuple[bool, bool]] = []
+    functional = torch.nn.functional
+    orig = functional.conv2d
+
+    def spy(*a, **k):  # type: ignore[no-untyped-def]
+        seen.append((torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic))
+        return orig(*a, **k)
+
+    before = (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    functional.conv2d = spy
+    try:
+        _check(g, rng, 1e-2, EngineConfig("torch", (("cudnn_benchmark", False),)))
+        _check(g, rng, 1e-2, EngineConfig("torch", ()))
+    finally:
+        functional.conv2d = orig
+    assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == before
+    assert seen and seen[0] == (False, True) and seen[-1] == (True, before[1]), seen
+
+
 @pytest.mark.parametrize("dt", [DT.FLOAT, DT.HALF, DT.BFLOAT16])
 def test_matmul(dt: DT, rng: np.random.Generator) -> None:
     g = fg.Graph("mm", io_data_type=dt)

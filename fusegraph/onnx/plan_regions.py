@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fusegraph.engines.base import ExecutionPlan
@@ -143,6 +143,10 @@ class RegionUnit(FusegraphUnit):
         self._later: tuple[list[Piece], list[int], list[Step]] | None = None  # what the upgrade rebuilds
         self._swapped = False  # the upgraded plan is in place
         self._measuring = False  # a deferred region is measured, not only built (it takes long)
+        # Until the upgrade, pieces op by op take cuDNN's deterministic pick instead of timing
+        # each convolution at the first run (ConvNeXt-T's 22: ~1.5 s of a warm H200 session's
+        # first run); the upgrade times them off the user's path (_rebench).
+        self._provisional = False
         chooser.builder = self._checked(build)
         if chooser.preferred is not None:
             chooser.preferred = self._checked(chooser.preferred, preferred=True)
@@ -225,7 +229,9 @@ class RegionUnit(FusegraphUnit):
                 log.info("%s: background choice stopped with %d of %d regions chosen (their verdicts are kept)",
                          self.name, len(choices), len(regions))
                 return
+            self._provisional = False
             fresh = {c.region.nodes: self._chosen(c) for c in choices}
+            fresh.update(self._rebench(p for p in pieces if p.nodes not in fresh))
             new_steps = list(steps)
             for k, i in enumerate(order):
                 piece = fresh.get(pieces[i].nodes)
@@ -250,6 +256,24 @@ class RegionUnit(FusegraphUnit):
                     kept = piece.plan.persist()
                     if kept:
                         log.info("%s: %s: %s", self.name, piece.pattern, kept)
+
+    def _rebench(self, pieces: Iterable[Piece]) -> dict[tuple[str, ...], Piece]:
+        """The provisional pieces (``_provisional``) rebuilt to time cuDNN's algorithms, each run
+        once here between two of the user's runs, so that the timing happens on this thread
+        rather than in the run or the capture that swaps the upgraded plan in."""
+        import torch
+
+        out: dict[tuple[str, ...], Piece] = {}
+        for piece in pieces:
+            if ("cudnn_benchmark", False) not in piece.plan.config.knobs:
+                continue
+            plan = self._eager(piece.graph)
+            pack = self._pack(piece.graph, piece.inputs)
+            with self.gate.measure(), tf32_allowed(self.precision.tf32):
+                plan.execute(pack)
+                torch.cuda.synchronize(self._device)
+            out[piece.nodes] = dataclasses.replace(piece, plan=plan)
+        return out
 
     def _sample_inputs(self) -> dict[str, Any]:
         """Random inputs of the unit's declared shapes and layouts (what a capture runs on)."""
@@ -326,17 +350,18 @@ class RegionUnit(FusegraphUnit):
         # a pending region without a stored verdict is measured (seconds to minutes); one whose
         # stored verdict names its plan (``engine``) is only built
         self._measuring = any(not c.verdict.engine for c in choices if c.verdict.source == PENDING)
+        self._provisional = bool(self._deferred) and self.handle.device.is_gpu
         pieces = [self._chosen(c) for c in choices]
         for c in cuts:
             try:
-                plan = self._eager(c.graph)
+                plan = self._eager(c.graph, provisional=self._provisional)
             except Exception as exc:
                 orig = self._fp32.get(c.nodes)
                 if orig is None:
                     raise
                 self.kept_fp32[c.nodes] = f"does not run op by op in the reduced type ({exc})"
                 c = dataclasses.replace(c, graph=orig)
-                plan = self._eager(orig)
+                plan = self._eager(orig, provisional=self._provisional)
             pieces.append(Piece(c.nodes, c.graph, c.inputs, c.outputs, plan, self.chooser.incumbent.name, "",
                                 c.reason, movement=c.movement))
         return pieces
@@ -482,7 +507,7 @@ class RegionUnit(FusegraphUnit):
             return Piece(r.nodes, r.graph, r.inputs, r.outputs, c.plan, f"fusegraph:{v.engine}", r.pattern,
                          v.describe(), v.source, v.fusegraph_ms, v.incumbent_ms)
         try:
-            plan = self._eager(r.graph)
+            plan = self._eager(r.graph, provisional=self._provisional)
             where = self.chooser.incumbent.name
         except Exception as exc:  # the incumbent cannot run it: fusegraph's plan must
             built = self.chooser.build(r)
@@ -490,7 +515,8 @@ class RegionUnit(FusegraphUnit):
                 orig = self._fp32.get(r.nodes)
                 if orig is not None:  # neither side runs it in the reduced type: float32 op by op
                     self.kept_fp32[r.nodes] = f"runs neither on fusegraph nor op by op in the reduced type ({exc})"
-                    return Piece(r.nodes, orig, r.inputs, r.outputs, self._eager(orig), self.chooser.incumbent.name,
+                    return Piece(r.nodes, orig, r.inputs, r.outputs, self._eager(orig, provisional=self._provisional),
+                                 self.chooser.incumbent.name,
                                  r.pattern, v.describe(), v.source, v.fusegraph_ms, v.incumbent_ms)
                 raise UnsupportedError(f"region {r.index} ({r.pattern}) runs neither on fusegraph ({built.why}) "
                                        f"nor op by op on PyTorch ({exc})") from exc
@@ -498,16 +524,17 @@ class RegionUnit(FusegraphUnit):
         return Piece(r.nodes, r.graph, r.inputs, r.outputs, plan, where, r.pattern, v.describe(), v.source,
                      v.fusegraph_ms, v.incumbent_ms)
 
-    def _eager(self, graph: Graph, *, tf32: bool | None = None) -> ExecutionPlan:
+    def _eager(self, graph: Graph, *, tf32: bool | None = None, provisional: bool = False) -> ExecutionPlan:
         """The incumbent's way of running ``graph``: the torch engine, eager, uncaptured, at
         the session's precision (the torch engine pins its own TF32 flags when it runs: the
         incumbent the floor measured at tf32 must run at tf32 too -- ViT-B/16 at tf32 ran its
-        float32 GEMMs strict, 10.1 ms against eager's 5.1, H100)."""
+        float32 GEMMs strict, 10.1 ms against eager's 5.1, H100). ``provisional``: without
+        timing cuDNN's algorithms (a piece run until the upgrade rebuilds it)."""
         from fusegraph.engines.registry import REGISTRY
 
         engine = REGISTRY.get("torch")
         tf32 = self.precision.tf32 if tf32 is None else tf32  # the float32 reference passes False
-        config = op_by_op_config(graph, self.handle, tf32=tf32)
+        config = op_by_op_config(graph, self.handle, tf32=tf32, benchmark=not provisional)
         sup = engine.supports(graph, self.handle)
         if not sup:
             raise UnsupportedError(f"engine 'torch': {sup.reason}")
@@ -517,15 +544,18 @@ class RegionUnit(FusegraphUnit):
     def _example(self, region: Region) -> dict[str, Any]:
         """A region's inputs for measuring it: the unit's weights as bound, fresh random
         activations in their declared layout."""
+        return self._pack(region.graph, region.inputs)
+
+    def _pack(self, graph: Graph, inputs: Sequence[str]) -> dict[str, Any]:
         import torch
 
         from fusegraph.engines.torch.convert import torch_dtype
 
         gen = torch.Generator(device=self._device).manual_seed(0)
         out: dict[str, Any] = {}
-        for i, parent in enumerate(region.inputs):
+        for i, parent in enumerate(inputs):
             key = f"in{i}"
-            t = region.graph.tensor_by_name(key)
+            t = graph.tensor_by_name(key)
             if parent in self._weights_dev:
                 out[key] = self._weight(parent, t.dtype)
                 continue

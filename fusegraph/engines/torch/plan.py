@@ -145,12 +145,18 @@ class TorchPlan(LeanCall, CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
             return
         saved = (
             torch.backends.cudnn.benchmark,
+            torch.backends.cudnn.deterministic,
             torch.backends.cudnn.allow_tf32,
             torch.backends.cuda.matmul.allow_tf32,
             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
         )
         torch.backends.cudnn.benchmark = self._benchmark
+        # Without benchmarking, cuDNN's deterministic choice: PyTorch caches the algorithm a
+        # shape first ran with under a key that holds ``deterministic`` but not ``benchmark``, so
+        # a heuristic pick made first would otherwise be what every benchmarking plan of that
+        # shape runs for the rest of the process.
+        torch.backends.cudnn.deterministic = saved[1] or not self._benchmark
         torch.backends.cudnn.allow_tf32 = self._tf32
         torch.backends.cuda.matmul.allow_tf32 = self._tf32
         torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
@@ -161,6 +167,7 @@ class TorchPlan(LeanCall, CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
         finally:
             (
                 torch.backends.cudnn.benchmark,
+                torch.backends.cudnn.deterministic,
                 torch.backends.cudnn.allow_tf32,
                 torch.backends.cuda.matmul.allow_tf32,
                 torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
