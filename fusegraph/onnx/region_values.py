@@ -131,7 +131,7 @@ def to_device_all(items: Mapping[str, tuple[Any, Any]], device: Any, *, pooled: 
         if span <= 0:
             out[name] = to_device(value, t, device)
             continue
-        nbytes = span * torch.empty((), dtype=dtype).element_size()
+        nbytes = span * dtype.itemsize
         carve.append((name, value, t, dtype, total, nbytes))
         total += -(-nbytes // ALIGN) * ALIGN
     if carve:
