@@ -407,3 +407,26 @@ def test_on_cuda_bf16_channels_last_training_tracks_eager_whichever_side_wins(tm
             assert rows and any(step_floor.TIMED in r.why for r in rows), rows[0].why
     scale = max(abs(v) for v in losses[0])
     assert all(abs(a - b) <= 2e-2 * scale for a, b in zip(losses[1], losses[0], strict=True)), losses
+
+
+def test_the_steps_run_on_copies_of_the_callers_values() -> None:
+    """The step's inputs copy the examples' values where they hold some (random N(0, 1)
+    weights pushed a CPU GELU backward into denormals, Inductor's side 2-3x slower than on
+    the module's weights) and never alias them; a fake example gets random data, an
+    expanded one (stride 0) a random stand-in of its layout."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    w = nn.Parameter(torch.randn(8, 4) * 0.01)
+    x = torch.randn(3, 8)
+    wide = torch.randn(4, 1).expand(4, 5)
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.empty(2, 3))
+    args = step_floor._fresh([w, x, wide, fake, 3])
+    assert torch.equal(args[0], w.detach()) and args[0].requires_grad and args[0].is_leaf
+    assert args[0].data_ptr() != w.data_ptr() and args[1].data_ptr() != x.data_ptr()
+    assert torch.equal(args[1], x) and not args[1].requires_grad
+    assert args[2].stride() == wide.stride() and args[2].data_ptr() != wide.data_ptr()
+    assert type(args[3]) is torch.Tensor and args[3].shape == (2, 3) and float(args[3].abs().sum()) > 0
+    assert args[4] == 3
+    args[0].data.add_(1.0)
+    assert float(w.detach().abs().max()) < 1.0  # the caller's weights untouched
