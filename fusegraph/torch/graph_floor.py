@@ -12,11 +12,11 @@ shapes and the claimed regions: a later process measures nothing, and compiles t
 without its regions only where that side won (the claimed side is compiled first, since
 what was claimed is part of the key).
 
-One level up, a Dynamo graph in which no ATen graph kept a region is stored too
-(``inductors_own_key``): a later compile of the same graph, options, device and versions
-goes straight to Inductor's own compile, with no trace of fusegraph's own (compile_backend.py);
-the same key holds the verdict of a Dynamo graph whose trace kept regions, timed as a step
-against Inductor's own compile (step_floor.py)."""
+One level up, each Dynamo graph's verdict is stored too (``inductors_own_key``): the step
+check's (step_floor.py: Inductor's own compile, eager, and fusegraph's trace where it kept
+regions, timed as a step), or "no region kept" where no step was timed. A later compile of
+the same graph, options, device and versions builds only the side named, with no trace of
+fusegraph's own unless the trace won (compile_backend.py)."""
 
 from __future__ import annotations
 
