@@ -366,17 +366,26 @@ def test_a_backward_timed_whole_after_a_skipped_forward(
     """Max pooling: the forward claims nothing (skipped), the backward's region wins alone
     (the virtual clock). Timed whole in the first pass: handed back (0), the Dynamo graph
     runs Inductor's own compile, no second trace; kept (100: the unclaimed graph made
-    slower), it is traced again and the backward runs the region. Gradients: eager's."""
-    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    slower), it is traced again, every graph compiled, and the step check (forced: the
+    trace 1 ms, Inductor's own 2, eager 3) keeps the trace: the backward runs the region.
+    Gradients: eager's."""
+    from test_torch_step_floor import step_timer
+
+    from fusegraph.torch import step_floor
+
+    step = step_timer(monkeypatch, tmp_path)
+    step["trace_ms"], step["own_ms"] = 1.0, 2.0
     request.getfixturevalue("clock")["graph_extra"] = graph_extra
 
     _, _, rows = _max_pool_step({**FLOOR, "warmup_s": 0.0}, caplog)
     regions = [r for r in rows if r.region is not None]
     assert regions and all(r.node.startswith("bw") for r in regions), [(r.node, r.why) for r in rows]
+    assert step["calls"] == 1, step
     if graph_extra == 0.0:
-        assert "traced again" not in caplog.text
+        assert "traced again" not in caplog.text and sorted(step["backward"]) == ["eager", "own"]
         assert all(r.where == "inductor" and r.why.endswith(INDUCTORS_OWN) for r in rows), [r.why for r in rows]
         assert all("handed back with the whole graph" in r.why for r in regions if r.compute)
     else:
-        assert "traced again" in caplog.text
+        assert "traced again" in caplog.text and sorted(step["backward"]) == ["eager", "own", "trace"]
         assert any(r.fusegraph for r in regions) and not any(r.why.endswith(INDUCTORS_OWN) for r in rows)
+        assert all(step_floor.TRACE_WON in r.why for r in rows if r.fusegraph), [r.why for r in rows]

@@ -254,10 +254,12 @@ class _Compile:
     an H200 kept two regions worth ~0.02 ms of a 23 ms step and ran at 0.95x Inductor, the
     per-ATen-graph check (graph_floor.py) unable to see it, since both of its sides come
     from this trace. So a trace that kept regions is then timed, forward and backward as a
-    step, against Inductor's own compile of the Dynamo graph (step_floor.py), and the
-    faster is returned."""
+    step, against Inductor's own compile of the Dynamo graph and eager (step_floor.py),
+    and the fastest is returned. ``collect``: a trace compiling every graph keeps its rows
+    too, for that check (the second trace after a backward claimed what its forward did not)."""
 
     probing: bool
+    collect: bool = False
     kept: bool = False  # an ATen graph runs claimed regions
     skipped: bool = False  # an ATen graph was not compiled: nothing claimed in it, or all handed back
     redo: bool = False  # a graph kept regions after one was skipped: trace again, compiling each
@@ -268,7 +270,7 @@ class _Compile:
         # a region left unmeasured (a budget spent) is measured by a later compile
         if any(": unmeasured" in r.why for r in rows):
             self.lasting = False
-        if self.probing:
+        if self.probing or self.collect:
             self.rows.extend(rows)
         else:
             _report(rows)
@@ -509,7 +511,10 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     state.probing = False
     if state.redo:
         log.info("a backward graph claimed regions where its forward claimed none: traced again")
-        return trace(_Compile(probing=False))
+        if eager is None:
+            return trace(_Compile(probing=False))
+        state = _Compile(probing=False, collect=True)  # every graph compiled, then the step check
+        first = trace(state, force_non_lazy_backward_lowering=True)
     if state.kept:
         return _against_others(first, compile_own, eager, gm, example_inputs, opts, state, own_verdict,
                                stored if checked else None)
