@@ -339,6 +339,37 @@ def test_a_verdict_without_eager_is_checked_once(tmp_path: Any, monkeypatch: pyt
     assert rows and all(r.why.startswith(STORED_EAGER) for r in rows), rows[0].why
 
 
+@pytest.mark.usefixtures("regions_lose")
+def test_a_step_without_room_is_not_timed(tmp_path: Any, monkeypatch: pytest.MonkeyPatch,
+                                          compiles: dict[str, list[str]], caplog: pytest.LogCaptureFixture) -> None:
+    """Where the step cannot be timed (here: the device memory check made to refuse), nothing
+    kept, Inductor's own compile runs and "no region kept" is stored, the log says why; the
+    next compile reads it, traces nothing, tries the check again (still refused) and runs
+    Inductor's own."""
+    import logging
+
+    from fusegraph.torch import graph_floor
+
+    step = step_timer(monkeypatch, tmp_path)
+    step["eager_ms"] = 0.5
+    monkeypatch.setattr(graph_floor, "room", lambda *args, **kwargs: "no room (made in this test)")
+    model = LNBlock().eval()
+    x = torch.randn(2, 8, 32)
+    outs = []
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="fusegraph.torch"):
+        want = torch.compile(model)(x)
+        for _ in range(2):
+            torch._dynamo.reset()
+            with collecting() as rows:
+                outs.append(torch.compile(model, backend=partial(fusegraph_backend, options=OPTIONS))(x))
+            assert rows and all(r.where == "inductor" for r in rows), rows[0].why
+    assert step["calls"] == 0 and compiles["claims"] == ["fw"], (step, compiles)
+    assert all(torch.equal(out, want) for out in outs)
+    assert caplog.text.count("not timed against eager and Inductor's own compile: no room (made in this test)") == 2
+    assert "a stored verdict found no region kept" in rows[0].why, rows[0].why
+    stored = _stored()
+    assert len(stored) == 1 and stored[0]["source"] == "concluded", stored
+
 def test_the_check_on_the_real_clock_agrees_with_eager(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """End to end on this machine's clock (regions measured against PyTorch eager, so no
     region costs an Inductor compile): whichever side wins, the training step agrees with
