@@ -514,6 +514,30 @@ def test_torch_compile_knob_reshapes_a_tensor_no_view_reaches(rng: np.random.Gen
     check(g, rng, TOL[DT.FLOAT], EngineConfig("torch", (("compile", True),)))
 
 
+def _depthwise_graph(c: int = 16, groups: int | None = None) -> fg.Graph:
+    g = fg.Graph("dw", io_data_type=DT.FLOAT)
+    groups = c if groups is None else groups
+    x = g.tensor("x", [2, c, 9, 9])
+    w = g.tensor("w", [c, c // groups, 3, 3])
+    g.conv_fprop(x, w, padding=[1, 1]).set_output(True)
+    return g.validate()
+
+
+def test_the_depthwise_knob_is_offered_on_a_gpu_for_depthwise_convolutions_only() -> None:
+    from fusegraph.regions.incumbent import op_by_op_config
+
+    gpu = fg.Handle("cuda:0")
+    names = lambda g, h: {k.name for k in ENGINE.knobs(g, h)}  # noqa: E731
+    assert "cudnn_depthwise" in names(_depthwise_graph(), gpu)
+    assert "cudnn_depthwise" not in names(_depthwise_graph(), CPU)
+    assert "cudnn_depthwise" not in names(_depthwise_graph(groups=4), gpu)  # grouped, not depthwise
+    assert "cudnn_depthwise" not in names(conv_graph(), gpu)
+    untimed = dict(op_by_op_config(_depthwise_graph(), gpu, benchmark=False).knobs)
+    assert untimed["cudnn_depthwise"] is False and untimed["cudnn_benchmark"] is False
+    assert "cudnn_depthwise" not in dict(op_by_op_config(_depthwise_graph(), gpu).knobs)
+    assert "cudnn_depthwise" not in dict(op_by_op_config(conv_graph(), gpu, benchmark=False).knobs)
+
+
 # ---- what torch cannot do, and torch missing ------------------------------------------------------
 def test_unsupported_cases_say_why() -> None:
     g = fg.Graph("iavg", io_data_type=DT.INT32)

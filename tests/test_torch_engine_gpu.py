@@ -81,6 +81,32 @@ def test_untimed_convolutions_take_cudnns_deterministic_pick_and_restore_the_fla
     assert seen and seen[0] == (False, True) and seen[-1] == (True, before[1]), seen
 
 
+@pytest.mark.parametrize("groups", [32, 4])
+def test_depthwise_convolutions_off_cudnn_agree_and_restore_the_flag(groups: int, rng: np.random.Generator) -> None:
+    """``cudnn_depthwise=False``: a depthwise convolution runs with cuDNN off (PyTorch's own
+    kernel), a grouped one that is not depthwise keeps cuDNN; both agree with the reference."""
+    g = fg.Graph("dw", io_data_type=DT.FLOAT)
+    x = g.tensor("x", [4, 32, 28, 28])
+    w = g.tensor("w", [32, 32 // groups, 7, 7])
+    g.conv_fprop(x, w, padding=[3, 3]).set_output(True)
+    seen: list[bool] = []
+    functional = torch.nn.functional
+    orig = functional.conv2d
+
+    def spy(*a, **k):  # type: ignore[no-untyped-def]
+        seen.append(torch.backends.cudnn.enabled)
+        return orig(*a, **k)
+
+    functional.conv2d = spy
+    try:
+        _check(g, rng, 1e-5, EngineConfig("torch", (("cudnn_depthwise", False),)) if groups == 32
+               else EngineConfig("torch", ()))
+    finally:
+        functional.conv2d = orig
+    assert torch.backends.cudnn.enabled
+    assert seen and all(s is (groups != 32) for s in seen), seen
+
+
 @pytest.mark.parametrize("dt", [DT.FLOAT, DT.HALF, DT.BFLOAT16])
 def test_matmul(dt: DT, rng: np.random.Generator) -> None:
     g = fg.Graph("mm", io_data_type=dt)

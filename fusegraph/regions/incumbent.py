@@ -42,15 +42,16 @@ class CallableIncumbent:
 
 def op_by_op_config(graph: Any, handle: Handle, *, tf32: bool = False, benchmark: bool = True) -> Any:
     """The torch engine's configuration for running ``graph`` op by op: eager, uncaptured,
-    TF32 as asked, cuDNN's algorithms timed at first use unless ``benchmark`` is off; knobs
-    the engine does not offer for this graph left out."""
+    TF32 as asked, cuDNN's algorithms timed at first use unless ``benchmark`` is off (then
+    depthwise convolutions on PyTorch's own kernel, which cuDNN would build per shape too);
+    knobs the engine does not offer for this graph left out."""
     from fusegraph.engines.base import EngineConfig
     from fusegraph.engines.registry import REGISTRY
 
     known = {k.name for k in REGISTRY.get("torch").knobs(graph, handle)}
     wanted: tuple[tuple[str, bool], ...] = (("compile", False), ("cuda_graph", False), ("tf32", tf32))
-    if not benchmark:
-        wanted += (("cudnn_benchmark", False),)
+    if not benchmark:  # nothing timed or built per shape at first use
+        wanted += (("cudnn_benchmark", False), ("cudnn_depthwise", False))
     return EngineConfig("torch", tuple(kv for kv in wanted if kv[0] in known))
 
 

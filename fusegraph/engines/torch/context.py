@@ -84,6 +84,8 @@ class _Ctx:
         self.gpu = handle.device.is_gpu
         self.memory_format: str = config.get("memory_format", "auto")
         self.compiled = bool(config.get("compile", False))
+        # depthwise convolutions on PyTorch's own kernel (knob ``cudnn_depthwise``; eager only)
+        self.native_depthwise = self.gpu and not self.compiled and not config.get("cudnn_depthwise", True)
         # lower without in-place writes, for tracing: oneDNN Graph's, and Inductor's, whose
         # functionalization of a copy into a view re-views the copy's layout -- which failed
         # ("Cannot view a tensor ... as ...") for a reshape of a transposed tensor

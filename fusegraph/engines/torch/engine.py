@@ -29,6 +29,7 @@ from fusegraph.engines.torch.convert import (
     visible_gpus,
 )
 from fusegraph.graph.graph import Graph
+from fusegraph.graph.infer import conv_groups
 from fusegraph.graph.node import Node
 from fusegraph.graph.ops import (
     CONVOLUTIONS,
@@ -156,6 +157,16 @@ class TorchEngine:
                     True,
                     (True, False),
                     description="let cuDNN time its algorithms on first use of each shape",
+                )
+            )
+        if handle.device.is_gpu and any(_depthwise(n) for n in graph.nodes):
+            out.append(
+                Knob(
+                    "cudnn_depthwise",
+                    True,
+                    (True, False),
+                    description="depthwise convolutions on cuDNN (off: PyTorch's own kernel, which builds "
+                    "nothing at first use; cuDNN builds its depthwise kernels per shape, ~150 ms each on an H200)",
                 )
             )
         if handle.device.is_gpu and _float32_tensor_core_op(graph):
@@ -316,6 +327,13 @@ def _node_unsupported(node: Node, graph: Graph, handle: Handle) -> str:
     if cd is not None and cd.is_integer and kind not in (OpKind.POINTWISE, OpKind.REDUCTION, OpKind.MATMUL):
         return f"compute type {cd.name} is not available for {kind.value} in torch"
     return ""
+
+
+def _depthwise(node: Node) -> bool:
+    """A forward convolution with one filter channel per group and several groups."""
+    if node.kind != OpKind.CONV_FPROP:
+        return False
+    return node.inputs["w"].shape[1] == 1 and conv_groups(node) > 1
 
 
 def _float32_tensor_core_op(graph: Graph) -> bool:

@@ -56,7 +56,16 @@ def _lower_conv_fprop(ctx: _Ctx, node: Node, ins: dict[str, Tensor]) -> dict[str
     x, w = _memory_format(ctx, x), _memory_format(ctx, w)
     x, pad = _conv_padding(x, attrs)
     conv = getattr(_F(), f"conv{x.dim() - 2}d")
-    y = conv(x, w, None, list(attrs.stride), pad, list(attrs.dilation), conv_groups(node))
+    groups = conv_groups(node)
+    if ctx.native_depthwise and groups > 1 and w.shape[1] == 1:
+        cudnn = _torch().backends.cudnn
+        before = cudnn.enabled
+        cudnn.enabled = False  # PyTorch's depthwise kernel: nothing to build at first use
+        try:
+            return {"y": conv(x, w, None, list(attrs.stride), pad, list(attrs.dilation), groups)}
+        finally:
+            cudnn.enabled = before
+    y = conv(x, w, None, list(attrs.stride), pad, list(attrs.dilation), groups)
     return {"y": y}
 
 
