@@ -108,6 +108,22 @@ def _is_the_graph_module(fn: Any, gm: torch.fx.GraphModule) -> bool:
             and module.code == gm.code)
 
 
+def _close(want: Any, got: Any) -> None:
+    """The loss within 1e-5 of its terms' scale, each gradient within 1e-4 relative."""
+    assert abs(float(got[0]) - float(want[0])) <= 1e-5 * want[3], (got[0], want[0])
+    for a, b in zip(got[1], want[1], strict=True):
+        assert _rel(a, b) < 1e-4
+
+
+def _clock(kept: bool, request: pytest.FixtureRequest, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """The step's virtual clock: every region winning (the trace keeps them) or losing."""
+    if kept:
+        step: dict[str, Any] = request.getfixturevalue("step_clock")
+        return step
+    request.getfixturevalue("regions_lose")
+    return step_timer(monkeypatch, tmp_path)
+
+
 def _equal(want: Any, got: Any) -> None:
     """Eager's loss, gradients and saved-tensor count, bit for bit."""
     assert torch.equal(got[0], want[0]), (got[0], want[0])
@@ -124,11 +140,7 @@ def test_eager_faster_runs_the_graph_module_and_a_second_compile_compiles_nothin
     where it kept none (every region losing): the compiled step is the Dynamo graph module,
     eager's loss and gradients bit for bit, every row on ``torch.eager`` (coverage 0). The
     second compile reads the verdict and calls neither Inductor nor fusegraph's trace."""
-    if kept:
-        step = request.getfixturevalue("step_clock")
-    else:
-        request.getfixturevalue("regions_lose")
-        step = step_timer(monkeypatch, tmp_path)
+    step = _clock(kept, request, tmp_path, monkeypatch)
     step["eager_ms"] = 0.5
     returned: list[tuple[Any, Any]] = []
     want, got, rows = _train(ConvBN if kept else LNBlock, (4, 3, 8, 8) if kept else (2, 8, 32), _capturing(returned))
@@ -218,9 +230,7 @@ def test_the_trace_faster_than_eager_and_inductors_own_keeps_its_regions(request
     want, got, rows = _train(LNBlock, (2, 8, 32), partial(fusegraph_backend, options=OPTIONS))
     claimed = [r for r in rows if r.fusegraph]
     assert claimed and all(step_floor.TRACE_WON in r.why and "eager 3.000 ms" in r.why for r in claimed)
-    assert abs(float(got[0]) - float(want[0])) <= 1e-5 * want[3]
-    for a, b in zip(got[1], want[1], strict=True):
-        assert _rel(a, b) < 1e-4
+    _close(want, got)
 
 
 @pytest.mark.parametrize("kept", [True, False], ids=["regions-kept", "no-region"])
@@ -229,11 +239,7 @@ def test_reduce_overhead_times_no_step(kept: bool, request: pytest.FixtureReques
     """``mode="reduce-overhead"`` (CUDA graphs: every side would be captured): no step is
     timed, eager is no candidate even where it would win; the trace stands where it kept
     regions, else Inductor's own compile (here on the CPU, where Inductor skips the capture)."""
-    if kept:
-        step = request.getfixturevalue("step_clock")
-    else:
-        request.getfixturevalue("regions_lose")
-        step = step_timer(monkeypatch, tmp_path)
+    step = _clock(kept, request, tmp_path, monkeypatch)
     step["eager_ms"] = 0.5
     returned: list[tuple[Any, Any]] = []
     want, got, rows = _train(LNBlock, (2, 8, 32), _capturing(returned, mode="reduce-overhead"))
@@ -241,9 +247,7 @@ def test_reduce_overhead_times_no_step(kept: bool, request: pytest.FixtureReques
     assert not any(step_floor.TIMED in r.why or r.where == "torch.eager" for r in rows), rows[0].why
     assert any(r.fusegraph for r in rows) == kept
     assert not _is_the_graph_module(returned[0][1], returned[0][0])
-    assert abs(float(got[0]) - float(want[0])) <= 1e-5 * want[3]
-    for a, b in zip(got[1], want[1], strict=True):
-        assert _rel(a, b) < 1e-4
+    _close(want, got)
 
 
 @pytest.mark.parametrize("kept", [True, False], ids=["regions-kept", "no-region"])
@@ -252,12 +256,9 @@ def test_a_failing_eager_run_is_reported_and_loses(kept: bool, request: pytest.F
     """The eager candidate raises inside its step (forced the fastest otherwise): it loses,
     the rows and the stored verdict say why, Inductor's own compile runs (the trace where
     it kept regions and beat Inductor's own)."""
+    step = _clock(kept, request, tmp_path, monkeypatch)
     if kept:
-        step = request.getfixturevalue("step_clock")
         step["trace_ms"], step["own_ms"] = 1.0, 2.0
-    else:
-        request.getfixturevalue("regions_lose")
-        step = step_timer(monkeypatch, tmp_path)
     step["eager_ms"] = 0.5
     real = step_floor.settle
 
