@@ -351,7 +351,7 @@ def test_engine_warnings_reach_the_report(
 
 def test_a_losing_unit_is_tried_on_the_other_engine(rng: np.random.Generator, tmp_path: Path, fake_timer: Any) -> None:
     """With the selection layer choosing, a unit that loses is built on the other compiling
-    engine and timed the same way (floor.runner_up); its win is kept, recorded as the
+    engine and timed the same way (plan_floor.runner_up); its win is kept, recorded as the
     group's choice, and a later session builds that engine directly, measuring nothing."""
     from fusegraph.engines.registry import REGISTRY
     from fusegraph.onnx import choices

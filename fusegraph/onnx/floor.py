@@ -15,6 +15,9 @@ plan loses, the whole model runs on ONNX Runtime.
 Verdicts are cached (``onnx-floor.json`` in the cache directory) by a content key of the
 sub-model (op types, attributes, shapes, types, small constants; not weight values), the
 machine's identity and the versions involved, so later sessions decide without timing.
+
+Here: what the floor is without a plan (verdicts, the timing, the cache, the whole-model
+runners); a session plan is held to it in ``plan_floor``.
 """
 
 from __future__ import annotations
@@ -138,14 +141,6 @@ def with_note(verdict: Verdict, note: str) -> Verdict:
     return dataclasses.replace(verdict, why="; ".join(p for p in (verdict.why, note) if p))
 
 
-def runner_up_note(unit: Any, verdict: Verdict) -> str:
-    """What the second candidate (``runner_up``) did, for a verdict that stands."""
-    name = getattr(unit.plan, "engine", None) or unit.engine
-    if verdict.fusegraph_ms is not None:
-        return f"on engine {name}: fusegraph {verdict.fusegraph_ms:.3f} ms"
-    return f"on engine {name}: {verdict.why or verdict.source}"
-
-
 class Timing(NamedTuple):
     fusegraph_ms: float
     ort_ms: float
@@ -249,44 +244,6 @@ def time_pair(fusegraph: Call, ort: Call, budget_s: float) -> Timing:
     # a BERT plan measured at 0.70x ONNX Runtime that ran at 1.08x).
     paired = statistics.median(x / y for x, y in zip(a, b, strict=True))
     return Timing(min(a) * 1e3, min(b) * 1e3, paired)
-
-
-# ---- a second candidate ---------------------------------------------------------------------
-def runner_up(plan: Any, unit: Any, nodes: Sequence[ONode], ins: list[str], outs: list[str],
-              budget_s: float) -> tuple[Any, Verdict, float] | None:
-    """Where the selection layer chose a unit's engine and the unit lost to ONNX Runtime,
-    the group built on the other compiling engine and measured the same way: (unit,
-    verdict, seconds spent timing), or None where there is no other engine or it fails to
-    build. The selection layer's guess is a heuristic (it sends transformer blocks to IREE,
-    whose CPU GEMMs lose to ONNX Runtime's, while the torch engine's compiled CPU path
-    beats it there); a win is recorded as the group's choice (``choices.py``), so later
-    sessions build the winner directly."""
-    from fusegraph.onnx import choices, plan_build
-    from fusegraph.onnx.importer import filter_layout_for
-
-    engine = plan.engine
-    if engine is None or engine.name is not None or plan.opts.autotune > 0 or budget_s <= 0:
-        return None
-    ran = str(getattr(unit.plan, "engine", ""))
-    others = [e.name for e in engine.candidates if e.name not in (ran, "reference")]
-    if not others:
-        return None
-    other = others[0]
-    try:
-        second = plan_build.lower_unit(plan, unit.name, list(nodes), ins, outs, other, filter_layout_for(other))
-        second.build()
-    except Exception as exc:  # the first verdict stands
-        log.info("floor: %s on engine %s failed to build (%s)", unit.name, other, str(exc).splitlines()[0] if str(exc) else exc)
-        return None
-    t0 = time.perf_counter()
-    verdict = plan._measure(second, list(nodes), ins, outs, budget_s)
-    spent = time.perf_counter() - t0
-    if verdict.keep:
-        first = engine.candidates[0].name if engine.candidates else None
-        canonical = plan_build.lower_unit(plan, unit.name, list(nodes), ins, outs, None, filter_layout_for(first), pack=False)
-        choices.record(plan.opts.cache_dir, canonical.graph.key(), str(plan.handle.device),
-                       choices.Choice(second.plan.config, second.filter_layout, verdict.fusegraph_ms or 0.0))
-    return second, verdict, spent
 
 
 # ---- whole-model runners -------------------------------------------------------------------

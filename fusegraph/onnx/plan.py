@@ -7,9 +7,10 @@ Runtime sub-sessions (or, where it wins, through the torch-mlir tier). A claimed
 subgraph that fails to build falls back to ONNX Runtime with a warning, or raises
 CompileError under ``strict``.
 
-Here: the plan's state, claiming, the floor's decisions, the units and running them. How a
-claimed group is lowered and built is in ``plan_build``, the partition report in
-``plan_report``, the engine choice and the engines' warnings in ``engine_choice``.
+Here: the plan's state, claiming, the units and running them. How a claimed group is
+lowered and built is in ``plan_build``, the floor against ONNX Runtime (units and the whole
+model) in ``plan_floor``, the partition report in ``plan_report``, the engine choice and the
+engines' warnings in ``engine_choice``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from fusegraph.errors import CompileError, ExecutionError, FusegraphError
 from fusegraph.onnx import (
     floor,
     plan_build,
+    plan_floor,
     plan_regions,
     plan_release,
     plan_report,
@@ -37,14 +39,15 @@ from fusegraph.onnx import (
 )
 from fusegraph.onnx.engine_choice import EngineChoice, engine_warnings
 from fusegraph.onnx.engine_choice import one_line as _one_line
-from fusegraph.onnx.importer import SPATIAL_OPS, Importer, Unmappable, with_strides
+from fusegraph.onnx.importer import SPATIAL_OPS, Importer, Unmappable
 from fusegraph.onnx.memory import LiveBytes
-from fusegraph.onnx.model import OnnxGraph, ONode, specialize
+from fusegraph.onnx.model import ONode, specialize
 from fusegraph.onnx.node_key import node_key
 from fusegraph.onnx.options import PROVIDER, ProviderOptions
-from fusegraph.onnx.partition import Group, Partitioning, PNode, partition
+from fusegraph.onnx.partition import Group, PNode, partition
 from fusegraph.onnx.patterns import apply_rewrites
 from fusegraph.onnx.report import Boundaries, PartitionReport
+from fusegraph.onnx.unit_io import read_outside
 from fusegraph.onnx.units import FusegraphUnit, OrtUnit, Unit, _ort_value, to_host
 from fusegraph.runtime.handle import Handle
 
@@ -68,20 +71,6 @@ def make_dumper(dump_dir: str | None) -> Dump | None:
             path.write_text(data)
 
     return dump
-
-
-def _read_outside(og: OnnxGraph, members: Sequence[ONode]) -> tuple[list[str], list[str]]:
-    """(values the group reads from outside, values it produces that are read outside)."""
-    inside = {id(n) for n in members}
-    produced = {o for n in members for o in n.outputs if o}
-    ins: list[str] = []
-    for n in members:
-        for i in n.all_inputs():
-            if i not in produced and i not in og.constants and i not in ins:
-                ins.append(i)
-    read_outside = {i for n in og.nodes if id(n) not in inside for i in n.all_inputs()}
-    outs = [o for n in members for o in n.outputs if o and (o in read_outside or o in og.outputs)]
-    return ins, list(dict.fromkeys(outs))
 
 
 class SessionPlan:
@@ -143,11 +132,11 @@ class SessionPlan:
         self._whole_ort: OrtUnit | None = None  # set when the whole model runs as one ORT session
         self._proven: set[int] = set()
         self.units: list[Unit] = []
-        known = self._cached_whole() if self._ort_floor and not opts.lazy_compile else None
+        known = plan_floor.cached_whole(self) if self._ort_floor and not opts.lazy_compile else None
         if known is None and direct is not None:  # unit verdicts gone from the cache: the model's stands
             known = direct[1]
         if known is not None:  # a cached verdict: the whole model on ONNX Runtime, nothing built
-            self._go_whole_ort(known, None)
+            plan_floor.go_whole_ort(self, known, None)
         else:
             built = self._settle_claimed()
             self._sub_options = _UNSET  # decided again: spinning where all went to ORT
@@ -159,7 +148,7 @@ class SessionPlan:
             if len(self.units) == 1 and isinstance(self.units[0], OrtUnit):
                 self._whole_ort = self.units[0]
             if self._ort_floor and not opts.lazy_compile and any(isinstance(u, FusegraphUnit) for u in self.units):
-                self._whole_model_floor()
+                plan_floor.whole_model_floor(self)
         self.setup_s = time.perf_counter() - t0
         self.last_peak_live = 0
         self.model_name = model_name
@@ -243,7 +232,7 @@ class SessionPlan:
                 if not group.claimed or frozenset(group.nodes) in built:
                     continue
                 nodes = [self.by_name[n] for n in group.nodes]
-                ins, outs = _read_outside(self.og, nodes)
+                ins, outs = read_outside(self.og, nodes)
                 content = floor.group_key(self.og, nodes, ins, outs) if cache is not None else ""
                 verdict = cache.lookup(content) if cache is not None else None
                 if verdict is not None and not verdict.keep:  # known to lose: not even built
@@ -258,19 +247,8 @@ class SessionPlan:
                     if cache is not None and verdict is None and not self.opts.lazy_compile:
                         left = len([g for g in todo if frozenset(g.nodes) not in built])
                         share = min(floor.UNIT_S, max(self.floor_budget * floor.UNITS_SHARE - spent, 0.0) / max(left, 1))
-                        t0 = time.perf_counter()
-                        if share > 0:
-                            verdict = self._measure(unit, nodes, ins, outs, share)
-                        else:
-                            verdict = floor.Verdict(True, source="not measured", why="the floor's time budget was spent")
-                        spent += time.perf_counter() - t0
-                        second = None if verdict.keep else floor.runner_up(self, unit, nodes, ins, outs, share)
-                        if second is not None:  # the other engine, built and timed the same way
-                            spent += second[2]
-                            if second[1].keep:
-                                unit, verdict = second[0], second[1]
-                            else:
-                                verdict = floor.with_note(verdict, floor.runner_up_note(second[0], second[1]))
+                        unit, verdict, took = plan_floor.judge(self, unit, nodes, ins, outs, share)
+                        spent += took
                         cache.record(content, verdict)
                 unit.engine_notes.extend(said)
                 if verdict is not None:
@@ -302,9 +280,10 @@ class SessionPlan:
             self._released[n] = note
 
     def _verdict_cache(self) -> floor.VerdictCache:
-        from fusegraph.select.device_id import device_id
+        return plan_floor.verdict_cache(self)
 
-        return floor.cache_for(self.opts, device_id(self.handle))
+    def _whole_key(self) -> str:
+        return plan_floor.whole_key(self)
 
     @property
     def whole_on_ort(self) -> bool:
@@ -346,7 +325,7 @@ class SessionPlan:
                     self.compile_s[name] = self.compile_s.pop(unit.name)
                 unit.name = name
             return unit
-        ins, outs = _read_outside(self.og, nodes)
+        ins, outs = read_outside(self.og, nodes)
         unit_ = self._unclaimed_unit(k, nodes, ins, outs)
         notes = list(dict.fromkeys(self._released[n.name] for n in nodes if n.name in self._released))
         if notes:
@@ -359,129 +338,6 @@ class SessionPlan:
         if self.regions:
             return plan_regions.region_unit(self, name, nodes, ins, outs)
         return plan_build.fusegraph_unit(self, name, nodes, ins, outs)
-
-    def _measure(
-        self, unit: FusegraphUnit, nodes: list[ONode], ins: list[str], outs: list[str], budget_s: float
-    ) -> floor.Verdict:
-        """One trial run of each (outputs compared), then both timed (``floor.time_pair``)."""
-        try:
-            feed = floor.sample_inputs(self.og, ins)
-        except KeyError as exc:
-            return floor.Verdict(True, source="not measured", why=f"the type of input {exc} is unknown")
-        claimed = {n for g in self.partitioning.groups if g.claimed for n in g.nodes}
-        producers = self.og.producers()
-        # Inputs a fusegraph neighbour produces arrive in the declared layout; the rest are
-        # contiguous, as ONNX Runtime and the caller give them (their relayout is timed).
-        fg_feed = {
-            i: with_strides(v, unit._in[i].strides) if i in unit._in and i in producers and producers[i].name in claimed
-            else v
-            for i, v in feed.items()
-        }
-        try:
-            ort_unit = self._ort_unit(f"{unit.name}_floor", nodes, ins, outs)
-            want = ort_unit.run(feed)
-        except Exception as exc:
-            return floor.Verdict(True, source="not measured",
-                                 why=f"ONNX Runtime cannot run the sub-model alone: {_one_line(str(exc), 200)}")
-        try:
-            got = {k: to_host(v) for k, v in unit.run(fg_feed).items()}
-        except Exception as exc:
-            if self.opts.strict:
-                raise CompileError(f"claimed subgraph {unit.name} failed its trial run and strict=1: {exc}") from exc
-            return floor.Verdict(False, source="measured", why=f"failed its trial run: {_one_line(str(exc), 200)}")
-        err = floor.agreement(got, want)
-        if err > floor.AGREE:
-            if self.opts.strict:
-                raise CompileError(f"claimed subgraph {unit.name} disagrees with ONNX Runtime (rel err {err:.1e})")
-            return floor.Verdict(False, source="measured", why=f"disagrees with ONNX Runtime (rel err {err:.1e})")
-        verdict = floor.decide_timing(floor.time_pair(lambda: unit.run(fg_feed), lambda: ort_unit.run(feed), budget_s))
-        log.info("floor %s: %s", unit.name, verdict.describe())
-        return verdict
-
-    def _whole_key(self) -> str:
-        """The whole-model verdict's content key: the model and how it is partitioned."""
-        nodes = list(self.og.nodes)
-        ins, outs = _read_outside(self.og, nodes)
-        shape = ",".join(f"{'f' if g.claimed else 'o'}{len(g.nodes)}" for g in self.partitioning.groups)
-        return f"whole|{floor.group_key(self.og, nodes, ins, outs)}|{shape}"
-
-    def _cached_whole(self) -> floor.Verdict | None:
-        """With every claimed group's verdict cached (releases applied), the cached whole-model
-        verdict when it says ONNX Runtime: then nothing needs building (a warm session of a
-        model fusegraph loses on costs little more than ONNX Runtime's own)."""
-        cache = self._verdict_cache()
-        if not self.partitioning.claimed:
-            return None
-        while True:
-            released = False
-            for group in self.partitioning.groups:
-                if not group.claimed:
-                    continue
-                nodes = [self.by_name[n] for n in group.nodes]
-                ins, outs = _read_outside(self.og, nodes)
-                v = cache.lookup(floor.group_key(self.og, nodes, ins, outs))
-                if v is None:
-                    return None
-                if not v.keep:
-                    self._release(group.nodes, v.describe())
-                    released = True
-            if not released:
-                break
-            self.partitioning = partition(self.pnodes, self.node_verdicts, min_size=self.opts.min_subgraph_size)
-        if not self.partitioning.claimed:
-            return floor.Verdict(False, source="cached", why="every claimed subgraph was handed back")
-        whole = cache.lookup(self._whole_key())
-        return whole if whole is not None and not whole.keep else None
-
-    def _whole_model_floor(self) -> None:
-        """The plan against ONNX Runtime running the whole model (boundary copies and the
-        extra sub-session calls counted); the whole model goes to ONNX Runtime if it loses."""
-        ins = [i for i in self.og.inputs if i not in self.og.constants]
-        cache = self._verdict_cache()
-        content = self._whole_key()
-        verdict = cache.lookup(content)
-        whole: OrtUnit | None = None
-        if verdict is None:
-            try:
-                feed = floor.sample_inputs(self.og, ins)
-                whole = OrtUnit.whole("onnxruntime_0", self.og, self.model, self.sess_options, self.ort_providers,
-                                      path=self.model_path)
-                whole.run(feed)
-                wanted = list(self.og.outputs)
-                budget = min(floor.WHOLE_S, self.floor_budget * (1 - floor.UNITS_SHARE))
-                verdict = floor.decide_timing(
-                    floor.time_pair(lambda: self.run(feed, wanted), lambda: whole.run(feed), budget))  # type: ignore[union-attr]
-            except Exception as exc:
-                log.info("floor: the whole model was not compared with ONNX Runtime: %s", exc)
-                self.floor_whole = floor.Verdict(True, source="not measured", why=_one_line(str(exc), 200))
-                return
-            cache.record(content, verdict)
-            cache.flush()
-        self.floor_whole = verdict
-        if not verdict.keep:
-            self._go_whole_ort(verdict, whole)
-
-    def _go_whole_ort(self, verdict: floor.Verdict, whole: OrtUnit | None) -> None:
-        """The whole model as one ONNX Runtime session (the caller's session options)."""
-        self.floor_whole = verdict
-        nodes = list(self.og.nodes)
-        if whole is None:
-            whole = OrtUnit.whole("onnxruntime_0", self.og, self.model, self.sess_options, self.ort_providers,
-                                  session=self._direct[0] if self._direct else None, path=self.model_path)
-        note = f"whole model {verdict.describe()}"
-        self.reasons = dict(self.partitioning.reasons)
-        for n in (n for g in self.partitioning.claimed for n in g.nodes):
-            self.reasons[n] = note
-            self.node_verdicts[n] = note
-        self.partitioning = Partitioning([Group([n.name for n in nodes], False)], dict(self.reasons))
-        self.units = [whole]
-        self._whole_ort = whole
-        # ONNX Runtime holds its own copy of the weights: the specialized graph's go (but outputs)
-        self.og.constants = {k: v for k, v in self.og.constants.items() if k in self.og.outputs}
-        self.notes = {whole.name: note}
-        self.compile_s = {}
-        self._plan_frees()
-        self._proven = set()
 
     @property
     def sub_session_options(self) -> Any:
