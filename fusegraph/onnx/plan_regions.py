@@ -14,10 +14,8 @@ the region floor replaces it (the ``floor`` option turns it off; ``floor=off`` c
 every region fusegraph can build, unmeasured).
 
 The ``precision`` option (precision.py) acts here: with fp16 / bf16 each region's graph is
-converted before it is chosen (so both sides are timed in that type and its verdict is
-keyed apart), unless the region would overflow -- judged on one float32 run of the unit's
-pieces op by op on sample inputs, which is also the reference the finished unit's accuracy
-is stated against in the report; tf32 builds with TF32 allowed.
+converted before it is chosen, unless it would overflow (region_precision.py); tf32 builds
+with TF32 allowed.
 """
 
 from __future__ import annotations
@@ -31,19 +29,17 @@ from typing import TYPE_CHECKING, Any
 from fusegraph.engines.base import ExecutionPlan
 from fusegraph.errors import FusegraphError, UnsupportedError
 from fusegraph.graph.graph import Graph
-from fusegraph.onnx import plan_build, region_choice, region_pieces, region_upgrade
+from fusegraph.onnx import (
+    plan_build,
+    region_choice,
+    region_pieces,
+    region_precision,
+    region_upgrade,
+)
 from fusegraph.onnx.importer import filter_layout_for
 from fusegraph.onnx.model import ONode
-from fusegraph.onnx.precision import (
-    Accuracy,
-    Precision,
-    accuracy,
-    convert,
-    max_abs,
-    refusal,
-    tf32_allowed,
-)
-from fusegraph.onnx.region_pieces import Cut, NoRegions, Piece
+from fusegraph.onnx.precision import Accuracy, Precision, tf32_allowed
+from fusegraph.onnx.region_pieces import NoRegions, Piece
 from fusegraph.onnx.region_values import declared as _declared
 from fusegraph.onnx.region_values import laid_out as _laid_out
 from fusegraph.onnx.region_values import rel_err as _rel_err
@@ -199,7 +195,7 @@ class RegionUnit(FusegraphUnit):
             log.info("%s: %d regions, %d of them to be chosen in the background", self.name, len(steps),
                      len(self._deferred))
             return
-        self._state_precision(len(pieces))
+        region_precision.state(self, len(pieces))
         self._weights_dev, self._cast = {}, {}  # the steps hold what they read
         log.info("%s: %d regions, %s", self.name, len(steps), self.engine_name)
 
@@ -242,7 +238,7 @@ class RegionUnit(FusegraphUnit):
             rows = [self._row(k, pieces[i]) for k, i in enumerate(order)]
         with self.gate.run(), torch.inference_mode(), postponed():  # between two of the user's runs
             self.plan, self.rows, self._swapped = plan, rows, True
-            self._state_precision(len(pieces))
+            region_precision.state(self, len(pieces))
             if self.handle.device.is_gpu:  # captured here, where no run of the user's can interleave
                 self.capture_note = self._capture(plan, self._sample_inputs())
             self._ran = True
@@ -311,44 +307,16 @@ class RegionUnit(FusegraphUnit):
         self.upgrade.stop(timeout)
         return self.upgrade.done
 
-    def _state_precision(self, n: int) -> None:
-        """The report's line on the precision: how many regions took it, and (fp16 / bf16)
-        the finished unit against its float32 path on the sample inputs."""
-        p = self.precision
-        if p.tf32:
-            self.precision_note = (f"precision tf32: torch's TF32 flags on while the unit runs; {self._tf32_regions}/{n} "
-                                   "regions built with an engine's tf32 knob (cudnn's, or the torch engine's for its "
-                                   "float32 convolutions / matmuls / attention; the incumbent runs at tf32 too)")
-            if not self.handle.device.is_gpu:
-                self.precision_note += "; no effect on the CPU"
-        if self._sample is None or self._reference is None:
-            return
-        import torch
-
-        assert self.plan is not None
-        with torch.inference_mode(), tf32_allowed(p.tf32):
-            got = self.plan.execute(self._sample)
-        got = {k: _declared(v, self.graph.tensor_by_name(k)) for k, v in got.items()}
-        acc = accuracy(got, self._reference)
-        kept = len(self.kept_fp32)
-        if p.tf32:
-            self.precision_note += f"; {acc.describe()}"
-        else:
-            self.precision_note = f"precision {p.name}: {n - kept}/{n} regions in {p.name}" + (
-                f", {kept} kept float32 (see their rows)" if kept else "") + f"; {acc.describe()}"
-        self.accuracy = acc
-        self._sample = self._reference = None
-
     def _pieces(self) -> list[Piece]:
         found = split(self.graph, atoms=dict(self.origin))
         if self.tune_budget > 0:  # the unit's budget shared by its distinct regions
             self.tune_s = self.tune_budget / max(1, len({r.key for r in found.regions}))
         regions, cuts = list(found.regions), region_pieces.cuts(self.graph, found.rejected)
         if self.precision.reduced is not None:
-            regions, cuts = self._reduce(regions, cuts)
+            regions, cuts = region_precision.reduce(self, regions, cuts)
         elif self.precision.tf32:  # only the float32 reference the report's accuracy is stated against
-            self._observe([(r.nodes, r.graph, r.inputs, r.outputs) for r in regions]
-                          + [(c.nodes, c.graph, c.inputs, c.outputs) for c in cuts])
+            region_precision.observe(self, [(r.nodes, r.graph, r.inputs, r.outputs) for r in regions]
+                                     + [(c.nodes, c.graph, c.inputs, c.outputs) for c in cuts])
         choices = self._choose(regions)
         self._deferred = {c.region.nodes: c.region for c in choices if c.verdict.source == PENDING}
         # a pending region without a stored verdict is measured (seconds to minutes); one whose
@@ -369,64 +337,6 @@ class RegionUnit(FusegraphUnit):
             pieces.append(Piece(c.nodes, c.graph, c.inputs, c.outputs, plan, self.chooser.incumbent.name, "",
                                 c.reason, movement=c.movement))
         return pieces
-
-    # ---- reduced precision (precision.py) ------------------------------------------------------
-    def _reduce(self, regions: list[Region], cuts: list[Cut]) -> tuple[list[Region], list[Cut]]:
-        """Regions and cuts in the reduced type, except those that would overflow (kept
-        float32, the reason in ``kept_fp32``); observed on one float32 run (``_observe``)."""
-        dtype = self.precision.reduced
-        assert dtype is not None
-        observed = self._observe([(r.nodes, r.graph, r.inputs, r.outputs) for r in regions]
-                                 + [(c.nodes, c.graph, c.inputs, c.outputs) for c in cuts])
-
-        def reduced(nodes: tuple[str, ...], graph: Graph, ins: tuple[str, ...], outs: tuple[str, ...]) -> Graph | None:
-            why = refusal(graph, ins, outs, observed, self.precision, self.graph, self.origin)
-            if not why:
-                try:
-                    g = convert(graph, dtype)
-                except Exception as exc:
-                    why = f"its graph does not validate in {dtype.value}: {type(exc).__name__}: {exc}"
-                else:
-                    self._reduced.add(g.key())
-                    self._fp32[nodes] = graph
-                    return g
-            self.kept_fp32[nodes] = why
-            return None
-
-        out_r = []
-        for r in regions:
-            g = reduced(r.nodes, r.graph, r.inputs, r.outputs)
-            out_r.append(r if g is None else dataclasses.replace(r, graph=g, key=g.key()))
-        out_c = []
-        for c in cuts:
-            g = reduced(c.nodes, c.graph, c.inputs, c.outputs)
-            out_c.append(c if g is None else dataclasses.replace(c, graph=g))
-        return out_r, out_c
-
-    def _observe(self, items: Sequence[tuple[tuple[str, ...], Graph, tuple[str, ...], tuple[str, ...]]]) -> dict[str, float]:
-        """The largest magnitude of every tensor crossing a piece (weights included) on one
-        float32 run of the pieces op by op on PyTorch over sample inputs; the unit's outputs
-        of that run are kept as the reference its reduced plan is measured against."""
-        import torch
-
-        from fusegraph.engines.torch.convert import torch_dtype
-
-        gen = torch.Generator(device=self._device).manual_seed(0)
-        feed: dict[str, Any] = {}
-        for t in self._in.values():
-            x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=self._device)
-            feed[t.name] = x.normal_(generator=gen) if x.is_floating_point() else x.zero_()
-        env: dict[str, Any] = {**self._weights_dev, **feed}
-        shells = [Piece(n, g, i, o, None, "", "", "") for n, g, i, o in items]  # type: ignore[arg-type]
-        with tf32_allowed(False, force=True):
-            for k in region_pieces.run_order(shells, self.graph):
-                p = shells[k]
-                res = self._eager(p.graph, tf32=False).execute({f"in{i}": env[name] for i, name in enumerate(p.inputs)})
-                for j, name in enumerate(p.outputs):
-                    env[name] = res[f"out{j}"]
-        self._sample = feed
-        self._reference = {tname: env[tname] for tname in self._out.values()}
-        return {name: max_abs(v) for name, v in env.items()}
 
     def _weight(self, parent: str, dtype: Any) -> Any:
         """Weight ``parent`` as a torch tensor of fusegraph type ``dtype`` (cast once)."""
