@@ -6,7 +6,9 @@ a GPU session -- with verdicts cached per region content, device and library ver
 (regions/verdicts.py; the chooser's settings for the session are region_choice.py's). The
 steps pass torch tensors, so intermediates stay on the device between regions; on a GPU
 the whole unit is captured as one CUDA graph at its first run (shapes are static within a
-session plan) and replayed from then on.
+session plan) and replayed from then on. A GPU session's regions without a stored verdict
+start op by op and are chosen in the background (region_upgrade.py runs the thread,
+region_rebuild.py rebuilds the plan with its choices).
 
 On by default on a GPU; on the CPU behind ``regions=on`` (the CPU's floor is against ONNX
 Runtime, plan.py). With regions the unit's own floor against ONNX Runtime is not taken:
@@ -23,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fusegraph.engines.base import ExecutionPlan
@@ -34,6 +36,7 @@ from fusegraph.onnx import (
     region_choice,
     region_pieces,
     region_precision,
+    region_rebuild,
     region_upgrade,
 )
 from fusegraph.onnx.importer import filter_layout_for
@@ -141,7 +144,7 @@ class RegionUnit(FusegraphUnit):
         self._measuring = False  # a deferred region is measured, not only built (it takes long)
         # Until the upgrade, pieces op by op take cuDNN's deterministic pick instead of timing
         # each convolution at the first run (ConvNeXt-T's 22: ~1.5 s of a warm H200 session's
-        # first run); the upgrade times them off the user's path (_rebench).
+        # first run); the upgrade times them off the user's path (region_rebuild.rebench).
         self._provisional = False
         chooser.builder = self._checked(build)
         if chooser.preferred is not None:
@@ -202,90 +205,7 @@ class RegionUnit(FusegraphUnit):
     def _start_upgrade(self) -> None:
         """Starts the background choice of the deferred regions (once)."""
         if self._later is not None and self.upgrade is None:
-            self.upgrade = region_upgrade.Upgrade(self.name, self._choose_later)
-
-    def _choose_later(self, cancel: Any) -> None:
-        """The background thread's work: each deferred region chosen (built, checked and
-        measured, its verdict stored); the plan rebuilt with the new choices, swapped in and
-        captured between two runs; then the kept plans' compiled code packaged for later
-        processes. Stops after the region at hand where ``cancel`` is set."""
-        import torch
-
-        from fusegraph.engines.cuda_capture import postponed
-
-        assert self._later is not None
-        pieces, order, steps = self._later
-        regions = list(self._deferred.values())
-        # No plan captures a CUDA graph on this thread while the user's runs go on: a capture
-        # makes a device-wide synchronize on any other thread fail. (The user's thread captured
-        # the incumbent plan at its first run, before this thread started, and only replays.)
-        with engine_cache(self.cache_dir), torch.inference_mode(), postponed():
-            choices = self.chooser.choose_all(regions, self._example, stop=cancel.is_set)
-            if len(choices) < len(regions):
-                log.info("%s: background choice stopped with %d of %d regions chosen (their verdicts are kept)",
-                         self.name, len(choices), len(regions))
-                return
-            self._provisional = False
-            fresh = {c.region.nodes: self._chosen(c) for c in choices}
-            fresh.update(self._rebench(p for p in pieces if p.nodes not in fresh))
-            new_steps = list(steps)
-            for k, i in enumerate(order):
-                piece = fresh.get(pieces[i].nodes)
-                if piece is not None:
-                    pieces[i] = piece
-                    new_steps[k] = self._step(f"r{k}", piece)
-            plan = RegionPlan(new_steps, [self._out[o] for o in self.outputs])
-            rows = [self._row(k, pieces[i]) for k, i in enumerate(order)]
-        with self.gate.run(), torch.inference_mode(), postponed():  # between two of the user's runs
-            self.plan, self.rows, self._swapped = plan, rows, True
-            region_precision.state(self, len(pieces))
-            if self.handle.device.is_gpu:  # captured here, where no run of the user's can interleave
-                self.capture_note = self._capture(plan, self._sample_inputs())
-            self._ran = True
-        self._weights_dev, self._cast, self._later = {}, {}, None
-        log.info("%s: regions chosen in the background: %s", self.name, self.engine_name)
-        with engine_cache(self.cache_dir), torch.inference_mode(), postponed():
-            for piece in fresh.values():  # the user's thread only replays now: nothing of it is captured
-                if cancel.is_set():
-                    return
-                if piece.where.startswith("fusegraph:"):
-                    kept = piece.plan.persist()
-                    if kept:
-                        log.info("%s: %s: %s", self.name, piece.pattern, kept)
-
-    def _rebench(self, pieces: Iterable[Piece]) -> dict[tuple[str, ...], Piece]:
-        """The provisional pieces (``_provisional``) rebuilt to time cuDNN's algorithms, each run
-        once here between two of the user's runs, so that the timing happens on this thread
-        rather than in the run or the capture that swaps the upgraded plan in."""
-        import torch
-
-        out: dict[tuple[str, ...], Piece] = {}
-        for piece in pieces:
-            if ("cudnn_benchmark", False) not in piece.plan.config.knobs:
-                continue
-            try:
-                plan = self._eager(piece.graph)
-                pack = self._pack(piece.graph, piece.inputs)
-                with self.gate.measure(), tf32_allowed(self.precision.tf32):
-                    plan.execute(pack)
-                    torch.cuda.synchronize(self._device)
-            except Exception as exc:  # the untimed piece ran already: it stays rather than the upgrade failing
-                log.info("%s: %s kept untimed: %s: %s", self.name, piece.pattern or "piece", type(exc).__name__, exc)
-                continue
-            out[piece.nodes] = dataclasses.replace(piece, plan=plan)
-        return out
-
-    def _sample_inputs(self) -> dict[str, Any]:
-        """Random inputs of the unit's declared shapes and layouts (what a capture runs on)."""
-        import torch
-
-        from fusegraph.engines.torch.convert import torch_dtype
-
-        feed: dict[str, Any] = {}
-        for t in self._in.values():
-            x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=self._device)
-            feed[t.name] = x.normal_() if x.is_floating_point() else x.zero_()
-        return feed
+            self.upgrade = region_upgrade.Upgrade(self.name, lambda cancel: region_rebuild.choose_later(self, cancel))
 
     def _capture(self, plan: RegionPlan, feed: Mapping[str, Any]) -> str:
         """The unit's plan captured as one CUDA graph; the report's note on it."""
@@ -535,8 +455,8 @@ class RegionUnit(FusegraphUnit):
         if up is not None and not up.done:  # regions are being measured: take turns with them
             from fusegraph.engines.cuda_capture import postponed
 
-            # nothing captured while the thread works (see _choose_later), on this side either:
-            # its device-wide synchronizes (timing) would fail during a capture here
+            # nothing captured while the thread works (see region_rebuild.choose_later), on this
+            # side either: its device-wide synchronizes (timing) would fail during a capture here
             with self.gate.run(), torch.inference_mode(), postponed():
                 if not self._swapped:  # the incumbent plan (replayed, captured at the first run)
                     return self._outputs(self.plan.execute(feed))
