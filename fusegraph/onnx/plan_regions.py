@@ -142,10 +142,6 @@ class RegionUnit(FusegraphUnit):
         self._later: tuple[list[Piece], list[int], list[Step]] | None = None  # what the upgrade rebuilds
         self._swapped = False  # the upgraded plan is in place
         self._measuring = False  # a deferred region is measured, not only built (it takes long)
-        # Until the upgrade, pieces op by op take cuDNN's deterministic pick instead of timing
-        # each convolution at the first run (ConvNeXt-T's 22: ~1.5 s of a warm H200 session's
-        # first run); the upgrade times them off the user's path (region_rebuild.rebench).
-        self._provisional = False
         chooser.builder = self._checked(build)
         if chooser.preferred is not None:
             chooser.preferred = self._checked(chooser.preferred, preferred=True)
@@ -242,18 +238,21 @@ class RegionUnit(FusegraphUnit):
         # a pending region without a stored verdict is measured (seconds to minutes); one whose
         # stored verdict names its plan (``engine``) is only built
         self._measuring = any(not c.verdict.engine for c in choices if c.verdict.source == PENDING)
-        self._provisional = bool(self._deferred) and self.handle.device.is_gpu
-        pieces = [self._chosen(c) for c in choices]
+        # Until the upgrade, pieces op by op take cuDNN's deterministic pick instead of timing
+        # each convolution at the first run (ConvNeXt-T's 22: ~1.5 s of a warm H200 session's
+        # first run); the upgrade times them off the user's path (region_rebuild.rebench).
+        provisional = bool(self._deferred)
+        pieces = [self._chosen(c, provisional=provisional) for c in choices]
         for c in cuts:
             try:
-                plan = self._eager(c.graph, provisional=self._provisional)
+                plan = self._eager(c.graph, provisional=provisional)
             except Exception as exc:
                 orig = self._fp32.get(c.nodes)
                 if orig is None:
                     raise
                 self.kept_fp32[c.nodes] = f"does not run op by op in the reduced type ({exc})"
                 c = dataclasses.replace(c, graph=orig)
-                plan = self._eager(orig, provisional=self._provisional)
+                plan = self._eager(orig, provisional=provisional)
             pieces.append(Piece(c.nodes, c.graph, c.inputs, c.outputs, plan, self.chooser.incumbent.name, "",
                                 c.reason, movement=c.movement))
         return pieces
@@ -334,14 +333,14 @@ class RegionUnit(FusegraphUnit):
         tuned: ExecutionPlan = result.plan
         return tuned
 
-    def _chosen(self, c: Choice) -> Piece:
+    def _chosen(self, c: Choice, *, provisional: bool = False) -> Piece:
         r, v = c.region, c.verdict
         if c.claimed:
             assert c.plan is not None
             return Piece(r.nodes, r.graph, r.inputs, r.outputs, c.plan, f"fusegraph:{v.engine}", r.pattern,
                          v.describe(), v.source, v.fusegraph_ms, v.incumbent_ms)
         try:
-            plan = self._eager(r.graph, provisional=self._provisional)
+            plan = self._eager(r.graph, provisional=provisional)
             where = self.chooser.incumbent.name
         except Exception as exc:  # the incumbent cannot run it: fusegraph's plan must
             built = self.chooser.build(r)
@@ -349,7 +348,7 @@ class RegionUnit(FusegraphUnit):
                 orig = self._fp32.get(r.nodes)
                 if orig is not None:  # neither side runs it in the reduced type: float32 op by op
                     self.kept_fp32[r.nodes] = f"runs neither on fusegraph nor op by op in the reduced type ({exc})"
-                    return Piece(r.nodes, orig, r.inputs, r.outputs, self._eager(orig, provisional=self._provisional),
+                    return Piece(r.nodes, orig, r.inputs, r.outputs, self._eager(orig, provisional=provisional),
                                  self.chooser.incumbent.name,
                                  r.pattern, v.describe(), v.source, v.fusegraph_ms, v.incumbent_ms)
                 raise UnsupportedError(f"region {r.index} ({r.pattern}) runs neither on fusegraph ({built.why}) "

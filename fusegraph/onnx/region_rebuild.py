@@ -45,7 +45,6 @@ def choose_later(unit: RegionUnit, cancel: Any) -> None:
             log.info("%s: background choice stopped with %d of %d regions chosen (their verdicts are kept)",
                      unit.name, len(choices), len(regions))
             return
-        unit._provisional = False
         fresh = {c.region.nodes: unit._chosen(c) for c in choices}
         fresh.update(rebench(unit, (p for p in pieces if p.nodes not in fresh)))
         new_steps = list(steps)
@@ -75,9 +74,10 @@ def choose_later(unit: RegionUnit, cancel: Any) -> None:
 
 
 def rebench(unit: RegionUnit, pieces: Iterable[Piece]) -> dict[tuple[str, ...], Piece]:
-    """The provisional pieces (``_provisional``) rebuilt to time cuDNN's algorithms, each run
-    once here between two of the user's runs, so that the timing happens on this thread
-    rather than in the run or the capture that swaps the upgraded plan in."""
+    """The provisional pieces (built with ``cudnn_benchmark=False`` by the unit's ``_pieces``)
+    rebuilt to time cuDNN's algorithms, each run once here between two of the user's runs, so
+    that the timing happens on this thread rather than in the run or the capture that swaps
+    the upgraded plan in."""
     import torch
 
     out: dict[tuple[str, ...], Piece] = {}
