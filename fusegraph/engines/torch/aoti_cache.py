@@ -223,6 +223,12 @@ def packs(device: Any) -> bool:
     return device is None or device.type != "cuda" or CUDA_PACKAGES
 
 
+def staging_dir() -> str | None:
+    """Where a package is written before ``store`` moves it into place (the store's own
+    directory, so the move is a rename); None where it cannot be kept (``can_keep``)."""
+    return str(cache_root() / PACKAGES) if can_keep() else None
+
+
 def can_keep() -> bool:
     """Whether a package can be kept: the cache on and its directory writable (else one
     CacheUnavailableWarning; a package nobody can load later is not worth its compile)."""
@@ -252,8 +258,7 @@ def build(
     disagree (the caller records the refusal and compiles in process instead)."""
     torch = _torch()
     device = example[0].device if example else torch.device("cpu")
-    root = cache_root() / PACKAGES
-    keep = can_keep()
+    keep = staging_dir()
     with torch.inference_mode(False), torch.no_grad():
         plain = [_plain(x) for x in example]
 
@@ -265,7 +270,7 @@ def build(
             def forward(self, *xs: Tensor) -> list[Tensor]:
                 return list(self.gm(*xs))
 
-        with tempfile.TemporaryDirectory(prefix="fusegraph-aoti-", dir=str(root) if keep else None) as tmp:
+        with tempfile.TemporaryDirectory(prefix="fusegraph-aoti-", dir=keep) as tmp:
             target = Path(tmp) / "model.pt2"
             program = torch.export.export(Positional(), tuple(plain))
             torch._inductor.aoti_compile_and_package(
@@ -277,13 +282,14 @@ def build(
             if why:
                 raise ValueError(f"the package's outputs disagree with the traced graph's: {why}")
             if keep:
-                _store(target, root, key)
+                store(target, key)
     return fn
 
 
-def _store(target: Path, root: Path, key: str) -> None:
+def store(target: Path, key: str) -> None:
     """Moves the package into place and records its digest, both under one lock (a reader
-    sees the digest of the file it reads, or a mismatch it treats as a miss)."""
+    sees the digest of the file it reads, or a mismatch it treats as a miss, ``cached``)."""
+    root = cache_root() / PACKAGES
     final = root / f"{key}.pt2"
     try:
         digest, size = _digest(target), target.stat().st_size

@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 
 from fusegraph.engines.base import EngineConfig
+from fusegraph.engines.torch import aoti_cache
 from fusegraph.engines.torch.aoti_cache import cpu_identity, load_package
 from fusegraph.engines.torch.compiled import inductor_compile
 from fusegraph.engines.torch.context import _Ctx
@@ -54,8 +55,6 @@ from fusegraph.engines.torch.function import _graph_function
 from fusegraph.graph.graph import Graph
 from fusegraph.graph.ops import CONVOLUTIONS, OpKind
 from fusegraph.graph.tensor import TensorAttr
-from fusegraph.runtime import cache_limit
-from fusegraph.runtime.cache_dir import cache_enabled, cache_root, ensure_dir
 from fusegraph.runtime.handle import Handle
 
 log = logging.getLogger("fusegraph.engines.torch")
@@ -63,7 +62,7 @@ log = logging.getLogger("fusegraph.engines.torch")
 ENV = "FUSEGRAPH_TORCH_CPU_COMPILE"  # the cpu_compile knob's default ("auto" opts in)
 CHOICES = ("auto", "aoti", "inductor", "off")
 RECIPE = 1  # how a graph is written for AOTInductor; part of the package key (bump on change)
-PACKAGES = "torch-aoti"  # under the cache directory
+PACKAGES = aoti_cache.PACKAGES  # under the cache directory: one store for the plans' and the regions' packages
 MIN_NODES = 8  # smaller graphs without a conv / matmul / attention are not worth a compile
 _HEAVY = CONVOLUTIONS | {OpKind.MATMUL, OpKind.SDPA}
 AGREE = 1e-4  # relative L2 against the op-by-op plan on the first call
@@ -173,37 +172,24 @@ def package_key(graph: Graph, weights: Mapping[str, Tensor], acts: Sequence[Tens
 
 
 def cached_package(key: str) -> Callable[..., Sequence[Tensor]] | None:
-    """The cached AOTInductor package for ``key``, loaded; None when there is none (or it is unusable)."""
-    path = cache_root() / PACKAGES / f"{key}.pt2"
-    if not cache_enabled() or not path.is_file():
-        return None
-    try:
-        call = load_package(path)
-    except Exception as exc:  # a truncated or foreign file: compiled again
-        log.info("AOTInductor package %s unusable (%s); compiling again", path, exc)
-        return None
-    cache_limit.touch(path)
-    return call
+    """The cached AOTInductor package for ``key``, loaded; None when there is none, or it is
+    not the file stored or unusable (aoti_cache.cached: compiled again)."""
+    return aoti_cache.cached(key, None)
 
 
 def compile_aoti(module: Any, example: Sequence[Tensor], key: str) -> Callable[..., Sequence[Tensor]]:
-    """torch.export + AOTInductor with freezing; the package kept in the cache under ``key``."""
+    """torch.export + AOTInductor with freezing; the package kept in the cache under ``key``
+    (aoti_cache.store, with its digest)."""
     torch = _torch()
-    root = cache_root() / PACKAGES
-    keep = cache_enabled() and ensure_dir(root)
-    with tempfile.TemporaryDirectory(prefix="fusegraph-aoti-", dir=str(root) if keep else None) as tmp:
+    keep = aoti_cache.staging_dir()
+    with tempfile.TemporaryDirectory(prefix="fusegraph-aoti-", dir=keep) as tmp:
         target = Path(tmp) / "model.pt2"
         program = torch.export.export(module, tuple(example))
         torch._inductor.aoti_compile_and_package(program, package_path=str(target), inductor_configs={"freezing": True})
+        call = load_package(target)
         if keep:
-            try:
-                os.replace(target, root / f"{key}.pt2")
-                target = root / f"{key}.pt2"
-            except OSError as exc:
-                log.info("could not keep the AOTInductor package in %s: %s", root, exc)
-            else:
-                cache_limit.enforce(keep=[target])
-        return load_package(target)
+            aoti_cache.store(target, key)
+        return call
 
 
 # ---- threads ----------------------------------------------------------------------------------
