@@ -45,9 +45,9 @@ from fusegraph.onnx.precision import Accuracy, Precision, tf32_allowed
 from fusegraph.onnx.region_pieces import NoRegions, Piece
 from fusegraph.onnx.region_values import declared as _declared
 from fusegraph.onnx.region_values import laid_out as _laid_out
+from fusegraph.onnx.region_values import random_laid_out, to_device_all
 from fusegraph.onnx.region_values import rel_err as _rel_err
 from fusegraph.onnx.region_values import to_device as _to_device
-from fusegraph.onnx.region_values import to_device_all
 from fusegraph.onnx.report import RegionEntry
 from fusegraph.onnx.units import FusegraphUnit, engine_cache
 from fusegraph.regions import split
@@ -382,18 +382,13 @@ class RegionUnit(FusegraphUnit):
     def _pack(self, graph: Graph, inputs: Sequence[str]) -> dict[str, Any]:
         import torch
 
-        from fusegraph.engines.torch.convert import torch_dtype
-
         gen = torch.Generator(device=self._device).manual_seed(0)
         out: dict[str, Any] = {}
         for i, parent in enumerate(inputs):
             key = f"in{i}"
             t = graph.tensor_by_name(key)
-            if parent in self._weights_dev:
-                out[key] = self._weight(parent, t.dtype)
-                continue
-            x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=self._device)
-            out[key] = x.normal_(generator=gen) if x.is_floating_point() else x.zero_()
+            out[key] = (self._weight(parent, t.dtype) if parent in self._weights_dev
+                        else random_laid_out(t, self._device, gen))
         return out
 
     def _step(self, name: str, piece: Piece) -> Step:

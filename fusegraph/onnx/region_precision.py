@@ -20,6 +20,7 @@ from fusegraph.onnx import region_pieces
 from fusegraph.onnx.precision import accuracy, convert, max_abs, refusal, tf32_allowed
 from fusegraph.onnx.region_pieces import Cut, Piece
 from fusegraph.onnx.region_values import declared as _declared
+from fusegraph.onnx.region_values import random_laid_out
 from fusegraph.regions.split import Region
 
 if TYPE_CHECKING:
@@ -65,13 +66,8 @@ def observe(unit: RegionUnit, items: Sequence[tuple[tuple[str, ...], Graph, tupl
     of that run are kept as the reference its reduced plan is measured against."""
     import torch
 
-    from fusegraph.engines.torch.convert import torch_dtype
-
     gen = torch.Generator(device=unit._device).manual_seed(0)
-    feed: dict[str, Any] = {}
-    for t in unit._in.values():
-        x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=unit._device)
-        feed[t.name] = x.normal_(generator=gen) if x.is_floating_point() else x.zero_()
+    feed = {t.name: random_laid_out(t, unit._device, gen) for t in unit._in.values()}
     env: dict[str, Any] = {**unit._weights_dev, **feed}
     shells = [Piece(n, g, i, o, None, "", "", "") for n, g, i, o in items]  # type: ignore[arg-type]
     with tf32_allowed(False, force=True):

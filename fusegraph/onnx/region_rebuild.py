@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from fusegraph.onnx import region_precision
 from fusegraph.onnx.precision import tf32_allowed
 from fusegraph.onnx.region_pieces import Piece
+from fusegraph.onnx.region_values import random_laid_out
 from fusegraph.onnx.units import engine_cache
 from fusegraph.regions.plan import RegionPlan
 
@@ -97,17 +98,9 @@ def rebench(unit: RegionUnit, pieces: Iterable[Piece]) -> dict[tuple[str, ...], 
     return out
 
 
-def sample_inputs(unit: RegionUnit) -> dict[str, Any]:
+def sample_inputs(unit: RegionUnit, gen: Any = None) -> dict[str, Any]:
     """Random inputs of the unit's declared shapes and layouts (what a capture runs on)."""
-    import torch
-
-    from fusegraph.engines.torch.convert import torch_dtype
-
-    feed: dict[str, Any] = {}
-    for t in unit._in.values():
-        x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=unit._device)
-        feed[t.name] = x.normal_() if x.is_floating_point() else x.zero_()
-    return feed
+    return {t.name: random_laid_out(t, unit._device, gen) for t in unit._in.values()}
 
 
 __all__ = ["choose_later", "rebench", "sample_inputs"]

@@ -104,6 +104,17 @@ def to_device(value: Any, t: Any, device: Any) -> Any:
     return out
 
 
+def random_laid_out(t: Any, device: Any, gen: Any = None) -> Any:
+    """A tensor of ``t``'s shape, strides and type on ``device``: N(0, 1) where it is
+    floating, zeros else -- the activations regions are tried, measured and captured on."""
+    import torch
+
+    from fusegraph.engines.torch.convert import torch_dtype
+
+    x = torch.empty_strided(t.shape, t.strides, dtype=torch_dtype(t.dtype), device=device)
+    return x.normal_(generator=gen) if x.is_floating_point() else x.zero_()
+
+
 ALIGN = 512  # bytes between weights in one block: where the caching allocator starts a block
 
 
@@ -143,4 +154,4 @@ def to_device_all(items: Mapping[str, tuple[Any, Any]], device: Any, *, pooled: 
     return {k: out[k] for k in items}
 
 
-__all__ = ["declared", "laid_out", "rel_err", "to_device", "to_device_all"]
+__all__ = ["declared", "laid_out", "random_laid_out", "rel_err", "to_device", "to_device_all"]
