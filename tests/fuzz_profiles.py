@@ -93,6 +93,16 @@ PROFILES: dict[str, Profile] = {
         layouts={"any": ("row-major",), "matmul": ("row-major", "transposed")},
         first=("matmul",),
     ),
+    # The torch engine as a GPU region unit's provisional pieces run it (test_fuzz_graphs.VARIANTS
+    # "untimed"): graphs that start with a convolution (grouped and depthwise among them) in
+    # either image layout, with pointwise neighbours and reductions.
+    "untimed": Profile(
+        "untimed",
+        io_types=FLOATS,
+        kinds=("unary", "binary", "binary", "conv", "conv", "reduction"),
+        layouts={"any": ("row-major", "channels-last"), "image": ("row-major", "channels-last")},
+        first=("conv",),
+    ),
     # Triton row kernels: softmax, norms and reductions over trailing dims with their
     # pointwise neighbours, on row-major tensors.
     "triton": Profile(

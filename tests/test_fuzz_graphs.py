@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import pytest
 from fuzz_profiles import MAIN_KINDS, ORDERS, PROFILES, Profile
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import fusegraph as fg
@@ -47,6 +47,7 @@ from fusegraph.graph.infer import INFER
 from fusegraph.graph.ops import NormFwdPhase, PointwiseMode, PoolingMode, ReductionMode
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.reference.inputs import random_inputs
+from fusegraph.regions.incumbent import op_by_op_config
 from fusegraph.select.autotune import Answers, tolerance
 
 # FUSEGRAPH_FUZZ_DEVICE=cuda:0 fuzzes the GPU engines on that GPU (the long run's command
@@ -57,12 +58,19 @@ CPU_ENGINES = [e for e in ("torch", "iree") if e in _AVAILABLE]
 # An engine with a numerics knob pinned, fuzzed as an engine of its own on a GPU: the ONNX
 # door picks the torch engine's fp32_matmul=bf16x3 (float32 matmuls as three bf16
 # products) by measurement. Named without "torch" so that fuzz_farm.py's `-k` selects it alone.
-VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {"bf16x3": ("torch", {"fp32_matmul": "bf16x3"})}
-GPU_ENGINES = ("cudnn", "triton", "torch", "bf16x3")
+# "untimed": the configuration a GPU region unit's op-by-op pieces start with until its
+# background upgrade (regions/incumbent.op_by_op_config with benchmark off: cuDNN's
+# deterministic pick, depthwise convolutions on PyTorch's own kernel), knobs the engine does
+# not offer for the graph left out as the unit leaves them out.
+VARIANTS: dict[str, tuple[str, dict[str, Any] | Callable[[fg.Graph, fg.Handle], EngineConfig]]] = {
+    "bf16x3": ("torch", {"fp32_matmul": "bf16x3"}),
+    "untimed": ("torch", lambda g, h: op_by_op_config(g, h, benchmark=False)),
+}
+GPU_ENGINES = ("cudnn", "triton", "torch", "bf16x3", "untimed")
 ENGINES = ([e for e in GPU_ENGINES if VARIANTS.get(e, (e,))[0] in _AVAILABLE] if DEVICE and DEVICE.startswith("cuda")
            else CPU_ENGINES)
 SHORT_EXAMPLES = {"torch": 60, "iree": 24}
-GPU_SHORT_EXAMPLES = {"cudnn": 40, "triton": 40, "torch": 40, "bf16x3": 40}
+GPU_SHORT_EXAMPLES = {"cudnn": 40, "triton": 40, "torch": 40, "bf16x3": 40, "untimed": 40}
 POISONED = 3  # a long run's worker exits with this after a CUDA error poisoned its context
 BOUND = 8.0  # values fed to ops stay within this magnitude (squashed with tanh otherwise)
 
@@ -739,7 +747,9 @@ def run_and_compare(g: fg.Graph, engine: str, seed: int, device: str | None = No
     base, knobs = VARIANTS.get(engine, (engine, {}))
     try:
         if knobs:  # refused where the knob is not offered (no float32 matmul): counted as a refusal
-            plan = REGISTRY.get(base).build(g, fg.Handle(device or "cpu"), EngineConfig(base, tuple(knobs.items())))
+            handle = fg.Handle(device or "cpu")
+            config = knobs(g, handle) if callable(knobs) else EngineConfig(base, tuple(knobs.items()))
+            plan = REGISTRY.get(base).build(g, handle, config)
             got = plan.execute(dict(inputs))
         else:
             got = g.execute(dict(inputs), engine=engine, handle=device)
@@ -866,6 +876,27 @@ def test_norms_are_fed_groups_with_spread() -> None:
     rows = Value(g.tensor("r", [3, 4, 5], [0, 5, 1]), 1.5, is_input=True, flat=frozenset({0}))
     assert not _spread(const, range(1, 3)) and not _spread(const, [0, 2, 3][:2])
     assert _spread(rows, range(1, 3)) and not _spread(rows, [0])
+
+
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
+@given(data=st.data(), seed=st.integers(0, 2**32 - 1))
+def test_the_untimed_profile_draws_convolution_graphs(data: st.DataObject, seed: int) -> None:
+    """The GPU variant's profile draws graphs with a convolution (depthwise among them), its
+    configuration on a GPU handle turns cuDNN's timing off -- and its depthwise
+    kernels where the graph has a depthwise convolution -- and off a GPU it runs as the
+    torch engine does, against the float64 reference."""
+    g, ops = draw_graph(data.draw, "untimed", PROFILES["untimed"])
+    # a convolution is drawn first; one whose geometry does not fit its image is skipped
+    assume(any(n.kind.value == "conv_fprop" for n in g.nodes))
+    knobs = dict(VARIANTS["untimed"][1](g, fg.Handle("cuda:0")).knobs)  # type: ignore[operator]
+    assert knobs.get("cudnn_benchmark") is False and knobs.get("cuda_graph") is False, knobs
+    assert knobs.get("compile", False) is False, knobs  # offered where Inductor can work (Triton)
+    depthwise = any(n.kind.value == "conv_fprop" and n.inputs["w"].shape[1] == 1 and n.inputs["x"].shape[1] > 1
+                    for n in g.nodes)
+    assert ("cudnn_depthwise" in knobs) == depthwise, (knobs, ops)
+    status, detail = run_and_compare(g, "untimed", seed)
+    assert status in ("ok", "unsupported"), (status, detail)
 
 
 @settings(max_examples=25, deadline=None, derandomize=True,
