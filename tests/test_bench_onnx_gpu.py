@@ -6,33 +6,21 @@ there, finite and positive, and that every session's output agrees with PyTorch'
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 import pytest
+from bench_modules import load_bench
 
 pytest.importorskip("torch", reason="the benchmark exports PyTorch modules to ONNX")
 
-BENCH_DIR = Path(__file__).resolve().parents[1] / "benchmarks"
-
-
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    sys.path.insert(0, str(BENCH_DIR))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_onnx_gpu_for_setup_test", BENCH_DIR / "bench_onnx_gpu.py")
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH_DIR))
-    return module
+    return load_bench("bench_onnx_gpu", "bench_onnx_gpu_for_setup_test")
 
 
 def _positive(x: Any) -> bool:

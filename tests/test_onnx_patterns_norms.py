@@ -14,6 +14,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
+from bench_modules import load_bench
 from onnx import TensorProto, helper, numpy_helper
 
 import fusegraph.onnx as fgo
@@ -340,19 +341,8 @@ def test_the_diffusion_unets_group_norms_lower_on_the_region_path(rng: np.random
     while being lowered, and the whole model fell back to ONNX Runtime ("tensor
     'reshape_28::y' has no data type yet"). The norm takes the type from the model."""
     torch = pytest.importorskip("torch")
-    import importlib.util
-    import sys
-    from pathlib import Path
 
-    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench_dir))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_onnx_gpu_for_test", bench_dir / "bench_onnx_gpu.py")
-        assert spec is not None and spec.loader is not None
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(bench_dir))
+    bench = load_bench("bench_onnx_gpu", "bench_onnx_gpu_for_test")
     torch.manual_seed(int(rng.integers(1 << 31)))
     x = torch.randn(1, 4, 16, 16)
     path = tmp_path / "unet.onnx"

@@ -23,7 +23,6 @@ The GPU tests run the same graphs on Triton and the bench's UNet export on cuda:
 from __future__ import annotations
 
 import collections
-import importlib.util
 import math
 import sys
 import types
@@ -37,6 +36,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import scipy.special
+from bench_modules import load_bench
 
 import fusegraph as fg
 from fusegraph import DataType as DT
@@ -572,16 +572,7 @@ def test_random_reshaped_row_graphs_under_numpy_match_the_reference() -> None:
 
 # ---- CPU: the bench's UNet, its real region graphs ----------------------------------------------------------
 def _bench() -> Any:
-    bench_dir = Path(__file__).resolve().parents[1] / "benchmarks"
-    sys.path.insert(0, str(bench_dir))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_onnx_gpu_for_groupnorm", bench_dir / "bench_onnx_gpu.py")
-        assert spec is not None and spec.loader is not None
-        bench = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(bench_dir))
-    return bench
+    return load_bench("bench_onnx_gpu", "bench_onnx_gpu_for_groupnorm")
 
 
 def export_unet(tmp: Path, batch: int, seed: int) -> tuple[Path, Any, Any]:
