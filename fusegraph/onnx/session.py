@@ -24,7 +24,6 @@ import onnx
 import onnxruntime as ort
 from onnx import helper
 
-from fusegraph.engines.torch import prewarm
 from fusegraph.onnx import background, floor
 from fusegraph.onnx.direct import (
     DirectOrt,
@@ -185,8 +184,6 @@ class InferenceSession:
         self._model_value: onnx.ModelProto | None = None
         self._views: dict[str, np.ndarray] = {}  # initializers read without a copy, for the first plan
         self._handle: Handle = session_handle(self._opts)
-        if self._enabled:  # cuBLAS and cuDNN load while the model is read (engines/torch/prewarm.py)
-            prewarm.start(self._handle)
         self._engine = EngineChoice(self._opts.engine, self._handle) if self._enabled else None
         self._plans: dict[tuple[Any, ...], SessionPlan] = {}
         # Plans hold reference cycles (a graph and its engine plans, a region unit and its

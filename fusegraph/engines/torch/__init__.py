@@ -11,7 +11,6 @@ The package, one idea a module (importing it imports no torch: the registry list
 engine without loading its library, issue 10):
 
 - ``engine``: TorchEngine -- availability, support, knobs; builds plans
-- ``prewarm``: cuBLAS and cuDNN loaded by a thread while a GPU session reads its model
 - ``convert``: dtypes, NumPy arrays and Buffers (DLPack) to and from torch tensors
 - ``context``, ``lower``, ``lower_pointwise``, ``lower_nn``: the op table ``LOWER``, one
   lowering per OpKind (and one torch expression per PointwiseMode)
