@@ -47,6 +47,7 @@ import torch_models as tm
 from fusegraph.regions.report import Report
 from fusegraph.select.timing import time_candidates
 from fusegraph.torch.compile_backend import collecting
+from fusegraph.torch.phases import compile_phases
 
 DEFAULT_MODELS = "resnet50,vit_b_16,gpt2,llama,unet"
 VARIANTS = ("eager", "inductor", "fusegraph", "fusegraph-claim")
@@ -240,7 +241,7 @@ def bench(name: str, mode: str, batch: int | None, dtype: str, args: argparse.Na
         row["variants"][variant] = d
         t0 = time.perf_counter()
         try:
-            with collecting() as rows:
+            with collecting() as rows, compile_phases() as phases:
                 first = call()
                 if sync:
                     sync()
@@ -252,6 +253,9 @@ def bench(name: str, mode: str, batch: int | None, dtype: str, args: argparse.Na
         firsts[variant] = first.detach().float()
         if variant.startswith("fusegraph"):
             d.update(_report(rows))
+            d["phases"] = phases  # inclusive seconds (fusegraph/torch/phases.py): they nest
+            print(f"{name} {mode} {variant}: compile {d['compile_s']:.1f} s; "
+                  + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()), flush=True)
             if not rows:  # compiled code came from somewhere other than the backend (a cache)
                 print(f"{name} {mode} {variant}: the backend saw no graph (nothing claimed)", file=sys.stderr)
         calls[variant] = call

@@ -40,8 +40,9 @@ import torch
 import torch.fx
 
 from fusegraph.regions.report import Row
-from fusegraph.torch import aten
+from fusegraph.torch import aten, phases
 from fusegraph.torch.partition import Options, graph_device, partition
+from fusegraph.torch.phases import phase
 
 log = logging.getLogger("fusegraph.torch")
 
@@ -155,10 +156,11 @@ def _settle(claimed_fn: Callable[..., Any], compile_original: Callable[[], Calla
 
     floor = _Floor.of(original, rows)
     try:
-        fn, verdict = graph_floor.settle(
-            claimed_fn, compile_original, (original, inputs, floor.claimed), floor.device, engine="fusegraph regions",
-            margin=opts.margin, warmup_s=opts.warmup_s, store=floor.store, device_name=floor.device_name,
-            versions=floor.versions, verified_only=device_time)
+        with phase(phases.GRAPH_CHECK):
+            fn, verdict = graph_floor.settle(
+                claimed_fn, compile_original, (original, inputs, floor.claimed), floor.device,
+                engine="fusegraph regions", margin=opts.margin, warmup_s=opts.warmup_s, store=floor.store,
+                device_name=floor.device_name, versions=floor.versions, verified_only=device_time)
     except Exception as exc:  # the claimed graph stands where the check itself cannot run
         log.warning("the graph-level check did not run (%s: %s); the %s graph is kept", type(exc).__name__, exc,
                     "unclaimed" if device_time else "claimed", exc_info=log.isEnabledFor(logging.DEBUG))
@@ -475,7 +477,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         # the backward lowered now, not at its first call (the same graph: AOTAutograd
         # gives it the forward's strides either way): lowered lazily inside this compile,
         # as the timing's first step would, it sets Dynamo's compile metrics twice
-        with functorch_config.patch(force_non_lazy_backward_lowering=True):
+        with functorch_config.patch(force_non_lazy_backward_lowering=True), phase(phases.OWN):
             return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
 
     from fusegraph.torch import step_floor
@@ -490,7 +492,8 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         if not checked or stored.incumbent_ms is not None:
             log.info("%s (%s)", STORED_OWN, stored.describe())
             _report(_dynamo_rows(gm, "inductor", own_verdict.why(stored)))
-            return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
+            with phase(phases.OWN):
+                return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
         # "no region kept", stored before eager was timed (or where the check could not run): timed now
         module = copy_graph(gm)  # before Inductor's pre-grad passes rewrite ``gm`` in place
         side, fn, verdict = step_floor.settle(gm, example_inputs, compile_own, module.forward, margin=opts.margin,
@@ -503,7 +506,8 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     eager = copy_graph(gm) if checked else None
     state = _Compile(probing=True)
     try:
-        first = trace(state, force_non_lazy_backward_lowering=True)
+        with phase(phases.FIRST_PASS):
+            first = trace(state, force_non_lazy_backward_lowering=True)
     except Exception as exc:  # the single trace of before, which compiles every graph as it comes
         log.warning("the first pass failed (%s: %s); traced again, every graph compiled", type(exc).__name__, exc,
                     exc_info=log.isEnabledFor(logging.DEBUG))
@@ -514,7 +518,8 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         if eager is None:
             return trace(_Compile(probing=False))
         state = _Compile(probing=False, collect=True)  # every graph compiled, then the step check
-        first = trace(state, force_non_lazy_backward_lowering=True)
+        with phase(phases.FIRST_PASS):
+            first = trace(state, force_non_lazy_backward_lowering=True)
     if state.kept:
         return _against_others(first, compile_own, eager, gm, example_inputs, opts, state, own_verdict,
                                stored if checked else None)
@@ -532,7 +537,10 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     end += NO_REGION_EAGER if side == step_floor.EAGER else INDUCTORS_OWN
     _report([dataclasses.replace(r, where=step_floor.WHERE[side], why=f"{r.why}; {end}" if r.why else end)
              for r in state.rows])
-    return chosen if chosen is not None else compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
+    if chosen is not None:
+        return chosen
+    with phase(phases.OWN):
+        return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
 
 
 def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callable[..., Any]],

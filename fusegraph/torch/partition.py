@@ -14,7 +14,7 @@ import itertools
 import logging
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -26,10 +26,11 @@ from fusegraph.graph.order import ranked_order
 from fusegraph.regions import Region, split
 from fusegraph.regions.choose import Choice, Chooser
 from fusegraph.regions.incumbent import CallableIncumbent
-from fusegraph.regions.measure import MARGIN
+from fusegraph.regions.measure import MARGIN, measure
 from fusegraph.regions.report import Row
-from fusegraph.regions.verdicts import VerdictStore
-from fusegraph.torch import aten, plans, runtime
+from fusegraph.regions.verdicts import Verdict, VerdictStore
+from fusegraph.torch import aten, phases, plans, runtime
+from fusegraph.torch.phases import phase
 from fusegraph.torch.plans import PLANS
 
 log = logging.getLogger("fusegraph.torch")
@@ -41,6 +42,14 @@ NOT_COMPUTE = frozenset({
 })
 
 
+# The screen's factor (Options.screen). On the CPU (5 tiny benchmark models, training,
+# OMP_NUM_THREADS=1) every one of 115 regions' plans took 1.56-8.3x its ATen ops run
+# eagerly, and Inductor's code for the region 0.30-1.35x: with 1.5, fusegraph could win a
+# screened region only where Inductor's code ran more than 1.5 * 1.03 = 1.55x slower than
+# eager's ops, beyond the slowest seen.
+SCREEN = 1.5
+
+
 @dataclass(frozen=True)
 class Options:
     """The backend's ``options``: ``floor`` (measure each region against the incumbent; off
@@ -49,7 +58,10 @@ class Options:
     "inductor" or "eager"), ``engine`` (None: selection's choice on a GPU, torch on the CPU),
     ``margin`` (how much faster fusegraph must be), ``warmup_s`` (timing's warm-up bound),
     ``whole_graph`` (with the floor on, also time the graph with its claimed regions against
-    the graph with none and run the faster: graph_floor.py)."""
+    the graph with none and run the faster: graph_floor.py), ``screen`` (with the floor on and
+    Inductor the incumbent: a region whose plan takes at least this many times as long as its
+    ATen ops run eagerly is not compiled by Inductor to be measured against it (_screen);
+    0: every region is)."""
 
     floor: bool = True
     incumbent: str = "inductor"
@@ -58,6 +70,7 @@ class Options:
     margin: float = MARGIN
     warmup_s: float = 0.3
     whole_graph: bool = True
+    screen: float = SCREEN
 
     @staticmethod
     def of(options: Mapping[str, Any] | None) -> Options:
@@ -69,6 +82,8 @@ class Options:
         opts = Options(**given)
         if opts.incumbent not in ("inductor", "eager") or opts.rest not in ("inductor", "eager"):
             raise ValueError("fusegraph backend: incumbent and rest are 'inductor' or 'eager'")
+        if not isinstance(opts.screen, int | float) or opts.screen < 0:
+            raise ValueError(f"fusegraph backend: screen is a factor >= 0 (0: off), got {opts.screen!r}")
         return opts
 
 
@@ -202,8 +217,13 @@ def _choose(opts: Options, device: torch.device, regions: Sequence[Region], devi
     def run() -> list[Choice]:
         # a new thread's current CUDA device is 0: the region's device, as the graph runs it
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        with torch.no_grad(), no_python_dispatcher(), on_device:
-            return _chooser(opts, device, timer, device_time).choose_all(regions, _inputs(device))
+        with torch.no_grad(), no_python_dispatcher(), on_device, phase(phases.REGION_FLOOR):
+            chooser = _chooser(opts, device, timer, device_time)
+            with phase(phases.SCREEN):
+                screened = _screen(chooser, opts, regions, _inputs(device))
+            rest = [r for r in regions if r.index not in screened]
+            chosen = {c.region.index: c for c in chooser.choose_all(rest, _inputs(device))} if rest else {}
+            return [screened.get(r.index) or chosen[r.index] for r in regions]
 
     with ThreadPoolExecutor(1, thread_name_prefix="fusegraph-floor") as pool:
         chosen = pool.submit(run)
@@ -220,6 +240,78 @@ def _choose(opts: Options, device: torch.device, regions: Sequence[Region], devi
         return chosen.result()
 
 
+EAGER_OPS = "its ATen ops run eagerly (the screen)"  # the screen's verdicts' incumbent
+
+
+def _screen(chooser: Chooser, opts: Options, regions: Sequence[Region],
+            inputs: Callable[[Region], Mapping[str, Any]]) -> dict[int, Choice]:
+    """The regions that need no Inductor compile to be decided, by index, each with its
+    verdict: an Inductor compile per region was most of a cold compile (a tiny GPT-2 on the
+    CPU: 23.8 of 35.8 s, for 29 regions that all lost). Before that compile, fusegraph's plan
+    (built for the floor anyway) is timed against the region's ATen ops run eagerly, which
+    cost nothing to prepare; where it takes ``opts.screen`` times as long or more, it could
+    win only if Inductor's code for the same ops ran that much slower than eager's (times the
+    margin), and the region is decided without Inductor: not claimed, the verdict stored under
+    a key of its own with both times. A region whose stored verdict against Inductor exists,
+    that fusegraph cannot build, or that passes the screen is left to the chooser, as before;
+    one content key is screened once."""
+    if not (opts.floor and opts.incumbent == "inductor" and opts.screen > 0):
+        return {}
+    found: dict[str, Verdict | None] = {}
+    out: dict[int, Choice] = {}
+    for region in regions:
+        if region.key not in found:
+            found[region.key] = _screen_one(chooser, opts, region, inputs)
+        verdict = found[region.key]
+        if verdict is not None:
+            out[region.index] = Choice(region, verdict)
+    if chooser.store is not None:
+        chooser.store.flush()
+    return out
+
+
+def screen_key(chooser: Chooser, region: Region, screen: float) -> str:
+    """The screen verdict's key: the chooser's settings, the screen's factor, the eager incumbent."""
+    from fusegraph.regions.verdicts import verdict_key
+    from fusegraph.select.device_id import device_id
+
+    settings = {"engine": chooser.engine or "auto", "margin": chooser.margin, **dict(chooser.build_options),
+                **dict(chooser.key_options), "screen": screen}
+    return verdict_key(region.key, device_id(chooser.handle), EAGER_OPS, chooser.versions(), settings)
+
+
+def _screen_one(chooser: Chooser, opts: Options, region: Region,
+                inputs: Callable[[Region], Mapping[str, Any]]) -> Verdict | None:
+    """The region's screen verdict, or None where the chooser decides it."""
+    if chooser.stored(region):  # a verdict against Inductor decides it, as before
+        return None
+    key = screen_key(chooser, region, opts.screen)
+    if chooser.store is not None and (stored := chooser.store.lookup(key)) is not None:
+        return stored
+    built = chooser.build(region)
+    if not isinstance(built, ExecutionPlan):  # refused: the chooser says why, nothing compiled either way
+        return None
+    pack = dict(inputs(region))
+    eager = _incumbent_call(region, pack, replace(opts, incumbent="eager"))
+    timed = measure(lambda: built.execute(pack), eager, incumbent=EAGER_OPS, engine=str(built.config),
+                    margin=opts.margin, sync=chooser.sync, timer=chooser.timer, **dict(chooser.timing_options))
+    if timed.source == "refused":  # fusegraph's plan failed when timed: no Inductor compile for that
+        return timed
+    if timed.fusegraph_ms is None or timed.incumbent_ms is None or timed.incumbent_ms <= 0:
+        return None  # the eager ops failed: measured against Inductor as before
+    ratio = timed.fusegraph_ms / timed.incumbent_ms
+    if ratio < opts.screen:
+        return None
+    why = (f"screened: fusegraph's plan took {ratio:.2f}x its ATen ops run eagerly (screen {opts.screen:g}x), "
+           f"so Inductor's code was not compiled for it: fusegraph would win only where that ran "
+           f"{ratio * (1 + opts.margin):.2f}x slower than eager's ops; Inductor runs it")
+    verdict = Verdict(False, "measured", why, timed.engine, timed.fusegraph_ms, timed.incumbent_ms, EAGER_OPS)
+    log.info("region %d (%s): %s", region.index, region.pattern, verdict.describe())
+    if chooser.store is not None:
+        chooser.store.record(key, verdict)
+    return verdict
+
+
 def graph_device(gm: torch.fx.GraphModule) -> torch.device:
     for n in gm.graph.nodes:
         v = n.meta.get("val")
@@ -234,7 +326,7 @@ def _chooser(opts: Options, device: torch.device, timer: Any = None, device_time
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     incumbent = CallableIncumbent(opts.incumbent, lambda region, inputs: _incumbent_call(region, inputs, opts))
     def build(region: Region) -> ExecutionPlan:
-        with plans.engine(engine):
+        with plans.engine(engine), phase(phases.BUILDS):
             plan = PLANS.get(("region", region.key) + (() if opts.floor else (plans.ANY_ENGINE,)), device,
                              lambda: region.graph)
         if not opts.floor:
@@ -267,7 +359,8 @@ def _incumbent_call(region: Region, inputs: Mapping[str, Any], opts: Options) ->
         return lambda: sub(*args)
     from torch._inductor import compile as inductor_compile
 
-    compiled = inductor_compile(sub, args)
+    with phase(phases.INCUMBENT):
+        compiled = inductor_compile(sub, args)
     return lambda: compiled(*args)
 
 

@@ -45,7 +45,8 @@ import torch.fx
 
 from fusegraph.regions.verdicts import Verdict
 from fusegraph.select import timing
-from fusegraph.torch import graph_floor
+from fusegraph.torch import graph_floor, phases
+from fusegraph.torch.phases import phase
 
 log = logging.getLogger("fusegraph.torch")
 
@@ -192,6 +193,7 @@ def time_steps(sides: Mapping[str, Callable[..., Any]], example_inputs: Sequence
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     failed: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
+        stack.enter_context(phase(phases.STEP_TIMING))  # the untimed first steps too
         stack.enter_context(torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"))
         stack.enter_context(graph_floor.outside_the_compile(device, grad=torch.is_grad_enabled()))
         stack.enter_context(_without_saved_tensors_hooks())
