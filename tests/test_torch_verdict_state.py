@@ -1,0 +1,78 @@
+"""A Dynamo graph's stored verdict (graph_floor.inductors_own_key) is keyed by the global
+state its step time depends on: the same graph code under bf16 autocast and in float32, or
+with TF32 on and off, is timed once each, never served the other's verdict."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch.compile backend needs torch")
+
+from test_torch_graph_floor import clock  # noqa: E402, F401  (the virtual clock fixture)
+from test_torch_incumbent_path import FLOOR, LNBlock, regions_lose  # noqa: E402, F401
+from test_torch_step_floor import step_clock, step_timer  # noqa: E402, F401
+
+from fusegraph.torch.compile_backend import STORED_EAGER, collecting  # noqa: E402
+from fusegraph.torch.graph_floor import inductors_own_key  # noqa: E402
+
+OPTIONS = {**FLOOR, "warmup_s": 0.0}
+
+
+def _graph() -> tuple[Any, list[Any]]:
+    """One Dynamo graph and its example inputs, as the backend receives them."""
+    seen: list[tuple[Any, list[Any]]] = []
+
+    def backend(gm: Any, example_inputs: list[Any]) -> Any:
+        seen.append((gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(LNBlock().eval(), backend=backend)(torch.randn(2, 8, 32))
+    assert len(seen) == 1
+    return seen[0]
+
+
+def test_the_key_changes_with_autocast_and_tf32_only() -> None:
+    gm, inputs = _graph()
+    key = inductors_own_key(gm, inputs, {}, "dev", {})
+    assert inductors_own_key(gm, inputs, {}, "dev", {}) == key
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = inductors_own_key(gm, inputs, {}, "dev", {})
+    with torch.autocast("cpu", dtype=torch.float16):
+        f16 = inductors_own_key(gm, inputs, {}, "dev", {})
+    assert len({key, bf16, f16}) == 3
+    before = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = not before
+        assert inductors_own_key(gm, inputs, {}, "dev", {}) != key
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+    assert inductors_own_key(gm, inputs, {}, "dev", {}) == key
+
+
+@pytest.mark.usefixtures("regions_lose")
+def test_a_float32_verdict_is_not_served_under_autocast(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inference, nothing kept. In float32 eager is forced the fastest and stored; the same
+    model under bf16 autocast (Dynamo compiles it again: its guards see the autocast state)
+    is timed again, and there Inductor's own is forced the fastest and runs."""
+    step = step_timer(monkeypatch, tmp_path)
+    step["eager_ms"] = 0.5
+    model = LNBlock().eval()
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fusegraph", options=OPTIONS)
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad(), collecting() as rows:
+        got = compiled(x)
+    assert torch.equal(got, model(x))
+    assert step["calls"] == 1 and rows and all(r.where == "torch.eager" for r in rows), rows[0].why
+    step["eager_ms"] = 3.0  # now Inductor's own (1 ms) is the fastest
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), collecting() as rows:
+        got = compiled(x)
+        want = model(x)
+    assert step["calls"] == 2, "the bf16 graph was served the float32 graph's verdict"
+    assert got.dtype == want.dtype
+    rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
+    assert rel < 2e-2, rel
+    assert rows and all(r.where == "inductor" and not r.why.startswith(STORED_EAGER) for r in rows), rows[0].why
