@@ -206,3 +206,44 @@ def test_on_cuda_del_returns_the_device_memory(rng: np.random.Generator, no_gc: 
         clear()
         left = torch.cuda.memory_allocated() - base
         assert left <= 0, f"{left} bytes of device memory outlive the session ({held} while it lived)"
+
+
+@pytest.mark.gpu
+def test_captures_warm_up_on_one_stream_so_cublas_workspaces_do_not_pile_up(rng: np.random.Generator) -> None:
+    """Each captured plan's warm-up runs on the device's one warm-up stream
+    (engines/cuda_capture.warm_up_stream): cuBLAS keeps a workspace (32 MiB on Hopper) per
+    stream it ran on, so a fresh stream per capture grew the device memory by a workspace
+    per plan. After the first two plans, two more captured matmul plans add their buffers
+    only, and each plan still computes what the reference does."""
+    import torch
+
+    import fusegraph as fg
+    from fusegraph.engines import cuda_capture
+    from fusegraph.engines.base import EngineConfig
+    from fusegraph.engines.registry import REGISTRY
+
+    handle = fg.Handle("cuda:0")
+    engine = REGISTRY.get("torch")
+    plans: list[Any] = []
+    marks: list[int] = []
+    torch.cuda.synchronize()
+    for i in range(4):
+        g = fg.Graph(f"mm{i}", io_data_type=fg.DataType.FLOAT, compute_data_type=fg.DataType.FLOAT)
+        a = g.tensor(name="a", dim=[32 + 8 * i, 64], stride=[64, 1], data_type=fg.DataType.FLOAT)
+        b = g.tensor(name="b", dim=[64, 48], stride=[48, 1], data_type=fg.DataType.FLOAT)
+        y = g.matmul(a, b, name="mm")
+        y.set_output(True).set_name("y")
+        plan = engine.build(g, handle, EngineConfig("torch", (("cuda_graph", True),)))
+        for _ in range(3):
+            pack = {"a": rng.standard_normal((32 + 8 * i, 64)).astype(np.float32),
+                    "b": rng.standard_normal((64, 48)).astype(np.float32)}
+            got = plan.execute(pack)["y"]
+            want = g.execute(pack, engine="reference")["y"]
+            assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2  # TF32 may be allowed
+        assert plan.describe()["cuda_graph"] is True
+        plans.append(plan)
+        torch.cuda.synchronize()
+        marks.append(torch.cuda.memory_allocated())
+    assert str(torch.device("cuda", 0)) in cuda_capture._WARM_UP
+    grown = marks[3] - marks[1]
+    assert grown < 16 * 2**20, f"two more captured plans took {grown / 2**20:.1f} MiB"

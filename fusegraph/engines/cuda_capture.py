@@ -29,6 +29,24 @@ from typing import Any
 FIRST_COLLECTION = 32
 
 _THREAD = threading.local()
+_WARM_UP: dict[str, Any] = {}  # device -> the one stream capture warm-ups run on (warm_up_stream)
+_WARM_UP_LOCK = threading.Lock()
+
+
+def warm_up_stream(torch: Any, device: Any) -> Any:
+    """The side stream a capture's warm-up runs on before it captures, one per device for the
+    process. cuBLAS keeps a workspace (32 MiB on Hopper) per stream it has run on, for the
+    process's life, and torch's pool hands out up to 32 streams per device: a fresh stream
+    per capture left a workspace behind on each (four of them, 128 MiB, after one ONNX
+    session on an H200). Threads may share it: warm-ups only queue work on it, and each
+    capture waits for it before capturing on a stream of its own."""
+    dev = torch.device(device)
+    key = str(dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device()))
+    with _WARM_UP_LOCK:
+        stream = _WARM_UP.get(key)
+        if stream is None:
+            stream = _WARM_UP[key] = torch.cuda.Stream(torch.device(key))
+        return stream
 
 
 @contextlib.contextmanager

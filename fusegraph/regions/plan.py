@@ -111,10 +111,10 @@ class RegionPlan:
 
         if not all(isinstance(v, torch.Tensor) and v.is_cuda for v in example.values()):
             return "not every input is a CUDA tensor"
-        from fusegraph.engines.cuda_capture import CENSUS, capturing
+        from fusegraph.engines.cuda_capture import CENSUS, capturing, warm_up_stream
 
         static_in = {k: v.clone() for k, v in example.items()}
-        side = torch.cuda.Stream()
+        side = warm_up_stream(torch, next((v.device for v in example.values()), "cuda"))
         side.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(side):

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from fusegraph.engines.cuda_capture import CENSUS, allowed, capturing
+from fusegraph.engines.cuda_capture import CENSUS, allowed, capturing, warm_up_stream
 from fusegraph.engines.expanded_copy import copy_strided
 from fusegraph.engines.torch.convert import (
     Tensor,
@@ -115,7 +115,7 @@ class CudaGraphs:
             copy_strided(buf, self._to_device(t, pack.inputs[t.name]))
             static_in[t.name] = buf
         try:
-            side = torch.cuda.Stream(self.device)
+            side = warm_up_stream(torch, self.device)
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(2):  # cuDNN picks its algorithms and workspaces outside the capture
