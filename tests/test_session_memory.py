@@ -188,8 +188,8 @@ def test_on_cuda_del_returns_the_device_memory(rng: np.random.Generator, no_gc: 
     del warm
     torch.cuda.synchronize()
     # cuBLAS keeps a workspace (32 MiB on Hopper) per stream it has run on, for the process's
-    # life; each CUDA-graph capture takes a side stream from torch's pool: torch's cache, not
-    # the session's (on the H200 four of them, 128 MiB, "outlived" a session) -- cleared here
+    # life, the captures' one warm-up stream included: torch's cache, not the session's --
+    # cleared here
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", lambda: None)
     clear()
     base = torch.cuda.memory_allocated()
