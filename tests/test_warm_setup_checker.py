@@ -17,7 +17,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import fusegraph.onnx as fgo
-from fusegraph.onnx import model_file
+from fusegraph.onnx import load as load_mod
 from fusegraph.onnx.model import ModelError, load_model
 
 pytestmark = pytest.mark.usefixtures("own_cache")
@@ -57,7 +57,7 @@ def test_second_load_of_a_file_skips_the_checker(tmp_path: Path, rng: np.random.
     second = load_model(str(path))
     assert spy.calls == 1, "the unchanged file was checked again"
     assert second.SerializeToString() == first.SerializeToString()
-    assert (tmp_path / model_file.CHECKED_FILE).is_file()  # own_cache: the test's directory
+    assert (tmp_path / load_mod.CHECKED_FILE).is_file()  # own_cache: the test's directory
 
 
 def test_a_changed_file_is_checked_again(tmp_path: Path, rng: np.random.Generator,
@@ -97,7 +97,7 @@ def test_cache_off_or_elsewhere(tmp_path: Path, rng: np.random.Generator, monkey
     other = tmp_path / "other-cache"
     load_model(path, cache_dir=other)
     load_model(path, cache_dir=other)
-    assert spy.calls == 1 and (other / model_file.CHECKED_FILE).is_file()
+    assert spy.calls == 1 and (other / load_mod.CHECKED_FILE).is_file()
     load_model(path)  # the default directory has no record yet
     assert spy.calls == 2
     monkeypatch.setenv("FUSEGRAPH_CACHE", "0")

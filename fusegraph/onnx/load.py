@@ -7,9 +7,11 @@ refused before anything is read on their behalf.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import sys
+import time
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -17,9 +19,10 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from fusegraph import __version__
 from fusegraph.errors import ValidationError
 from fusegraph.onnx.ir import DEFAULT_DOMAINS
-from fusegraph.onnx.model_file import CheckedRecord, FileMap, mapped
+from fusegraph.runtime.cache_dir import cache_enabled, cache_root, read_table, update_table
 
 log = logging.getLogger("fusegraph.onnx")
 
@@ -47,32 +50,12 @@ def load_model_with_views(
     """:func:`load_model`, and the initializers it could read without a copy: read-only
     NumPy views of the bytes the model was parsed from (:func:`initializer_views`; none
     for a ModelProto, external data or an upgraded opset), for ``specialize``."""
-    model, views, _ = _load(source, cache_dir, views=True)
-    return model, views
-
-
-def load_model_mapped(
-    source: str | os.PathLike[str] | bytes | onnx.ModelProto, cache_dir: str | os.PathLike[str] | None = None
-) -> tuple[onnx.ModelProto, dict[str, np.ndarray], FileMap | None]:
-    """:func:`load_model_with_views`, with a file checked before and unchanged since parsed
-    from a read-only memory map of it instead of a copy read into memory, the views viewing
-    the map: ViT-B/16's 346 MB file read and parsed in 0.19 s instead of 0.36 s (2-core CPU,
-    file in the page cache). The caller copies the weights out (a GPU session, to the device)
-    and then calls the returned map's ``release``, which unmaps it and says whether the file
-    changed meanwhile (model_file.py). The map is None where the model was read
-    as :func:`load_model_with_views` reads it (not a file, checked for the first time,
-    external data, an upgraded opset).
-
-    Why only then, and only for a caller that releases it: a mapped file truncated while
-    mapped makes a read of the cut pages a SIGBUS (a crash, not an error), and one
-    rewritten in place changes the views under the parsed model. The window is the open."""
-    return _load(source, cache_dir, views=True, mapped_ok=True)
+    return _load(source, cache_dir, views=True)
 
 
 def _load(
-    source: str | os.PathLike[str] | bytes | onnx.ModelProto, cache_dir: str | os.PathLike[str] | None, *, views: bool,
-    mapped_ok: bool = False,
-) -> tuple[onnx.ModelProto, dict[str, np.ndarray], FileMap | None]:
+    source: str | os.PathLike[str] | bytes | onnx.ModelProto, cache_dir: str | os.PathLike[str] | None, *, views: bool
+) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """A checked ModelProto at opset >= MIN_OPSET, or ModelError saying what is wrong.
 
     Hostile models are refused before anything is read on their behalf: external data must
@@ -85,8 +68,7 @@ def _load(
     record in the cache directory (``cache_dir``, else the default one) says it passed.
     """
     base_dir: Path | None = None
-    data: bytes | memoryview | None = None  # the model's serialized bytes as read, where the checker may take them
-    file_map: FileMap | None = None
+    data: bytes | None = None  # the model's serialized bytes as read, where the checker may take them
     checked: CheckedRecord | None = None  # the file's record, where the model came as a file
     if isinstance(source, onnx.ModelProto):
         model = source
@@ -104,16 +86,10 @@ def _load(
         try:
             if binary:  # read once: the bytes are parsed here and handed to the checker as they are
                 checked = CheckedRecord.of(path, cache_dir)
-                found = mapped(path, checked) if mapped_ok else None
-                if found is not None:
-                    data, file_map = found
-                    model = onnx.ModelProto()
-                    model.ParseFromString(data)
-                else:
-                    data = path.read_bytes()
-                    if checked is not None and not checked.unchanged(len(data)):
-                        checked = None  # the file changed while it was read: checked, and not recorded
-                    model = onnx.load_model_from_string(data)
+                data = path.read_bytes()
+                if checked is not None and not checked.unchanged(len(data)):
+                    checked = None  # the file changed while it was read: checked, and not recorded
+                model = onnx.load_model_from_string(data)
             else:  # a text format (.onnxtxt, .json): onnx.load picks its parser by the extension
                 model = onnx.load(str(path), load_external_data=False)
         except Exception as exc:
@@ -130,13 +106,11 @@ def _load(
     if _load_external_data(model, base_dir):
         data = None  # the model now holds its external data: the bytes read are not all of it
         checked = None  # the external files are not in the record's key: checked every time
-        _unmap(file_map)
-        file_map = None
     if checked is not None and checked.passed():
         log.debug("%s: checked before (same size and mtime), not checked again", checked.path)
     else:
         _check_initializers(model)
-        _check(model, data if isinstance(data, bytes) else None)  # a map: only a file checked before
+        _check(model, data)
         if checked is not None:
             checked.record()
     version = default_opset(model)
@@ -150,16 +124,8 @@ def _load(
                 f"not upgrade it: {_first_line(exc)}"
             ) from None
         log.info("upgraded the model from opset %d to %d", version, MIN_OPSET)
-        _unmap(file_map)
-        return model, {}, None
-    return model, (initializer_views(data, model) if views and data is not None else {}), file_map
-
-
-def _unmap(file_map: FileMap | None) -> None:
-    """The map released where nothing will view it (the parsed model holds copies, made
-    while the file was as its record says)."""
-    if file_map is not None:
-        file_map.release()
+        return model, {}
+    return model, (initializer_views(data, model) if views and data is not None else {})
 
 
 # ---- initializers as views of the model's bytes -------------------------------------------------
@@ -180,7 +146,7 @@ class _Wire(Exception):
     """The bytes are not laid out as the walk expects: no views (the copies are made)."""
 
 
-def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
     value = shift = 0
     while True:
         if pos >= len(data) or shift > 63:
@@ -193,7 +159,7 @@ def _varint(data: bytes | memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(data: bytes | memoryview, start: int, end: int) -> Iterable[tuple[int, int, int, int]]:
+def _fields(data: bytes, start: int, end: int) -> Iterable[tuple[int, int, int, int]]:
     """(field number, wire type, payload start, payload end) of one message's fields; for
     a varint field the payload is the varint itself."""
     pos = start
@@ -217,7 +183,7 @@ def _fields(data: bytes | memoryview, start: int, end: int) -> Iterable[tuple[in
         pos = after
 
 
-def _one(data: bytes | memoryview, start: int, end: int, number: int) -> tuple[int, int] | None:
+def _one(data: bytes, start: int, end: int, number: int) -> tuple[int, int] | None:
     """The payload of the message field ``number`` where it occurs once (protobuf merges
     repeated occurrences of a message field: those are left to the parser)."""
     found = [(a, b) for n, w, a, b in _fields(data, start, end) if n == number and w == 2]
@@ -226,7 +192,7 @@ def _one(data: bytes | memoryview, start: int, end: int, number: int) -> tuple[i
     return found[0] if found else None
 
 
-def initializer_views(data: bytes | memoryview, model: onnx.ModelProto) -> dict[str, np.ndarray]:
+def initializer_views(data: bytes, model: onnx.ModelProto) -> dict[str, np.ndarray]:
     """The model's initializers that hold their values in ``raw_data`` as read-only NumPy
     views of ``data``, the bytes ``model`` was parsed from, instead of copies:
     ``numpy_helper.to_array`` copies each (``raw_data`` comes out of protobuf as new
@@ -257,7 +223,7 @@ def initializer_views(data: bytes | memoryview, model: onnx.ModelProto) -> dict[
                     name = (x, y)
                 elif n == _TENSOR_RAW and w == 2:
                     raw, count_raw = (x, y), count_raw + 1
-            if name is None or bytes(data[name[0]:name[1]]).decode("utf-8", "replace") != t.name:
+            if name is None or data[name[0]:name[1]].decode("utf-8", "replace") != t.name:
                 return {}  # not the parsed model's order: trust nothing of the walk
             if raw is None or count_raw != 1 or t.data_type not in _VIEWABLE or t.HasField("segment"):
                 continue
@@ -272,6 +238,66 @@ def initializer_views(data: bytes | memoryview, model: onnx.ModelProto) -> dict[
     except _Wire as exc:
         log.debug("initializers copied: the model's bytes did not walk (%s)", exc)
         return {}
+
+
+# ---- files checked before ------------------------------------------------------------------------
+CHECKED_FILE = "onnx-checked.json"
+CHECKED_KEEP = 512  # records kept (the oldest go): one per model file version opened
+CHECKS = 1  # bump when the checks below change within one fusegraph version
+
+
+class CheckedRecord:
+    """Whether a model file, as it is now, passed the checker and the initializer counts
+    under this fusegraph and ONNX version: ``onnx.checker`` took 0.25 s of a warm ViT-B/16
+    session's setup (H200 host) and says the same of the same bytes every time. The file's
+    identity is its resolved path, size and mtime (ns), as the floor's verdicts key it; a
+    file rewritten in place gets a new mtime and is checked again."""
+
+    def __init__(self, path: str, key: str, table: Path, size: int, mtime_ns: int) -> None:
+        self.path, self.key, self.table = path, key, table
+        self.size, self.mtime_ns = size, mtime_ns
+
+    @classmethod
+    def of(cls, path: Path, cache_dir: str | os.PathLike[str] | None) -> CheckedRecord | None:
+        """The file's record handle; None where caching is off or the file cannot be stat'ed."""
+        if not cache_enabled():
+            return None
+        try:
+            real = os.path.realpath(path)
+            st = os.stat(real)
+        except OSError:
+            return None
+        ident = f"{real}|{st.st_size}|{st.st_mtime_ns}|fusegraph {__version__}|onnx {onnx.__version__}|checks {CHECKS}"
+        table = (Path(cache_dir) if cache_dir else cache_root()) / CHECKED_FILE
+        return cls(real, hashlib.sha256(ident.encode()).hexdigest(), table, st.st_size, st.st_mtime_ns)
+
+    def unchanged(self, size_read: int) -> bool:
+        """The file still is what its key says after it was read (``size_read`` bytes)."""
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return False
+        return size_read == self.size == st.st_size and st.st_mtime_ns == self.mtime_ns
+
+    def passed(self) -> bool:
+        return self.key in read_table(self.table)
+
+    def record(self) -> None:
+        """Notes that the file passed; a cache that cannot be written only costs the next check."""
+        def add(table: dict[str, object]) -> None:
+            table[self.key] = time.time()
+            if len(table) > CHECKED_KEEP:
+                for old in sorted(table, key=lambda k: _stamp(table[k]))[: len(table) - CHECKED_KEEP]:
+                    del table[old]
+
+        try:
+            update_table(self.table, add)
+        except OSError as exc:
+            log.debug("could not record that %s passed the checks: %s", self.path, exc)
+
+
+def _stamp(v: object) -> float:
+    return float(v) if isinstance(v, int | float) else 0.0
 
 
 # ---- hostile-model checks ----------------------------------------------------------------------

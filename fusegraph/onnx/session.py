@@ -35,18 +35,10 @@ from fusegraph.onnx.direct import (
 )
 from fusegraph.onnx.index_ranges import IndexRange, index_ranges, out_of_range
 from fusegraph.onnx.iobinding import IOBinding, feed_value, is_device_value, numpy_dtype
-from fusegraph.onnx.load import (
-    MIN_OPSET,
-    ModelError,
-    _first_line,
-    default_opset,
-    load_model_mapped,
-    load_model_with_views,
-)
+from fusegraph.onnx.load import MIN_OPSET, _first_line, default_opset, load_model_with_views
 from fusegraph.onnx.memory import PeakMemory, measure_peak
 from fusegraph.onnx.metadata import ModelMetadata
 from fusegraph.onnx.model import input_signature
-from fusegraph.onnx.model_file import FileMap
 from fusegraph.onnx.options import PROVIDER, ProviderOptions
 from fusegraph.onnx.ort_errors import InvalidFeedError, MissingFeedError
 from fusegraph.onnx.plan import EngineChoice, SessionPlan
@@ -191,7 +183,6 @@ class InferenceSession:
         self._source_arg = path_or_bytes
         self._model_value: onnx.ModelProto | None = None
         self._views: dict[str, np.ndarray] = {}  # initializers read without a copy, for the first plan
-        self._map: FileMap | None = None  # the model file's map under the views, until the open ends
         self._handle: Handle = session_handle(self._opts)
         self._engine = EngineChoice(self._opts.engine, self._handle) if self._enabled else None
         self._plans: dict[tuple[Any, ...], SessionPlan] = {}
@@ -209,7 +200,6 @@ class InferenceSession:
         source = self._background_source(path_or_bytes)
         if source is not None and self._open_direct(source):
             self._views = {}  # no plan now: the bytes under the views are not kept for one
-            self._end_open()
             return
         self._signature = input_signature(self._model)
         self._index_ranges = index_ranges(self._model)
@@ -241,7 +231,6 @@ class InferenceSession:
         if self._direct is not None:  # another runner won the whole model: the plan is not needed
             self._plans.clear()
             self._last = None
-        self._end_open()
 
     # ---- ONNX Runtime API -----------------------------------------------------------------------
     def get_inputs(self) -> list[NodeArg]:
@@ -274,22 +263,8 @@ class InferenceSession:
         """The checked model, parsed at first need (a session that runs the whole model on
         ONNX Runtime by a recorded verdict never parses it)."""
         if self._model_value is None:
-            if self._handle.device.is_gpu and self._enabled:  # weights copied to the device in the open
-                self._model_value, self._views, self._map = load_model_mapped(self._source_arg, self._opts.cache_dir)
-            else:
-                self._model_value, self._views = load_model_with_views(self._source_arg, self._opts.cache_dir)
+            self._model_value, self._views = load_model_with_views(self._source_arg, self._opts.cache_dir)
         return self._model_value
-
-    def _end_open(self) -> None:
-        """The model file's map (a GPU session's, load.load_model_mapped) released once the
-        open is done with it: views no plan took are dropped (a later plan, for another
-        input shape, converts the parsed model's initializers instead), and a file that
-        changed meanwhile is a ModelError."""
-        if self._map is not None:
-            self._views = {}
-            file_map, self._map = self._map, None
-            if not file_map.release():
-                raise ModelError(f"'{self._model_name}' changed while the session read it; open it again")
 
     def get_modelmeta(self) -> ModelMetadata:
         return ModelMetadata.of(self._model)
