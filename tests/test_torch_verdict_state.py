@@ -76,3 +76,30 @@ def test_a_float32_verdict_is_not_served_under_autocast(tmp_path: Any, monkeypat
     rel = ((got.float() - want.float()).norm() / want.float().norm()).item()
     assert rel < 2e-2, rel
     assert rows and all(r.where == "inductor" and not r.why.startswith(STORED_EAGER) for r in rows), rows[0].why
+
+
+def test_each_checked_step_casts_the_weights_afresh_under_autocast() -> None:
+    """The step check runs inside the caller's one autocast context, where autocast keeps the
+    casts of leaves that require grad until the context exits; a user's steps each enter
+    their own. So each checked step starts with the cache cleared: a weight changed between
+    two steps is cast again (kept, the second step would read the first one's bf16 copy)."""
+    from fusegraph.torch.step_floor import _Step
+
+    outs: list[Any] = []
+
+    def fn(x: Any, w: Any) -> Any:
+        y = torch.mm(x, w)
+        outs.append(y)
+        return y
+
+    x, w = torch.randn(4, 8), torch.randn(8, 8, requires_grad=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        step = _Step(fn, [x, w])
+        assert step.args[1].is_leaf and step.args[1].requires_grad
+        step()
+        step.args[1].add_(1.0)
+        step()
+    assert outs[1].dtype == torch.bfloat16
+    want = torch.mm(step.args[0].bfloat16(), step.args[1].detach().bfloat16())
+    assert torch.equal(outs[1], want)
+    assert not torch.equal(outs[0], outs[1])
