@@ -197,6 +197,21 @@ def test_a_region_faster_than_inductor_is_still_kept(tmp_path: Any, monkeypatch:
     assert clock.compiled
 
 
+def test_no_screen_where_eager_is_the_incumbent(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``incumbent="eager"``: the region's ATen ops are the incumbent itself, so there is no
+    Inductor compile to spare and no screen: each region is measured once, against eager,
+    with the same 3x gap."""
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    clock = Clock(call=3.0, eager=1.0, inductor=0.5)
+    clock.install(monkeypatch)
+    rows = _regions(explain(Twin(), torch.randn(4, 16), options={**ONLY_REGIONS, "incumbent": "eager"}, backward=True))
+    assert clock.compiled == []
+    assert not any("screened" in r.why for r in rows), [r.why for r in rows]
+    measured = [r for r in rows if "measured" in r.why]
+    assert measured and all("fusegraph 3.0000 ms vs eager 1.0000 ms" in r.why for r in measured), [r.why for r in measured]
+    assert len(clock.screened) == len(set(clock.screened))  # one measurement a content key
+
+
 @pytest.mark.parametrize("bad", [-1, "fast", None])
 def test_the_screen_option_is_checked(bad: Any) -> None:
     with pytest.raises(ValueError, match="screen"):
