@@ -66,6 +66,31 @@ class RMSMLP(nn.Module):
         return x + self.down(F.silu(self.up(F.rms_norm(x, [x.shape[-1]], self.w, 1e-6))))
 
 
+def virtual_timing(now: Callable[[], float]) -> Callable[..., Any]:
+    """A stand-in for ``timing.time_candidates`` on a virtual clock ``now`` (milliseconds
+    the test's fakes advance): each candidate called once to warm (the runner builds its
+    plan at its first call), then timed over one call; a candidate that raises is reported
+    to ``on_error`` and left out."""
+    from fusegraph.select import timing
+
+    def virtual(candidates: Any, *, on_error: Any = None, **_: Any) -> dict[str, Any]:
+        out = {}
+        for name, call in candidates.items():
+            try:
+                call()
+                start = now()
+                call()
+            except Exception as exc:
+                if on_error is not None:
+                    on_error(name, exc)
+                continue
+            ms = now() - start
+            out[name] = timing.Timing(name, ms, ms, (ms,))
+        return out
+
+    return virtual
+
+
 def _rel(a: Any, b: Any) -> float:
     assert not torch.isnan(a).any()
     return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm().clamp_min(1e-30))
@@ -193,25 +218,10 @@ def test_the_floor_times_a_region_through_its_call_in_the_graph(tmp_path: Any, m
 
         return run
 
-    def virtual(candidates: Any, *, on_error: Any = None, **_: Any) -> dict[str, timing.Timing]:
-        out = {}
-        for name, call in candidates.items():
-            try:
-                call()  # warm: the runner builds its plan on its first call
-                start = clock[0]
-                call()
-            except Exception as exc:
-                if on_error is not None:
-                    on_error(name, exc)
-                continue
-            ms = clock[0] - start
-            out[name] = timing.Timing(name, ms, ms, (ms,))
-        return out
-
     monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(runtime.RegionRunner, "__call__", costly)
     monkeypatch.setattr(partition, "_incumbent_call", slow)
-    monkeypatch.setattr(timing, "time_candidates", virtual)
+    monkeypatch.setattr(timing, "time_candidates", virtual_timing(lambda: clock[0]))
     only_regions = {"floor": True, "incumbent": "eager", "rest": "eager", "whole_graph": False}
     report = explain(ConvNet(), torch.randn(2, 3, 8, 8), options=only_regions)
     measured = [r for r in report.rows if r.region is not None and "measured" in r.why]

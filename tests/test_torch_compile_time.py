@@ -22,6 +22,7 @@ torch = pytest.importorskip("torch", reason="the torch.compile backend needs tor
 
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from test_torch_compile import virtual_timing  # noqa: E402
 
 from fusegraph.select import timing  # noqa: E402
 from fusegraph.torch import partition, phases, runtime  # noqa: E402
@@ -73,24 +74,9 @@ class Clock:
 
             return run
 
-        def virtual(candidates: Any, *, on_error: Any = None, **_: Any) -> dict[str, timing.Timing]:
-            out = {}
-            for name, call in candidates.items():
-                try:
-                    call()  # warm: the runner builds its plan on its first call
-                    start = self.now
-                    call()
-                except Exception as exc:
-                    if on_error is not None:
-                        on_error(name, exc)
-                    continue
-                ms = self.now - start
-                out[name] = timing.Timing(name, ms, ms, (ms,))
-            return out
-
         monkeypatch.setattr(runtime.RegionRunner, "__call__", costly)
         monkeypatch.setattr(partition, "_incumbent_call", incumbent)
-        monkeypatch.setattr(timing, "time_candidates", virtual)
+        monkeypatch.setattr(timing, "time_candidates", virtual_timing(lambda: self.now))
 
 
 def _regions(report: Any) -> list[Any]:
