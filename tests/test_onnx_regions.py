@@ -241,10 +241,10 @@ def test_verdicts_are_read_back_by_a_second_session_without_measuring(
     trials: list[str] = []  # the reference each trial run of a built plan is compared with
     real_eager = plan_regions.RegionUnit._eager
 
-    def eager(self: Any, graph: Any, *, tf32: bool | None = None) -> Any:
+    def eager(self: Any, graph: Any, *, tf32: bool | None = None, **kw: Any) -> Any:
         if tf32 is False:
             trials.append(graph.name)
-        return real_eager(self, graph, tf32=tf32)
+        return real_eager(self, graph, tf32=tf32, **kw)
 
     monkeypatch.setattr(plan_regions.RegionUnit, "_eager", eager)
     model = conv_blocks(rng)

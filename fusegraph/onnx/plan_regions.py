@@ -132,6 +132,7 @@ class RegionUnit(FusegraphUnit):
         self._buffers = base.handle.device.is_gpu  # outputs live on the device: a copy to reach the host
         build = chooser.builder or (lambda r: r.graph.build(handle=chooser.handle, engine=chooser.engine))
         self._trial_passed: set[tuple[str, bool | str]] = set()  # (region content key, candidate) whose plan passed
+        self._eager_configs: dict[tuple[str, bool, bool], Any] = {}  # (content key, tf32, provisional) -> op-by-op config
         # Deferred choice (region_upgrade.py): regions without a stored verdict start on the
         # incumbent and are chosen by a background thread, which swaps the upgraded plan in.
         self.defer = False
@@ -340,7 +341,7 @@ class RegionUnit(FusegraphUnit):
             return Piece(r.nodes, r.graph, r.inputs, r.outputs, c.plan, f"fusegraph:{v.engine}", r.pattern,
                          v.describe(), v.source, v.fusegraph_ms, v.incumbent_ms)
         try:
-            plan = self._eager(r.graph, provisional=provisional)
+            plan = self._eager(r.graph, provisional=provisional, key=r.key)
             where = self.chooser.incumbent.name
         except Exception as exc:  # the incumbent cannot run it: fusegraph's plan must
             built = self.chooser.build(r)
@@ -357,20 +358,28 @@ class RegionUnit(FusegraphUnit):
         return Piece(r.nodes, r.graph, r.inputs, r.outputs, plan, where, r.pattern, v.describe(), v.source,
                      v.fusegraph_ms, v.incumbent_ms)
 
-    def _eager(self, graph: Graph, *, tf32: bool | None = None, provisional: bool = False) -> ExecutionPlan:
+    def _eager(self, graph: Graph, *, tf32: bool | None = None, provisional: bool = False,
+               key: str | None = None) -> ExecutionPlan:
         """The incumbent's way of running ``graph``: the torch engine, eager, uncaptured, at
         the session's precision (the torch engine pins its own TF32 flags when it runs: the
         incumbent the floor measured at tf32 must run at tf32 too -- ViT-B/16 at tf32 ran its
         float32 GEMMs strict, 10.1 ms against eager's 5.1, H100). ``provisional``: without
-        timing cuDNN's algorithms (a piece run until the upgrade rebuilds it)."""
+        timing cuDNN's algorithms (a piece run until the upgrade rebuilds it). ``key``: the
+        graph's content key (a region's), where known: a model's repeated layers then ask the
+        engine for their configuration once (``engine.build`` still checks each graph)."""
         from fusegraph.engines.registry import REGISTRY
 
         engine = REGISTRY.get("torch")
         tf32 = self.precision.tf32 if tf32 is None else tf32  # the float32 reference passes False
-        config = op_by_op_config(graph, self.handle, tf32=tf32, benchmark=not provisional)
-        sup = engine.supports(graph, self.handle)
-        if not sup:
-            raise UnsupportedError(f"engine 'torch': {sup.reason}")
+        memo = (key, tf32, provisional) if key is not None else None
+        config = self._eager_configs.get(memo) if memo is not None else None
+        if config is None:
+            config = op_by_op_config(graph, self.handle, tf32=tf32, benchmark=not provisional)
+            sup = engine.supports(graph, self.handle)
+            if not sup:
+                raise UnsupportedError(f"engine 'torch': {sup.reason}")
+            if memo is not None:
+                self._eager_configs[memo] = config
         plan: ExecutionPlan = engine.build(graph, self.handle, config)
         return plan
 

@@ -132,10 +132,25 @@ def chooser_for(plan: SessionPlan) -> Chooser:
                    preferred=folded if handle.device.is_gpu and engine is None else None,
                    # where the split plan loses, the float32 plan it replaced is measured too
                    fallbacks=(("fp32_matmul=ieee", lambda region: build(region, False)),) if split else (),
-                   fallback_when=(lambda region: _splittable(region.graph, handle)) if split else None,
+                   fallback_when=per_content(lambda region: _splittable(region.graph, handle)) if split else None,
                    budget_s=region_budget(plan.opts),
                    # a deferred session (region_upgrade.py) builds every stored winner later
                    build_later=lambda v: True)
+
+
+def per_content(ask: Callable[[Region], bool]) -> Callable[[Region], bool]:
+    """``ask`` answered once per region content key: the chooser asks it of every region on
+    each lookup of its verdicts (twice or more per region in a warm open), and a model's
+    repeated layers are regions of one content (ViT-B/16: 88 regions, 9 contents)."""
+    known: dict[str, bool] = {}
+
+    def asked(region: Region) -> bool:
+        found = known.get(region.key)
+        if found is None:
+            found = known[region.key] = ask(region)
+        return found
+
+    return asked
 
 
 def split_wanted(opts: ProviderOptions, handle: Handle) -> bool:
@@ -238,5 +253,5 @@ def _with_split(built: ExecutionPlan, graph: Graph, handle: Handle) -> Execution
     return split
 
 
-__all__ = ["TIMING", "build_options", "chooser_for", "incumbent_for", "region_budget", "split_wanted", "unavailable",
-           "wanted"]
+__all__ = ["TIMING", "build_options", "chooser_for", "incumbent_for", "per_content", "region_budget", "split_wanted",
+           "unavailable", "wanted"]
