@@ -49,7 +49,10 @@ def load_model_with_views(
 ) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
     """:func:`load_model`, and the initializers it could read without a copy: read-only
     NumPy views of the bytes the model was parsed from (:func:`initializer_views`; none
-    for a ModelProto, external data or an upgraded opset), for ``specialize``."""
+    for a ModelProto, external data or an upgraded opset), for ``specialize``. A file that
+    passed the checks before comes back lean (lean_model.py): its initializers of 4 KiB or
+    more hold no data in the ModelProto, and their views are their only values -- keep the
+    views for as long as anything reads the model's initializers."""
     return _load(source, cache_dir, views=True)
 
 
@@ -70,6 +73,8 @@ def _load(
     base_dir: Path | None = None
     data: bytes | None = None  # the model's serialized bytes as read, where the checker may take them
     checked: CheckedRecord | None = None  # the file's record, where the model came as a file
+    passed = False  # the file as read passed the checks before
+    lean: dict[str, np.ndarray] | None = None  # the views of a model parsed without its weights' bytes
     if isinstance(source, onnx.ModelProto):
         model = source
     elif isinstance(source, bytes | bytearray | memoryview):
@@ -89,7 +94,8 @@ def _load(
                 data = path.read_bytes()
                 if checked is not None and not checked.unchanged(len(data)):
                     checked = None  # the file changed while it was read: checked, and not recorded
-                model = onnx.load_model_from_string(data)
+                passed = checked is not None and checked.passed()
+                model, lean = _lean_or_whole(data, views and passed)
             else:  # a text format (.onnxtxt, .json): onnx.load picks its parser by the extension
                 model = onnx.load(str(path), load_external_data=False)
         except Exception as exc:
@@ -106,7 +112,7 @@ def _load(
     if _load_external_data(model, base_dir):
         data = None  # the model now holds its external data: the bytes read are not all of it
         checked = None  # the external files are not in the record's key: checked every time
-    if checked is not None and checked.passed():
+    if checked is not None and passed:
         log.debug("%s: checked before (same size and mtime), not checked again", checked.path)
     else:
         _check_initializers(model)
@@ -125,7 +131,31 @@ def _load(
             ) from None
         log.info("upgraded the model from opset %d to %d", version, MIN_OPSET)
         return model, {}
+    if lean is not None:
+        return model, lean
     return model, (initializer_views(data, model) if views and data is not None else {})
+
+
+def _lean_or_whole(data: bytes, lean: bool) -> tuple[onnx.ModelProto, dict[str, np.ndarray] | None]:
+    """The model in ``data``, and where ``lean`` (a file that passed the checks before, read
+    with views) and the bytes allow it, parsed without its large initializers' bytes with
+    the views that stand for them (lean_model.py; ~0.2 s of ViT-B/16's warm open). Only a
+    model the session can open as a file again and needs no conversion of is lean: external
+    data and opsets up to MIN_OPSET (upgraded, or run whole on ONNX Runtime from the proto)
+    are parsed whole."""
+    if lean:
+        from fusegraph.onnx.lean_model import lean_parse
+
+        found = lean_parse(data)
+        if found is None:
+            log.debug("parsed whole: the model's bytes did not walk as lean_model expects")
+        else:
+            model, views = found
+            external = any(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer)
+            if not external and default_opset(model) > MIN_OPSET:
+                return model, views
+            log.debug("parsed whole: %s", "external data" if external else f"opset {default_opset(model)}")
+    return onnx.load_model_from_string(data), None
 
 
 # ---- initializers as views of the model's bytes -------------------------------------------------

@@ -35,6 +35,7 @@ from fusegraph.onnx.direct import (
 )
 from fusegraph.onnx.index_ranges import IndexRange, index_ranges, out_of_range
 from fusegraph.onnx.iobinding import IOBinding, feed_value, is_device_value, numpy_dtype
+from fusegraph.onnx.lean_model import stripped
 from fusegraph.onnx.load import MIN_OPSET, _first_line, default_opset, load_model_with_views
 from fusegraph.onnx.memory import PeakMemory, measure_peak
 from fusegraph.onnx.metadata import ModelMetadata
@@ -183,6 +184,9 @@ class InferenceSession:
         self._source_arg = path_or_bytes
         self._model_value: onnx.ModelProto | None = None
         self._views: dict[str, np.ndarray] = {}  # initializers read without a copy, for the first plan
+        # ... and for every plan where the model was parsed without its weights' bytes
+        # (lean_model.py): then the views are the only values of those weights
+        self._lean_views: dict[str, np.ndarray] = {}
         self._handle: Handle = session_handle(self._opts)
         self._engine = EngineChoice(self._opts.engine, self._handle) if self._enabled else None
         self._plans: dict[tuple[Any, ...], SessionPlan] = {}
@@ -264,6 +268,8 @@ class InferenceSession:
         ONNX Runtime by a recorded verdict never parses it)."""
         if self._model_value is None:
             self._model_value, self._views = load_model_with_views(self._source_arg, self._opts.cache_dir)
+            if stripped(self._model_value):
+                self._lean_views = self._views
         return self._model_value
 
     def get_modelmeta(self) -> ModelMetadata:
@@ -454,9 +460,10 @@ class InferenceSession:
 
     def _new_plan(self, shapes: Mapping[str, tuple[int, ...]], direct: Any = None) -> SessionPlan:
         path = self._model_name if isinstance(self._source_arg, str | os.PathLike) else None
-        views, self._views = self._views, {}  # the plan drops its constants once built: so do we
+        model = self._model  # parsed (and its views read) first
+        views, self._views = self._views or self._lean_views, {}  # the plan drops its constants once built: so do we
         return SessionPlan(
-            self._model, shapes, self._opts, enabled=self._enabled, handle=self._handle,
+            model, shapes, self._opts, enabled=self._enabled, handle=self._handle,
             engine=self._engine, sess_options=self._sess_options, ort_providers=self._ort_providers,
             model_name=self._model_name,
             model_path=path if path is not None and default_opset(self._model) > MIN_OPSET else None,
