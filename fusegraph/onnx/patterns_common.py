@@ -157,7 +157,8 @@ class Ctx:
         """Replaces ``nodes`` (their values read only among them, but ``output``) by one fused
         node reading every outside value they read. ``roles`` names the inputs the lowering
         reads (an attribute each: the input's position); the others only feed the fallback."""
-        order = sorted(nodes, key=self.og.nodes.index)
+        at = {id(n): k for k, n in enumerate(self.og.nodes)}  # list.index compared whole nodes field by field
+        order = sorted(nodes, key=lambda n: at[id(n)] if id(n) in at else self.og.nodes.index(n))
         made = {o for n in order for o in n.outputs if o}
         ext: list[str] = []
         for n in order:
