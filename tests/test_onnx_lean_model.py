@@ -157,3 +157,48 @@ def test_only_what_the_session_can_open_again_as_a_file_is_lean(tmp_path: Path, 
     assert not stripped(load_model_with_views(model)[0])
     assert not stripped(load_mod.load_model(path))
     assert stripped(load_model_with_views(path)[0])
+
+
+def test_a_first_session_on_onnx_runtime_explains_itself_from_a_lean_model(tmp_path: Path,
+                                                                          rng: np.random.Generator) -> None:
+    """``floor_mode=background``: the model runs on ONNX Runtime while a child evaluates it,
+    and the partition report plans it without building (``_new_plan(direct=...)``): from the
+    views a lean model left, in a second session."""
+    path = tmp_path / "mlp.onnx"
+    onnx.save(_mlp(rng), str(path))
+    opts = {"floor_mode": "background", "runners": "off"}
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    reports = []
+    for k in range(2):
+        sess = fgo.InferenceSession(str(path), providers=PROVIDERS, provider_options=[opts, {}])
+        assert sess._direct is not None  # on ONNX Runtime while the child evaluates
+        _agree(sess, path, x)
+        reports.append(_untimed(sess))
+        assert stripped(sess._model) == (k == 1)  # the first parse checks the file: whole
+        sess.wait_for_evaluation(120)
+        _agree(sess, path, x)
+    # planned from the views (the verdict the child recorded meanwhile may differ)
+    assert all("/3 non-constant nodes on fusegraph" in r[0] for r in reports), reports
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_lean_model_copies_its_views_to_the_device_and_agrees(tmp_path: Path,
+                                                                       rng: np.random.Generator) -> None:
+    """On cuda:0 with the defaults (the region path, its deferred choice): the second open is
+    lean, its weights reach the device from the views, and two input shapes agree with ONNX
+    Runtime (TF32 may be on: 1e-3)."""
+    path = tmp_path / "mlp.onnx"
+    onnx.save(_mlp(rng, batch="n"), str(path))
+    opts = [(fgo.PROVIDER, {"device": "cuda"})]
+    fgo.InferenceSession(str(path), providers=opts).run(None, {"x": rng.standard_normal((4, 64)).astype(np.float32)})
+    sess = fgo.InferenceSession(str(path), providers=opts)
+    assert stripped(sess._model)
+    ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for batch in (4, 2):
+        x = rng.standard_normal((batch, 64)).astype(np.float32)
+        (want,) = ref.run(None, {"x": x})
+        (got,) = sess.run(None, {"x": x})
+        assert np.isfinite(got).all()
+        err = np.linalg.norm(got.astype(np.float64) - want) / np.linalg.norm(want)
+        assert err < 1e-3, err
+    sess.wait_for_evaluation(120)
