@@ -86,7 +86,8 @@ def _field(number: int, payload: bytes) -> bytes:
 def lean_parse(data: bytes, min_bytes: int = LEAN_MIN_BYTES) -> tuple[onnx.ModelProto, dict[str, np.ndarray]] | None:
     """The model in ``data`` parsed without the ``raw_data`` of initializers of at least
     ``min_bytes``, and every initializer ``load.initializer_views`` would view, as such a
-    view of ``data``; None where the bytes are not laid out as expected (parse them whole)."""
+    view of ``data``; None where the bytes are not laid out as expected, or where what is
+    left out is less than half of them (parse them whole)."""
     if sys.byteorder != "little":
         return None
     try:
@@ -101,11 +102,12 @@ def _lean(data: bytes, min_bytes: int) -> tuple[onnx.ModelProto, dict[str, np.nd
     if len(graphs) != 1:  # protobuf merges repeated message fields: left to the parser
         return None
     _, _, g_tag, g_start, g_end = graphs[0]
-    parts: list[bytes] = []
+    view = memoryview(data)  # slices without copies: the join below is the one copy
+    parts: list[bytes | memoryview] = []
     found: list[tuple[str, tuple[int, int], bool]] = []  # initializer name, raw_data span, left out
     for number, wire, tag_at, start, end in _spans(data, g_start, g_end):
         if number != _GRAPH_INITIALIZER or wire != 2:
-            parts.append(data[tag_at:end])
+            parts.append(view[tag_at:end])
             continue
         fields = _spans(data, start, end)
         names = [(a, b) for n, w, _, a, b in fields if n == _TENSOR_NAME and w == 2]
@@ -115,14 +117,17 @@ def _lean(data: bytes, min_bytes: int) -> tuple[onnx.ModelProto, dict[str, np.nd
         name = data[names[0][0]:names[0][1]].decode("utf-8")
         if not raws:
             found.append((name, (0, 0), False))
-            parts.append(data[tag_at:end])
+            parts.append(view[tag_at:end])
             continue
         raw_tag, a, b = raws[0]
         out = b - a >= min_bytes
         found.append((name, (a, b), out))
-        parts.append(_field(_GRAPH_INITIALIZER, data[start:raw_tag] + data[b:end]) if out else data[tag_at:end])
+        parts.append(_field(_GRAPH_INITIALIZER, data[start:raw_tag] + data[b:end]) if out else view[tag_at:end])
+    left_out = sum(b - a for _, (a, b), out in found if out)
+    if 2 * left_out < len(data):  # the weights are elsewhere (Constant nodes, say): a lean parse
+        return None  # would copy the rest twice to save less than half
     graph = b"".join(parts)
-    lean_bytes = data[:g_tag] + _field(_MODEL_GRAPH, graph) + data[g_end:]
+    lean_bytes = b"".join((view[:g_tag], _field(_MODEL_GRAPH, graph), view[g_end:]))
     model = onnx.ModelProto.FromString(lean_bytes)
     inits = model.graph.initializer
     if len(inits) != len(found):
