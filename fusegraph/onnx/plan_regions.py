@@ -275,9 +275,11 @@ class RegionUnit(FusegraphUnit):
         """The region layer's choices (a plan whose stored verdict lost is not even built:
         ``Chooser``); a sign of life while regions without a stored verdict are measured."""
         c = self.chooser
+        if self.defer:  # nothing measured now: no sign of life to give (nor stored verdicts to count first)
+            return c.choose_all(regions, self._example, defer=True)
         fresh = sum(1 for r in regions if c.floor and not c.stored(r))
-        if not fresh or self.defer:
-            return c.choose_all(regions, self._example, defer=self.defer)
+        if not fresh:
+            return c.choose_all(regions, self._example)
         with working(f"fusegraph {self.name}: {fresh} regions measured against {c.incumbent.name}"):
             return c.choose_all(regions, self._example)
 
