@@ -16,12 +16,14 @@ With Inductor as the rest, the ops fusegraph converts are kept whole through Ind
 decompositions (a layer norm stays ``native_layer_norm``) so that they can be claimed.
 Where no ATen graph of a Dynamo graph keeps a region, that trace is dropped and the Dynamo
 graph gets Inductor's own compile (_Compile): the same code as ``torch.compile(model)``.
-That conclusion is stored (_Own): a later compile of the same Dynamo graph, with the same
+That conclusion is stored (dynamo_verdict.py): a later compile of the same Dynamo graph, with the same
 options, mode, device and library versions, skips fusegraph's trace and goes straight to
-Inductor's own compile. With the floor on and no CUDA graphs, the Dynamo graph is then
-timed as a step (step_floor.py) against the other ways the user could run it: Inductor's
-own compile, eager (the Dynamo graph as it is, ``backend="eager"``) and, where it kept
-regions, fusegraph's trace; the fastest runs. That verdict is stored under the same key,
+Inductor's own compile. With the floor on and no CUDA graphs, the Dynamo graph is timed
+as a step (step_floor.py) the ways the user could run it: first Inductor's own compile and
+eager (the Dynamo graph as it is, ``backend="eager"``), before fusegraph's trace, whose
+ATen graphs are not compiled where their claimed regions save too little to beat the
+faster of those two; then, where the trace kept regions, the three together. The fastest
+runs. That verdict is stored under the same key,
 so a later compile builds only the side that won: eager compiles nothing at all.
 """
 
@@ -32,7 +34,6 @@ import contextvars
 import dataclasses
 import itertools
 import logging
-import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -41,6 +42,13 @@ import torch.fx
 
 from fusegraph.regions.report import Row
 from fusegraph.torch import aten, phases
+from fusegraph.torch.dynamo_verdict import (
+    NO_REGION_EAGER,
+    STORED_EAGER,
+    STORED_OWN,
+    DynamoVerdict,
+    dynamo_rows,
+)
 from fusegraph.torch.partition import Options, graph_device, partition
 from fusegraph.torch.phases import phase
 
@@ -76,18 +84,18 @@ def _sink() -> list[Row] | None:
 
 
 def _claim(gm: torch.fx.GraphModule, opts: Options, kind: str, whole: bool = False,
-           inputs: Sequence[Any] = ()) -> tuple[list[Row], bool]:
+           inputs: Sequence[Any] = (), gains: list[float] | None = None) -> tuple[list[Row], bool]:
     """The graph's regions claimed, and whether they were measured on device time: where
     the graph will be timed whole afterwards (``whole``) on a GPU with room for that
     (partition.py). Such regions still owe their host cost a measurement: _settle keeps
-    them only where the whole graph was timed."""
+    them only where the whole graph was timed. ``gains``: see partition()."""
     device_time = False
     if whole:
         from fusegraph.torch.graph_floor import room
 
         device = graph_device(gm)
         device_time = device.type == "cuda" and not room(inputs, device)
-    return partition(gm, opts, f"{kind}{next(_COUNTER)}", device_time=device_time), device_time
+    return partition(gm, opts, f"{kind}{next(_COUNTER)}", device_time=device_time, gains=gains), device_time
 
 
 def _report(rows: list[Row]) -> None:
@@ -120,7 +128,10 @@ class _Floor:
 
 
 def _handed_back(rows: list[Row], verdict: Any, rest: str) -> list[Row]:
-    why = f"handed back with the whole graph: {verdict.describe()}"
+    return _not_kept(rows, f"handed back with the whole graph: {verdict.describe()}", rest)
+
+
+def _not_kept(rows: list[Row], why: str, rest: str) -> list[Row]:
     return [dataclasses.replace(r, where=rest, why=f"{why} (the region: {r.why})") if r.fusegraph else r for r in rows]
 
 
@@ -255,7 +266,9 @@ class _Compile:
     H200 and on the CPU). The same cost stays where regions are kept: ResNet-50 training on
     an H200 kept two regions worth ~0.02 ms of a 23 ms step and ran at 0.95x Inductor, the
     per-ATen-graph check (graph_floor.py) unable to see it, since both of its sides come
-    from this trace. So a trace that kept regions is then timed, forward and backward as a
+    from this trace. Where Inductor's own compile and eager were timed first (``best``), a
+    graph whose regions, with those claimed before it, save too little to win that step
+    is not compiled either (step_floor.trace_cannot_win). So a trace that kept regions is then timed, forward and backward as a
     step, against Inductor's own compile of the Dynamo graph and eager (step_floor.py),
     and the fastest is returned. ``collect``: a trace compiling every graph keeps its rows
     too, for that check (the second trace after a backward claimed what its forward did not)."""
@@ -267,6 +280,8 @@ class _Compile:
     redo: bool = False  # a graph kept regions after one was skipped: trace again, compiling each
     lasting: bool = True  # every verdict taken would be taken again (none unmeasured, no check failed)
     rows: list[Row] = dataclasses.field(default_factory=list)
+    best: Any = None  # the step check's verdict between Inductor's own and eager, taken before the trace
+    gain: float = 0.0  # what the regions claimed so far save, measured alone (partition.py)
 
     def report(self, rows: list[Row]) -> None:
         # a region left unmeasured (a budget spent) is measured by a later compile
@@ -295,8 +310,18 @@ def _inductor_inner(opts: Options, state: _Compile, patches: dict[str, Any] | No
     def inner(graph: torch.fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
         # under CUDA graphs both sides would be captured and replayed: the regions' verdicts decide
         original = copy_graph(graph) if opts.floor and opts.whole_graph and patches is None else None
-        rows, device_time = _claim(graph, opts, _kind(graph), original is not None, inputs)
+        gains: list[float] = []
+        rows, device_time = _claim(graph, opts, _kind(graph), original is not None, inputs, gains)
         claimed = any(r.fusegraph for r in rows)
+        if state.probing and claimed and state.best is not None:
+            state.gain += sum(gains)
+            from fusegraph.torch.step_floor import trace_cannot_win
+
+            futile = trace_cannot_win(state.gain, state.best, opts.margin)
+            if futile:  # as good as nothing claimed (the gain only grows: nothing was kept before)
+                state.skipped = True
+                state.report(_not_kept(rows, futile, "inductor"))
+                return _skipped
         if state.probing and not state.kept:
             handed_back = _stored_hand_back(original, inputs, rows, opts)
             if not claimed or handed_back is not None:  # nothing claimed, or as good as that: not compiled
@@ -343,103 +368,12 @@ def _inductor_inner(opts: Options, state: _Compile, patches: dict[str, Any] | No
     return inner
 
 
-STORED_OWN = "Inductor's own compile: a stored verdict chose it for this Dynamo graph"
-STORED_EAGER = "eager: a stored verdict chose it for this Dynamo graph (run as it is, nothing compiled)"
-NO_REGION_EAGER = "no region kept in this graph: it runs eagerly, the Dynamo graph as it is"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Own:
-    """Where a Dynamo graph's verdict against Inductor's own compile is stored (the region
-    verdicts' table, so clearing the cache clears it): "no region kept" (concluded from the
-    regions' verdicts) or the step timed against it (step_floor.py: either side may win).
-    Its key (graph_floor.inductors_own_key): the graph's content, the options that change
-    what is claimed, the mode, the device and every library version, so a new fusegraph or
-    engine tries the graph again."""
-
-    key: str
-    store: Any  # regions.verdicts.VerdictStore
-
-    @staticmethod
-    def of(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Options, mode: str | None,
-           checked: bool) -> _Own:
-        from fusegraph.engines.registry import REGISTRY
-        from fusegraph.regions.verdicts import VerdictStore
-        from fusegraph.select.device_id import device_id
-        from fusegraph.select.tuning_db import engine_versions
-        from fusegraph.torch import graph_floor
-        from fusegraph.torch.plans import PLANS
-
-        device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
-        # warmup_s bounds a timing's warm-up; it does not decide a verdict
-        settings: dict[str, Any] = {"options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "warmup_s"},
-                    "mode": mode, "engine": PLANS.engine}
-        if checked:  # the step check's candidates: a verdict stored before eager was one is not read
-            from fusegraph.torch.step_floor import ORDER
-
-            settings["candidates"] = list(ORDER)
-        key = graph_floor.inductors_own_key(gm, example_inputs, settings, device_id(PLANS.handle(device)),
-                                            engine_versions(REGISTRY.available_engines()))
-        return _Own(key, VerdictStore())
-
-    def lookup(self) -> Any:
-        try:
-            found = self.store.lookup(self.key)
-        except Exception as exc:  # the usual path runs
-            log.info("the stored Dynamo graph verdict could not be read (%s: %s)", type(exc).__name__, exc)
-            return None
-        return found
-
-    def record_step(self, verdict: Any) -> None:
-        """The step's verdict (step_floor.py); the store keeps measured ones only."""
-        try:
-            self.store.record(self.key, verdict)
-            self.store.flush()
-        except Exception as exc:  # the next compile times the step again
-            log.info("the Dynamo graph verdict was not stored (%s: %s)", type(exc).__name__, exc)
-
-    def record(self, rows: list[Row]) -> None:
-        from fusegraph.regions.verdicts import Verdict
-        from fusegraph.torch import graph_floor
-
-        graphs = len({r.node.split(":", 1)[0] for r in rows})
-        regions = len({(r.node.split(":", 1)[0], r.region) for r in rows if r.region is not None})
-        why = (f"fusegraph's trace kept no region in {graphs} ATen graph{'s' * (graphs != 1)} "
-               f"({regions} region{'s' * (regions != 1)} chosen among)")
-        try:
-            self.store.record(self.key, Verdict(False, "concluded", why, incumbent=graph_floor.INDUCTORS_OWN))
-            self.store.flush()
-        except Exception as exc:  # the next compile traces the graph again
-            log.info("the Dynamo graph verdict was not stored (%s: %s)", type(exc).__name__, exc)
-
-    def why(self, verdict: Any, prefix: str = STORED_OWN) -> str:
-        return f"{prefix} ({verdict.describe()}; stored in {self.store.path}, key {self.key[:16]})"
-
-
-def _dynamo_rows(gm: torch.fx.GraphModule, where: str, why: str) -> list[Row]:
-    """One row per call in the Dynamo graph (no ATen graph was traced), each saying why."""
-    graph = f"graph{next(_COUNTER)}"
-    calls = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    if not calls:
-        return [Row(graph, "graph", where, why=why, compute=False)]
-    return [Row(f"{graph}:{n.name}", _dynamo_op(n), where, why=why,
-                compute=not (n.op == "call_function" and n.target is operator.getitem)) for n in calls]
-
-
-def _dynamo_op(n: torch.fx.Node) -> str:
-    if n.op != "call_function":
-        return str(n.target)
-    module = getattr(n.target, "__module__", None) or ""
-    name = getattr(n.target, "__name__", None) or str(n.target)
-    return f"{module}.{name}" if module else name
-
-
 def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: Options,
                    mode: str | None) -> Callable[..., Any]:
     """Inductor compiles what fusegraph leaves; where nothing is claimed, Inductor's own
     compile of the Dynamo graph runs (_Compile). Costs one more AOTAutograd trace there
     (the first pass compiles nothing), once: with the floor on, that conclusion is stored
-    (_Own) and a later compile of the graph runs Inductor's own compile at once. With the
+    (dynamo_verdict.py) and a later compile of the graph runs Inductor's own compile at once. With the
     floor on and no CUDA graphs (``checked``), the step check (step_floor.py) sets eager
     and, where regions were kept, fusegraph's trace against Inductor's own compile, and its
     verdict is stored instead: a later compile builds only the winner (eager: nothing).
@@ -465,10 +399,10 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
 
     # under CUDA graphs every side would be captured and replayed: the regions' verdicts decide
     checked = opts.floor and opts.whole_graph and patches is None
-    own_verdict: _Own | None = None
+    own_verdict: DynamoVerdict | None = None
     if opts.floor:
         try:
-            own_verdict = _Own.of(gm, example_inputs, opts, mode, checked)
+            own_verdict = DynamoVerdict.of(gm, example_inputs, opts, mode, checked)
         except Exception as exc:  # nothing stored or read: the usual path
             log.info("no Dynamo graph verdict key (%s: %s)", type(exc).__name__, exc)
     stored = own_verdict.lookup() if own_verdict is not None else None
@@ -487,11 +421,11 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         side = step_floor.winner(stored)
         if side == step_floor.EAGER:  # nothing compiled at all
             log.info("%s (%s)", STORED_EAGER, stored.describe())
-            _report(_dynamo_rows(gm, step_floor.WHERE[side], own_verdict.why(stored, STORED_EAGER)))
+            _report(dynamo_rows(gm, step_floor.WHERE[side], own_verdict.why(stored, STORED_EAGER)))
             return gm.forward
         if not checked or stored.incumbent_ms is not None:
             log.info("%s (%s)", STORED_OWN, stored.describe())
-            _report(_dynamo_rows(gm, "inductor", own_verdict.why(stored)))
+            _report(dynamo_rows(gm, "inductor", own_verdict.why(stored)))
             with phase(phases.OWN):
                 return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
         # "no region kept", stored before eager was timed (or where the check could not run): timed now
@@ -501,10 +435,24 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         if verdict is not None:
             own_verdict.record_step(verdict)
         why = own_verdict.why(stored, "fusegraph's trace: a stored verdict found no region kept")
-        _report(_dynamo_rows(gm, step_floor.WHERE[side], f"{step_floor.reason(verdict)}; {why}" if verdict else why))
+        _report(dynamo_rows(gm, step_floor.WHERE[side], f"{step_floor.reason(verdict)}; {why}" if verdict else why))
         return fn
     eager = copy_graph(gm) if checked else None
+    own_once = _once(compile_own)
     state = _Compile(probing=True)
+    best = None
+    if eager is not None and stored is None and not step_floor.why_not(gm, example_inputs):
+        # Inductor's own compile and eager first: the step they take bounds what the trace
+        # must save, so a trace that cannot win is not compiled (_Compile). Both get ``gm``
+        # itself: a copy_graph copy changes what AOTAutograd's partitioner saves (a tiny
+        # ConvBN saved a transposed weight instead of the weight), and Inductor's pre-grad
+        # passes, which rewrite it in place, give the same graph when run again.
+        try:
+            best = step_floor.settle(gm, example_inputs, own_once, eager.forward, margin=opts.margin,
+                                     warmup_s=opts.warmup_s)
+        except Exception as exc:  # Inductor's own failed: the trace may still run, as before
+            log.warning("Inductor's own compile of the Dynamo graph failed (%s: %s)", type(exc).__name__, exc)
+        state.best = best[2] if best is not None else None
     try:
         with phase(phases.FIRST_PASS):
             first = trace(state, force_non_lazy_backward_lowering=True)
@@ -521,11 +469,13 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         with phase(phases.FIRST_PASS):
             first = trace(state, force_non_lazy_backward_lowering=True)
     if state.kept:
-        return _against_others(first, compile_own, eager, gm, example_inputs, opts, state, own_verdict,
+        return _against_others(first, own_once, eager, gm, example_inputs, opts, state, own_verdict,
                                stored if checked else None)
     side, chosen, found = step_floor.OWN, None, None
-    if eager is not None:
-        side, chosen, found = step_floor.settle(gm, example_inputs, compile_own, eager.forward,
+    if best is not None:
+        side, chosen, found = best
+    elif eager is not None:
+        side, chosen, found = step_floor.settle(gm, example_inputs, own_once, eager.forward,
                                                 margin=opts.margin, warmup_s=opts.warmup_s)
     if own_verdict is not None and state.lasting:
         if found is not None:
@@ -543,9 +493,21 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
 
 
+def _once(compile_own: Callable[[], Callable[..., Any]]) -> Callable[[], Callable[..., Any]]:
+    """``compile_own`` compiling at its first call only (the step check may call it twice)."""
+    done: list[Callable[..., Any]] = []
+
+    def once() -> Callable[..., Any]:
+        if not done:
+            done.append(compile_own())
+        return done[0]
+
+    return once
+
+
 def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callable[..., Any]],
                     eager: torch.fx.GraphModule | None, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                    opts: Options, state: _Compile, own_verdict: _Own | None, stored: Any) -> Callable[..., Any]:
+                    opts: Options, state: _Compile, own_verdict: DynamoVerdict | None, stored: Any) -> Callable[..., Any]:
     """A trace that kept regions timed as a step against Inductor's own compile of the
     Dynamo graph and against eager (step_floor.py; ``eager`` None: not checked, the floor
     off or CUDA graphs), unless a stored verdict already chose the trace; the rows say which

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -108,14 +109,17 @@ def _key_of(n: torch.fx.Node) -> aten.Key:
     return (n.name, None)
 
 
-def partition(gm: torch.fx.GraphModule, opts: Options, phase: str, *, device_time: bool = False) -> list[Row]:
+def partition(gm: torch.fx.GraphModule, opts: Options, phase: str, *, device_time: bool = False,
+              gains: list[float] | None = None) -> list[Row]:
     """Rewrites ``gm`` in place (claimed regions -> ``fusegraph::region`` calls); the rows
     say where every ATen node runs. ``device_time`` (a GPU graph that will be timed whole
     afterwards): each region is measured against its incumbent on device time alone
     (select/cuda_clock.py). Timed alone, a region's call is host-bound -- 40-110 us of
     Python and dispatch around a 30 us kernel -- while in a graph whose host runs ahead of
     the GPU that time overlaps the kernels before it; whether it does is the whole-graph
-    check's to measure (graph_floor.py), which needs the regions whose kernels win."""
+    check's to measure (graph_floor.py), which needs the regions whose kernels win.
+    ``gains``: each claimed region's measured time saved (its incumbent's ms less
+    fusegraph's; infinite where a region was claimed unmeasured) is appended there."""
     rest = "inductor" if opts.rest == "inductor" else "torch.eager"
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     conv = aten.convert(gm.graph, f"{phase}")
@@ -155,6 +159,8 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str, *, device_tim
                     try:
                         _check_convex(gm, fx_names)
                         _replace(gm, choice.region, fx_names, conv, replaced, not opts.floor)
+                        if gains is not None:
+                            gains.append(_gain(choice.verdict))
                     except Exception as exc:  # never worse than not claiming
                         log.warning("region %d (%s) not claimed: %s", choice.region.index, choice.region.pattern, exc)
                         for name in fx_names:
@@ -181,6 +187,16 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str, *, device_tim
             rows.append(Row(f"{phase}:{n.name}", op_name(n), rest, None, "", why.get(n.name, "not converted"),
                             is_compute(n)))
     return rows
+
+
+def _gain(verdict: Verdict) -> float:
+    """What a claimed region saved where it was timed (on device time, or alone on the host:
+    either way no less than it saves inside the graph, where Inductor also fuses across its
+    borders); unknown (unmeasured, or the floor off) counts as unbounded."""
+    if verdict.source in ("measured", "cached") and verdict.fusegraph_ms is not None \
+            and verdict.incumbent_ms is not None:
+        return max(verdict.incumbent_ms - verdict.fusegraph_ms, 0.0)
+    return math.inf
 
 
 def _choose(opts: Options, device: torch.device, regions: Sequence[Region], device_time: bool = False) -> list[Choice]:
