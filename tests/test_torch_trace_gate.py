@@ -138,3 +138,29 @@ def test_training_counts_the_forward_and_backward_together(
     assert {r.node[:2] for r in rows if r.fusegraph} == {"fw", "bw"}
     assert all(step_floor.TRACE_WON in r.why for r in rows if r.fusegraph)
     assert abs(float(got[0]) - float(want[0])) < 1e-5 * want[3]
+
+
+def test_no_step_is_timed_where_ddp_reads_the_first_call() -> None:
+    """DDP's graph split (torch/_dynamo/backends/distributed.py) sets the tracing context's
+    ``fakify_first_call``: the compiled piece's first call must give it fake outputs, so the
+    step check, which would make that call, does not run there."""
+    from torch._guards import TracingContext, tracing
+
+    gm = torch.fx.symbolic_trace(lambda x: x * 2 + 1)
+    inputs = [torch.randn(4)]
+    assert step_floor.why_not(gm, inputs) == ""
+    context = TracingContext(None)
+    context.fakify_first_call = True
+    with tracing(context):
+        assert "DDP's graph split" in step_floor.why_not(gm, inputs)
+        own_calls: list[int] = []
+
+        def compile_own() -> Any:
+            def own(*args: Any) -> Any:
+                own_calls.append(1)
+                return gm(*args)
+
+            return own
+
+        side, fn, verdict = step_floor.settle(gm, inputs, compile_own, gm.forward, margin=0.03, warmup_s=0.0)
+        assert side == step_floor.OWN and verdict is None and fn.__name__ == "own" and not own_calls

@@ -72,6 +72,14 @@ def device_of(example_inputs: Sequence[Any]) -> torch.device:
 
 def why_not(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sides: int = 2) -> str:
     """Why the step cannot be timed here ('' when it can), with ``sides`` candidates."""
+    from torch._guards import TracingContext
+
+    context = TracingContext.try_get()
+    if context is not None and getattr(context, "fakify_first_call", False):
+        # DDP's graph split: its compiled pieces' first call returns fake outputs, which it
+        # then reads; a timed step would take that call (on two H200s every step check
+        # failed and DDP then ran the real code on fake tensors: "Cannot access data pointer")
+        return "DDP's graph split reads the compiled graph's first call (fake outputs), which a timed step would take"
     if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
         return "the Dynamo graph holds parameters or buffers of its own (its backward would change theirs)"
     if any(isinstance(x, torch.Tensor) and x.is_sparse for x in example_inputs):
