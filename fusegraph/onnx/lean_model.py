@@ -32,39 +32,12 @@ from fusegraph.onnx.load import (
     _TENSOR_RAW,
     _VIEWABLE,
     _element_count,
-    _varint,
+    _spans,
     _Wire,
 )
 
 LEAN_MIN_BYTES = 4096  # raw_data at least this long is left out of the parse (the rest costs nothing to copy)
 _TYPED = ("float_data", "int32_data", "string_data", "int64_data", "double_data", "uint64_data")
-
-
-def _spans(data: bytes, start: int, end: int) -> list[tuple[int, int, int, int, int]]:
-    """(field number, wire type, tag start, payload start, payload end) of one message's
-    fields; a varint field's payload is the varint itself."""
-    out: list[tuple[int, int, int, int, int]] = []
-    pos = start
-    while pos < end:
-        tag_at = pos
-        tag, pos = _varint(data, pos)
-        number, wire = tag >> 3, tag & 7
-        if wire == 0:
-            _, after = _varint(data, pos)
-        elif wire == 1:
-            after = pos + 8
-        elif wire == 2:
-            length, pos = _varint(data, pos)
-            after = pos + length
-        elif wire == 5:
-            after = pos + 4
-        else:  # groups: not in onnx.proto
-            raise _Wire(f"wire type {wire}")
-        if after > end:
-            raise _Wire("a field runs past its message")
-        out.append((number, wire, tag_at, pos, after))
-        pos = after
-    return out
 
 
 def _encode_varint(n: int) -> bytes:
@@ -97,7 +70,7 @@ def lean_parse(data: bytes, min_bytes: int = LEAN_MIN_BYTES) -> tuple[onnx.Model
 
 
 def _lean(data: bytes, min_bytes: int) -> tuple[onnx.ModelProto, dict[str, np.ndarray]] | None:
-    top = _spans(data, 0, len(data))
+    top = list(_spans(data, 0, len(data)))
     graphs = [s for s in top if s[0] == _MODEL_GRAPH and s[1] == 2]
     if len(graphs) != 1:  # protobuf merges repeated message fields: left to the parser
         return None
@@ -109,7 +82,7 @@ def _lean(data: bytes, min_bytes: int) -> tuple[onnx.ModelProto, dict[str, np.nd
         if number != _GRAPH_INITIALIZER or wire != 2:
             parts.append(view[tag_at:end])
             continue
-        fields = _spans(data, start, end)
+        fields = list(_spans(data, start, end))
         names = [(a, b) for n, w, _, a, b in fields if n == _TENSOR_NAME and w == 2]
         raws = [(t, a, b) for n, w, t, a, b in fields if n == _TENSOR_RAW and w == 2]
         if len(names) != 1 or len(raws) > 1:

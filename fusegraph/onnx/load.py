@@ -189,11 +189,12 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def _fields(data: bytes, start: int, end: int) -> Iterable[tuple[int, int, int, int]]:
-    """(field number, wire type, payload start, payload end) of one message's fields; for
-    a varint field the payload is the varint itself."""
+def _spans(data: bytes, start: int, end: int) -> Iterable[tuple[int, int, int, int, int]]:
+    """(field number, wire type, tag start, payload start, payload end) of one message's
+    fields; for a varint field the payload is the varint itself."""
     pos = start
     while pos < end:
+        tag_at = pos
         tag, pos = _varint(data, pos)
         number, wire = tag >> 3, tag & 7
         if wire == 0:
@@ -209,8 +210,14 @@ def _fields(data: bytes, start: int, end: int) -> Iterable[tuple[int, int, int, 
             raise _Wire(f"wire type {wire}")
         if after > end:
             raise _Wire("a field runs past its message")
-        yield number, wire, pos, after
+        yield number, wire, tag_at, pos, after
         pos = after
+
+
+def _fields(data: bytes, start: int, end: int) -> Iterable[tuple[int, int, int, int]]:
+    """:func:`_spans` without the tag's start."""
+    for number, wire, _, payload, after in _spans(data, start, end):
+        yield number, wire, payload, after
 
 
 def _one(data: bytes, start: int, end: int, number: int) -> tuple[int, int] | None:
