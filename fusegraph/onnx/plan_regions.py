@@ -55,6 +55,7 @@ from fusegraph.regions.choose import PENDING, Choice, Chooser
 from fusegraph.regions.incumbent import op_by_op_config
 from fusegraph.regions.plan import RegionPlan, Step
 from fusegraph.regions.split import Region
+from fusegraph.regions.subgraph import Whole
 from fusegraph.runtime.progress import working
 
 if TYPE_CHECKING:
@@ -225,10 +226,11 @@ class RegionUnit(FusegraphUnit):
         return self.upgrade.done
 
     def _pieces(self) -> list[Piece]:
-        found = split(self.graph, atoms=dict(self.origin))
+        whole = Whole(self.graph)  # the regions and the cuts from one serialized graph
+        found = split(self.graph, atoms=dict(self.origin), whole=whole)
         if self.tune_budget > 0:  # the unit's budget shared by its distinct regions
             self.tune_s = self.tune_budget / max(1, len({r.key for r in found.regions}))
-        regions, cuts = list(found.regions), region_pieces.cuts(self.graph, found.rejected)
+        regions, cuts = list(found.regions), region_pieces.cuts(self.graph, found.rejected, whole)
         if self.precision.reduced is not None:
             regions, cuts = region_precision.reduce(self, regions, cuts)
         elif self.precision.tf32:  # only the float32 reference the report's accuracy is stated against

@@ -56,11 +56,12 @@ class Cut:
     movement: bool
 
 
-def cuts(graph: Graph, rejected: Sequence[Any]) -> list[Cut]:
+def cuts(graph: Graph, rejected: Sequence[Any], whole: Whole | None = None) -> list[Cut]:
     """The nodes of ``graph`` no region took (``rejected``: split's rejections), as graphs: data
-    movement together, the rest one by one."""
+    movement together, the rest one by one. ``whole``: the graph's ``Whole`` the split cut its
+    regions from, where the caller has it (serialized once)."""
     out: list[Cut] = []
-    whole = Whole(graph)
+    whole = whole if whole is not None else Whole(graph)
     outputs = {t.name for t in graph.outputs()}
     readers: dict[str, set[str]] = {}
     for n in graph.nodes:

@@ -122,7 +122,7 @@ def _kahn(preds: Sequence[dict[int, None]], rank: Sequence[float]) -> list[int]:
 
 def split(
     graph: Graph, *, opaque: Mapping[str, Sequence[str]] | None = None, atoms: Mapping[str, str] | None = None,
-    movement: bool = True,
+    movement: bool = True, whole: Whole | None = None,
 ) -> Split:
     """Candidate regions of the validated ``graph``. ``opaque`` maps a graph input that
     code outside the graph computes to the graph tensors that code reads (directly or
@@ -131,7 +131,9 @@ def split(
     became), a group: a node joins or starts a region with its whole group, or not at all.
     ``movement=False`` leaves reshapes and transposes out of every region, for a front door
     whose engines take none (cuDNN and the Triton row kernel): around them the caller's own
-    code moves the data, a view costing nothing there, and the regions keep their compute."""
+    code moves the data, a view costing nothing there, and the regions keep their compute.
+    ``whole``: the graph's :class:`Whole`, where the caller cuts more pieces of it afterwards
+    (``region_pieces.cuts``): serialized once, and contents validated once for both."""
     graph.ensure_valid()
     graph.topological_order()  # raises on a cycle inside the graph
     dag = _Dag(graph, opaque or {})
@@ -213,7 +215,8 @@ def split(
     for i, n in real:
         for t in _reads(n):
             readers.setdefault(t, set()).add(owner.get(i))
-    whole = Whole(graph)  # serialized and indexed once: every piece is cut from it
+    if whole is None:
+        whole = Whole(graph)  # serialized and indexed once: every piece is cut from it
     in_region: dict[int, list[Node]] = {}
     for i, n in real:
         if i in owner:

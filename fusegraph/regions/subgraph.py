@@ -32,6 +32,42 @@ class Whole:
         self.d = graph_to_dict(parent)
         self.by_name: dict[str, dict[str, Any]] = {e["name"]: e for e in self.d["tensors"]}
         self.node_at: dict[str, int] = {e["name"]: k for k, e in enumerate(self.d["nodes"])}
+        # A cut's contents (its dict but the name) -> what validating it the first time left:
+        # a model's repeated layers cut the same contents again and again (Swin-T: 177 cuts),
+        # and validating a graph is a function of its contents (issue 24 item 6).
+        self.seen: dict[str, _Validated] = {}
+
+
+@dataclass(frozen=True)
+class _Validated:
+    """A cut's validated state: each tensor's dims, strides and type as ``validate`` left
+    them (copied, so a later change to the first graph changes nothing here), and the
+    graph whose content key a repeat may take once it is computed."""
+
+    states: tuple[tuple[Any, Any, Any], ...]
+    first: Graph
+
+
+def _build(d: dict[str, Any], seen: dict[str, _Validated] | None) -> Graph:
+    """``graph_from_dict(d)`` validated. Where ``seen`` holds the same contents validated
+    before, their state is copied instead: ``validate`` infers from the contents alone, so it
+    would infer (and check) the same again."""
+    if seen is None:
+        return graph_from_dict(d).validate()
+    sig = repr((d["tensors"], d["nodes"]))
+    done = seen.get(sig)
+    g = graph_from_dict(d)
+    if done is None:
+        g.validate()
+        seen[sig] = _Validated(tuple((t._dim, t._stride, t._data_type) for t in g.tensors), g)
+        return g
+    for t, (dim, stride, dt) in zip(g.tensors, done.states, strict=True):
+        t._infer(dim=dim, stride=stride, data_type=dt)
+    g._validated = True
+    first = done.first
+    if first.is_validated and first._key is not None:  # the key leaves the name out
+        g._key = first._key
+    return g
 
 
 def cut(parent: Graph, nodes: Sequence[Node], keep: frozenset[str] | set[str], name: str,
@@ -97,6 +133,5 @@ def cut(parent: Graph, nodes: Sequence[Node], keep: frozenset[str] | set[str], n
             "outputs": {p: rename[t] for p, t in e["outputs"].items()},
         })
     d = {**whole_d, "name": name, "tensors": tensors, "nodes": node_entries}
-    g = graph_from_dict(d)
-    g.validate()
+    g = _build(d, whole.seen if isinstance(whole, Whole) else None)
     return Cut(g, tuple(inputs), tuple(outputs))
