@@ -247,8 +247,8 @@ class RegionUnit(FusegraphUnit):
         provisional = bool(self._deferred)
         pieces = [self._chosen(c, provisional=provisional) for c in choices]
         for c in cuts:
-            try:
-                plan = self._eager(c.graph, provisional=provisional)
+            try:  # keyed as regions are: a model's repeated layers leave the same cuts (Swin-T: 69, 31 contents)
+                plan = self._eager(c.graph, provisional=provisional, key=c.graph.key())
             except Exception as exc:
                 orig = self._fp32.get(c.nodes)
                 if orig is None:

@@ -41,11 +41,12 @@ class Whole:
 @dataclass(frozen=True)
 class _Validated:
     """A cut's validated state: each tensor's dims, strides and type as ``validate`` left
-    them (copied, so a later change to the first graph changes nothing here), and the
-    graph whose content key a repeat may take once it is computed."""
+    them, and its content key (which leaves the name out); taken when the first cut of the
+    contents was made, so a later change to that graph changes nothing here. Every cut from
+    a ``Whole`` is keyed (the split keys its regions, the region unit its cuts)."""
 
     states: tuple[tuple[Any, Any, Any], ...]
-    first: Graph
+    key: str
 
 
 def _build(d: dict[str, Any], seen: dict[str, _Validated] | None) -> Graph:
@@ -59,14 +60,12 @@ def _build(d: dict[str, Any], seen: dict[str, _Validated] | None) -> Graph:
     g = graph_from_dict(d)
     if done is None:
         g.validate()
-        seen[sig] = _Validated(tuple((t._dim, t._stride, t._data_type) for t in g.tensors), g)
+        seen[sig] = _Validated(tuple((t._dim, t._stride, t._data_type) for t in g.tensors), g.key())
         return g
     for t, (dim, stride, dt) in zip(g.tensors, done.states, strict=True):
         t._infer(dim=dim, stride=stride, data_type=dt)
     g._validated = True
-    first = done.first
-    if first.is_validated and first._key is not None:  # the key leaves the name out
-        g._key = first._key
+    g._key = done.key
     return g
 
 
