@@ -29,6 +29,16 @@ def _layers(n: int = 3) -> fg.Graph:
     return g.validate()
 
 
+def _branches() -> fg.Graph:
+    """The same ops on two widths (and two types): contents a memo must keep apart."""
+    g = fg.Graph("branches", io_data_type=fg.DataType.FLOAT)
+    for i, (width, dt) in enumerate([(32, None), (16, None), (16, fg.DataType.HALF)]):
+        x = g.tensor(f"x{i}", [8, width], data_type=dt)
+        w, b = g.tensor(f"w{i}", [width, width], data_type=dt), g.tensor(f"b{i}", [1, width], data_type=dt)
+        g.relu(g.add(g.matmul(x, w), b)).set_output(True).set_name(f"y{i}")
+    return g.validate()
+
+
 def _state(g: fg.Graph) -> list[Any]:
     return [(t.name, t._dim, t._stride, t._data_type, t.dim_set, t.stride_set, t.dtype_set, t.is_virtual,
              t.is_output) for t in g.tensors]
@@ -42,7 +52,7 @@ def _same(a: fg.Graph, b: fg.Graph) -> None:
 
 
 def test_repeated_contents_cut_as_if_each_were_validated_alone() -> None:
-    for g in (_layers(), transformer_block(scale=0.5)):
+    for g in (_layers(), _branches(), transformer_block(scale=0.5)):
         by_name = {n.name: n for n in g.nodes}
         whole = Whole(g)
         found = split(g, whole=whole)
@@ -50,6 +60,8 @@ def test_repeated_contents_cut_as_if_each_were_validated_alone() -> None:
         if g.name == "layers":
             assert len(set(keys)) < len(keys)  # the layers repeat: the memo is taken
             assert whole.seen
+        if g.name == "branches":
+            assert len(set(keys)) == len(keys) == 3
         for r in found.regions:
             alone = cut(g, [by_name[n] for n in r.nodes], set(r.outputs), r.graph.name)  # no Whole: validated
             _same(r.graph, alone.graph)
