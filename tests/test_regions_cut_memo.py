@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from test_regions import transformer_block
 
 import fusegraph as fg
@@ -102,3 +103,21 @@ def test_a_repeat_does_not_take_a_changed_first_graphs_state() -> None:
     alone = cut(g, [by_name[n] for n in twin.nodes], set(twin.outputs), "again").graph
     _same(again, alone)
     assert again.key() == r0.key
+
+
+def test_a_graph_adopts_the_state_validating_it_would_leave() -> None:
+    """``Graph.adopt_validated`` gives a fresh graph of the same contents what ``validate``
+    infers, key included; a graph of other contents (another tensor count) is refused."""
+    from fusegraph.graph.serialize import graph_from_dict
+
+    first = _layers()
+    state = first.validated_state()
+    fresh = graph_from_dict(graph_to_dict(first))
+    assert not fresh.is_validated
+    fresh.adopt_validated(state)
+    again = graph_from_dict(graph_to_dict(first)).validate()
+    assert fresh.is_validated and fresh.key() == again.key() == first.key()
+    assert [(t.dim, t.stride, t.data_type) for t in fresh.tensors] == [(t.dim, t.stride, t.data_type)
+                                                                      for t in again.tensors]
+    with pytest.raises(ValueError, match="tensors"):
+        graph_from_dict(graph_to_dict(_layers(2))).adopt_validated(state)

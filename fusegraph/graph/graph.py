@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -446,6 +447,26 @@ class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, Plan
 
         return graph_from_json(text)
 
+    def validated_state(self) -> ValidatedState:
+        """What ``validate`` inferred (every tensor's dims, strides and type) and the content
+        key, for another graph of the same contents to adopt (``adopt_validated``): kept here,
+        beside ``validate``, so the two change together."""
+        self.ensure_valid()
+        return ValidatedState(tuple((t._dim, t._stride, t._data_type) for t in self.tensors), self.key())
+
+    def adopt_validated(self, state: ValidatedState) -> Graph:
+        """This graph as ``validate`` would leave it, from the state of a graph of the same
+        contents (a model's repeated layers cut the same region again and again:
+        regions/subgraph.py). Validating is a function of the contents alone; the caller
+        vouches that they are the same."""
+        if len(state.tensors) != len(self.tensors):
+            raise ValueError(f"graph '{self.name}': {len(self.tensors)} tensors, the state has {len(state.tensors)}")
+        for t, (dim, stride, dt) in zip(self.tensors, state.tensors, strict=True):
+            t._infer(dim=dim, stride=stride, data_type=dt)
+        self._validated = True
+        self._key = state.key
+        return self
+
     def key(self) -> str:
         """Stable content hash of the validated graph (hex sha256)."""
         if self._key is None:
@@ -457,6 +478,15 @@ class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, Plan
 
     def __repr__(self) -> str:
         return f"Graph({self.name!r}, {len(self.nodes)} nodes, {len(self.tensors)} tensors)"
+
+
+@dataclass(frozen=True)
+class ValidatedState:
+    """``Graph.validated_state``: each tensor's (dims, strides, data type) in declaration
+    order, and the content key."""
+
+    tensors: tuple[tuple[Any, Any, Any], ...]
+    key: str
 
 
 _INT64_MAX = 2**63 - 1

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fusegraph.graph.graph import Graph
+from fusegraph.graph.graph import Graph, ValidatedState
 from fusegraph.graph.node import Node
 from fusegraph.graph.serialize import graph_from_dict, graph_to_dict
 
@@ -35,21 +35,10 @@ class Whole:
         # A cut's contents (its dict but the name) -> what validating it the first time left:
         # a model's repeated layers cut the same contents again and again (Swin-T: 177 cuts),
         # and validating a graph is a function of its contents (issue 24 item 6).
-        self.seen: dict[str, _Validated] = {}
+        self.seen: dict[str, ValidatedState] = {}
 
 
-@dataclass(frozen=True)
-class _Validated:
-    """A cut's validated state: each tensor's dims, strides and type as ``validate`` left
-    them, and its content key (which leaves the name out); taken when the first cut of the
-    contents was made, so a later change to that graph changes nothing here. Every cut from
-    a ``Whole`` is keyed (the split keys its regions, the region unit its cuts)."""
-
-    states: tuple[tuple[Any, Any, Any], ...]
-    key: str
-
-
-def _build(d: dict[str, Any], seen: dict[str, _Validated] | None) -> Graph:
+def _build(d: dict[str, Any], seen: dict[str, ValidatedState] | None) -> Graph:
     """``graph_from_dict(d)`` validated. Where ``seen`` holds the same contents validated
     before, their state is copied instead: ``validate`` infers from the contents alone, so it
     would infer (and check) the same again."""
@@ -59,14 +48,9 @@ def _build(d: dict[str, Any], seen: dict[str, _Validated] | None) -> Graph:
     done = seen.get(sig)
     g = graph_from_dict(d)
     if done is None:
-        g.validate()
-        seen[sig] = _Validated(tuple((t._dim, t._stride, t._data_type) for t in g.tensors), g.key())
+        seen[sig] = g.validate().validated_state()  # taken now: a later change to ``g`` changes nothing here
         return g
-    for t, (dim, stride, dt) in zip(g.tensors, done.states, strict=True):
-        t._infer(dim=dim, stride=stride, data_type=dt)
-    g._validated = True
-    g._key = done.key
-    return g
+    return g.adopt_validated(done)
 
 
 def cut(parent: Graph, nodes: Sequence[Node], keep: frozenset[str] | set[str], name: str,
