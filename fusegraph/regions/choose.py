@@ -91,15 +91,18 @@ class Chooser:
             self._versions = engine_versions(REGISTRY.available_engines())
         return self._versions
 
-    def key(self, region: Region, preferred: bool | str = False) -> str:
+    def key(self, region: Region, preferred: bool | str = False, *, incumbent: str | None = None,
+            extra: Mapping[str, Any] | None = None) -> str:
         """The verdict key of a candidate: the builder's (False), the preferred one (True) or
-        a fallback (its name)."""
+        a fallback (its name); ``incumbent`` and ``extra`` settings for a verdict taken
+        against another incumbent than the chooser's (the torch backend's screen)."""
         from fusegraph.select.device_id import device_id
 
         candidate = "preferred" if preferred is True else preferred or None
         settings = {"engine": self.engine or "auto", "margin": self.margin, **dict(self.build_options),
-                    **dict(self.key_options), **({"candidate": candidate} if candidate else {})}
-        return verdict_key(region.key, device_id(self.handle), self.incumbent.name, self.versions(), settings)
+                    **dict(self.key_options), **({"candidate": candidate} if candidate else {}), **dict(extra or {})}
+        return verdict_key(region.key, device_id(self.handle), incumbent or self.incumbent.name, self.versions(),
+                           settings)
 
     def cached(self, region: Region, preferred: bool | str = False) -> Verdict | None:
         """The stored verdict on the region's candidate (the preferred one, the builder's or a

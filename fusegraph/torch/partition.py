@@ -288,12 +288,7 @@ def _screen(chooser: Chooser, opts: Options, regions: Sequence[Region],
 
 def screen_key(chooser: Chooser, region: Region, screen: float) -> str:
     """The screen verdict's key: the chooser's settings, the screen's factor, the eager incumbent."""
-    from fusegraph.regions.verdicts import verdict_key
-    from fusegraph.select.device_id import device_id
-
-    settings = {"engine": chooser.engine or "auto", "margin": chooser.margin, **dict(chooser.build_options),
-                **dict(chooser.key_options), "screen": screen}
-    return verdict_key(region.key, device_id(chooser.handle), EAGER_OPS, chooser.versions(), settings)
+    return chooser.key(region, incumbent=EAGER_OPS, extra={"screen": screen})
 
 
 def _screen_one(chooser: Chooser, opts: Options, region: Region,
