@@ -16,9 +16,9 @@ With Inductor as the rest, the ops fusegraph converts are kept whole through Ind
 decompositions (a layer norm stays ``native_layer_norm``) so that they can be claimed.
 Where no ATen graph of a Dynamo graph keeps a region, that trace is dropped and the Dynamo
 graph gets Inductor's own compile (_Compile): the same code as ``torch.compile(model)``.
-That conclusion is stored (dynamo_verdict.py): a later compile of the same Dynamo graph, with the same
-options, mode, device and library versions, skips fusegraph's trace and goes straight to
-Inductor's own compile. With the floor on and no CUDA graphs, the Dynamo graph is timed
+That conclusion is stored (dynamo_verdict.py): a later compile of the same Dynamo graph,
+with the same options, mode, device and library versions, skips fusegraph's trace and goes
+straight to Inductor's own compile. With the floor on and no CUDA graphs, the Dynamo graph is timed
 as a step (step_floor.py) the ways the user could run it: first Inductor's own compile and
 eager (the Dynamo graph as it is, ``backend="eager"``), before fusegraph's trace, whose
 ATen graphs are not compiled where their claimed regions save too little to beat the
@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -266,11 +267,11 @@ class _Compile:
     H200 and on the CPU). The same cost stays where regions are kept: ResNet-50 training on
     an H200 kept two regions worth ~0.02 ms of a 23 ms step and ran at 0.95x Inductor, the
     per-ATen-graph check (graph_floor.py) unable to see it, since both of its sides come
-    from this trace. Where Inductor's own compile and eager were timed first (``best``), a
-    graph whose regions, with those claimed before it, save too little to win that step
-    is not compiled either (step_floor.trace_cannot_win). So a trace that kept regions is then timed, forward and backward as a
+    from this trace. So a trace that kept regions is then timed, forward and backward as a
     step, against Inductor's own compile of the Dynamo graph and eager (step_floor.py),
-    and the fastest is returned. ``collect``: a trace compiling every graph keeps its rows
+    and the fastest is returned. Where those two were timed first (``best``), a graph
+    whose regions, with those claimed before it, save too little to win that step is not
+    compiled at all (step_floor.trace_cannot_win). ``collect``: a trace compiling every graph keeps its rows
     too, for that check (the second trace after a backward claimed what its forward did not)."""
 
     probing: bool
@@ -373,10 +374,11 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     """Inductor compiles what fusegraph leaves; where nothing is claimed, Inductor's own
     compile of the Dynamo graph runs (_Compile). Costs one more AOTAutograd trace there
     (the first pass compiles nothing), once: with the floor on, that conclusion is stored
-    (dynamo_verdict.py) and a later compile of the graph runs Inductor's own compile at once. With the
-    floor on and no CUDA graphs (``checked``), the step check (step_floor.py) sets eager
-    and, where regions were kept, fusegraph's trace against Inductor's own compile, and its
-    verdict is stored instead: a later compile builds only the winner (eager: nothing).
+    (dynamo_verdict.py) and a later compile of the graph runs Inductor's own compile at
+    once. With the floor on and no CUDA graphs (``checked``), the step check (step_floor.py)
+    times eager against Inductor's own compile before the trace, and again with the trace
+    where it kept regions; its verdict is stored instead: a later compile builds only the
+    winner (eager: nothing).
     With the floor off every region fusegraph can build is claimed, so nothing is stored or
     read."""
     import torch._functorch.config as functorch_config
@@ -438,7 +440,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         _report(dynamo_rows(gm, step_floor.WHERE[side], f"{step_floor.reason(verdict)}; {why}" if verdict else why))
         return fn
     eager = copy_graph(gm) if checked else None
-    own_once = _once(compile_own)
+    own_once = functools.cache(compile_own)  # the step check may ask for it twice: compiled once
     state = _Compile(probing=True)
     best = None
     if eager is not None and stored is None and not step_floor.why_not(gm, example_inputs):
@@ -491,18 +493,6 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         return chosen
     with phase(phases.OWN):
         return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
-
-
-def _once(compile_own: Callable[[], Callable[..., Any]]) -> Callable[[], Callable[..., Any]]:
-    """``compile_own`` compiling at its first call only (the step check may call it twice)."""
-    done: list[Callable[..., Any]] = []
-
-    def once() -> Callable[..., Any]:
-        if not done:
-            done.append(compile_own())
-        return done[0]
-
-    return once
 
 
 def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callable[..., Any]],
