@@ -23,7 +23,6 @@ import sys
 import numpy as np
 import onnx
 from google.protobuf.message import DecodeError
-from onnx import helper
 
 from fusegraph.onnx.load import (
     _GRAPH_INITIALIZER,
@@ -34,6 +33,7 @@ from fusegraph.onnx.load import (
     _element_count,
     _spans,
     _Wire,
+    raw_view,
 )
 
 LEAN_MIN_BYTES = 4096  # raw_data at least this long is left out of the parse (the rest costs nothing to copy)
@@ -115,13 +115,12 @@ def _lean(data: bytes, min_bytes: int) -> tuple[onnx.ModelProto, dict[str, np.nd
             return None  # its value is not its raw bytes: only the whole parse can give it
         if not viewable or not (out or t.HasField("raw_data")):
             continue
-        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
-        n_el = _element_count(t.dims)
-        if n_el is None or n_el * dtype.itemsize != b - a:
+        array = raw_view(data, t, a, b)
+        if array is None:
             if out:
                 return None
             continue
-        views[t.name] = np.frombuffer(data, dtype=dtype, count=n_el, offset=a).reshape(tuple(t.dims))
+        views[t.name] = array
     return model, views
 
 

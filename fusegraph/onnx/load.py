@@ -266,15 +266,23 @@ def initializer_views(data: bytes, model: onnx.ModelProto) -> dict[str, np.ndarr
                 continue
             if t.data_location != onnx.TensorProto.DEFAULT or not t.HasField("raw_data"):
                 continue
-            dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
-            n_el = _element_count(t.dims)
-            if n_el is None or n_el * dtype.itemsize != raw[1] - raw[0]:
-                continue
-            out[t.name] = np.frombuffer(data, dtype=dtype, count=n_el, offset=raw[0]).reshape(tuple(t.dims))
+            found = raw_view(data, t, *raw)
+            if found is not None:
+                out[t.name] = found
         return out
     except _Wire as exc:
         log.debug("initializers copied: the model's bytes did not walk (%s)", exc)
         return {}
+
+
+def raw_view(data: bytes, t: onnx.TensorProto, start: int, end: int) -> np.ndarray | None:
+    """``data[start:end]`` as ``t``'s array, a read-only view (None where those bytes are not
+    exactly what its dims and type need)."""
+    dtype = np.dtype(helper.tensor_dtype_to_np_dtype(t.data_type))
+    n_el = _element_count(t.dims)
+    if n_el is None or n_el * dtype.itemsize != end - start:
+        return None
+    return np.frombuffer(data, dtype=dtype, count=n_el, offset=start).reshape(tuple(t.dims))
 
 
 # ---- files checked before ------------------------------------------------------------------------
