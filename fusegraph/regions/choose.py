@@ -287,7 +287,7 @@ class Chooser:
             if fresh and self.budget_s is not None and spent >= self.budget_s:
                 out.append(Choice(region, Verdict(
                     False, "unmeasured", f"the region floor's budget ({self.budget_s:g} s) was spent before it; "
-                    "a later session measures it", incumbent=self.incumbent.name)))
+                    "a later session (or compile) measures it", incumbent=self.incumbent.name)))
                 continue
             t0 = time.perf_counter()
             choice, first = self._pick(region, inputs)

@@ -35,6 +35,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -50,7 +51,7 @@ from fusegraph.torch.dynamo_verdict import (
     DynamoVerdict,
     dynamo_rows,
 )
-from fusegraph.torch.partition import Options, graph_device, partition
+from fusegraph.torch.partition import FloorBudget, Options, budget_for, graph_device, partition
 from fusegraph.torch.phases import phase
 
 log = logging.getLogger("fusegraph.torch")
@@ -85,18 +86,20 @@ def _sink() -> list[Row] | None:
 
 
 def _claim(gm: torch.fx.GraphModule, opts: Options, kind: str, whole: bool = False,
-           inputs: Sequence[Any] = (), gains: list[float] | None = None) -> tuple[list[Row], bool]:
+           inputs: Sequence[Any] = (), gains: list[float] | None = None,
+           budget: FloorBudget | None = None) -> tuple[list[Row], bool]:
     """The graph's regions claimed, and whether they were measured on device time: where
     the graph will be timed whole afterwards (``whole``) on a GPU with room for that
     (partition.py). Such regions still owe their host cost a measurement: _settle keeps
-    them only where the whole graph was timed. ``gains``: see partition()."""
+    them only where the whole graph was timed. ``gains``, ``budget``: see partition()."""
     device_time = False
     if whole:
         from fusegraph.torch.graph_floor import room
 
         device = graph_device(gm)
         device_time = device.type == "cuda" and not room(inputs, device)
-    return partition(gm, opts, f"{kind}{next(_COUNTER)}", device_time=device_time, gains=gains), device_time
+    return partition(gm, opts, f"{kind}{next(_COUNTER)}", device_time=device_time, gains=gains,
+                     budget=budget), device_time
 
 
 def _report(rows: list[Row]) -> None:
@@ -283,6 +286,7 @@ class _Compile:
     rows: list[Row] = dataclasses.field(default_factory=list)
     best: Any = None  # the step check's verdict between Inductor's own and eager, taken before the trace
     gain: float = 0.0  # what the regions claimed so far save, measured alone (partition.py)
+    budget: FloorBudget | None = None  # what the region floor may spend over the Dynamo graph (partition.py)
 
     def report(self, rows: list[Row]) -> None:
         # a region left unmeasured (a budget spent) is measured by a later compile
@@ -312,7 +316,7 @@ def _inductor_inner(opts: Options, state: _Compile, patches: dict[str, Any] | No
         # under CUDA graphs both sides would be captured and replayed: the regions' verdicts decide
         original = copy_graph(graph) if opts.floor and opts.whole_graph and patches is None else None
         gains: list[float] = []
-        rows, device_time = _claim(graph, opts, _kind(graph), original is not None, inputs, gains)
+        rows, device_time = _claim(graph, opts, _kind(graph), original is not None, inputs, gains, state.budget)
         claimed = any(r.fusegraph for r in rows)
         if state.probing and claimed and state.best is not None:
             state.gain += sum(gains)
@@ -409,12 +413,17 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
             log.info("no Dynamo graph verdict key (%s: %s)", type(exc).__name__, exc)
     stored = own_verdict.lookup() if own_verdict is not None else None
 
+    own_s: list[float] = []  # how long Inductor's own compile took (the floor's "auto" budget)
+
     def compile_own() -> Callable[..., Any]:
         # the backward lowered now, not at its first call (the same graph: AOTAutograd
         # gives it the forward's strides either way): lowered lazily inside this compile,
         # as the timing's first step would, it sets Dynamo's compile metrics twice
+        t0 = time.perf_counter()
         with functorch_config.patch(force_non_lazy_backward_lowering=True), phase(phases.OWN):
-            return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
+            fn = compile_fx(gm, example_inputs, config_patches=own or None)
+        own_s.append(time.perf_counter() - t0)
+        return fn  # type: ignore[return-value]
 
     from fusegraph.torch import step_floor
     from fusegraph.torch.graph_floor import copy_graph
@@ -455,19 +464,21 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         except Exception as exc:  # Inductor's own failed: the trace may still run, as before
             log.warning("Inductor's own compile of the Dynamo graph failed (%s: %s)", type(exc).__name__, exc)
         state.best = best[2] if best is not None else None
+    device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+    state.budget = budget_for(opts, device, own_s[0] if own_s else None)
     try:
         with phase(phases.FIRST_PASS):
             first = trace(state, force_non_lazy_backward_lowering=True)
     except Exception as exc:  # the single trace of before, which compiles every graph as it comes
         log.warning("the first pass failed (%s: %s); traced again, every graph compiled", type(exc).__name__, exc,
                     exc_info=log.isEnabledFor(logging.DEBUG))
-        return trace(_Compile(probing=False))
+        return trace(_Compile(probing=False, budget=state.budget))
     state.probing = False
     if state.redo:
         log.info("a backward graph claimed regions where its forward claimed none: traced again")
         if eager is None:
-            return trace(_Compile(probing=False))
-        state = _Compile(probing=False, collect=True)  # every graph compiled, then the step check
+            return trace(_Compile(probing=False, budget=state.budget))
+        state = _Compile(probing=False, collect=True, budget=state.budget)  # every graph compiled, then the step check
         with phase(phases.FIRST_PASS):
             first = trace(state, force_non_lazy_backward_lowering=True)
     if state.kept:

@@ -50,9 +50,10 @@ class DynamoVerdict:
         from fusegraph.torch.plans import PLANS
 
         device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
-        # warmup_s bounds a timing's warm-up; it does not decide a verdict
-        settings: dict[str, Any] = {"options": {k: v for k, v in dataclasses.asdict(opts).items() if k != "warmup_s"},
-                    "mode": mode, "engine": PLANS.engine}
+        # warmup_s bounds a timing's warm-up and budget what is measured at once (a verdict
+        # with anything left unmeasured is not stored): neither decides a verdict
+        options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("warmup_s", "budget")}
+        settings: dict[str, Any] = {"options": options, "mode": mode, "engine": PLANS.engine}
         if checked:  # the step check's candidates: a verdict stored before eager was one is not read
             from fusegraph.torch.step_floor import ORDER
 

@@ -14,6 +14,7 @@ import itertools
 import logging
 import math
 import operator
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -50,6 +51,45 @@ NOT_COMPUTE = frozenset({
 # 1.29x Inductor's time, so the screen dropped no winner there.
 SCREEN = 1.5
 
+# Options.budget "auto": on a GPU, where Inductor's own compile of the Dynamo graph ran first
+# (the step check), the region floor may spend this share of that compile's seconds, and at
+# least AUTO_MIN_S. A cold compile on an H200 spent 8-14 s in the floor on top of Inductor's
+# 21-39 s (the regions' plans, Inductor's code for each, their timing), while issue 23 asks
+# for no longer than Inductor's; what is not measured runs Inductor's code and is measured
+# by later compiles (their stored verdicts make the rest cheap).
+AUTO_SHARE = 0.25
+AUTO_MIN_S = 2.0
+
+
+@dataclass
+class FloorBudget:
+    """Seconds the region floor may still spend over one Dynamo graph's compile (its
+    forward and backward share them) on regions without a stored verdict: building,
+    screening and measuring them. Past it the rest run the incumbent, unmeasured and
+    unrecorded, so the compile's own verdict is not stored either and a later compile
+    measures more, until every region has its verdict."""
+
+    seconds: float
+    spent_s: float = 0.0
+
+    @property
+    def left_s(self) -> float:
+        return max(0.0, self.seconds - self.spent_s)
+
+
+def budget_for(opts: Options, device: torch.device, own_compile_s: float | None) -> FloorBudget | None:
+    """The budget of one Dynamo graph's region floor (None: unbounded). ``auto`` bounds it
+    only on a GPU with Inductor's own compile timed: on the CPU a region takes ~0.3-1 s to
+    measure on a loaded 2-core machine, so which regions a bound leaves out would follow
+    the machine's load, and no compile-time target is set there."""
+    if not opts.floor or opts.budget is None:
+        return None
+    if opts.budget == "auto":
+        if device.type != "cuda" or own_compile_s is None:
+            return None
+        return FloorBudget(max(AUTO_MIN_S, AUTO_SHARE * own_compile_s))
+    return FloorBudget(float(opts.budget))
+
 
 @dataclass(frozen=True)
 class Options:
@@ -62,7 +102,9 @@ class Options:
     the graph with none and run the faster: graph_floor.py), ``screen`` (with the floor on and
     Inductor the incumbent: a region whose plan takes at least this many times as long as its
     ATen ops run eagerly is not compiled by Inductor to be measured against it (_screen);
-    0: every region is)."""
+    0: every region is), ``budget`` (seconds the region floor may spend on regions without
+    a stored verdict over one Dynamo graph's compile, FloorBudget; None: no limit; "auto":
+    see ``budget_for``)."""
 
     floor: bool = True
     incumbent: str = "inductor"
@@ -72,6 +114,7 @@ class Options:
     warmup_s: float = 0.3
     whole_graph: bool = True
     screen: float = SCREEN
+    budget: float | str | None = "auto"
 
     @staticmethod
     def of(options: Mapping[str, Any] | None) -> Options:
@@ -85,6 +128,9 @@ class Options:
             raise ValueError("fusegraph backend: incumbent and rest are 'inductor' or 'eager'")
         if not isinstance(opts.screen, int | float) or opts.screen < 0:
             raise ValueError(f"fusegraph backend: screen is a factor >= 0 (0: off), got {opts.screen!r}")
+        b = opts.budget
+        if not (b is None or b == "auto" or (isinstance(b, int | float) and not isinstance(b, bool) and b >= 0)):
+            raise ValueError(f"fusegraph backend: budget is 'auto', seconds >= 0 or None (no limit), got {b!r}")
         return opts
 
 
@@ -110,7 +156,7 @@ def _key_of(n: torch.fx.Node) -> aten.Key:
 
 
 def partition(gm: torch.fx.GraphModule, opts: Options, phase: str, *, device_time: bool = False,
-              gains: list[float] | None = None) -> list[Row]:
+              gains: list[float] | None = None, budget: FloorBudget | None = None) -> list[Row]:
     """Rewrites ``gm`` in place (claimed regions -> ``fusegraph::region`` calls); the rows
     say where every ATen node runs. ``device_time`` (a GPU graph that will be timed whole
     afterwards): each region is measured against its incumbent on device time alone
@@ -119,7 +165,8 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str, *, device_tim
     the GPU that time overlaps the kernels before it; whether it does is the whole-graph
     check's to measure (graph_floor.py), which needs the regions whose kernels win.
     ``gains``: each claimed region's measured time saved (its incumbent's ms less
-    fusegraph's; infinite where a region was claimed unmeasured) is appended there."""
+    fusegraph's; infinite where a region was claimed unmeasured) is appended there.
+    ``budget``: what the region floor may still spend (FloorBudget), spent here."""
     rest = "inductor" if opts.rest == "inductor" else "torch.eager"
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     conv = aten.convert(gm.graph, f"{phase}")
@@ -143,7 +190,7 @@ def partition(gm: torch.fx.GraphModule, opts: Options, phase: str, *, device_tim
             by_name = {n.name: n for n in nodes}
             fx_of = {r.index: _fx_nodes(r, conv, by_name) for r in regions.regions}
             device_time = device_time and device.type == "cuda" and opts.floor
-            choices = _choose(opts, device, regions.regions, device_time) if regions.regions else []
+            choices = _choose(opts, device, regions.regions, device_time, budget) if regions.regions else []
             replaced: dict[aten.Key, torch.fx.Node] = {}
             for choice in choices:
                 fx_names = fx_of[choice.region.index]
@@ -199,7 +246,8 @@ def _gain(verdict: Verdict) -> float:
     return math.inf
 
 
-def _choose(opts: Options, device: torch.device, regions: Sequence[Region], device_time: bool = False) -> list[Choice]:
+def _choose(opts: Options, device: torch.device, regions: Sequence[Region], device_time: bool = False,
+            budget: FloorBudget | None = None) -> list[Choice]:
     """The regions' verdicts, taken in a thread of their own: the floor measures on real
     tensors, outside the compile it sits in, as the compiled graph will run -- a forward graph
     is compiled under its fake mode (the incumbent failed on FakeTensors, every region was
@@ -235,10 +283,17 @@ def _choose(opts: Options, device: torch.device, regions: Sequence[Region], devi
         on_device = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         with torch.no_grad(), no_python_dispatcher(), on_device, phase(phases.REGION_FLOOR):
             chooser = _chooser(opts, device, timer, device_time)
+            t0 = time.perf_counter()
             with phase(phases.SCREEN):
-                screened = _screen(chooser, opts, regions, _inputs(device))
+                screened = _screen(chooser, opts, regions, _inputs(device), budget)
+            if budget is not None:  # the chooser gets what the screen left
+                budget.spent_s += time.perf_counter() - t0
+                chooser.budget_s = budget.left_s
             rest = [r for r in regions if r.index not in screened]
+            t0 = time.perf_counter()
             chosen = {c.region.index: c for c in chooser.choose_all(rest, _inputs(device))} if rest else {}
+            if budget is not None:
+                budget.spent_s += time.perf_counter() - t0
             return [screened.get(r.index) or chosen[r.index] for r in regions]
 
     with ThreadPoolExecutor(1, thread_name_prefix="fusegraph-floor") as pool:
@@ -260,7 +315,7 @@ EAGER_OPS = "its ATen ops run eagerly (the screen)"  # the screen's verdicts' in
 
 
 def _screen(chooser: Chooser, opts: Options, regions: Sequence[Region],
-            inputs: Callable[[Region], Mapping[str, Any]]) -> dict[int, Choice]:
+            inputs: Callable[[Region], Mapping[str, Any]], budget: FloorBudget | None = None) -> dict[int, Choice]:
     """The regions that need no Inductor compile to be decided, by index, each with its
     verdict: an Inductor compile per region was most of a cold compile (a tiny GPT-2 on the
     CPU: 23.8 of 35.8 s, for 29 regions that all lost). Before that compile, fusegraph's plan
@@ -270,14 +325,16 @@ def _screen(chooser: Chooser, opts: Options, regions: Sequence[Region],
     margin), and the region is decided without Inductor: not claimed, the verdict stored under
     a key of its own with both times. A region whose stored verdict against Inductor exists,
     that fusegraph cannot build, or that passes the screen is left to the chooser, as before;
-    one content key is screened once."""
+    one content key is screened once. Past the ``budget`` a region is left to the chooser,
+    which leaves it unmeasured when it finds the budget spent too."""
     if not (opts.floor and opts.incumbent == "inductor" and opts.screen > 0):
         return {}
+    deadline = time.perf_counter() + budget.left_s if budget is not None else math.inf
     found: dict[str, Verdict | None] = {}
     out: dict[int, Choice] = {}
     for region in regions:
         if region.key not in found:
-            found[region.key] = _screen_one(chooser, opts, region, inputs)
+            found[region.key] = _screen_one(chooser, opts, region, inputs, deadline)
         verdict = found[region.key]
         if verdict is not None:
             out[region.index] = Choice(region, verdict)
@@ -292,13 +349,15 @@ def screen_key(chooser: Chooser, region: Region, screen: float) -> str:
 
 
 def _screen_one(chooser: Chooser, opts: Options, region: Region,
-                inputs: Callable[[Region], Mapping[str, Any]]) -> Verdict | None:
+                inputs: Callable[[Region], Mapping[str, Any]], deadline: float = math.inf) -> Verdict | None:
     """The region's screen verdict, or None where the chooser decides it."""
     if chooser.stored(region):  # a verdict against Inductor decides it, as before
         return None
     key = screen_key(chooser, region, opts.screen)
     if chooser.store is not None and (stored := chooser.store.lookup(key)) is not None:
         return stored
+    if time.perf_counter() >= deadline:  # the floor's budget is spent: nothing built
+        return None
     built = chooser.build(region)
     if not isinstance(built, ExecutionPlan):  # refused: the chooser says why, nothing compiled either way
         return None

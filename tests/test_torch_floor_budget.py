@@ -1,0 +1,97 @@
+"""The region floor's budget over one Dynamo graph's compile (fusegraph/torch/partition.py
+FloorBudget, option ``budget``): past it a region without a stored verdict is neither built
+nor measured, runs Inductor's code and is reported unmeasured; nothing of that compile is
+stored as final, so a later compile measures what was left. Regions win alone here by 6 ms
+(tests/test_torch_graph_floor.py's virtual clock); the step's times are forced
+(tests/test_torch_step_floor.py)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch.compile backend needs torch")
+
+from test_torch_graph_floor import clock  # noqa: E402, F401  (the virtual clock fixture)
+from test_torch_incumbent_path import FLOOR, LNBlock, _rel  # noqa: E402
+from test_torch_step_floor import step_clock  # noqa: E402, F401  (the step check's forced timer)
+
+from fusegraph.torch import partition  # noqa: E402
+from fusegraph.torch.compile_backend import collecting, fusegraph_backend  # noqa: E402
+from fusegraph.torch.partition import AUTO_MIN_S, AUTO_SHARE, FloorBudget, Options, budget_for  # noqa: E402
+
+OPTIONS = {**FLOOR, "warmup_s": 0.0}
+CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it
+CPU = torch.device("cpu")
+
+
+@pytest.mark.parametrize("good", ["auto", None, 0, 2.5])
+def test_budget_option_accepts(good: Any) -> None:
+    assert Options.of({"budget": good}).budget == good
+
+
+@pytest.mark.parametrize("bad", ["soon", -1, True, [3]])
+def test_budget_option_refuses_with_its_name(bad: Any) -> None:
+    with pytest.raises(ValueError, match="budget"):
+        Options.of({"budget": bad})
+
+
+def test_auto_bounds_a_gpu_compile_by_inductors_own() -> None:
+    auto = Options.of({})
+    assert budget_for(auto, CUDA, 40.0) == FloorBudget(AUTO_SHARE * 40.0)
+    assert budget_for(auto, CUDA, 1.0) == FloorBudget(AUTO_MIN_S)  # never below the minimum
+    assert budget_for(auto, CUDA, None) is None  # Inductor's own was not compiled first: unbounded
+    assert budget_for(auto, CPU, 40.0) is None  # no compile-time bound on the CPU
+    assert budget_for(Options.of({"budget": 3}), CPU, None) == FloorBudget(3.0)  # given: everywhere
+    assert budget_for(Options.of({"budget": None}), CUDA, 40.0) is None
+    assert budget_for(Options.of({"floor": False, "budget": 3}), CUDA, 40.0) is None  # nothing measured
+
+
+def test_a_budget_is_spent_once_over_its_graphs() -> None:
+    b = FloorBudget(2.0)
+    b.spent_s += 1.5
+    assert b.left_s == pytest.approx(0.5)
+    b.spent_s += 1.5
+    assert b.left_s == 0.0
+
+
+def _compile(model: Any, x: Any, options: dict[str, Any]) -> tuple[Any, list[Any]]:
+    torch._dynamo.reset()
+    with torch.no_grad(), collecting() as rows:
+        got = torch.compile(model, backend=partial(fusegraph_backend, options=options))(x)
+    return got, rows
+
+
+def test_a_spent_budget_leaves_regions_to_a_later_compile(request: pytest.FixtureRequest,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """budget=0: every region runs Inductor's code unmeasured (no plan built, none measured),
+    the output is Inductor's own; the next compile, unbounded, measures them and keeps them.
+    Were the first compile's verdict stored, the second would go straight to Inductor's own."""
+    step: dict[str, Any] = request.getfixturevalue("step_clock")
+    step["own_ms"], step["eager_ms"], step["trace_ms"] = 100.0, 200.0, 50.0  # bound 3 ms: regions can win
+    built: list[str] = []
+    real_build = partition.PLANS.get
+
+    def counted(key: Any, *args: Any, **kwargs: Any) -> Any:
+        built.append(str(key))
+        return real_build(key, *args, **kwargs)
+
+    monkeypatch.setattr(partition.PLANS, "get", counted)
+    model = LNBlock().eval()
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        want = torch.compile(model)(x)
+    got, rows = _compile(model, x, {**OPTIONS, "budget": 0})
+    regions = [r for r in rows if r.region is not None]
+    assert regions and not any(r.fusegraph for r in rows)
+    assert all("budget (0 s) was spent" in r.why and "unmeasured" in r.why for r in regions), regions[0].why
+    assert not built  # nothing built for them
+    assert torch.equal(got, want)
+    built.clear()
+    got, rows = _compile(model, x, {**OPTIONS, "budget": None})
+    kept = [r for r in rows if r.fusegraph]
+    assert kept and not any("budget" in r.why for r in rows), [r.why for r in rows]
+    assert built
+    assert _rel(got, want) < 1e-5
