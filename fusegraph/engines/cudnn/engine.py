@@ -84,6 +84,9 @@ class CudnnEngine:
                 torch = importlib.import_module("torch")
                 cudnn = importlib.import_module("cudnn")
                 self._libs = (cudnn, torch)
+                from fusegraph.engines.cudnn.plan import track
+
+                track(self)  # its caches hold frontend objects: let go of at exit
                 return self._libs
             except Exception as exc:
                 self._lib_error = f"importing cuDNN's frontend failed: {type(exc).__name__}: {exc}"
@@ -142,6 +145,12 @@ class CudnnEngine:
         if torch.version.cuda:
             out["cuda"] = str(torch.version.cuda)
         return out
+
+    def _release(self) -> None:
+        """Drops the cached frontend graphs and plans (at exit: plan._release_at_exit)."""
+        with self._lock:
+            self._ready.clear()
+            self._loaded.clear()
 
     def cudnn_handle(self, index: int) -> Any:
         """One cuDNN handle per GPU, made on first use (cuDNN handles are costly to make)."""

@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import json
 import struct
 import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +24,27 @@ from fusegraph.runtime.handle import Handle
 MAGIC = b"FGCUDNN1"
 # the cuda_graph knob's default: "auto" replays a captured launch for repeated pointers (engines/launch_replay.py)
 CUDA_GRAPH_DEFAULT = "auto"
+
+# cuDNN's frontend is built with nanobind, which prints a page of "leaked instance / type /
+# function" lines at interpreter exit for each frontend object still alive when its module
+# goes -- seen after every benchmark whose compiled model or session kept cuDNN plans until
+# exit. So the plans and the engine's caches let go of those objects before teardown
+# begins, as the IREE runtime's holders do (runtime/iree_hal.py); a plan used after that
+# raises ExecutionError saying so.
+_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def track(holder: Any) -> None:
+    """Registers an object whose ``_release()`` drops its cuDNN frontend objects at exit."""
+    _LIVE.add(holder)
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    for holder in list(_LIVE):
+        with contextlib.suppress(Exception):  # nothing useful to do about it at exit
+            holder._release()
+    _LIVE.clear()
 
 
 class CudnnPlan(CudaTensorPlan):
@@ -75,6 +99,16 @@ class CudnnPlan(CudaTensorPlan):
         self._fast_out = [(n, shape, strides, dt, slot.get(n, -1)) for n, shape, strides, dt in self._out_spec]
         self._n_in, self._n_out = len(self._in_spec), len(self._out_spec)
         self._tensor = torch.Tensor
+        track(self)
+
+    def _release(self) -> None:
+        """Drops the frontend's objects (at exit: ``_release_at_exit``), after any launch
+        in flight on the handle (launches hold its lock)."""
+        with self._gate.lock:
+            self._raw = None
+            self.raw_launch = False
+            self._g = None
+            self._h = None
 
     @property
     def workspace_size(self) -> int:
@@ -132,6 +166,8 @@ class CudnnPlan(CudaTensorPlan):
 
     def _run(self, inputs: Mapping[str, Any], results: Mapping[str, Any]) -> None:
         cudnn = self._cudnn
+        if self._g is None:
+            raise ExecutionError(f"cuDNN plan for graph '{self.graph.name}' was released: the interpreter is exiting")
         if self.binding.preps:
             self._prep(inputs)
         try:
