@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +71,17 @@ class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, Plan
         self._names_sync: tuple[int, int, int, int] = (0, 0, 0, 0)
         self._validated = False
         self._key: str | None = None
+        # The topological order of the validated graph: a plan build of each region piece
+        # asks for it several times (the fusion planners, the graph function), and every walk
+        # allocates dicts and lists in what is, while a session opens, a big heap. Kept only
+        # while validated and while ``nodes`` is the list, of the length, it was walked from.
+        self._order: tuple[Node, ...] | None = None
+        self._order_sync: tuple[int, int] = (0, 0)
         # Engines keep built plans here, keyed by (engine, handle); cleared on any change.
         self.plans: dict[Any, Any] = {}
+        # What engines derive from the validated graph alone (the torch engine's knobs per
+        # handle), keyed by (engine, what, ...); cleared on any change, as ``plans`` is.
+        self.derived: dict[Any, Any] = {}
         self._selection: Any = None
 
     # ---- tensors ------------------------------------------------------------------------
@@ -178,8 +187,11 @@ class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, Plan
     def _touch(self) -> None:
         self._validated = False
         self._key = None
+        self._order = None
         if self.plans:
             self.plans.clear()
+        if self.derived:
+            self.derived.clear()
         self._selection = None
 
     # ---- generic node construction -------------------------------------------------------
@@ -248,7 +260,7 @@ class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, Plan
     def validate(self) -> Graph:
         """Infers what was left unset and checks the whole graph; raises ValidationError."""
         self._check_names()
-        order = self.topological_order()
+        order = self._walk_order()  # always walked afresh: validating is what vouches for the cache
         produced = {t.name for n in self.nodes for t in n.outputs.values()}
         used: set[int] = set()
         for n in self.nodes:
@@ -283,10 +295,11 @@ class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, Plan
             if t.producer is None and not t.is_scalar and id(t) not in used:
                 log.debug("tensor '%s' is declared but never used", t.name)
         self._validated = True
+        self._keep_order(order)
         return self
 
     def _settle_output(self, node: Node, t: TensorAttr, dims: tuple[int, ...], dt: DataType) -> None:
-        if t.dim_set and tuple(t.dim) != dims:
+        if t.dim_set and t._dim != tuple(dims):
             raise ValidationError(
                 f"dims were set to {t.dim} but the op produces {list(dims)}", node=node.name, tensor=t.name
             )
@@ -311,7 +324,7 @@ class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, Plan
             return layout.packed_strides(dims)
         if node.kind == OpKind.POINTWISE:
             for src in sources:
-                if src.is_scalar or tuple(src.dim) != dims or layout.is_packed(src.dim, src.stride):
+                if src.is_scalar or src._dim != tuple(dims) or layout.is_packed(src.dim, src.stride):
                     continue
                 if not layout.self_overlapping(src.dim, src.stride):
                     return tuple(src.stride)  # a strided view: the output is one alike
@@ -321,36 +334,38 @@ class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, Plan
         return layout.packed_strides(dims)
 
     def _check_tensor(self, t: TensorAttr, *, is_input: bool) -> None:
-        dims, strides = t.dim, t.stride
+        # The tuples themselves, not the lists ``dim``/``stride`` copy them into: validation
+        # checks every tensor of every region piece when a session opens (lists in the messages).
+        dims, strides = t._dim or (), t._stride or ()
         if not dims:
             raise ValidationError("tensor has no dims", tensor=t.name)
-        if any(d < 1 for d in dims):
-            raise ValidationError(f"dims must be >= 1, got {dims}", tensor=t.name)
+        if min(dims) < 1:
+            raise ValidationError(f"dims must be >= 1, got {list(dims)}", tensor=t.name)
         if t._data_type is None:
             raise ValidationError(
                 "data type unknown: pass data_type= or set the graph's io_data_type", tensor=t.name
             )
         if len(strides) != len(dims):
             raise ValidationError(f"{len(strides)} strides for {len(dims)} dims", tensor=t.name)
-        if any(s < 0 for s in strides):
-            raise ValidationError(f"negative stride in {strides}", tensor=t.name)
+        if min(strides) < 0:
+            raise ValidationError(f"negative stride in {list(strides)}", tensor=t.name)
         _check_size(t, dims, strides)
-        if t.is_scalar:
+        if t.value is not None:
             check_scalar_value(t)
         if is_input:
             # cuDNN reads inputs through their strides: a broadcast (0) or overlapping view
             # (a sliding window) reads memory more than once, which is valid for a read.
             return
-        if any(s == 0 and d > 1 for s, d in zip(strides, dims, strict=True)):
+        if 0 in strides and any(s == 0 and d > 1 for s, d in zip(strides, dims, strict=True)):
             what = "output" if t.is_output else "intermediate tensor"
             raise ValidationError(
-                f"{what} has a broadcast (zero) stride {strides}; only graph inputs may", tensor=t.name
+                f"{what} has a broadcast (zero) stride {list(strides)}; only graph inputs may", tensor=t.name
             )
         pair = layout.overlapping_axes(dims, strides)
         if pair is not None:
             what = "output" if t.is_output else "intermediate tensor"
             raise ValidationError(
-                f"{what} strides {strides} overlap: axes {pair[0]} and {pair[1]} interleave or address "
+                f"{what} strides {list(strides)} overlap: axes {pair[0]} and {pair[1]} interleave or address "
                 "the same memory (each axis must step over the whole extent of the axes inside it; only "
                 "graph inputs may read memory twice)",
                 tensor=t.name,
@@ -370,28 +385,49 @@ class Graph(GraphBuilder, BackwardBuilder, GatherBuilder, PointwiseBuilder, Plan
             seen.add(t.name)
 
     def topological_order(self) -> list[Node]:
-        """Nodes ordered so producers come first; raises ValidationError on a cycle."""
+        """Nodes ordered so producers come first; raises ValidationError on a cycle. A new
+        list on every call (callers keep and edit theirs), walked once per validation."""
+        if self._order is not None and self._order_sync == (id(self.nodes), len(self.nodes)):
+            return list(self._order)
+        order = self._walk_order()
+        if self._validated:
+            self._keep_order(order)
+        return order
+
+    def _keep_order(self, order: list[Node]) -> None:
+        self._order = tuple(order)
+        self._order_sync = (id(self.nodes), len(self.nodes))
+
+    def _walk_order(self) -> list[Node]:
+        """Depth-first, roots in declaration order and each node's producers in port order,
+        a node placed once its producers are (the order every engine's plans were built on)."""
         producer = {id(t): n for n in self.nodes for t in n.outputs.values()}
+
+        def deps(node: Node) -> Iterator[Node]:
+            for t in node.inputs.values():
+                p = producer.get(id(t))
+                if p is not None:
+                    yield p
+
         state: dict[int, int] = {}  # 1 = on the stack, 2 = done
         order: list[Node] = []
         for root in self.nodes:
             if id(root) in state:
                 continue
-            stack: list[tuple[Node, int]] = [(root, 0)]
             state[id(root)] = 1
+            stack: list[tuple[Node, Iterator[Node]]] = [(root, deps(root))]
             while stack:
-                node, i = stack.pop()
-                deps = [producer[id(t)] for t in node.inputs.values() if id(t) in producer]
-                if i < len(deps):
-                    stack.append((node, i + 1))
-                    dep = deps[i]
+                node, pending = stack[-1]
+                for dep in pending:
                     s = state.get(id(dep))
                     if s == 1:
                         raise ValidationError("cycle: the node depends on its own output", node=dep.name)
                     if s is None:
                         state[id(dep)] = 1
-                        stack.append((dep, 0))
+                        stack.append((dep, deps(dep)))
+                        break
                 else:
+                    stack.pop()
                     state[id(node)] = 2
                     order.append(node)
         return order
