@@ -131,6 +131,23 @@ class TorchEngine:
         return self._compile_ok
 
     def knobs(self, graph: Graph, handle: Handle) -> Sequence[Knob]:
+        """Worked out once per validated graph and handle: a region build asks again for a
+        piece's (the build's own check, the region choice's tf32 and fp32_matmul questions, the
+        op-by-op incumbent's config)."""
+        default = ""
+        if not handle.device.is_gpu:
+            from fusegraph.engines.torch import frozen
+
+            default = frozen.knob_default()  # an environment variable's: read on every ask
+        key = ("torch", "knobs", handle, bool(self.compile_support(handle)), default)
+        known = graph.derived.get(key) if graph.is_validated else None
+        if known is None:
+            known = tuple(self._knobs(graph, handle))
+            if graph.is_validated:
+                graph.derived[key] = known
+        return list(known)
+
+    def _knobs(self, graph: Graph, handle: Handle) -> list[Knob]:
         # The plan's modules load when a plan is asked about, not when the engine is listed
         # (every build lists every engine for the tuning database's key: issue 10's cold build).
         from fusegraph.engines.torch import fusion as torch_fusion
@@ -224,7 +241,7 @@ class TorchEngine:
                     "filters bound as constants pre-reordered (eager only)",
                 )
             )
-        if not handle.device.is_gpu and torch_fusion.plan_fusions(graph) and torch_onednn_graph.available():
+        if not handle.device.is_gpu and torch_fusion.has_fused_convs(graph) and torch_onednn_graph.available():
             out.append(
                 Knob(
                     "onednn_graph",

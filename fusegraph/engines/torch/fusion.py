@@ -81,11 +81,20 @@ class _Walker:
 
     def __init__(self, graph: Graph) -> None:
         self.graph = graph
-        self.readers: dict[int, list[Node]] = {}
-        for n in graph.nodes:
-            for t in n.inputs.values():
-                self.readers.setdefault(id(t), []).append(n)
+        self._readers: dict[int, list[Node]] | None = None
         self.claimed: set[int] = set()  # nodes already inside a fusion
+
+    @property
+    def readers(self) -> dict[int, list[Node]]:
+        """Each value's readers, mapped on first use: a planner that finds no chain start
+        (in most of the pieces a region build plans) never needs them."""
+        if self._readers is None:
+            readers: dict[int, list[Node]] = {}
+            for n in self.graph.nodes:
+                for t in n.inputs.values():
+                    readers.setdefault(id(t), []).append(n)
+            self._readers = readers
+        return self._readers
 
     def next_any(self, t: TensorAttr) -> Node | None:
         """The one node reading ``t``, if ``t`` is a private intermediate (virtual, not an
@@ -152,8 +161,10 @@ def _smaller_operand(node: Node, t: TensorAttr, dtype: DataType) -> TensorAttr |
 
 def plan_scale_shifts(graph: Graph, walk: _Walker | None = None) -> dict[str, ScaleShift]:
     """mul -> add (-> ReLU) chains of one float type computed in it, keyed by last node."""
-    walk = walk or _Walker(graph)
     out: dict[str, ScaleShift] = {}
+    if not _has(graph, OpKind.POINTWISE):
+        return out
+    walk = walk or _Walker(graph)
     for mul in graph.topological_order():
         attrs = mul.attrs
         if id(mul) in walk.claimed or mul.kind != OpKind.POINTWISE or not isinstance(attrs, PointwiseAttrs):
@@ -226,8 +237,10 @@ def plan_traced_steps(graph: Graph) -> dict[str, TracedStep]:
 
 def plan_channel_shuffles(graph: Graph, walk: _Walker | None = None) -> dict[str, ChannelShuffle]:
     """reshape -> transpose(0, 2, 1, ...) -> reshape chains that are channel shuffles."""
-    walk = walk or _Walker(graph)
     out: dict[str, ChannelShuffle] = {}
+    if not _has(graph, OpKind.RESHAPE):
+        return out
+    walk = walk or _Walker(graph)
     for r1 in graph.topological_order():
         if r1.kind != OpKind.RESHAPE or id(r1) in walk.claimed:
             continue
@@ -257,20 +270,33 @@ def plan_channel_shuffles(graph: Graph, walk: _Walker | None = None) -> dict[str
 
 
 def has_onednn_steps(graph: Graph) -> bool:
-    """Whether the ``onednn`` knob changes anything for this graph."""
-    return bool(plan_onednn_steps(graph))
+    """Whether the ``onednn`` knob changes anything for this graph: whether a chain starts
+    anywhere, without planning the chains (each fusable conv or matmul starts one, and a
+    chain swallows neither)."""
+    return has_fused_convs(graph) or any(_fusable_linear(n, graph) for n in graph.nodes)
+
+
+def has_fused_convs(graph: Graph) -> bool:
+    """Whether ``plan_fusions`` finds any convolution (each fusable one is a step, alone or not)."""
+    return any(_fusable_conv(n, graph) for n in graph.nodes)
+
+
+def _has(graph: Graph, kind: OpKind) -> bool:
+    """Whether a node of ``kind`` is in the graph: a planner with nothing to start a chain
+    from skips the walk (most pieces a region build plans hold one node or a few)."""
+    return any(n.kind == kind for n in graph.nodes)
 
 
 def plan_linears(graph: Graph, walk: _Walker | None = None) -> dict[str, FusedLinear]:
     """f32 2-D matmuls with their bias and activation, keyed by last node."""
-    walk = walk or _Walker(graph)
     out: dict[str, FusedLinear] = {}
+    if not _has(graph, OpKind.MATMUL):
+        return out
+    walk = walk or _Walker(graph)
     for mm in graph.topological_order():
-        if mm.kind != OpKind.MATMUL or id(mm) in walk.claimed or not _compute_ok(mm, graph):
+        if id(mm) in walk.claimed or not _fusable_linear(mm, graph):
             continue
-        a, b, c = mm.inputs["a"], mm.inputs["b"], mm.outputs["c"]
-        if len(a.shape) != 2 or len(b.shape) != 2 or not _f32(a, b, c):
-            continue
+        c = mm.outputs["c"]
         nodes, cur = [mm], c
         bias: TensorAttr | None = None
         unary: Unary | None = None
@@ -292,6 +318,13 @@ def plan_linears(graph: Graph, walk: _Walker | None = None) -> dict[str, FusedLi
     return out
 
 
+def _fusable_linear(node: Node, graph: Graph) -> bool:
+    if node.kind != OpKind.MATMUL or not _compute_ok(node, graph):
+        return False
+    a, b, c = node.inputs["a"], node.inputs["b"], node.outputs["c"]
+    return len(a.shape) == 2 and len(b.shape) == 2 and _f32(a, b, c)
+
+
 def _row_vector(other: TensorAttr, y: TensorAttr) -> bool:
     """A bias broadcast along the rows of a [M, N] result: [N] or [1, N]."""
     shape = tuple(other.shape)
@@ -300,8 +333,10 @@ def _row_vector(other: TensorAttr, y: TensorAttr) -> bool:
 
 def plan_fusions(graph: Graph, walk: _Walker | None = None) -> dict[str, FusedConv]:
     """The fused convolutions of a graph, keyed by the name of the last node each replaces."""
-    walk = walk or _Walker(graph)
     out: dict[str, FusedConv] = {}
+    if not _has(graph, OpKind.CONV_FPROP):
+        return out
+    walk = walk or _Walker(graph)
     for conv in graph.topological_order():
         if not _fusable_conv(conv, graph):
             continue
@@ -340,6 +375,7 @@ def plan_fusions(graph: Graph, walk: _Walker | None = None) -> dict[str, FusedCo
 
 
 __all__ = [
+    "has_fused_convs",
     "has_onednn_steps",
     "plan_channel_shuffles",
     "plan_fusions",

@@ -81,7 +81,7 @@ class TorchPlan(LeanCall, CudaGraphs, frozen.FrozenCpu, ExecutionPlan):
             graph, config,
             bool(config.get("onednn_graph", ONEDNN_GRAPH_DEFAULT))
             and torch_onednn_graph.available()
-            and bool(torch_fusion.plan_fusions(graph)),
+            and torch_fusion.has_fused_convs(graph),
         )
         self._cpu_path = "eager"  # what runs the plan once the chain is settled
         self._cpu_attempts: list[frozen.Attempt] = []
