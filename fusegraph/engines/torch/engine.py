@@ -17,6 +17,7 @@ import contextlib
 import importlib.util
 import json
 from collections.abc import Sequence
+from typing import Any
 
 from fusegraph.dtypes import DataType
 from fusegraph.engines.base import EngineConfig, ExecutionPlan, Knob, Support, knob_values
@@ -41,6 +42,9 @@ from fusegraph.graph.ops import (
 )
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.runtime.handle import Handle
+
+# Knob tuples and memo keys shared between graphs (TorchEngine.knobs): a few dozen distinct ones.
+_INTERNED: dict[Any, Any] = {}
 
 
 class TorchEngine:
@@ -144,7 +148,11 @@ class TorchEngine:
         if known is None:
             known = tuple(self._knobs(graph, handle))
             if graph.is_validated:
-                graph.derived[key] = known
+                # one tuple of knobs (and key) for all the graphs that share them: what a
+                # graph keeps must not add objects for the collector to walk (a session's
+                # open keeps hundreds of piece graphs)
+                known = _INTERNED.setdefault(known, known)
+                graph.derived[_INTERNED.setdefault(key, key)] = known
         return list(known)
 
     def _knobs(self, graph: Graph, handle: Handle) -> list[Knob]:
