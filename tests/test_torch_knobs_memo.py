@@ -1,6 +1,7 @@
-"""The torch engine works a validated graph's knobs out once per handle (a region build asks
-for each piece's several times): the same knobs as worked out afresh, a new list each ask,
-and worked out again once the graph changes or the cpu_compile default's variable does."""
+"""The torch engine works a validated graph's knobs and support out once per handle (a
+region build asks for each piece's several times): the same answers as worked out afresh, a
+new knob list each ask, and worked out again once the graph changes or the cpu_compile
+default's variable does."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from fusegraph import DataType as DT
 
 pytest.importorskip("torch", reason="the torch engine's knobs (fusegraph[torch])")
 
+from fusegraph.engines.torch import engine as torch_engine
 from fusegraph.engines.torch import frozen
 from fusegraph.engines.torch.engine import TorchEngine
 
@@ -86,3 +88,27 @@ def test_the_cpu_compile_default_follows_its_variable(monkeypatch: pytest.Monkey
     assert default() == "off"
     monkeypatch.setenv(frozen.ENV, "auto")
     assert default() == "auto"
+
+
+def test_support_is_worked_out_once_and_again_after_a_change(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = [0]
+    inner = torch_engine._nodes_supported
+
+    def counted(graph: fg.Graph, handle: fg.Handle) -> Any:
+        calls[0] += 1
+        return inner(graph, handle)
+
+    monkeypatch.setattr(torch_engine, "_nodes_supported", counted)
+    engine = TorchEngine()
+    g = fg.Graph("cat", io_data_type=DT.FLOAT)
+    a, b = g.tensor("a", [2, 3]), g.tensor("b", [2, 3])
+    g.concatenate([a, b], axis=0).set_output(True)
+    g.validate()
+    assert engine.supports(g, CPU) and engine.supports(g, CPU)
+    assert calls[0] == 1
+    a.set_data_type(DT.FP8_E4M3)  # torch has no fp8 concatenation
+    b.set_data_type(DT.FP8_E4M3)
+    why = engine.supports(g, CPU)
+    assert not why and "no fp8 kernels" in why.reason
+    assert not engine.supports(g, CPU)
+    assert calls[0] == 2

@@ -43,7 +43,8 @@ from fusegraph.graph.ops import (
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.runtime.handle import Handle
 
-# Knob tuples and memo keys shared between graphs (TorchEngine.knobs): a few dozen distinct ones.
+# What graphs keep in Graph.derived, shared between them (knob tuples, a yes, the memo keys):
+# a few dozen distinct values.
 _INTERNED: dict[Any, Any] = {}
 
 
@@ -113,11 +114,16 @@ class TorchEngine:
         if not dev:
             return dev
         graph.ensure_valid()
-        for node in graph.nodes:
-            why = _node_unsupported(node, graph, handle)
-            if why:
-                return Support.no(f"node '{node.name}' ({node.kind.value}): {why}")
-        return Support.yes()
+        # per validated graph and handle, as the knobs: a region build asks about each piece
+        # three times or so (the engine choice, the selection, the build itself)
+        key = ("torch", "supports", handle)
+        known: Support | None = graph.derived.get(key)
+        if known is None:
+            known = _nodes_supported(graph, handle)
+            if known:  # a refusal names its node: not one to share
+                known = _INTERNED.setdefault(known, known)
+            graph.derived[_INTERNED.setdefault(key, key)] = known
+        return known
 
     def compile_support(self, handle: Handle) -> Support:
         """Whether torch.compile (Inductor) can work here: Triton on GPUs, a C++ compiler on CPU."""
@@ -313,6 +319,14 @@ class TorchEngine:
         g = Graph.from_json(d["graph"]).validate()
         cfg = EngineConfig(self.name, tuple((k, v) for k, v in d["knobs"]))
         return self.build(g, handle, cfg)
+
+
+def _nodes_supported(graph: Graph, handle: Handle) -> Support:
+    for node in graph.nodes:
+        why = _node_unsupported(node, graph, handle)
+        if why:
+            return Support.no(f"node '{node.name}' ({node.kind.value}): {why}")
+    return Support.yes()
 
 
 def _conv_image(node: Node) -> TensorAttr:
