@@ -48,7 +48,12 @@ def _pointwise_thunk(ctx: _Ctx, node: Node) -> Callable[[dict[str, Tensor]], Non
     out = node.outputs["y"]
     name, target = out.name, torch_dtype(out.dtype)
 
-    def step(env: dict[str, Tensor]) -> None:
+    # What the step settles is bound as defaults, not closed over: the plan keeps one tuple
+    # per step instead of a cell per name (objects the collector walks, ~20 a region piece,
+    # hundreds of pieces a session), and a default is a local, read faster than a cell.
+    def step(env: dict[str, Tensor], an: str = an, ca: Any = ca, bn: str | None = bn, cb: Any = cb,
+             cn: str | None = cn, fn: Any = fn, attrs: PointwiseAttrs = attrs, name: str = name,
+             target: Any = target) -> None:
         a = env[an]
         if ca is not None:
             a = a.to(ca)
@@ -62,16 +67,18 @@ def _pointwise_thunk(ctx: _Ctx, node: Node) -> Callable[[dict[str, Tensor]], Non
 
 
 def _node_thunk(ctx: _Ctx, node: Node) -> Callable[[dict[str, Tensor]], None]:
-    """One node as a closure over its lowering, port names and output casts."""
+    """One node as a step with its lowering, port names and output casts settled."""
     if node.kind == OpKind.POINTWISE and not ctx.functional:
         settled = _pointwise_thunk(ctx, node)
         if settled is not None:
             return settled
     lower = LOWER[node.kind]
-    ports = [(p, t.name) for p, t in node.inputs.items()]
-    outs = [(port, t.name, torch_dtype(t.dtype)) for port, t in node.outputs.items()]
+    ports = tuple((p, t.name) for p, t in node.inputs.items())
+    outs = tuple((port, t.name, torch_dtype(t.dtype)) for port, t in node.outputs.items())
 
-    def step(env: dict[str, Tensor]) -> None:
+    def step(env: dict[str, Tensor], lower: Any = lower, ctx: _Ctx = ctx, node: Node = node,
+             ports: tuple[tuple[str, str], ...] = ports, outs: tuple[tuple[str, str, Any], ...] = outs) -> None:
+        # (bound as defaults: see _pointwise_thunk)
         res = lower(ctx, node, {p: env[n] for p, n in ports})
         for port, name, target in outs:
             value = res[port]
@@ -103,7 +110,8 @@ def _graph_function(
         # settled now (names, casts, conv arguments); Python is the per-op cost left.
         thunks = [_node_thunk(ctx, n) if isinstance(n, Node) else n.thunk(ctx.memory_format) for n in order]
 
-        def run_eager(inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        def run_eager(inputs: dict[str, Tensor], constants: dict[str, Tensor] = constants,
+                      thunks: list[Any] = thunks, out_names: list[str] = out_names) -> dict[str, Tensor]:
             env: dict[str, Tensor] = {**constants, **inputs}
             for step in thunks:
                 step(env)
