@@ -103,3 +103,34 @@ def test_each_checked_step_casts_the_weights_afresh_under_autocast() -> None:
     want = torch.mm(step.args[0].bfloat16(), step.args[1].detach().bfloat16())
     assert torch.equal(outs[1], want)
     assert not torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("flag", ["matmul_tf32", "cudnn_tf32", "deterministic"])
+def test_region_and_aten_graph_keys_hold_the_math_settings(flag: str) -> None:
+    """A region's verdict (the chooser's key settings) and an ATen graph's (graph_floor's
+    key) were taken under TF32 and deterministic settings neither graph's code shows: each
+    setting keys verdicts of its own."""
+    from fusegraph.torch import graph_floor, partition
+
+    gm, inputs = _graph()
+
+    def keys() -> tuple[Any, str]:
+        chooser = partition._chooser(partition.Options.of({}), torch.device("cpu"))
+        return dict(chooser.key_options), graph_floor._key(gm, inputs, [], 0.03, "dev", {})
+
+    before_options, before_key = keys()
+    get, set_ = {
+        "matmul_tf32": (lambda: torch.backends.cuda.matmul.allow_tf32,
+                        lambda v: setattr(torch.backends.cuda.matmul, "allow_tf32", v)),
+        "cudnn_tf32": (lambda: torch.backends.cudnn.allow_tf32, lambda v: setattr(torch.backends.cudnn, "allow_tf32", v)),
+        "deterministic": (torch.are_deterministic_algorithms_enabled, torch.use_deterministic_algorithms),
+    }[flag]
+    was = get()
+    try:
+        set_(not was)
+        options, key = keys()
+    finally:
+        set_(was)
+    assert options != before_options and key != before_key
+    assert options[flag] == (not was) and before_options[flag] == was
+    assert keys() == (before_options, before_key)  # restored: the same keys again

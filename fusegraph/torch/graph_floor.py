@@ -137,6 +137,16 @@ def inductors_own_key(gm: torch.fx.GraphModule, inputs: Sequence[Any], settings:
     return verdict_key(content, device_name, INDUCTORS_OWN, versions, settings)
 
 
+def math_state() -> dict[str, object]:
+    """How float32 math runs without it showing in an ATen graph's code: TF32 for matmuls
+    and convolutions, the float32 matmul precision, deterministic algorithms. Both sides of
+    a region's or an ATen graph's verdict run under them (a float32 GEMM on TF32 tensor
+    cores runs several times faster), so each setting has verdicts of its own. Autocast
+    needs no place here: its casts are in the ATen graph's code."""
+    return {"f32_matmul": torch.get_float32_matmul_precision(), "matmul_tf32": torch.backends.cuda.matmul.allow_tf32,
+            "cudnn_tf32": torch.backends.cudnn.allow_tf32, "deterministic": torch.are_deterministic_algorithms_enabled()}
+
+
 def global_state() -> tuple[object, ...]:
     """The global state a Dynamo graph's code does not show but its step time depends on,
     as Dynamo's own guards see it: autocast (on for which device types, to which dtype; a
@@ -175,7 +185,8 @@ def _boxed(fn: Callable[..., Any], args: list[Any]) -> Callable[[], object]:
 
 def _key(original: torch.fx.GraphModule, inputs: Sequence[Any], claimed: Sequence[str], margin: float,
          device_name: str, versions: dict[str, str]) -> str:
-    return verdict_key(graph_key(original, inputs, claimed), device_name, INCUMBENT, versions, {"margin": margin})
+    return verdict_key(graph_key(original, inputs, claimed), device_name, INCUMBENT, versions,
+                       {"margin": margin, **math_state()})
 
 
 def stored(original: torch.fx.GraphModule, inputs: Sequence[Any], claimed: Sequence[str], *, margin: float,

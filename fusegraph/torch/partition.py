@@ -414,10 +414,12 @@ def _chooser(opts: Options, device: torch.device, timer: Any = None, device_time
         from fusegraph.select.cuda_clock import CudaClock
 
         timing_options["device_clock"] = CudaClock(device)
+    from fusegraph.torch.graph_floor import math_state
+
     return Chooser(handle, incumbent, floor=opts.floor, engine=engine, margin=opts.margin,
                    store=VerdictStore() if opts.floor else None, sync=sync, timer=timer,
                    timing_options=timing_options, builder=build,
-                   key_options={"clock": "device"} if device_time else {})
+                   key_options={**math_state(), **({"clock": "device"} if device_time else {})})
 
 
 _REGION_BLOCKS = itertools.count()
