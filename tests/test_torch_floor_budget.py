@@ -1,5 +1,5 @@
-"""The region floor's budget over one Dynamo graph's compile (fusegraph/torch/partition.py
-FloorBudget, option ``budget``): past it a region without a stored verdict is neither built
+"""The region floor's budget over one Dynamo graph's compile (fusegraph/torch/floor_budget.py,
+option ``budget``): past it a region without a stored verdict is neither built
 nor measured, runs Inductor's code and is reported unmeasured; nothing of that compile is
 stored as final, so a later compile measures what was left. Regions win alone here by 6 ms
 (tests/test_torch_graph_floor.py's virtual clock); the step's times are forced
@@ -20,7 +20,8 @@ from test_torch_step_floor import step_clock  # noqa: E402, F401  (the step chec
 
 from fusegraph.torch import partition  # noqa: E402
 from fusegraph.torch.compile_backend import collecting, fusegraph_backend  # noqa: E402
-from fusegraph.torch.partition import AUTO_MIN_S, AUTO_SHARE, FloorBudget, Options, budget_for  # noqa: E402
+from fusegraph.torch.floor_budget import AUTO_MIN_S, AUTO_SHARE, FloorBudget, budget_for  # noqa: E402
+from fusegraph.torch.partition import Options  # noqa: E402
 
 OPTIONS = {**FLOOR, "warmup_s": 0.0}
 CUDA = torch.device("cuda", 0)  # a device object only: nothing runs on it

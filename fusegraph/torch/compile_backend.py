@@ -51,7 +51,8 @@ from fusegraph.torch.dynamo_verdict import (
     DynamoVerdict,
     dynamo_rows,
 )
-from fusegraph.torch.partition import FloorBudget, Options, budget_for, graph_device, partition
+from fusegraph.torch.floor_budget import FloorBudget, budget_for
+from fusegraph.torch.partition import Options, graph_device, partition
 from fusegraph.torch.phases import phase
 
 log = logging.getLogger("fusegraph.torch")

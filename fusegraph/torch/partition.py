@@ -32,6 +32,7 @@ from fusegraph.regions.measure import MARGIN, measure
 from fusegraph.regions.report import Row
 from fusegraph.regions.verdicts import Verdict, VerdictStore
 from fusegraph.torch import aten, phases, plans, runtime
+from fusegraph.torch.floor_budget import FloorBudget
 from fusegraph.torch.phases import phase
 from fusegraph.torch.plans import PLANS
 
@@ -51,47 +52,6 @@ NOT_COMPUTE = frozenset({
 # 1.29x Inductor's time, so the screen dropped no winner there.
 SCREEN = 1.5
 
-# Options.budget "auto": on a GPU, where Inductor's own compile of the Dynamo graph ran first
-# (the step check), the region floor may spend this share of that compile's seconds, and at
-# least AUTO_MIN_S. A cold compile on an H200 spent 8-14 s in the floor on top of Inductor's
-# 21-39 s (the regions' plans, Inductor's code for each, their timing), while issue 23 asks
-# for no longer than Inductor's; what is not measured runs Inductor's code and is measured
-# by later compiles (their stored verdicts make the rest cheap). The minimum covers what the
-# first builds in a process cost (loading Triton's and cuDNN's engines), which a one-block
-# model's first compile in a process can spend whole.
-AUTO_SHARE = 0.25
-AUTO_MIN_S = 5.0
-
-
-@dataclass
-class FloorBudget:
-    """Seconds the region floor may still spend over one Dynamo graph's compile (its
-    forward and backward share them) on regions without a stored verdict: building,
-    screening and measuring them. Past it the rest run the incumbent, unmeasured and
-    unrecorded, so the compile's own verdict is not stored either and a later compile
-    measures more, until every region has its verdict."""
-
-    seconds: float
-    spent_s: float = 0.0
-
-    @property
-    def left_s(self) -> float:
-        return max(0.0, self.seconds - self.spent_s)
-
-
-def budget_for(opts: Options, device: torch.device, own_compile_s: float | None) -> FloorBudget | None:
-    """The budget of one Dynamo graph's region floor (None: unbounded). ``auto`` bounds it
-    only on a GPU with Inductor's own compile timed: on the CPU a region takes ~0.3-1 s to
-    measure on a loaded 2-core machine, so which regions a bound leaves out would follow
-    the machine's load, and no compile-time target is set there."""
-    if not opts.floor or opts.budget is None:
-        return None
-    if opts.budget == "auto":
-        if device.type != "cuda" or own_compile_s is None:
-            return None
-        return FloorBudget(max(AUTO_MIN_S, AUTO_SHARE * own_compile_s))
-    return FloorBudget(float(opts.budget))
-
 
 @dataclass(frozen=True)
 class Options:
@@ -105,8 +65,7 @@ class Options:
     Inductor the incumbent: a region whose plan takes at least this many times as long as its
     ATen ops run eagerly is not compiled by Inductor to be measured against it (_screen);
     0: every region is), ``budget`` (seconds the region floor may spend on regions without
-    a stored verdict over one Dynamo graph's compile, FloorBudget; None: no limit; "auto":
-    see ``budget_for``)."""
+    a stored verdict over one Dynamo graph's compile: floor_budget.py; None: no limit)."""
 
     floor: bool = True
     incumbent: str = "inductor"
