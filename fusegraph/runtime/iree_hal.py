@@ -14,7 +14,6 @@ cache key: a second plan for the same compiled graph binds the same function.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import logging
 import os
@@ -29,6 +28,7 @@ import numpy as np
 
 from fusegraph.dtypes import DataType
 from fusegraph.errors import ExecutionError, UnsupportedError
+from fusegraph.runtime.exit_release import ExitRelease
 from fusegraph.runtime.handle import Device, Handle
 
 log = logging.getLogger("fusegraph.iree")
@@ -274,21 +274,18 @@ _RUNTIMES_LOCK = threading.Lock()
 # still alive when its module goes (module teardown frees things in any order). So every
 # holder of IREE objects (Buffers, plans, handles) is tracked here and let go of them
 # before teardown begins; a Buffer or plan used after that raises instead of crashing.
-_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
+_HOLDERS = ExitRelease()
 _HANDLES: list[weakref.ref[Handle]] = []
 
 
 def track(holder: Any) -> None:
     """Registers an object with a ``_release()`` to call at exit (Buffers, plans)."""
-    _LIVE.add(holder)
+    _HOLDERS.track(holder)
 
 
 @atexit.register
 def _release_at_exit() -> None:
-    for holder in list(_LIVE):
-        with contextlib.suppress(Exception):  # nothing useful to do about it at exit
-            holder._release()
-    _LIVE.clear()
+    _HOLDERS.release()
     for ref in _HANDLES:
         h = ref()
         if h is not None:

@@ -4,12 +4,10 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import ctypes
 import json
 import struct
 import threading
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,32 +17,20 @@ from fusegraph.engines.cudnn.rules import Binding, Prep
 from fusegraph.engines.launch_replay import DEFAULT_STREAM, LaunchReplay
 from fusegraph.errors import ExecutionError, VariantPackError
 from fusegraph.graph.graph import Graph
+from fusegraph.runtime.exit_release import ExitRelease
 from fusegraph.runtime.handle import Handle
 
 MAGIC = b"FGCUDNN1"
 # the cuda_graph knob's default: "auto" replays a captured launch for repeated pointers (engines/launch_replay.py)
 CUDA_GRAPH_DEFAULT = "auto"
 
-# cuDNN's frontend is built with nanobind, which prints a page of "leaked instance / type /
-# function" lines at interpreter exit for each frontend object still alive when its module
-# goes -- seen after every benchmark whose compiled model or session kept cuDNN plans until
-# exit. So the plans and the engine's caches let go of those objects before teardown
-# begins, as the IREE runtime's holders do (runtime/iree_hal.py); a plan used after that
-# raises ExecutionError saying so.
-_LIVE: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def track(holder: Any) -> None:
-    """Registers an object whose ``_release()`` drops its cuDNN frontend objects at exit."""
-    _LIVE.add(holder)
-
-
-@atexit.register
-def _release_at_exit() -> None:
-    for holder in list(_LIVE):
-        with contextlib.suppress(Exception):  # nothing useful to do about it at exit
-            holder._release()
-    _LIVE.clear()
+# cuDNN's frontend is built with nanobind, which prints a page of "leaked" lines at exit for
+# each frontend object still alive (seen after every benchmark whose compiled model or session
+# kept cuDNN plans until exit): the plans and the engine's caches let go of those objects
+# first (runtime/exit_release.py); a plan used after that raises ExecutionError saying so.
+_HOLDERS = ExitRelease()
+track = _HOLDERS.track
+atexit.register(_HOLDERS.release)
 
 
 class CudnnPlan(CudaTensorPlan):
