@@ -465,8 +465,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         except Exception as exc:  # Inductor's own failed: the trace may still run, as before
             log.warning("Inductor's own compile of the Dynamo graph failed (%s: %s)", type(exc).__name__, exc)
         state.best = best[2] if best is not None else None
-    device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
-    state.budget = budget_for(opts, device, own_s[0] if own_s else None)
+    state.budget = budget_for(opts, step_floor.device_of(example_inputs), own_s[0] if own_s else None)
     try:
         with phase(phases.FIRST_PASS):
             first = trace(state, force_non_lazy_backward_lowering=True)

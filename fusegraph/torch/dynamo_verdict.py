@@ -48,15 +48,14 @@ class DynamoVerdict:
         from fusegraph.select.tuning_db import engine_versions
         from fusegraph.torch import graph_floor
         from fusegraph.torch.plans import PLANS
+        from fusegraph.torch.step_floor import ORDER, device_of
 
-        device = next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
+        device = device_of(example_inputs)
         # warmup_s bounds a timing's warm-up and budget what is measured at once (a verdict
         # with anything left unmeasured is not stored): neither decides a verdict
         options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("warmup_s", "budget")}
         settings: dict[str, Any] = {"options": options, "mode": mode, "engine": PLANS.engine}
         if checked:  # the step check's candidates: a verdict stored before eager was one is not read
-            from fusegraph.torch.step_floor import ORDER
-
             settings["candidates"] = list(ORDER)
         key = graph_floor.inductors_own_key(gm, example_inputs, settings, device_id(PLANS.handle(device)),
                                             engine_versions(REGISTRY.available_engines()))

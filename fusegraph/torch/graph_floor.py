@@ -159,9 +159,7 @@ def global_state() -> tuple[object, ...]:
         (kind, torch.is_autocast_enabled(kind), str(torch.get_autocast_dtype(kind)))
         for kind in ("cpu", "cuda")
     )
-    return (autocast, str(torch.get_default_dtype()), torch.get_float32_matmul_precision(),
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
-            torch.are_deterministic_algorithms_enabled())
+    return (autocast, str(torch.get_default_dtype()), *math_state().values())
 
 
 @contextlib.contextmanager
