@@ -22,17 +22,22 @@ CPU = fg.Handle("cpu")
 GPU = fg.Handle("cuda:0")  # a handle only: knobs never touch the device
 
 
-def _counting(monkeypatch: pytest.MonkeyPatch) -> tuple[TorchEngine, list[int]]:
-    engine = TorchEngine()
+def _count(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[int]:
+    """Counts the calls of ``owner.name`` (a function of a graph and a handle)."""
     calls = [0]
-    inner = engine._knobs
+    inner = getattr(owner, name)
 
     def counted(graph: fg.Graph, handle: fg.Handle) -> Any:
         calls[0] += 1
         return inner(graph, handle)
 
-    monkeypatch.setattr(engine, "_knobs", counted)
-    return engine, calls
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
+def _counting(monkeypatch: pytest.MonkeyPatch) -> tuple[TorchEngine, list[int]]:
+    engine = TorchEngine()
+    return engine, _count(monkeypatch, engine, "_knobs")
 
 
 def _pointwise() -> tuple[fg.Graph, Any]:
@@ -91,14 +96,7 @@ def test_the_cpu_compile_default_follows_its_variable(monkeypatch: pytest.Monkey
 
 
 def test_support_is_worked_out_once_and_again_after_a_change(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = [0]
-    inner = torch_engine._nodes_supported
-
-    def counted(graph: fg.Graph, handle: fg.Handle) -> Any:
-        calls[0] += 1
-        return inner(graph, handle)
-
-    monkeypatch.setattr(torch_engine, "_nodes_supported", counted)
+    calls = _count(monkeypatch, torch_engine, "_nodes_supported")
     engine = TorchEngine()
     g = fg.Graph("cat", io_data_type=DT.FLOAT)
     a, b = g.tensor("a", [2, 3]), g.tensor("b", [2, 3])
