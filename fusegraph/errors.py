@@ -65,5 +65,11 @@ class CompileError(FusegraphError):
         super().__init__(full, node=node, tensor=tensor)
 
 
+class OptionError(FusegraphError, ValueError):
+    """An option given to a front door (the ONNX provider's ``provider_options``, the torch
+    backend's ``options``) is unknown or out of range; names the option and what it takes.
+    A ValueError too, as Python's own bad-argument errors are."""
+
+
 class ExecutionError(FusegraphError):
     """A compiled plan failed while running."""

@@ -19,6 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 import fusegraph.onnx as fgo
 from fusegraph.dtypes import DataType
+from fusegraph.errors import OptionError
 from fusegraph.onnx import precision
 from fusegraph.onnx.options import ProviderOptions
 from fusegraph.onnx.report import RegionEntry
@@ -100,8 +101,8 @@ def test_the_option_parses_its_values_and_refuses_the_rest() -> None:
                       ("bfloat16", "bf16"), ("tf32", "tf32"), ("float32", "fp32"), ("", "fp32")):
         assert ProviderOptions.parse({"precision": raw}).precision == want, raw
     assert ProviderOptions.parse({"precision": "bf16"}).as_strings()["precision"] == "bf16"
-    with pytest.raises(ValueError, match=r"precision='fp8'.*expected one of \['fp32', 'fp16', 'bf16', 'tf32'\]"):
-        ProviderOptions.parse({"precision": "fp8"})
+    with pytest.raises(OptionError, match=r"precision='fp8'.*expected one of \['fp32', 'fp16', 'bf16', 'tf32'\]"):
+        ProviderOptions.parse({"precision": "fp8"})  # a fusegraph error, and a ValueError
     with pytest.raises(ValueError, match=r"precision=.fp16. needs the region path .* regions=off"):
         ProviderOptions.parse({"precision": "fp16", "regions": "off"})
     assert ProviderOptions.parse({"precision": "fp32", "regions": "off"}).regions == "off"

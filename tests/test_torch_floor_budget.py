@@ -18,6 +18,7 @@ from test_torch_graph_floor import clock  # noqa: E402, F401  (the virtual clock
 from test_torch_incumbent_path import FLOOR, LNBlock, _rel  # noqa: E402
 from test_torch_step_floor import step_clock  # noqa: E402, F401  (the step check's forced timer)
 
+from fusegraph.errors import OptionError  # noqa: E402
 from fusegraph.torch import partition  # noqa: E402
 from fusegraph.torch.compile_backend import collecting, fusegraph_backend  # noqa: E402
 from fusegraph.torch.floor_budget import AUTO_MIN_S, AUTO_SHARE, FloorBudget, budget_for  # noqa: E402
@@ -35,8 +36,9 @@ def test_budget_option_accepts(good: Any) -> None:
 
 @pytest.mark.parametrize("bad", ["soon", -1, True, [3]])
 def test_budget_option_refuses_with_its_name(bad: Any) -> None:
-    with pytest.raises(ValueError, match="budget"):
+    with pytest.raises(ValueError, match="budget") as err:
         Options.of({"budget": bad})
+    assert isinstance(err.value, OptionError)
 
 
 def test_auto_bounds_a_gpu_compile_by_inductors_own() -> None:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from fusegraph.engines.registry import REGISTRY
-from fusegraph.errors import FusegraphError
+from fusegraph.errors import FusegraphError, OptionError
 from fusegraph.graph.graph import Graph
 from fusegraph.onnx.options import PROVIDER
 from fusegraph.runtime.handle import Handle
@@ -39,10 +39,10 @@ class EngineChoice:
         try:
             eng = REGISTRY.get(name)
         except FusegraphError as exc:
-            raise ValueError(f"{PROVIDER} option engine={name!r}: {exc}") from None
+            raise OptionError(f"{PROVIDER} option engine={name!r}: {exc}") from None
         state = eng.available()
         if not state:
-            raise ValueError(f"{PROVIDER} option engine={name!r}: not available here ({state.reason})")
+            raise OptionError(f"{PROVIDER} option engine={name!r}: not available here ({state.reason})")
         self.name = name
         self.candidates = [eng]
 

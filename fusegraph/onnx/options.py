@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from fusegraph.errors import OptionError
 from fusegraph.runtime.handle import parse_device
 
 PROVIDER = "FusegraphExecutionProvider"
@@ -95,7 +96,7 @@ class ProviderOptions:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
-            raise ValueError(
+            raise OptionError(
                 f"unknown {PROVIDER} option(s) {unknown}; known: {sorted(known)}"
             )
         values: dict[str, Any] = {}
@@ -104,7 +105,7 @@ class ProviderOptions:
             try:
                 parse_device(dev)
             except ValueError as exc:
-                raise ValueError(f"{PROVIDER} option device={raw['device']!r}: {exc}") from None
+                raise OptionError(f"{PROVIDER} option device={raw['device']!r}: {exc}") from None
             values["device"] = dev
         if "engine" in raw:
             e = raw["engine"]
@@ -174,9 +175,9 @@ def _floor(v: Any) -> str:
     try:
         f = float(s)
     except ValueError:
-        raise ValueError(f"{PROVIDER} option floor={v!r}: expected auto, on, off or a budget in seconds") from None
+        raise OptionError(f"{PROVIDER} option floor={v!r}: expected auto, on, off or a budget in seconds") from None
     if not f > 0 or f == float("inf"):
-        raise ValueError(f"{PROVIDER} option floor={v!r}: expected auto, on, off or a budget in seconds")
+        raise OptionError(f"{PROVIDER} option floor={v!r}: expected auto, on, off or a budget in seconds")
     return f"{f:g}"
 
 
@@ -192,7 +193,7 @@ def _runners(v: Any) -> str:
         return "auto"
     bad = [n for n in names if n not in RUNNER_NAMES]
     if bad:
-        raise ValueError(f"{PROVIDER} option runners={v!r}: unknown {bad}; expected auto, off or names "
+        raise OptionError(f"{PROVIDER} option runners={v!r}: unknown {bad}; expected auto, off or names "
                          f"among {list(RUNNER_NAMES)}")
     return ",".join(dict.fromkeys(names))
 
@@ -205,9 +206,9 @@ def _precision(v: Any, regions: str) -> str:
              "bfloat16": "bf16"}
     s = alias.get(s, s)
     if s not in PRECISIONS:
-        raise ValueError(f"{PROVIDER} option precision={v!r}: expected one of {list(PRECISIONS)}")
+        raise OptionError(f"{PROVIDER} option precision={v!r}: expected one of {list(PRECISIONS)}")
     if s != "fp32" and regions == "off":
-        raise ValueError(f"{PROVIDER} option precision={v!r} needs the region path (regions=auto or on), "
+        raise OptionError(f"{PROVIDER} option precision={v!r} needs the region path (regions=auto or on), "
                          "but regions=off")
     return s
 
@@ -215,7 +216,7 @@ def _precision(v: Any, regions: str) -> str:
 def _floor_mode(v: Any) -> str:
     s = str(v).strip().lower()
     if s not in FLOOR_MODES:
-        raise ValueError(f"{PROVIDER} option floor_mode={v!r}: expected one of {list(FLOOR_MODES)}")
+        raise OptionError(f"{PROVIDER} option floor_mode={v!r}: expected one of {list(FLOOR_MODES)}")
     return s
 
 
@@ -229,9 +230,9 @@ def _budget(v: Any) -> float:
     try:
         f = float(s)
     except ValueError:
-        raise ValueError(f"{PROVIDER} option autotune={v!r}: expected 0/1 or a budget in seconds") from None
+        raise OptionError(f"{PROVIDER} option autotune={v!r}: expected 0/1 or a budget in seconds") from None
     if f < 0 or f != f:
-        raise ValueError(f"{PROVIDER} option autotune={v!r}: expected 0/1 or a budget in seconds")
+        raise OptionError(f"{PROVIDER} option autotune={v!r}: expected 0/1 or a budget in seconds")
     return f
 
 
@@ -239,9 +240,9 @@ def _int(v: Any, name: str, lo: int) -> int:
     try:
         i = int(str(v).strip()) if not isinstance(v, int) else v
     except ValueError:
-        raise ValueError(f"{PROVIDER} option {name}={v!r}: expected an integer") from None
+        raise OptionError(f"{PROVIDER} option {name}={v!r}: expected an integer") from None
     if isinstance(v, bool) or i < lo:
-        raise ValueError(f"{PROVIDER} option {name}={v!r}: expected an integer >= {lo}")
+        raise OptionError(f"{PROVIDER} option {name}={v!r}: expected an integer >= {lo}")
     return i
 
 
@@ -253,7 +254,7 @@ def _bool(v: Any, name: str) -> bool:
         return True
     if s in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError(f"{PROVIDER} option {name}={v!r}: expected 0/1 (or true/false)")
+    raise OptionError(f"{PROVIDER} option {name}={v!r}: expected 0/1 (or true/false)")
 
 
 def _choice(v: Any, name: str, choices: tuple[str, ...]) -> str:
@@ -261,5 +262,5 @@ def _choice(v: Any, name: str, choices: tuple[str, ...]) -> str:
     alias = {"1": "on", "true": "on", "0": "off", "false": "off"}
     s = alias.get(s, s)
     if s not in choices:
-        raise ValueError(f"{PROVIDER} option {name}={v!r}: expected one of {list(choices)}")
+        raise OptionError(f"{PROVIDER} option {name}={v!r}: expected one of {list(choices)}")
     return s

@@ -23,7 +23,7 @@ import torch
 import torch.fx
 
 from fusegraph.engines.base import ExecutionPlan
-from fusegraph.errors import FusegraphError
+from fusegraph.errors import FusegraphError, OptionError
 from fusegraph.graph.order import ranked_order
 from fusegraph.regions import Region, split
 from fusegraph.regions.choose import Choice, Chooser
@@ -83,15 +83,15 @@ class Options:
         known = set(Options.__dataclass_fields__)
         unknown = sorted(set(given) - known)
         if unknown:
-            raise ValueError(f"fusegraph backend: unknown options {unknown} (it takes {sorted(known)})")
+            raise OptionError(f"fusegraph backend: unknown options {unknown} (it takes {sorted(known)})")
         opts = Options(**given)
         if opts.incumbent not in ("inductor", "eager") or opts.rest not in ("inductor", "eager"):
-            raise ValueError("fusegraph backend: incumbent and rest are 'inductor' or 'eager'")
+            raise OptionError("fusegraph backend: incumbent and rest are 'inductor' or 'eager'")
         if not isinstance(opts.screen, int | float) or opts.screen < 0:
-            raise ValueError(f"fusegraph backend: screen is a factor >= 0 (0: off), got {opts.screen!r}")
+            raise OptionError(f"fusegraph backend: screen is a factor >= 0 (0: off), got {opts.screen!r}")
         b = opts.budget
         if not (b is None or b == "auto" or (isinstance(b, int | float) and not isinstance(b, bool) and b >= 0)):
-            raise ValueError(f"fusegraph backend: budget is 'auto', seconds >= 0 or None (no limit), got {b!r}")
+            raise OptionError(f"fusegraph backend: budget is 'auto', seconds >= 0 or None (no limit), got {b!r}")
         return opts
 
 
