@@ -39,13 +39,16 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--variants", default="eager,inductor,fusegraph,fusegraph-floor")
+    ap.add_argument("--bucket-cap-mb", type=float, default=None,
+                    help="DDP's bucket size, where its graph split cuts (default: DDP's own; --quick: 1, the least DDP allows, "
+                         "so the quick model is split too)")
     args = ap.parse_args()
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo" if args.cpu else "nccl")
     device = torch.device("cpu") if args.cpu else torch.device("cuda", int(os.environ["LOCAL_RANK"]))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    d, heads, layers, vocab, b, s = (32, 4, 2, 64, 2, 16) if args.quick else (768, 12, 4, 8192, 8, 1024)
+    d, heads, layers, vocab, b, s = (64, 4, 2, 2048, 2, 16) if args.quick else (768, 12, 4, 8192, 8, 1024)
     torch.manual_seed(0)
     base = GPT(d, heads, layers, vocab).to(device)
     g = torch.Generator().manual_seed(rank + 1)
@@ -65,7 +68,10 @@ def main() -> int:
                 fully_shard(blk)
             wrapped: Any = fully_shard(model)
         else:
-            wrapped = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+            cap = args.bucket_cap_mb if args.bucket_cap_mb is not None else (1.0 if args.quick else None)
+            wrapped = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None,
+                **({"bucket_cap_mb": cap} if cap is not None else {}))
         if variant == "inductor":
             wrapped = torch.compile(wrapped)
         elif variant == "fusegraph":  # every region claimed

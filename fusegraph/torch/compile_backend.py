@@ -443,10 +443,11 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         # "no region kept", stored before eager was timed (or where the check could not run): timed now
         module = copy_graph(gm)  # before Inductor's pre-grad passes rewrite ``gm`` in place
         side, fn, verdict = step_floor.settle(gm, example_inputs, compile_own, module.forward, margin=opts.margin,
-                                              warmup_s=opts.warmup_s)
+                                              warmup_s=opts.warmup_s, record=own_verdict.record_step)
         if verdict is not None:
             own_verdict.record_step(verdict)
         why = own_verdict.why(stored, "fusegraph's trace: a stored verdict found no region kept")
+        why += f"; {step_floor.DEFERRED}" if isinstance(fn, step_floor.Deferred) else ""
         _report(dynamo_rows(gm, step_floor.WHERE[side], f"{step_floor.reason(verdict)}; {why}" if verdict else why))
         return fn
     eager = copy_graph(gm) if checked else None
@@ -488,8 +489,8 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     if best is not None:
         side, chosen, found = best
     elif eager is not None:
-        side, chosen, found = step_floor.settle(gm, example_inputs, own_once, eager.forward,
-                                                margin=opts.margin, warmup_s=opts.warmup_s)
+        side, chosen, found = step_floor.settle(gm, example_inputs, own_once, eager.forward, margin=opts.margin,
+                                                warmup_s=opts.warmup_s, record=_recorder(own_verdict, state))
     if own_verdict is not None and state.lasting:
         if found is not None:
             own_verdict.record_step(found)
@@ -498,6 +499,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     # the node's own reason first (bench_torch.py groups and truncates them)
     end = f"{step_floor.reason(found)}; " if found is not None else ""
     end += NO_REGION_EAGER if side == step_floor.EAGER else INDUCTORS_OWN
+    end += f"; {step_floor.DEFERRED}" if isinstance(chosen, step_floor.Deferred) else ""
     _report([dataclasses.replace(r, where=step_floor.WHERE[side], why=f"{r.why}; {end}" if r.why else end)
              for r in state.rows])
     if chosen is not None:
@@ -523,9 +525,11 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
         side, fn, verdict = step_floor.TRACE, first, stored
     else:
         side, fn, found = step_floor.settle(gm, example_inputs, compile_own, eager.forward, first,
-                                            margin=opts.margin, warmup_s=opts.warmup_s)
+                                            margin=opts.margin, warmup_s=opts.warmup_s,
+                                            record=_recorder(own_verdict, state))
         if found is None:
-            _report(state.rows)
+            later = f"; {step_floor.DEFERRED}" if isinstance(fn, step_floor.Deferred) else ""
+            _report([dataclasses.replace(r, why=f"{r.why}{later}") if r.fusegraph else r for r in state.rows])
             return fn
         verdict = found
         if own_verdict is not None and state.lasting:
@@ -539,10 +543,25 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
     return fn
 
 
+def _recorder(own_verdict: DynamoVerdict | None, state: _Compile) -> Callable[[Any], None] | None:
+    """Where a step verdict taken later (step_floor.Deferred) is stored, if it would last."""
+    return own_verdict.record_step if own_verdict is not None and state.lasting else None
+
+
 def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,
                       options: Mapping[str, Any] | None = None) -> Callable[..., Any]:
     opts = Options.of(options)
     if opts.rest == "inductor":
+        from fusegraph.torch import step_floor
+
+        if step_floor.fakified_first_call():
+            # In DDP's graph split each piece's backward lowered lazily takes the next of
+            # DDP's per-piece metadata in reverse order, one per piece: a piece that compiles
+            # two sides (the step check), or none lazily, would shift the others'
+            import torch._functorch.config as functorch_config
+
+            with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                return _with_inductor(gm, example_inputs, opts, mode)
         return _with_inductor(gm, example_inputs, opts, mode)
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd

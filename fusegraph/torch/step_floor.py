@@ -70,21 +70,31 @@ def device_of(example_inputs: Sequence[Any]) -> torch.device:
     return next((x.device for x in example_inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
-def why_not(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sides: int = 2) -> str:
-    """Why the step cannot be timed here ('' when it can), with ``sides`` candidates."""
+# DDP's graph split: its compiled pieces' first call returns fake outputs, which it then
+# reads; a step timed at compile time would take that call (on two H200s every such check
+# failed and DDP then ran the real code on fake tensors: "Cannot access data pointer"). The
+# check waits for the first real call there instead (Deferred).
+FAKIFIED = "DDP's graph split reads the compiled graph's first call (fake outputs), which a timed step would take"
+DEFERRED = "the step check runs at the piece's first real call (DDP's graph split fakes the first)"
+
+
+def fakified_first_call() -> bool:
+    """Whether the graph being compiled is a piece of DDP's graph split, whose compiled
+    function's first call (AOTAutograd's) returns fake outputs for DDP to read."""
     from torch._guards import TracingContext
 
     context = TracingContext.try_get()
-    if context is not None and getattr(context, "fakify_first_call", False):
-        # DDP's graph split: its compiled pieces' first call returns fake outputs, which it
-        # then reads; a timed step would take that call (on two H200s every step check
-        # failed and DDP then ran the real code on fake tensors: "Cannot access data pointer")
-        return "DDP's graph split reads the compiled graph's first call (fake outputs), which a timed step would take"
+    return context is not None and bool(getattr(context, "fakify_first_call", False))
+
+
+def why_not(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], sides: int = 2) -> str:
+    """Why the step cannot be timed here ('' when it can), with ``sides`` candidates."""
     if any(True for _ in gm.parameters()) or any(True for _ in gm.buffers()):
         return "the Dynamo graph holds parameters or buffers of its own (its backward would change theirs)"
     if any(isinstance(x, torch.Tensor) and x.is_sparse for x in example_inputs):
         return "a sparse input"
-    return graph_floor.room(example_inputs, device_of(example_inputs), copies=sides)
+    return graph_floor.room(example_inputs, device_of(example_inputs), copies=sides) or (
+        FAKIFIED if fakified_first_call() else "")
 
 
 def winner(verdict: Verdict) -> str:
@@ -151,6 +161,7 @@ class _Step:
         self.leaves = [a for a in self.args if isinstance(a, torch.Tensor) and a.requires_grad]
         self.grads: list[torch.Tensor] | None = None
         self.backward = False  # whether a call ran a backward
+        self.layout: list[object] | None = None  # the first call's outputs' sizes and strides
 
     def __call__(self) -> None:
         from torch.utils._pytree import tree_leaves
@@ -164,6 +175,8 @@ class _Step:
         # against Inductor's own 4.78 / 4.73, whose casts are compiled in): cleared per step.
         torch.clear_autocast_cache()
         out = self.fn(*self.args)
+        if self.layout is None:
+            self.layout = layout(out)
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad
                 and o.is_floating_point()]
         if not outs:
@@ -196,13 +209,24 @@ def _time(candidates: Mapping[str, Callable[[], object]], **options: Any) -> Map
     return timing.time_candidates(candidates, **options)
 
 
+def layout(out: Any) -> list[object]:
+    """A graph's outputs' sizes and strides (size hints where symbolic), in output order."""
+    from torch.utils._pytree import tree_leaves
+
+    from fusegraph.torch.aten import hint
+
+    return [(tuple(hint(d) for d in o.shape), tuple(hint(d) for d in o.stride())) if isinstance(o, torch.Tensor)
+            else type(o).__name__ for o in tree_leaves(out)]
+
+
 def time_steps(sides: Mapping[str, Callable[..., Any]], example_inputs: Sequence[Any], *, margin: float,
-               warmup_s: float) -> Verdict:
+               warmup_s: float, expected: list[object] | None = None) -> Verdict:
     """The compiled Dynamo graphs (``sides``: name -> callable; OWN among them) timed as a
     step runs them (module docstring). Each side runs one step first, outside the timing: a
     backward that Inductor lowers at its first call is compiled there, as in a real first
-    step. A side other than Inductor's own that raises loses, and the verdict says why;
-    Inductor's own raising raises (the check did not run)."""
+    step. A side other than Inductor's own that raises, or whose outputs' layout is not
+    ``expected`` (where given), loses, and the verdict says why; Inductor's own doing so
+    raises (the check did not run)."""
     device = device_of(example_inputs)
     devices = [device] if device.type == "cuda" else []
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
@@ -218,6 +242,9 @@ def time_steps(sides: Mapping[str, Callable[..., Any]], example_inputs: Sequence
                 step()
                 if sync is not None:
                     sync()
+                if expected is not None and step.layout != expected:
+                    raise RuntimeError(f"its outputs (sizes, strides) {step.layout} are not those the graph was "
+                                       f"compiled to give, {expected}")
             except Exception as exc:
                 if name == OWN:
                     raise
@@ -258,14 +285,28 @@ def trace_cannot_win(gain_ms: float, best: Verdict, margin: float) -> str:
 
 def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own: Callable[[], Callable[..., Any]],
            eager: Callable[..., Any], trace: Callable[..., Any] | None = None, *, margin: float,
-           warmup_s: float) -> tuple[str, Callable[..., Any], Verdict | None]:
+           warmup_s: float, record: Callable[[Verdict], None] | None = None
+           ) -> tuple[str, Callable[..., Any], Verdict | None]:
     """The candidate chosen, its compiled Dynamo graph and the verdict that chose it
     (``eager``: the Dynamo graph module's forward, taken before any compile rewrote the
     module; ``trace``: fusegraph's, where it kept regions). The verdict is None where the
     check could not run (the log says why): the trace then stands where there is one, as
-    before the check, else Inductor's own compile."""
+    before the check, else Inductor's own compile. In a piece of DDP's graph split the
+    function returned is a Deferred one, whose first real call takes the verdict and hands
+    it to ``record``; the side named is the one it runs until then."""
     sides = 3 if trace is not None else 2
     cannot = why_not(gm, example_inputs, sides)
+    if cannot == FAKIFIED:
+        default = TRACE if trace is not None else OWN
+        try:
+            own = compile_own()
+        except Exception:
+            if trace is None:
+                raise
+            log.warning("Inductor's own compile of the Dynamo graph failed; fusegraph's trace is kept", exc_info=True)
+            return TRACE, trace, None
+        candidates = {OWN: own, EAGER: eager, **({TRACE: trace} if trace is not None else {})}
+        return default, Deferred(candidates, default, margin=margin, warmup_s=warmup_s, record=record), None
     if cannot:
         log.info("the Dynamo graph's step was not timed against eager and Inductor's own compile: %s", cannot)
         return (TRACE, trace, None) if trace is not None else (OWN, compile_own(), None)
@@ -287,3 +328,66 @@ def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own:
     log.info("%s", reason(verdict))
     won = winner(verdict)
     return won, candidates[won], verdict
+
+
+def _is_fake(x: Any) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+class Deferred:
+    """A piece of DDP's graph split (FAKIFIED) whose step check waits for its first real
+    call. DDP's first call, on fake inputs, gets the fake outputs of the ``default``
+    candidate; every AOTAutograd candidate's fake first result is taken there, so none
+    returns one later. The first real call times the candidates as steps on copies of its
+    inputs (time_steps); the fastest answers it and every later call, and ``record`` stores
+    the verdict. A candidate whose outputs are laid out otherwise than the fake ones DDP
+    compiled the next piece for loses. Where the check cannot run, ``default`` runs."""
+
+    def __init__(self, candidates: Mapping[str, Callable[..., Any]], default: str, *, margin: float,
+                 warmup_s: float, record: Callable[[Verdict], None] | None) -> None:
+        self.candidates = dict(candidates)
+        self.default = default
+        self.margin, self.warmup_s, self.record = margin, warmup_s, record
+        self.expected: list[object] | None = None
+        self.chosen: Callable[..., Any] | None = None
+        self.verdict: Verdict | None = None
+
+    def __call__(self, *args: Any) -> Any:
+        if self.chosen is not None:
+            return self.chosen(*args)
+        if any(_is_fake(a) for a in args):
+            out = None
+            for name, fn in self.candidates.items():
+                if name != EAGER:  # eager's graph is not AOTAutograd's: no fake result held
+                    result = fn(*args)
+                    out = result if name == self.default else out
+            self.expected = layout(out)
+            return out
+        self.chosen = self._choose(args)
+        self.candidates.clear()  # the losers' compiled code is let go
+        return self.chosen(*args)
+
+    def _choose(self, args: Sequence[Any]) -> Callable[..., Any]:
+        default = self.candidates[self.default]
+        device = device_of(args)
+        cannot = graph_floor.room(args, device, copies=len(self.candidates))
+        if cannot:
+            log.info("the DDP piece's step was not timed: %s; %s runs it", cannot, NAMES[self.default])
+            return default
+        try:
+            verdict = time_steps(self.candidates, args, margin=self.margin, warmup_s=self.warmup_s,
+                                 expected=self.expected)
+        except Exception as exc:  # never the user's step
+            log.warning("the DDP piece's step check did not run (%s: %s); %s runs it", type(exc).__name__, exc,
+                        NAMES[self.default], exc_info=log.isEnabledFor(logging.DEBUG))
+            return default
+        log.info("DDP piece: %s", reason(verdict))
+        self.verdict = verdict
+        if self.record is not None:
+            try:
+                self.record(verdict)
+            except Exception as exc:  # the verdict still stands for this process
+                log.warning("the DDP piece's verdict was not stored (%s: %s)", type(exc).__name__, exc)
+        return self.candidates[winner(verdict)]
