@@ -1,7 +1,7 @@
 """torch.compile(backend="fusegraph") under PyTorch's own DistributedDataParallel (or FSDP2's
 fully_shard): the same few training steps under eager, Inductor and fusegraph, each wrapped
-the same way, losses compared with eager's and step times printed side by side (medians of
-the timed steps after warm-up, every variant in one process group). No distributed code of
+the same way, losses compared with eager's and step times printed side by side (every
+variant in one process group, their steps interleaved; medians after two warm-up steps). No distributed code of
 fusegraph's own: DDP's optimizer splits the graph at bucket boundaries and hands each piece
 to the backend.
 
@@ -57,9 +57,10 @@ def main() -> int:
              torch.randint(0, vocab, (b * s,), generator=g).to(device)) for _ in range(steps)]
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else (
         lambda: torch.autocast("cpu", enabled=False))
-    results: dict[str, tuple[list[float], list[float]]] = {}
-    for variant in args.variants.split(","):
-        torch._dynamo.reset()
+    variants = args.variants.split(",")
+    runs: dict[str, tuple[Any, torch.optim.Optimizer]] = {}
+    torch._dynamo.reset()
+    for variant in variants:  # every variant built first, then their steps interleaved
         model = copy.deepcopy(base)
         if args.fsdp:
             from torch.distributed.fsdp import fully_shard
@@ -78,9 +79,14 @@ def main() -> int:
             wrapped = torch.compile(wrapped, backend=partial(fusegraph_backend, options={"floor": False}))
         elif variant == "fusegraph-floor":  # the default: regions and graphs measured, on each rank
             wrapped = torch.compile(wrapped, backend=fusegraph_backend)
-        opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        losses, times = [], []
-        for ids, y in data:
+        runs[variant] = (wrapped, torch.optim.SGD(model.parameters(), lr=0.05))
+    results: dict[str, tuple[list[float], list[float]]] = {v: ([], []) for v in variants}
+    for i, (ids, y) in enumerate(data):
+        # the variants take turns, each step in a rotated order (every rank the same order:
+        # their collectives must meet); a variant's first step compiles it
+        for variant in variants[i % len(variants):] + variants[:i % len(variants)]:
+            wrapped, opt = runs[variant]
+            losses, times = results[variant]
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
             with amp():
@@ -91,7 +97,6 @@ def main() -> int:
                 torch.cuda.synchronize(device)
             times.append((time.perf_counter() - t0) * 1e3)
             losses.append(float(loss.detach()))
-        results[variant] = (losses, times)
     ok = True
     if rank == 0:
         ref = results.get("eager", next(iter(results.values())))[0]
