@@ -1,7 +1,8 @@
 """torch.compile(backend="fusegraph") under PyTorch's own DistributedDataParallel (or FSDP2's
 fully_shard): the same few training steps under eager, Inductor and fusegraph, each wrapped
 the same way, losses compared with eager's and step times printed side by side (every
-variant in one process group, their steps interleaved; medians after two warm-up steps). No distributed code of
+variant in one process group; after each variant's warm-up steps alone, their steps
+interleaved; medians). No distributed code of
 fusegraph's own: DDP's optimizer splits the graph at bucket boundaries and hands each piece
 to the backend.
 
@@ -37,7 +38,10 @@ def main() -> int:
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--fsdp", action="store_true")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=None, help="training steps (default 20; --quick: 5)")
+    ap.add_argument("--warm-steps", type=int, default=None,
+                    help="untimed steps each variant runs alone first, as a training loop would: compiles, and "
+                         "fusegraph's choice among a DDP split's pieces on whole steps (default 20; --quick: 0)")
     ap.add_argument("--variants", default="eager,inductor,fusegraph,fusegraph-floor")
     ap.add_argument("--bucket-cap-mb", type=float, default=None,
                     help="DDP's bucket size, where its graph split cuts (default: DDP's own; --quick: 1, the least DDP allows, "
@@ -52,7 +56,8 @@ def main() -> int:
     torch.manual_seed(0)
     base = GPT(d, heads, layers, vocab).to(device)
     g = torch.Generator().manual_seed(rank + 1)
-    steps = 5 if args.quick else args.steps
+    warm = args.warm_steps if args.warm_steps is not None else (0 if args.quick else 20)
+    steps = warm + (args.steps if args.steps is not None else (5 if args.quick else 20))
     data = [(torch.randint(0, vocab, (b, s), generator=g).to(device),
              torch.randint(0, vocab, (b * s,), generator=g).to(device)) for _ in range(steps)]
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else (
@@ -81,10 +86,17 @@ def main() -> int:
             wrapped = torch.compile(wrapped, backend=fusegraph_backend)
         runs[variant] = (wrapped, torch.optim.SGD(model.parameters(), lr=0.05))
     results: dict[str, tuple[list[float], list[float]]] = {v: ([], []) for v in variants}
-    for i, (ids, y) in enumerate(data):
-        # the variants take turns, each step in a rotated order (every rank the same order:
-        # their collectives must meet); a variant's first step compiles it
-        for variant in variants[i % len(variants):] + variants[:i % len(variants)]:
+    # first each variant's warm steps alone, as its own loop would run them (a choice fusegraph
+    # makes on the loop's steps must not time other variants' steps in between); then the
+    # variants take turns, each step in a rotated order (every rank the same order: their
+    # collectives must meet). The same data in the same order for every variant.
+    order = [[v] for v in variants for _ in range(warm)]
+    order += [variants[i % len(variants):] + variants[:i % len(variants)] for i in range(steps - warm)]
+    at = dict.fromkeys(variants, 0)
+    for turn in order:
+        for variant in turn:
+            ids, y = data[at[variant]]
+            at[variant] += 1
             wrapped, opt = runs[variant]
             losses, times = results[variant]
             t0 = time.perf_counter()
@@ -104,7 +116,7 @@ def main() -> int:
         for variant, (losses, times) in results.items():
             worst = max(abs(a - r) / max(abs(r), 1e-6) for a, r in zip(losses, ref, strict=True))
             ok = ok and worst <= tol
-            timed = times[2:] if len(times) > 4 else times
+            timed = times[warm:] if warm else (times[2:] if len(times) > 4 else times)
             print(f"{variant:<10} losses {' '.join(f'{x:.4f}' for x in losses[:5])}  worst rel {worst:.1e}  "
                   f"step {statistics.median(timed):8.2f} ms (median of {len(timed)})")
     dist.destroy_process_group()

@@ -3,7 +3,7 @@ through benchmarks/bench_torch_ddp.py in two processes: the floor-on backend's f
 must be eager's (the script exits non-zero otherwise, and any rank that raises fails the
 launch). On two GPUs this is where the step check once took the compiled piece's first call,
 which DDP's graph split reads for fake outputs, and rank 1 then crashed (fixed in
-step_floor.why_not; the check now waits for the first real call, step_floor.Deferred); on the
+step_floor.why_not; the check now waits for real calls there: ddp_split.py); on the
 CPU the same path runs with gloo, split in two by --quick's small buckets."""
 
 from __future__ import annotations
@@ -42,12 +42,14 @@ def _step_verdicts(cache: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[st
 
 @pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
 def test_two_cpu_processes_track_eager(fsdp: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    args = ["--cpu", "--quick", "--variants", "eager,fusegraph-floor", *(["--fsdp"] if fsdp else [])]
+    # 20 steps: the DDP split's pieces are chosen together on the loop's steps 2-17
+    args = ["--cpu", "--quick", "--steps", "20", "--variants", "eager,fusegraph-floor", *(["--fsdp"] if fsdp else [])]
     out = _launch(args, tmp_path, 600)
     assert "fusegraph-floor losses" in out, out
     if not fsdp:
-        # --quick's small buckets split the graph in two: each piece's step was timed at
-        # its first real call (step_floor.Deferred) and stored; run again, both are read
+        # --quick's small buckets split the graph in two: each piece was timed alone at its
+        # first real call, then both on the loop's steps (ddp_split.py), and their verdicts
+        # stored; run again, both are read
         verdicts = _step_verdicts(tmp_path, monkeypatch)
         assert len(verdicts) >= 2, verdicts
         out = _launch(args, tmp_path, 600)

@@ -1,8 +1,9 @@
-"""The step check in a piece of DDP's graph split (step_floor.Deferred): DDP's first call
-hands the piece fake inputs and reads fake outputs, so the candidates are timed at the
-first real call instead. Here the candidates are plain functions and the timing is forced
-(the step clock of tests/test_torch_step_floor.py); DDP itself runs in
-tests/test_torch_ddp.py."""
+"""The step check in DDP's graph split (fusegraph/torch/ddp_split.py): DDP's first call hands
+a piece fake inputs and reads fake outputs, so the piece's candidates are timed alone at
+its first real call, and the split's pieces are then chosen together on the loop's own
+steps. Here the candidates are plain functions, the timing alone is forced (the step clock
+of tests/test_torch_step_floor.py) and the loop's clock is virtual: each side's call costs
+what the test says. DDP itself runs in tests/test_torch_ddp.py."""
 
 from __future__ import annotations
 
@@ -15,14 +16,22 @@ torch = pytest.importorskip("torch", reason="the torch.compile backend needs tor
 from test_torch_step_floor import step_timer  # noqa: E402
 
 from fusegraph.regions.verdicts import Verdict  # noqa: E402
-from fusegraph.torch import step_floor  # noqa: E402
+from fusegraph.torch import ddp_split, step_floor  # noqa: E402
+
+
+class _Loop:
+    """The virtual clock of the loop's steps: each real call of a side adds its cost."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
 
 
 class _Side:
-    """A candidate that counts its calls, fake and real, and may lay its output out
-    transposed (same values, other strides)."""
+    """A candidate that counts its calls, fake and real, costs ``cost`` seconds of the loop's
+    clock per real call, and may lay its output out transposed (same values, other strides)."""
 
-    def __init__(self, transposed: bool = False) -> None:
+    def __init__(self, loop: _Loop, cost: float = 1.0, transposed: bool = False) -> None:
+        self.loop, self.cost = loop, cost
         self.fake = self.real = 0
         self.transposed = transposed
 
@@ -33,103 +42,141 @@ class _Side:
             self.fake += 1
         else:
             self.real += 1
+            self.loop.now += self.cost
         y = torch.tanh(x @ w)
         return (y.t().contiguous().t() if self.transposed else y,)
 
 
-def _deferred(sides: dict[str, _Side], default: str = step_floor.OWN
-              ) -> tuple[step_floor.Deferred, list[Verdict]]:
+@pytest.fixture
+def loop(monkeypatch: pytest.MonkeyPatch) -> _Loop:
+    clock = _Loop()
+    monkeypatch.setattr(ddp_split, "_clock", lambda: clock.now)
+    return clock
+
+
+def _piece(sides: dict[str, _Side], default: str = step_floor.OWN) -> tuple[ddp_split.Deferred, list[Verdict]]:
     recorded: list[Verdict] = []
-    return step_floor.Deferred(sides, default, margin=0.03, warmup_s=0.0, record=recorded.append), recorded
+    return ddp_split.Deferred(sides, default, margin=0.03, warmup_s=0.0, record=recorded.append), recorded
 
 
-def _args(requires_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.randn(8, 6), torch.randn(6, 5, requires_grad=requires_grad)
+def _args() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(8, 6), torch.randn(6, 5, requires_grad=True)
 
 
-def _fake_call(fn: step_floor.Deferred, x: torch.Tensor, w: torch.Tensor) -> Any:
+def _fake_call(fn: ddp_split.Deferred, x: torch.Tensor, w: torch.Tensor) -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         return fn(mode.from_tensor(x), mode.from_tensor(w))
 
 
-def test_the_first_real_call_times_the_sides_and_the_fastest_answers_every_later_call(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+def _loop_steps(pieces: list[ddp_split.Deferred], x: torch.Tensor, w: torch.Tensor, steps: int) -> None:
+    for _ in range(steps):
+        for piece in pieces:
+            piece(x, w)
+
+
+def test_alone_the_trace_wins_but_the_loops_steps_give_the_piece_to_eager(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, loop: _Loop) -> None:
     clock = step_timer(monkeypatch, tmp_path)
-    clock.update(own_ms=2.0, eager_ms=1.0, trace_ms=3.0)
-    sides = {step_floor.OWN: _Side(), step_floor.EAGER: _Side(), step_floor.TRACE: _Side()}
-    fn, recorded = _deferred(sides, default=step_floor.TRACE)
+    clock.update(own_ms=2.0, eager_ms=3.0, trace_ms=1.0)  # alone: the trace, then Inductor's own
+    sides = {step_floor.OWN: _Side(loop, 2.0), step_floor.EAGER: _Side(loop, 1.0), step_floor.TRACE: _Side(loop, 3.0)}
+    piece, recorded = _piece(sides, default=step_floor.TRACE)
     x, w = _args()
-    fake = _fake_call(fn, x, w)
+    fake = _fake_call(piece, x, w)
     # DDP's call: every AOTAutograd side's fake result taken, eager's graph not run
     assert (sides["own"].fake, sides["trace"].fake, sides["eager"].fake) == (1, 1, 0)
-    assert clock["calls"] == 0 and not recorded
-    assert tuple(fake[0].shape) == (8, 5)
-    out = fn(x, w)
+    assert clock["calls"] == 0 and not recorded and tuple(fake[0].shape) == (8, 5)
+    out = piece(x, w)  # the first real step: the piece checked alone, its winner runs
     assert clock["calls"] == 1 and clock["backward"] == dict.fromkeys(sides, True), clock
-    assert len(recorded) == 1 and step_floor.winner(recorded[0]) == step_floor.EAGER, recorded
-    assert "eager 1.000 ms" in recorded[0].why
+    assert piece.own_winner == step_floor.TRACE and not recorded
     torch.testing.assert_close(out[0], torch.tanh(x @ w), rtol=0, atol=0)
     assert out[0].requires_grad  # the caller's own call keeps its autograd graph
+    # three choices (every piece own, every piece eager, each its winner: the trace), each
+    # timed on SAMPLES of the loop's steps, then the decision at the next step's start
+    _loop_steps([piece], x, w, 3 * ddp_split.SAMPLES + 1)
+    assert len(recorded) == 1, recorded
+    verdict = recorded[0]
+    assert step_floor.winner(verdict) == step_floor.EAGER and not verdict.fusegraph, verdict
+    assert "training loop" in verdict.why and f"{ddp_split.ALL_EAGER} 1000.000 ms" in verdict.why, verdict.why
+    assert "the piece alone:" in verdict.why and "fusegraph's trace 1.000 ms" in verdict.why
     before = {name: side.real for name, side in sides.items()}
-    fn(x, w)
+    _loop_steps([piece], x, w, 2)
     after = {name: side.real for name, side in sides.items()}
-    assert after == {**before, "eager": before["eager"] + 1}, (before, after)
+    assert after == {**before, "eager": before["eager"] + 2}, (before, after)
     assert clock["calls"] == 1 and len(recorded) == 1
+    # the caller's tensors were left alone by the check
+    assert w.grad is None
 
 
-def test_the_steps_run_on_copies_and_leave_the_callers_tensors_alone(monkeypatch: pytest.MonkeyPatch,
-                                                                     tmp_path: Any) -> None:
-    step_timer(monkeypatch, tmp_path)
-    fn, _ = _deferred({step_floor.OWN: _Side(), step_floor.EAGER: _Side()})
+def test_a_splits_pieces_are_chosen_together_on_whole_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+                                                              loop: _Loop) -> None:
+    """Alone, each piece goes to Inductor's own; on the loop's steps every piece eager is
+    faster only together (the second piece's eager costs more alone than it saves)."""
+    clock = step_timer(monkeypatch, tmp_path)
+    clock.update(own_ms=1.0, eager_ms=2.0)
+    trial = ddp_split.Trial(0.03)
+    monkeypatch.setattr(ddp_split.Trial, "of_split", staticmethod(lambda margin: trial))
+    a_sides = {step_floor.OWN: _Side(loop, 5.0), step_floor.EAGER: _Side(loop, 2.0)}
+    b_sides = {step_floor.OWN: _Side(loop, 1.0), step_floor.EAGER: _Side(loop, 2.0)}
+    a, a_recorded = _piece(a_sides)
+    b, b_recorded = _piece(b_sides)
+    assert trial.pieces == [a, b]
     x, w = _args()
-    _fake_call(fn, x, w)
-    w0 = w.detach().clone()
-    fn(x, w)
-    assert w.grad is None and torch.equal(w.detach(), w0)
+    _fake_call(a, x, w)
+    _fake_call(b, x, w)
+    # the first real step, then one choice per step (EACH gives what ALL_OWN gives: two choices)
+    _loop_steps([a, b], x, w, 1 + 2 * ddp_split.SAMPLES + 1)
+    assert set(trial.periods) == {ddp_split.ALL_OWN, ddp_split.ALL_EAGER}, trial.periods
+    assert trial.periods[ddp_split.ALL_OWN] == [6000.0] * ddp_split.SAMPLES, trial.periods
+    assert trial.periods[ddp_split.ALL_EAGER] == [4000.0] * ddp_split.SAMPLES, trial.periods
+    assert [step_floor.winner(v) for v in a_recorded + b_recorded] == [step_floor.EAGER] * 2
 
 
-def test_a_side_laid_out_otherwise_than_ddps_fake_outputs_loses(monkeypatch: pytest.MonkeyPatch,
-                                                                 tmp_path: Any) -> None:
+def test_a_side_laid_out_otherwise_than_ddps_fake_outputs_never_runs(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Any, loop: _Loop) -> None:
     clock = step_timer(monkeypatch, tmp_path)
     clock.update(own_ms=2.0, eager_ms=1.0)  # eager faster, but its output has other strides
-    sides = {step_floor.OWN: _Side(), step_floor.EAGER: _Side(transposed=True)}
-    fn, recorded = _deferred(sides)
+    sides = {step_floor.OWN: _Side(loop, 2.0), step_floor.EAGER: _Side(loop, 1.0, transposed=True)}
+    piece, recorded = _piece(sides)
     x, w = _args()
-    _fake_call(fn, x, w)
-    out = fn(x, w)
+    _fake_call(piece, x, w)
+    eager_before = sides["eager"].real
+    out = piece(x, w)
+    assert out[0].stride() == (5, 1)
+    _loop_steps([piece], x, w, 3)  # one choice left: decided at the first loop step
+    assert sides["eager"].real == eager_before + 1  # its one step in the check alone
     assert len(recorded) == 1 and step_floor.winner(recorded[0]) == step_floor.OWN, recorded
     assert "eager failed" in recorded[0].why and "strides" in recorded[0].why, recorded[0].why
-    assert out[0].stride() == (5, 1)
 
 
-def test_where_the_check_cannot_run_the_default_side_runs_and_nothing_is_stored(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+def test_where_the_check_cannot_run_the_default_side_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
+                                                          loop: _Loop) -> None:
     clock = step_timer(monkeypatch, tmp_path)
 
     def broken(candidates: Any, **_: Any) -> Any:
         raise RuntimeError("no clock here")
 
     clock["timer"] = broken
-    sides = {step_floor.OWN: _Side(), step_floor.EAGER: _Side(), step_floor.TRACE: _Side()}
-    fn, recorded = _deferred(sides, default=step_floor.TRACE)
+    sides = {step_floor.OWN: _Side(loop), step_floor.EAGER: _Side(loop), step_floor.TRACE: _Side(loop)}
+    piece, recorded = _piece(sides, default=step_floor.TRACE)
     x, w = _args()
-    _fake_call(fn, x, w)
-    fn(x, w)
+    _fake_call(piece, x, w)
+    piece(x, w)  # the check's own first steps run each side once, then its timing fails
     real = {name: side.real for name, side in sides.items()}
-    fn(x, w)
-    assert sides["trace"].real == real["trace"] + 1 and not recorded
+    _loop_steps([piece], x, w, 3)
+    assert sides["trace"].real == real["trace"] + 3
     assert sides["own"].real == real["own"] and sides["eager"].real == real["eager"]
+    assert len(recorded) == 1 and recorded[0].fusegraph and "the piece alone" not in recorded[0].why
 
 
-def test_settle_defers_only_inside_ddps_split(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    """settle() returns a Deferred function in a piece DDP fakes the first call of (its
-    own compile done at once, inside the compile), and times at once elsewhere."""
+def test_settle_defers_only_inside_ddps_split(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, loop: _Loop) -> None:
+    """settle() returns a Deferred function in a piece DDP fakes the first call of (its own
+    compile done at once, inside the compile), and times at once elsewhere."""
     clock = step_timer(monkeypatch, tmp_path)
     gm = torch.fx.symbolic_trace(lambda x, w: (torch.tanh(x @ w),))
     x, w = _args()
-    own = _Side()
+    own = _Side(loop)
     compiled: list[int] = []
 
     def compile_own() -> _Side:
@@ -138,8 +185,8 @@ def test_settle_defers_only_inside_ddps_split(monkeypatch: pytest.MonkeyPatch, t
 
     monkeypatch.setattr(step_floor, "fakified_first_call", lambda: True)
     side, fn, verdict = step_floor.settle(gm, [x, w], compile_own, gm.forward, margin=0.03, warmup_s=0.0)
-    assert isinstance(fn, step_floor.Deferred) and side == step_floor.OWN and verdict is None
+    assert isinstance(fn, ddp_split.Deferred) and side == step_floor.OWN and verdict is None
     assert compiled == [1] and clock["calls"] == 0
     monkeypatch.setattr(step_floor, "fakified_first_call", lambda: False)
     side, fn, verdict = step_floor.settle(gm, [x, w], compile_own, gm.forward, margin=0.03, warmup_s=0.0)
-    assert not isinstance(fn, step_floor.Deferred) and verdict is not None and clock["calls"] == 1
+    assert not isinstance(fn, ddp_split.Deferred) and verdict is not None and clock["calls"] == 1

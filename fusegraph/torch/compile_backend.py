@@ -44,6 +44,7 @@ import torch.fx
 
 from fusegraph.regions.report import Row
 from fusegraph.torch import aten, phases
+from fusegraph.torch.ddp_split import Deferred
 from fusegraph.torch.dynamo_verdict import (
     NO_REGION_EAGER,
     STORED_EAGER,
@@ -447,7 +448,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         if verdict is not None:
             own_verdict.record_step(verdict)
         why = own_verdict.why(stored, "fusegraph's trace: a stored verdict found no region kept")
-        why += f"; {step_floor.DEFERRED}" if isinstance(fn, step_floor.Deferred) else ""
+        why += f"; {step_floor.DEFERRED}" if isinstance(fn, Deferred) else ""
         _report(dynamo_rows(gm, step_floor.WHERE[side], f"{step_floor.reason(verdict)}; {why}" if verdict else why))
         return fn
     eager = copy_graph(gm) if checked else None
@@ -499,7 +500,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     # the node's own reason first (bench_torch.py groups and truncates them)
     end = f"{step_floor.reason(found)}; " if found is not None else ""
     end += NO_REGION_EAGER if side == step_floor.EAGER else INDUCTORS_OWN
-    end += f"; {step_floor.DEFERRED}" if isinstance(chosen, step_floor.Deferred) else ""
+    end += f"; {step_floor.DEFERRED}" if isinstance(chosen, Deferred) else ""
     _report([dataclasses.replace(r, where=step_floor.WHERE[side], why=f"{r.why}; {end}" if r.why else end)
              for r in state.rows])
     if chosen is not None:
@@ -528,7 +529,7 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
                                             margin=opts.margin, warmup_s=opts.warmup_s,
                                             record=_recorder(own_verdict, state))
         if found is None:
-            later = f"; {step_floor.DEFERRED}" if isinstance(fn, step_floor.Deferred) else ""
+            later = f"; {step_floor.DEFERRED}" if isinstance(fn, Deferred) else ""
             _report([dataclasses.replace(r, why=f"{r.why}{later}") if r.fusegraph else r for r in state.rows])
             return fn
         verdict = found
@@ -544,7 +545,7 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
 
 
 def _recorder(own_verdict: DynamoVerdict | None, state: _Compile) -> Callable[[Any], None] | None:
-    """Where a step verdict taken later (step_floor.Deferred) is stored, if it would last."""
+    """Where a step verdict taken later (ddp_split.py) is stored, if it would last."""
     return own_verdict.record_step if own_verdict is not None and state.lasting else None
 
 

@@ -73,9 +73,10 @@ def device_of(example_inputs: Sequence[Any]) -> torch.device:
 # DDP's graph split: its compiled pieces' first call returns fake outputs, which it then
 # reads; a step timed at compile time would take that call (on two H200s every such check
 # failed and DDP then ran the real code on fake tensors: "Cannot access data pointer"). The
-# check waits for the first real call there instead (Deferred).
+# check waits for the first real call there instead (ddp_split.py).
 FAKIFIED = "DDP's graph split reads the compiled graph's first call (fake outputs), which a timed step would take"
-DEFERRED = "the step check runs at the piece's first real call (DDP's graph split fakes the first)"
+DEFERRED = ("the step check runs at the piece's first real call (DDP's graph split fakes the first), then "
+            "on the training loop's own steps with the split's other pieces")
 
 
 def fakified_first_call() -> bool:
@@ -220,17 +221,18 @@ def layout(out: Any) -> list[object]:
 
 
 def time_steps(sides: Mapping[str, Callable[..., Any]], example_inputs: Sequence[Any], *, margin: float,
-               warmup_s: float, expected: list[object] | None = None) -> Verdict:
+               warmup_s: float, expected: list[object] | None = None,
+               failed: dict[str, str] | None = None) -> Verdict:
     """The compiled Dynamo graphs (``sides``: name -> callable; OWN among them) timed as a
     step runs them (module docstring). Each side runs one step first, outside the timing: a
     backward that Inductor lowers at its first call is compiled there, as in a real first
     step. A side other than Inductor's own that raises, or whose outputs' layout is not
-    ``expected`` (where given), loses, and the verdict says why; Inductor's own doing so
-    raises (the check did not run)."""
+    ``expected`` (where given), loses, and the verdict says why (and ``failed``, where
+    given, gets its name and error); Inductor's own doing so raises (the check did not run)."""
     device = device_of(example_inputs)
     devices = [device] if device.type == "cuda" else []
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-    failed: dict[str, str] = {}
+    failed = {} if failed is None else failed
     with contextlib.ExitStack() as stack:
         stack.enter_context(phase(phases.STEP_TIMING))  # the untimed first steps too
         stack.enter_context(torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"))
@@ -305,6 +307,8 @@ def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own:
                 raise
             log.warning("Inductor's own compile of the Dynamo graph failed; fusegraph's trace is kept", exc_info=True)
             return TRACE, trace, None
+        from fusegraph.torch.ddp_split import Deferred
+
         candidates = {OWN: own, EAGER: eager, **({TRACE: trace} if trace is not None else {})}
         return default, Deferred(candidates, default, margin=margin, warmup_s=warmup_s, record=record), None
     if cannot:
@@ -329,65 +333,3 @@ def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own:
     won = winner(verdict)
     return won, candidates[won], verdict
 
-
-def _is_fake(x: Any) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(x, FakeTensor)
-
-
-class Deferred:
-    """A piece of DDP's graph split (FAKIFIED) whose step check waits for its first real
-    call. DDP's first call, on fake inputs, gets the fake outputs of the ``default``
-    candidate; every AOTAutograd candidate's fake first result is taken there, so none
-    returns one later. The first real call times the candidates as steps on copies of its
-    inputs (time_steps); the fastest answers it and every later call, and ``record`` stores
-    the verdict. A candidate whose outputs are laid out otherwise than the fake ones DDP
-    compiled the next piece for loses. Where the check cannot run, ``default`` runs."""
-
-    def __init__(self, candidates: Mapping[str, Callable[..., Any]], default: str, *, margin: float,
-                 warmup_s: float, record: Callable[[Verdict], None] | None) -> None:
-        self.candidates = dict(candidates)
-        self.default = default
-        self.margin, self.warmup_s, self.record = margin, warmup_s, record
-        self.expected: list[object] | None = None
-        self.chosen: Callable[..., Any] | None = None
-        self.verdict: Verdict | None = None
-
-    def __call__(self, *args: Any) -> Any:
-        if self.chosen is not None:
-            return self.chosen(*args)
-        if any(_is_fake(a) for a in args):
-            out = None
-            for name, fn in self.candidates.items():
-                if name != EAGER:  # eager's graph is not AOTAutograd's: no fake result held
-                    result = fn(*args)
-                    out = result if name == self.default else out
-            self.expected = layout(out)
-            return out
-        self.chosen = self._choose(args)
-        self.candidates.clear()  # the losers' compiled code is let go
-        return self.chosen(*args)
-
-    def _choose(self, args: Sequence[Any]) -> Callable[..., Any]:
-        default = self.candidates[self.default]
-        device = device_of(args)
-        cannot = graph_floor.room(args, device, copies=len(self.candidates))
-        if cannot:
-            log.info("the DDP piece's step was not timed: %s; %s runs it", cannot, NAMES[self.default])
-            return default
-        try:
-            verdict = time_steps(self.candidates, args, margin=self.margin, warmup_s=self.warmup_s,
-                                 expected=self.expected)
-        except Exception as exc:  # never the user's step
-            log.warning("the DDP piece's step check did not run (%s: %s); %s runs it", type(exc).__name__, exc,
-                        NAMES[self.default], exc_info=log.isEnabledFor(logging.DEBUG))
-            return default
-        log.info("DDP piece: %s", reason(verdict))
-        self.verdict = verdict
-        if self.record is not None:
-            try:
-                self.record(verdict)
-            except Exception as exc:  # the verdict still stands for this process
-                log.warning("the DDP piece's verdict was not stored (%s: %s)", type(exc).__name__, exc)
-        return self.candidates[winner(verdict)]
