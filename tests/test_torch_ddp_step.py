@@ -169,24 +169,3 @@ def test_where_the_check_cannot_run_the_default_side_runs(monkeypatch: pytest.Mo
     assert sides["own"].real == real["own"] and sides["eager"].real == real["eager"]
     assert len(recorded) == 1 and recorded[0].fusegraph and "the piece alone" not in recorded[0].why
 
-
-def test_settle_defers_only_inside_ddps_split(monkeypatch: pytest.MonkeyPatch, tmp_path: Any, loop: _Loop) -> None:
-    """settle() returns a Deferred function in a piece DDP fakes the first call of (its own
-    compile done at once, inside the compile), and times at once elsewhere."""
-    clock = step_timer(monkeypatch, tmp_path)
-    gm = torch.fx.symbolic_trace(lambda x, w: (torch.tanh(x @ w),))
-    x, w = _args()
-    own = _Side(loop)
-    compiled: list[int] = []
-
-    def compile_own() -> _Side:
-        compiled.append(1)
-        return own
-
-    monkeypatch.setattr(step_floor, "fakified_first_call", lambda: True)
-    side, fn, verdict = step_floor.settle(gm, [x, w], compile_own, gm.forward, margin=0.03, warmup_s=0.0)
-    assert isinstance(fn, ddp_split.Deferred) and side == step_floor.OWN and verdict is None
-    assert compiled == [1] and clock["calls"] == 0
-    monkeypatch.setattr(step_floor, "fakified_first_call", lambda: False)
-    side, fn, verdict = step_floor.settle(gm, [x, w], compile_own, gm.forward, margin=0.03, warmup_s=0.0)
-    assert not isinstance(fn, ddp_split.Deferred) and verdict is not None and clock["calls"] == 1
