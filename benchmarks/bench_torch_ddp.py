@@ -42,7 +42,9 @@ def main() -> int:
     ap.add_argument("--warm-steps", type=int, default=None,
                     help="untimed steps each variant runs alone first, as a training loop would: compiles, and "
                          "fusegraph's choice among a DDP split's pieces on whole steps (default 20; --quick: 0)")
-    ap.add_argument("--variants", default="eager,inductor,fusegraph,fusegraph-floor")
+    ap.add_argument("--variants", default="eager,inductor,fusegraph,fusegraph-floor",
+                    help="of eager, dynamo-eager (torch.compile's backend 'eager'), inductor, fusegraph (floor "
+                         "off: every region claimed), fusegraph-floor (the default backend)")
     ap.add_argument("--bucket-cap-mb", type=float, default=None,
                     help="DDP's bucket size, where its graph split cuts (default: DDP's own; --quick: 1, the least DDP allows, "
                          "so the quick model is split too)")
@@ -80,6 +82,8 @@ def main() -> int:
                 **({"bucket_cap_mb": cap} if cap is not None else {}))
         if variant == "inductor":
             wrapped = torch.compile(wrapped)
+        elif variant == "dynamo-eager":  # Dynamo's graphs (and DDP's split) run as they are: what eager pieces cost
+            wrapped = torch.compile(wrapped, backend="eager")
         elif variant == "fusegraph":  # every region claimed
             wrapped = torch.compile(wrapped, backend=partial(fusegraph_backend, options={"floor": False}))
         elif variant == "fusegraph-floor":  # the default: regions and graphs measured, on each rank
