@@ -39,6 +39,7 @@ def main() -> int:
     ap.add_argument("--fsdp", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default 20; --quick: 5)")
+    ap.add_argument("--layers", type=int, default=None, help="the GPT-style model's layers (default 4; --quick: 2)")
     ap.add_argument("--warm-steps", type=int, default=None,
                     help="untimed steps each variant runs alone first, as a training loop would: compiles, and "
                          "fusegraph's choice among a DDP split's pieces on whole steps (default 20; --quick: 0)")
@@ -55,6 +56,7 @@ def main() -> int:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     d, heads, layers, vocab, b, s = (64, 4, 2, 2048, 2, 16) if args.quick else (768, 12, 4, 8192, 8, 1024)
+    layers = args.layers if args.layers is not None else layers
     torch.manual_seed(0)
     base = GPT(d, heads, layers, vocab).to(device)
     g = torch.Generator().manual_seed(rank + 1)
