@@ -100,6 +100,7 @@ def test_alone_the_trace_wins_but_the_loops_steps_give_the_piece_to_eager(
     assert step_floor.winner(verdict) == step_floor.EAGER and not verdict.fusegraph, verdict
     assert "training loop" in verdict.why and f"{ddp_split.ALL_EAGER} 1000.000 ms" in verdict.why, verdict.why
     assert "the piece alone:" in verdict.why and "fusegraph's trace 1.000 ms" in verdict.why
+    assert verdict.incumbent_ms == 1000.0 and verdict.incumbent == "eager"  # the whole step as chosen
     before = {name: side.real for name, side in sides.items()}
     _loop_steps([piece], x, w, 2)
     after = {name: side.real for name, side in sides.items()}
@@ -131,6 +132,7 @@ def test_a_splits_pieces_are_chosen_together_on_whole_steps(monkeypatch: pytest.
     assert trial.periods[ddp_split.ALL_OWN] == [6000.0] * ddp_split.SAMPLES, trial.periods
     assert trial.periods[ddp_split.ALL_EAGER] == [4000.0] * ddp_split.SAMPLES, trial.periods
     assert [step_floor.winner(v) for v in a_recorded + b_recorded] == [step_floor.EAGER] * 2
+    assert [v.incumbent_ms for v in a_recorded + b_recorded] == [4000.0] * 2
 
 
 def test_a_side_laid_out_otherwise_than_ddps_fake_outputs_never_runs(monkeypatch: pytest.MonkeyPatch,

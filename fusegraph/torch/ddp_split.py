@@ -71,8 +71,8 @@ class Deferred:
     of the ``default`` candidate; every AOTAutograd candidate's fake first result is taken
     there, so none returns one later. The first real call times the candidates as steps on
     copies of its inputs (step_floor.time_steps): a candidate whose outputs are laid out
-    otherwise than the fake ones DDP compiled the next piece for loses, and where the check
-    cannot run the default stands. Then the piece's Trial (its split's pieces together)
+    otherwise than the fake ones DDP compiled the next piece for is never run again, and
+    where the check cannot run only the default runs. Then the piece's Trial (its split's pieces together)
     chooses its side on the user's steps, and ``record`` stores the verdict."""
 
     def __init__(self, candidates: Mapping[str, Callable[..., Any]], default: str, *, margin: float,
@@ -128,18 +128,20 @@ class Deferred:
         self.checked, self.own_winner = verdict, winner(verdict)
         self.runnable -= set(failed)
 
-    def settle(self, side: str, why: str) -> None:
-        """Run ``side`` from now on, the losers let go; store the verdict saying so."""
+    def settle(self, side: str, why: str, ms: float | None = None, own_ms: float | None = None) -> None:
+        """Run ``side`` from now on, the losers let go; store the verdict saying so (``ms``:
+        the whole step's median as chosen, ``own_ms``: with every piece on Inductor's own;
+        without them, this piece's own check's times)."""
         self.chosen = self.candidates[side]
         self.candidates.clear()
         if self.record is None:
             return
         checked = self.checked
         own_check = f"; the piece alone: {checked.why}" if checked is not None else ""
-        verdict = Verdict(side == TRACE, "measured", f"{why}{own_check}", ENGINE,
-                          checked.fusegraph_ms if checked is not None and side == TRACE else None,
-                          checked.incumbent_ms if checked is not None else None,
-                          NAMES[EAGER] if side == EAGER else NAMES[OWN])
+        if ms is None and checked is not None:
+            ms, own_ms = (checked.fusegraph_ms if side == TRACE else checked.incumbent_ms), checked.incumbent_ms
+        verdict = Verdict(side == TRACE, "measured", f"{why}{own_check}", ENGINE, ms if side == TRACE else None,
+                          own_ms if side == TRACE else ms, NAMES[EAGER] if side == EAGER else NAMES[OWN])
         try:
             self.record(verdict)
         except Exception as exc:  # the choice still stands for this process
@@ -214,6 +216,8 @@ class Trial:
     def _decide(self) -> None:
         self.done = True
         timed = {c: p for c, p in self.periods.items() if p}
+        ms: float | None = None
+        own_ms: float | None = None
         if timed:
             medians = {c: statistics.median(p) for c, p in timed.items()}
             choice = timing.fastest({c: timing.Timing(c, t, t, (t,)) for c, t in medians.items()}, order=CHOICES,
@@ -221,8 +225,9 @@ class Trial:
             steps = " vs ".join(f"{c} {medians[c]:.3f} ms" for c in sorted(medians, key=medians.__getitem__))
             why = (f"the DDP split's steps timed in the training loop: {steps} (medians of {SAMPLES}; ties within "
                    f"{self.margin:.0%} go to Inductor's own, then eager); {choice}")
+            ms, own_ms = medians[choice], medians.get(ALL_OWN, medians[choice])
         else:
             choice, why = EACH, "each piece its own check's winner: the other choices gave the same sides"
         log.info("%s", why)
         for piece, side in zip(self.pieces, self.sides(choice), strict=True):
-            piece.settle(side, why)
+            piece.settle(side, why, ms, own_ms)
