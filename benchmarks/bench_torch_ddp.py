@@ -39,6 +39,9 @@ def main() -> int:
     ap.add_argument("--fsdp", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=None, help="training steps (default 20; --quick: 5)")
+    ap.add_argument("--compile-blocks", action="store_true",
+                    help="compile each transformer block alone (module.compile), as FSDP2 recipes do, instead "
+                         "of the wrapped model")
     ap.add_argument("--layers", type=int, default=None, help="the GPT-style model's layers (default 4; --quick: 2)")
     ap.add_argument("--warm-steps", type=int, default=None,
                     help="untimed steps each variant runs alone first, as a training loop would: compiles, and "
@@ -82,14 +85,16 @@ def main() -> int:
             wrapped = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[device.index] if device.type == "cuda" else None,
                 **({"bucket_cap_mb": cap} if cap is not None else {}))
-        if variant == "inductor":
-            wrapped = torch.compile(wrapped)
-        elif variant == "dynamo-eager":  # Dynamo's graphs (and DDP's split) run as they are: what eager pieces cost
-            wrapped = torch.compile(wrapped, backend="eager")
-        elif variant == "fusegraph":  # every region claimed
-            wrapped = torch.compile(wrapped, backend=partial(fusegraph_backend, options={"floor": False}))
-        elif variant == "fusegraph-floor":  # the default: regions and graphs measured, on each rank
-            wrapped = torch.compile(wrapped, backend=fusegraph_backend)
+        backend: Any = {"inductor": "inductor",
+                        "dynamo-eager": "eager",  # Dynamo's graphs (and DDP's split) run as they are
+                        "fusegraph": partial(fusegraph_backend, options={"floor": False}),  # every region claimed
+                        "fusegraph-floor": fusegraph_backend,  # the default: measured, on each rank
+                        }.get(variant)
+        if backend is not None and args.compile_blocks:  # each block compiled alone, its wrapper left as it is
+            for blk in model.blocks:
+                blk.compile(backend=backend)
+        elif backend is not None:
+            wrapped = torch.compile(wrapped, backend=backend)
         runs[variant] = (wrapped, torch.optim.SGD(model.parameters(), lr=0.05))
     results: dict[str, tuple[list[float], list[float]]] = {v: ([], []) for v in variants}
     # first each variant's warm steps alone, as its own loop would run them (a choice fusegraph
