@@ -163,6 +163,9 @@ def test_no_step_is_timed_where_ddp_reads_the_first_call() -> None:
 
             return own
 
-        side, fn, verdict = step_floor.settle(gm, inputs, compile_own, gm.forward, margin=0.03, warmup_s=0.0)
+        side, fn, verdict = ddp_split.settle(gm, inputs, compile_own, gm.forward, margin=0.03, warmup_s=0.0)
         assert side == step_floor.OWN and verdict is None and isinstance(fn, ddp_split.Deferred), fn
         assert not own_calls and fn.candidates[step_floor.OWN].__name__ == "own"
+        # step_floor's own settle, called there, times nothing and runs Inductor's own
+        side, fn, verdict = step_floor.settle(gm, inputs, compile_own, gm.forward, margin=0.03, warmup_s=0.0)
+        assert side == step_floor.OWN and verdict is None and fn.__name__ == "own" and not own_calls

@@ -43,8 +43,8 @@ import torch
 import torch.fx
 
 from fusegraph.regions.report import Row
-from fusegraph.torch import aten, phases
-from fusegraph.torch.ddp_split import Deferred
+from fusegraph.torch import aten, ddp_split, phases
+from fusegraph.torch.ddp_split import DEFERRED, Deferred
 from fusegraph.torch.dynamo_verdict import (
     NO_REGION_EAGER,
     STORED_EAGER,
@@ -443,12 +443,12 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
                 return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
         # "no region kept", stored before eager was timed (or where the check could not run): timed now
         module = copy_graph(gm)  # before Inductor's pre-grad passes rewrite ``gm`` in place
-        side, fn, verdict = step_floor.settle(gm, example_inputs, compile_own, module.forward, margin=opts.margin,
-                                              warmup_s=opts.warmup_s, record=own_verdict.record_step)
+        side, fn, verdict = ddp_split.settle(gm, example_inputs, compile_own, module.forward, margin=opts.margin,
+                                             warmup_s=opts.warmup_s, record=own_verdict.record_step)
         if verdict is not None:
             own_verdict.record_step(verdict)
         why = own_verdict.why(stored, "fusegraph's trace: a stored verdict found no region kept")
-        why += f"; {step_floor.DEFERRED}" if isinstance(fn, Deferred) else ""
+        why += f"; {DEFERRED}" if isinstance(fn, Deferred) else ""
         _report(dynamo_rows(gm, step_floor.WHERE[side], f"{step_floor.reason(verdict)}; {why}" if verdict else why))
         return fn
     eager = copy_graph(gm) if checked else None
@@ -490,8 +490,8 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     if best is not None:
         side, chosen, found = best
     elif eager is not None:
-        side, chosen, found = step_floor.settle(gm, example_inputs, own_once, eager.forward, margin=opts.margin,
-                                                warmup_s=opts.warmup_s, record=_recorder(own_verdict, state))
+        side, chosen, found = ddp_split.settle(gm, example_inputs, own_once, eager.forward, margin=opts.margin,
+                                               warmup_s=opts.warmup_s, record=_recorder(own_verdict, state))
     if own_verdict is not None and state.lasting:
         if found is not None:
             own_verdict.record_step(found)
@@ -500,7 +500,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     # the node's own reason first (bench_torch.py groups and truncates them)
     end = f"{step_floor.reason(found)}; " if found is not None else ""
     end += NO_REGION_EAGER if side == step_floor.EAGER else INDUCTORS_OWN
-    end += f"; {step_floor.DEFERRED}" if isinstance(chosen, Deferred) else ""
+    end += f"; {DEFERRED}" if isinstance(chosen, Deferred) else ""
     _report([dataclasses.replace(r, where=step_floor.WHERE[side], why=f"{r.why}; {end}" if r.why else end)
              for r in state.rows])
     if chosen is not None:
@@ -525,11 +525,11 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
         log.info("fusegraph's trace: a stored verdict chose it (%s)", stored.describe())
         side, fn, verdict = step_floor.TRACE, first, stored
     else:
-        side, fn, found = step_floor.settle(gm, example_inputs, compile_own, eager.forward, first,
-                                            margin=opts.margin, warmup_s=opts.warmup_s,
-                                            record=_recorder(own_verdict, state))
+        side, fn, found = ddp_split.settle(gm, example_inputs, compile_own, eager.forward, first,
+                                           margin=opts.margin, warmup_s=opts.warmup_s,
+                                           record=_recorder(own_verdict, state))
         if found is None:
-            later = f"; {step_floor.DEFERRED}" if isinstance(fn, Deferred) else ""
+            later = f"; {DEFERRED}" if isinstance(fn, Deferred) else ""
             _report([dataclasses.replace(r, why=f"{r.why}{later}") if r.fusegraph else r for r in state.rows])
             return fn
         verdict = found

@@ -32,7 +32,7 @@ import torch
 
 from fusegraph.regions.verdicts import Verdict
 from fusegraph.select import timing
-from fusegraph.torch import graph_floor
+from fusegraph.torch import graph_floor, step_floor
 from fusegraph.torch.step_floor import (
     EAGER,
     ENGINE,
@@ -48,11 +48,36 @@ from fusegraph.torch.step_floor import (
 
 log = logging.getLogger("fusegraph.torch")
 
+DEFERRED = ("the step check runs at the piece's first real call (DDP's graph split fakes the first), then "
+            "on the training loop's own steps with the split's other pieces")
+
 # the choices weighed on the user's steps, in the order ties go: Inductor's own (the
 # incumbent), eager (what the user could call without fusegraph), each piece's own winner
 ALL_OWN, ALL_EAGER, EACH = "every piece Inductor's own compile", "every piece eager", "each piece its own check's winner"
 CHOICES = (ALL_OWN, ALL_EAGER, EACH)
 SAMPLES = 5  # the user's steps timed per choice
+
+
+def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own: Callable[[], Callable[..., Any]],
+           eager: Callable[..., Any], trace: Callable[..., Any] | None = None, *, margin: float,
+           warmup_s: float, record: Callable[[Verdict], None] | None = None
+           ) -> tuple[str, Callable[..., Any], Verdict | None]:
+    """step_floor.settle, except in a piece of DDP's graph split (step_floor.FAKIFIED, where
+    nothing else forbids the check): there Inductor's own is compiled at once, uncalled, and
+    the function returned is a Deferred one, whose real calls take the verdict and hand it
+    to ``record``; the side named is the one DDP's fake call reads."""
+    if step_floor.why_not(gm, example_inputs, 3 if trace is not None else 2) != step_floor.FAKIFIED:
+        return step_floor.settle(gm, example_inputs, compile_own, eager, trace, margin=margin, warmup_s=warmup_s)
+    default = TRACE if trace is not None else OWN
+    try:
+        own = compile_own()
+    except Exception:
+        if trace is None:
+            raise
+        log.warning("Inductor's own compile of the Dynamo graph failed; fusegraph's trace is kept", exc_info=True)
+        return TRACE, trace, None
+    candidates = {OWN: own, EAGER: eager, **({TRACE: trace} if trace is not None else {})}
+    return default, Deferred(candidates, default, margin=margin, warmup_s=warmup_s, record=record), None
 
 
 def _clock() -> float:

@@ -75,8 +75,6 @@ def device_of(example_inputs: Sequence[Any]) -> torch.device:
 # failed and DDP then ran the real code on fake tensors: "Cannot access data pointer"). The
 # check waits for the first real call there instead (ddp_split.py).
 FAKIFIED = "DDP's graph split reads the compiled graph's first call (fake outputs), which a timed step would take"
-DEFERRED = ("the step check runs at the piece's first real call (DDP's graph split fakes the first), then "
-            "on the training loop's own steps with the split's other pieces")
 
 
 def fakified_first_call() -> bool:
@@ -287,30 +285,15 @@ def trace_cannot_win(gain_ms: float, best: Verdict, margin: float) -> str:
 
 def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own: Callable[[], Callable[..., Any]],
            eager: Callable[..., Any], trace: Callable[..., Any] | None = None, *, margin: float,
-           warmup_s: float, record: Callable[[Verdict], None] | None = None
-           ) -> tuple[str, Callable[..., Any], Verdict | None]:
+           warmup_s: float) -> tuple[str, Callable[..., Any], Verdict | None]:
     """The candidate chosen, its compiled Dynamo graph and the verdict that chose it
     (``eager``: the Dynamo graph module's forward, taken before any compile rewrote the
     module; ``trace``: fusegraph's, where it kept regions). The verdict is None where the
     check could not run (the log says why): the trace then stands where there is one, as
-    before the check, else Inductor's own compile. In a piece of DDP's graph split the
-    function returned is a Deferred one, whose first real call takes the verdict and hands
-    it to ``record``; the side named is the one it runs until then."""
+    before the check, else Inductor's own compile. In DDP's graph split the check waits
+    for real calls: ddp_split.settle."""
     sides = 3 if trace is not None else 2
     cannot = why_not(gm, example_inputs, sides)
-    if cannot == FAKIFIED:
-        default = TRACE if trace is not None else OWN
-        try:
-            own = compile_own()
-        except Exception:
-            if trace is None:
-                raise
-            log.warning("Inductor's own compile of the Dynamo graph failed; fusegraph's trace is kept", exc_info=True)
-            return TRACE, trace, None
-        from fusegraph.torch.ddp_split import Deferred
-
-        candidates = {OWN: own, EAGER: eager, **({TRACE: trace} if trace is not None else {})}
-        return default, Deferred(candidates, default, margin=margin, warmup_s=warmup_s, record=record), None
     if cannot:
         log.info("the Dynamo graph's step was not timed against eager and Inductor's own compile: %s", cannot)
         return (TRACE, trace, None) if trace is not None else (OWN, compile_own(), None)
