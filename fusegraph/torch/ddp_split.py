@@ -66,17 +66,14 @@ def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own:
     nothing else forbids the check): there Inductor's own is compiled at once, uncalled, and
     the function returned is a Deferred one, whose real calls take the verdict and hand it
     to ``record``; the side named is the one DDP's fake call reads."""
-    if step_floor.why_not(gm, example_inputs, 3 if trace is not None else 2) != step_floor.FAKIFIED:
+    sides = 3 if trace is not None else 2
+    if not step_floor.fakified_first_call() or step_floor.why_not(gm, example_inputs, sides) != step_floor.FAKIFIED:
         return step_floor.settle(gm, example_inputs, compile_own, eager, trace, margin=margin, warmup_s=warmup_s)
-    default = TRACE if trace is not None else OWN
-    try:
-        own = compile_own()
-    except Exception:
-        if trace is None:
-            raise
-        log.warning("Inductor's own compile of the Dynamo graph failed; fusegraph's trace is kept", exc_info=True)
+    candidates = step_floor.compiled_sides(compile_own, eager, trace)
+    if candidates is None:  # Inductor's own failed: the trace stands (compiled_sides raises without one)
+        assert trace is not None
         return TRACE, trace, None
-    candidates = {OWN: own, EAGER: eager, **({TRACE: trace} if trace is not None else {})}
+    default = TRACE if trace is not None else OWN
     return default, Deferred(candidates, default, margin=margin, warmup_s=warmup_s, record=record), None
 
 
@@ -97,8 +94,8 @@ class Deferred:
     there, so none returns one later. The first real call times the candidates as steps on
     copies of its inputs (step_floor.time_steps): a candidate whose outputs are laid out
     otherwise than the fake ones DDP compiled the next piece for is never run again, and
-    where the check cannot run only the default runs. Then the piece's Trial (its split's pieces together)
-    chooses its side on the user's steps, and ``record`` stores the verdict."""
+    where the check cannot run only the default runs. Then the piece's Trial (its split's
+    pieces together) chooses its side on the user's steps, and ``record`` stores the verdict."""
 
     def __init__(self, candidates: Mapping[str, Callable[..., Any]], default: str, *, margin: float,
                  warmup_s: float, record: Callable[[Verdict], None] | None) -> None:

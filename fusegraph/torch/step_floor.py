@@ -283,6 +283,21 @@ def trace_cannot_win(gain_ms: float, best: Verdict, margin: float) -> str:
             f"could not beat it by the {margin:.0%} margin ({bound:.4f} ms)")
 
 
+def compiled_sides(compile_own: Callable[[], Callable[..., Any]], eager: Callable[..., Any],
+                   trace: Callable[..., Any] | None) -> dict[str, Callable[..., Any]] | None:
+    """The candidates by name, Inductor's own compiled now; None where that compile failed
+    and fusegraph's trace stands (without a trace the failure is raised: as without the
+    check, Inductor's own compile is all there is)."""
+    try:
+        own = compile_own()
+    except Exception:
+        if trace is None:
+            raise
+        log.warning("Inductor's own compile of the Dynamo graph failed; fusegraph's trace is kept", exc_info=True)
+        return None
+    return {OWN: own, EAGER: eager, **({TRACE: trace} if trace is not None else {})}
+
+
 def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own: Callable[[], Callable[..., Any]],
            eager: Callable[..., Any], trace: Callable[..., Any] | None = None, *, margin: float,
            warmup_s: float) -> tuple[str, Callable[..., Any], Verdict | None]:
@@ -297,14 +312,10 @@ def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own:
     if cannot:
         log.info("the Dynamo graph's step was not timed against eager and Inductor's own compile: %s", cannot)
         return (TRACE, trace, None) if trace is not None else (OWN, compile_own(), None)
-    try:
-        own = compile_own()
-    except Exception:
-        if trace is None:
-            raise  # as without the check: Inductor's own compile is all there is
-        log.warning("Inductor's own compile of the Dynamo graph failed; fusegraph's trace is kept", exc_info=True)
+    candidates = compiled_sides(compile_own, eager, trace)
+    if candidates is None:  # Inductor's own failed: the trace stands (compiled_sides raises without one)
+        assert trace is not None
         return TRACE, trace, None
-    candidates = {OWN: own, EAGER: eager, **({TRACE: trace} if trace is not None else {})}
     try:
         verdict = time_steps(candidates, example_inputs, margin=margin, warmup_s=warmup_s)
     except Exception as exc:  # never the user's compile
