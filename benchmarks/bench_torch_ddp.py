@@ -2,9 +2,8 @@
 fully_shard): the same few training steps under eager, Inductor and fusegraph, each wrapped
 the same way, losses compared with eager's and step times printed side by side (every
 variant in one process group; after each variant's warm-up steps alone, their steps
-interleaved; medians). No distributed code of
-fusegraph's own: DDP's optimizer splits the graph at bucket boundaries and hands each piece
-to the backend.
+interleaved; medians). No distributed code of fusegraph's own: DDP's optimizer splits the
+graph at bucket boundaries and hands each piece to the backend.
 
     torchrun --nproc-per-node 2 benchmarks/bench_torch_ddp.py              # 2 GPUs, DDP
     torchrun --nproc-per-node 2 benchmarks/bench_torch_ddp.py --fsdp       # FSDP2

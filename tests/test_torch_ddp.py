@@ -1,6 +1,6 @@
 """``torch.compile(backend="fusegraph")`` under PyTorch's own DDP and FSDP2 (issue 23 item 4),
-through benchmarks/bench_torch_ddp.py in two processes: the floor-on backend's five losses
-must be eager's (the script exits non-zero otherwise, and any rank that raises fails the
+through benchmarks/bench_torch_ddp.py in two processes: the floor-on backend's losses must
+be eager's (the script exits non-zero otherwise, and any rank that raises fails the
 launch). On two GPUs this is where the step check once took the compiled piece's first call,
 which DDP's graph split reads for fake outputs, and rank 1 then crashed (fixed in
 step_floor.why_not; the check now waits for real calls there: ddp_split.py); on the
