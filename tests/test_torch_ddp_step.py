@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch", reason="the torch.compile backend needs tor
 from test_torch_step_floor import step_timer  # noqa: E402
 
 from fusegraph.regions.verdicts import Verdict  # noqa: E402
-from fusegraph.torch import ddp_split, step_floor  # noqa: E402
+from fusegraph.torch import ddp_split, loop_trial, step_floor  # noqa: E402
 
 
 class _Loop:
@@ -50,7 +50,8 @@ class _Side:
 @pytest.fixture
 def loop(monkeypatch: pytest.MonkeyPatch) -> _Loop:
     clock = _Loop()
-    monkeypatch.setattr(ddp_split, "_clock", lambda: clock.now)
+    monkeypatch.setattr(loop_trial, "_clock", lambda: clock.now)
+    monkeypatch.setattr(loop_trial, "QUEUE", loop_trial._Queue())
     return clock
 
 
@@ -71,15 +72,17 @@ def _fake_call(fn: ddp_split.Deferred, x: torch.Tensor, w: torch.Tensor) -> Any:
 
 
 def _loop_steps(pieces: list[ddp_split.Deferred], x: torch.Tensor, w: torch.Tensor, steps: int) -> None:
+    """``steps`` training steps: each piece's forward, then the backward of them all (as
+    ``torch.autograd.grad``, so the caller's ``w.grad`` stays unset)."""
     for _ in range(steps):
-        for piece in pieces:
-            piece(x, w)
+        outs = [piece(x, w)[0] for piece in pieces]
+        torch.autograd.grad(sum(o.sum() for o in outs), [w])
 
 
 def test_alone_the_trace_wins_but_the_loops_steps_give_the_piece_to_eager(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Any, loop: _Loop) -> None:
     clock = step_timer(monkeypatch, tmp_path)
-    clock.update(own_ms=2.0, eager_ms=3.0, trace_ms=1.0)  # alone: the trace, then Inductor's own
+    clock.update(own_ms=2.0, eager_ms=2.2, trace_ms=1.8)  # alone: the trace, then Inductor's own
     sides = {step_floor.OWN: _Side(loop, 2.0), step_floor.EAGER: _Side(loop, 1.0), step_floor.TRACE: _Side(loop, 3.0)}
     piece, recorded = _piece(sides, default=step_floor.TRACE)
     x, w = _args()
@@ -94,12 +97,12 @@ def test_alone_the_trace_wins_but_the_loops_steps_give_the_piece_to_eager(
     assert out[0].requires_grad  # the caller's own call keeps its autograd graph
     # three choices (every piece own, every piece eager, each its winner: the trace), each
     # timed on SAMPLES of the loop's steps, then the decision at the next step's start
-    _loop_steps([piece], x, w, 3 * ddp_split.SAMPLES + 1)
+    _loop_steps([piece], x, w, 3 * loop_trial.SAMPLES + 1)
     assert len(recorded) == 1, recorded
     verdict = recorded[0]
     assert step_floor.winner(verdict) == step_floor.EAGER and not verdict.fusegraph, verdict
-    assert "training loop" in verdict.why and f"{ddp_split.ALL_EAGER} 1000.000 ms" in verdict.why, verdict.why
-    assert "the piece alone:" in verdict.why and "fusegraph's trace 1.000 ms" in verdict.why
+    assert "training loop" in verdict.why and "eager 1000.000 ms" in verdict.why, verdict.why
+    assert "the piece alone:" in verdict.why and "fusegraph's trace 1.800 ms" in verdict.why
     assert verdict.incumbent_ms == 1000.0 and verdict.incumbent == "eager"  # the whole step as chosen
     before = {name: side.real for name, side in sides.items()}
     _loop_steps([piece], x, w, 2)
@@ -115,9 +118,9 @@ def test_a_splits_pieces_are_chosen_together_on_whole_steps(monkeypatch: pytest.
     """Alone, each piece goes to Inductor's own; on the loop's steps every piece eager is
     faster only together (the second piece's eager costs more alone than it saves)."""
     clock = step_timer(monkeypatch, tmp_path)
-    clock.update(own_ms=1.0, eager_ms=2.0)
-    trial = ddp_split.Trial(0.03)
-    monkeypatch.setattr(ddp_split.Trial, "of_split", staticmethod(lambda margin: trial))
+    clock.update(own_ms=1.0, eager_ms=1.2)  # alone: Inductor's own, eager within loop_trial.BAND of it
+    trial = loop_trial.Trial(0.03)
+    monkeypatch.setattr(ddp_split, "of_split", lambda margin, samples: trial)
     a_sides = {step_floor.OWN: _Side(loop, 5.0), step_floor.EAGER: _Side(loop, 2.0)}
     b_sides = {step_floor.OWN: _Side(loop, 1.0), step_floor.EAGER: _Side(loop, 2.0)}
     a, a_recorded = _piece(a_sides)
@@ -127,10 +130,10 @@ def test_a_splits_pieces_are_chosen_together_on_whole_steps(monkeypatch: pytest.
     _fake_call(a, x, w)
     _fake_call(b, x, w)
     # the first real step, then one choice per step (EACH gives what ALL_OWN gives: two choices)
-    _loop_steps([a, b], x, w, 1 + 2 * ddp_split.SAMPLES + 1)
-    assert set(trial.periods) == {ddp_split.ALL_OWN, ddp_split.ALL_EAGER}, trial.periods
-    assert trial.periods[ddp_split.ALL_OWN] == [6000.0] * ddp_split.SAMPLES, trial.periods
-    assert trial.periods[ddp_split.ALL_EAGER] == [4000.0] * ddp_split.SAMPLES, trial.periods
+    _loop_steps([a, b], x, w, 1 + 2 * loop_trial.SAMPLES + 1)
+    assert set(trial.periods) == {loop_trial.ALL_OWN, loop_trial.ALL_EAGER}, trial.periods
+    assert trial.periods[loop_trial.ALL_OWN] == [6000.0] * loop_trial.SAMPLES, trial.periods
+    assert trial.periods[loop_trial.ALL_EAGER] == [4000.0] * loop_trial.SAMPLES, trial.periods
     assert [step_floor.winner(v) for v in a_recorded + b_recorded] == [step_floor.EAGER] * 2
     assert [v.incumbent_ms for v in a_recorded + b_recorded] == [4000.0] * 2
 

@@ -27,7 +27,7 @@ from test_torch_incumbent_path import (  # noqa: E402, F401  (fixtures and helpe
 from test_torch_step_floor import step_clock  # noqa: E402, F401  (the step check's forced timer)
 
 from fusegraph.regions.verdicts import Verdict  # noqa: E402
-from fusegraph.torch import ddp_split, step_floor  # noqa: E402
+from fusegraph.torch import ddp_split, step_choice, step_floor  # noqa: E402
 from fusegraph.torch.compile_backend import INDUCTORS_OWN, collecting, fusegraph_backend  # noqa: E402
 
 OPTIONS = {**FLOOR, "warmup_s": 0.0}
@@ -163,9 +163,12 @@ def test_no_step_is_timed_where_ddp_reads_the_first_call() -> None:
 
             return own
 
-        side, fn, verdict = ddp_split.settle(gm, inputs, compile_own, gm.forward, margin=0.03, warmup_s=0.0)
-        assert side == step_floor.OWN and verdict is None and isinstance(fn, ddp_split.Deferred), fn
+        settled = step_choice.settle(gm, inputs, compile_own, gm.forward, margin=0.03, warmup_s=0.0)
+        fn = settled.fn
+        assert settled.side == step_floor.OWN and settled.verdict is None, settled
+        assert isinstance(fn, ddp_split.Deferred) and step_choice.pending(fn), fn
         assert not own_calls and fn.candidates[step_floor.OWN].__name__ == "own"
         # step_floor's own settle, called there, times nothing and runs Inductor's own
-        side, fn, verdict = step_floor.settle(gm, inputs, compile_own, gm.forward, margin=0.03, warmup_s=0.0)
-        assert side == step_floor.OWN and verdict is None and fn.__name__ == "own" and not own_calls
+        settled = step_floor.settle(gm, inputs, compile_own, gm.forward, margin=0.03, warmup_s=0.0)
+        assert settled.side == step_floor.OWN and settled.verdict is None and not own_calls
+        assert settled.fn.__name__ == "own"

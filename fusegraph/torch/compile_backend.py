@@ -43,8 +43,7 @@ import torch
 import torch.fx
 
 from fusegraph.regions.report import Row
-from fusegraph.torch import aten, ddp_split, phases
-from fusegraph.torch.ddp_split import DEFERRED, Deferred
+from fusegraph.torch import aten, phases, step_choice
 from fusegraph.torch.dynamo_verdict import (
     NO_REGION_EAGER,
     STORED_EAGER,
@@ -443,14 +442,17 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
                 return compile_fx(gm, example_inputs, config_patches=own or None)  # type: ignore[return-value]
         # "no region kept", stored before eager was timed (or where the check could not run): timed now
         module = copy_graph(gm)  # before Inductor's pre-grad passes rewrite ``gm`` in place
-        side, fn, verdict = ddp_split.settle(gm, example_inputs, compile_own, module.forward, margin=opts.margin,
-                                             warmup_s=opts.warmup_s, record=own_verdict.record_step)
-        if verdict is not None:
+        settled = step_choice.settle(gm, example_inputs, compile_own, module.forward, margin=opts.margin,
+                                     warmup_s=opts.warmup_s, samples=opts.loop_steps,
+                                     record=own_verdict.record_step)
+        verdict = settled.verdict
+        if verdict is not None and not step_choice.pending(settled.fn):
             own_verdict.record_step(verdict)
         why = own_verdict.why(stored, "fusegraph's trace: a stored verdict found no region kept")
-        why += f"; {DEFERRED}" if isinstance(fn, Deferred) else ""
-        _report(dynamo_rows(gm, step_floor.WHERE[side], f"{step_floor.reason(verdict)}; {why}" if verdict else why))
-        return fn
+        why += step_choice.later(settled.fn)
+        _report(dynamo_rows(gm, step_floor.WHERE[settled.side],
+                            f"{step_floor.reason(verdict)}; {why}" if verdict else why))
+        return settled.fn
     eager = copy_graph(gm) if checked else None
     own_once = functools.cache(compile_own)  # the step check may ask for it twice: compiled once
     state = _Compile(probing=True)
@@ -462,11 +464,12 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         # ConvBN saved a transposed weight instead of the weight), and Inductor's pre-grad
         # passes, which rewrite it in place, give the same graph when run again.
         try:
-            best = step_floor.settle(gm, example_inputs, own_once, eager.forward, margin=opts.margin,
-                                     warmup_s=opts.warmup_s)
+            best = step_choice.settle(gm, example_inputs, own_once, eager.forward, margin=opts.margin,
+                                      warmup_s=opts.warmup_s, samples=opts.loop_steps,
+                                      record=_recorder(own_verdict, state))
         except Exception as exc:  # Inductor's own failed: the trace may still run, as before
             log.warning("Inductor's own compile of the Dynamo graph failed (%s: %s)", type(exc).__name__, exc)
-        state.best = best[2] if best is not None else None
+        state.best = best.verdict if best is not None else None
     state.budget = budget_for(opts, step_floor.device_of(example_inputs), own_s[0] if own_s else None)
     try:
         with phase(phases.FIRST_PASS):
@@ -487,12 +490,13 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         return _against_others(first, own_once, eager, gm, example_inputs, opts, state, own_verdict,
                                stored if checked else None)
     side, chosen, found = step_floor.OWN, None, None
+    if best is None and eager is not None:
+        best = step_choice.settle(gm, example_inputs, own_once, eager.forward, margin=opts.margin,
+                                  warmup_s=opts.warmup_s, samples=opts.loop_steps,
+                                  record=_recorder(own_verdict, state))
     if best is not None:
-        side, chosen, found = best
-    elif eager is not None:
-        side, chosen, found = ddp_split.settle(gm, example_inputs, own_once, eager.forward, margin=opts.margin,
-                                               warmup_s=opts.warmup_s, record=_recorder(own_verdict, state))
-    if own_verdict is not None and state.lasting:
+        side, chosen, found = best.side, best.fn, best.verdict
+    if own_verdict is not None and state.lasting and not (chosen is not None and step_choice.pending(chosen)):
         if found is not None:
             own_verdict.record_step(found)
         else:
@@ -500,7 +504,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     # the node's own reason first (bench_torch.py groups and truncates them)
     end = f"{step_floor.reason(found)}; " if found is not None else ""
     end += NO_REGION_EAGER if side == step_floor.EAGER else INDUCTORS_OWN
-    end += f"; {DEFERRED}" if isinstance(chosen, Deferred) else ""
+    end += step_choice.later(chosen) if chosen is not None else ""
     _report([dataclasses.replace(r, where=step_floor.WHERE[side], why=f"{r.why}; {end}" if r.why else end)
              for r in state.rows])
     if chosen is not None:
@@ -525,17 +529,18 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
         log.info("fusegraph's trace: a stored verdict chose it (%s)", stored.describe())
         side, fn, verdict = step_floor.TRACE, first, stored
     else:
-        side, fn, found = ddp_split.settle(gm, example_inputs, compile_own, eager.forward, first,
-                                           margin=opts.margin, warmup_s=opts.warmup_s,
-                                           record=_recorder(own_verdict, state))
+        settled = step_choice.settle(gm, example_inputs, compile_own, eager.forward, first, margin=opts.margin,
+                                     warmup_s=opts.warmup_s, samples=opts.loop_steps,
+                                     record=_recorder(own_verdict, state))
+        side, fn, found = settled.side, settled.fn, settled.verdict
         if found is None:
-            later = f"; {DEFERRED}" if isinstance(fn, Deferred) else ""
+            later = step_choice.later(fn)
             _report([dataclasses.replace(r, why=f"{r.why}{later}") if r.fusegraph else r for r in state.rows])
             return fn
         verdict = found
-        if own_verdict is not None and state.lasting:
+        if own_verdict is not None and state.lasting and not step_choice.pending(fn):
             own_verdict.record_step(verdict)
-    why = step_floor.reason(verdict)
+    why = step_floor.reason(verdict) + step_choice.later(fn)
     if side == step_floor.TRACE:
         _report([dataclasses.replace(r, why=f"{r.why}; {why}") if r.fusegraph else r for r in state.rows])
     else:  # the node's own reason first, as with INDUCTORS_OWN
@@ -545,8 +550,17 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
 
 
 def _recorder(own_verdict: DynamoVerdict | None, state: _Compile) -> Callable[[Any], None] | None:
-    """Where a step verdict taken later (ddp_split.py) is stored, if it would last."""
-    return own_verdict.record_step if own_verdict is not None and state.lasting else None
+    """Where a step verdict taken later (step_choice.py) is stored, if it would last: the
+    compile's ``lasting`` is read when the verdict comes, after the compile's trace."""
+    if own_verdict is None:
+        return None
+    store = own_verdict
+
+    def record(verdict: Any) -> None:
+        if state.lasting:
+            store.record_step(verdict)
+
+    return record
 
 
 def fusegraph_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None,

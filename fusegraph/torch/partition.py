@@ -65,7 +65,9 @@ class Options:
     Inductor the incumbent: a region whose plan takes at least this many times as long as its
     ATen ops run eagerly is not compiled by Inductor to be measured against it (_screen);
     0: every region is), ``budget`` (seconds the region floor may spend on regions without
-    a stored verdict over one Dynamo graph's compile: floor_budget.py; None: no limit)."""
+    a stored verdict over one Dynamo graph's compile: floor_budget.py; None: no limit),
+    ``loop_steps`` (the user's training steps timed per side where the step check leaves
+    more than one side close: loop_trial.py; 0: the compile-time check alone)."""
 
     floor: bool = True
     incumbent: str = "inductor"
@@ -76,6 +78,7 @@ class Options:
     whole_graph: bool = True
     screen: float = SCREEN
     budget: float | str | None = "auto"
+    loop_steps: int = 5
 
     @staticmethod
     def of(options: Mapping[str, Any] | None) -> Options:
@@ -92,6 +95,8 @@ class Options:
         b = opts.budget
         if not (b is None or b == "auto" or (isinstance(b, int | float) and not isinstance(b, bool) and b >= 0)):
             raise OptionError(f"fusegraph backend: budget is 'auto', seconds >= 0 or None (no limit), got {b!r}")
+        if not isinstance(opts.loop_steps, int) or isinstance(opts.loop_steps, bool) or opts.loop_steps < 0:
+            raise OptionError(f"fusegraph backend: loop_steps is a count of steps >= 0, got {opts.loop_steps!r}")
         return opts
 
 

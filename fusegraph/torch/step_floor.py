@@ -36,6 +36,7 @@ own compile, or eager); ``why`` holds every candidate's step time."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -119,6 +120,30 @@ def _verdict(ms: Mapping[str, float], failed: Mapping[str, str], margin: float) 
     why += "".join(f"; {NAMES[n]} failed: {e}" for n, e in failed.items())
     other = won if won != TRACE else OWN  # the side the trace is set against
     return Verdict(won == TRACE, "measured", why, ENGINE, ms.get(TRACE), ms[other], NAMES[other])
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """A step check's outcome: its ``verdict``, each side's median step ``times`` (ms),
+    the sides that ``failed`` (name -> error) and whether the step had a ``backward``."""
+
+    verdict: Verdict
+    times: Mapping[str, float]
+    failed: Mapping[str, str]
+    backward: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Settled:
+    """The side chosen, the function that runs the graph (its compiled side, or one that
+    chooses later: loop_trial.py, ddp_split.py), the verdict that chose it (None where no
+    check ran: the log says why), the candidates compiled and the check, where it ran."""
+
+    side: str
+    fn: Callable[..., Any]
+    verdict: Verdict | None
+    candidates: Mapping[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
+    check: Check | None = None
 
 
 def _holds_values(x: torch.Tensor) -> bool:
@@ -219,18 +244,17 @@ def layout(out: Any) -> list[object]:
 
 
 def time_steps(sides: Mapping[str, Callable[..., Any]], example_inputs: Sequence[Any], *, margin: float,
-               warmup_s: float, expected: list[object] | None = None,
-               failed: dict[str, str] | None = None) -> Verdict:
+               warmup_s: float, expected: list[object] | None = None) -> Check:
     """The compiled Dynamo graphs (``sides``: name -> callable; OWN among them) timed as a
     step runs them (module docstring). Each side runs one step first, outside the timing: a
     backward that Inductor lowers at its first call is compiled there, as in a real first
     step. A side other than Inductor's own that raises, or whose outputs' layout is not
-    ``expected`` (where given), loses, and the verdict says why (and ``failed``, where
-    given, gets its name and error); Inductor's own doing so raises (the check did not run)."""
+    ``expected`` (where given), loses, and the verdict says why (and the check's ``failed``
+    names it); Inductor's own doing so raises (the check did not run)."""
     device = device_of(example_inputs)
     devices = [device] if device.type == "cuda" else []
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
-    failed = {} if failed is None else failed
+    failed: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         stack.enter_context(phase(phases.STEP_TIMING))  # the untimed first steps too
         stack.enter_context(torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"))
@@ -253,6 +277,7 @@ def time_steps(sides: Mapping[str, Callable[..., Any]], example_inputs: Sequence
                 del steps[name]
         if len({step.backward for step in steps.values()}) > 1:
             raise RuntimeError("the candidates disagree on whether the step has a backward")
+        backward = any(step.backward for step in steps.values())
         errors: dict[str, Exception] = {}
         timings = _time(steps, sync=sync, warmup_s=warmup_s, min_rounds=ROUNDS, on_error=errors.__setitem__)
         failed.update({name: f"{type(exc).__name__}: {exc}" for name, exc in errors.items()})
@@ -261,7 +286,8 @@ def time_steps(sides: Mapping[str, Callable[..., Any]], example_inputs: Sequence
             sync()
     if OWN not in timings:
         raise RuntimeError(f"{NAMES[OWN]} failed when timed: {failed.get(OWN, 'no time')}")
-    return _verdict({name: t.median_ms for name, t in timings.items()}, failed, margin)
+    times = {name: t.median_ms for name, t in timings.items()}
+    return Check(_verdict(times, failed, margin), times, failed, backward)
 
 
 def trace_cannot_win(gain_ms: float, best: Verdict, margin: float) -> str:
@@ -300,30 +326,29 @@ def compiled_sides(compile_own: Callable[[], Callable[..., Any]], eager: Callabl
 
 def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own: Callable[[], Callable[..., Any]],
            eager: Callable[..., Any], trace: Callable[..., Any] | None = None, *, margin: float,
-           warmup_s: float) -> tuple[str, Callable[..., Any], Verdict | None]:
-    """The candidate chosen, its compiled Dynamo graph and the verdict that chose it
-    (``eager``: the Dynamo graph module's forward, taken before any compile rewrote the
-    module; ``trace``: fusegraph's, where it kept regions). The verdict is None where the
-    check could not run (the log says why): the trace then stands where there is one, as
-    before the check, else Inductor's own compile. In DDP's graph split the check waits
-    for real calls: ddp_split.settle."""
+           warmup_s: float) -> Settled:
+    """The candidate chosen by the step timed once, at compile time (``eager``: the Dynamo
+    graph module's forward, taken before any compile rewrote the module; ``trace``:
+    fusegraph's, where it kept regions). Without a verdict (the check could not run; the
+    log says why) the trace stands where there is one, as before the check, else
+    Inductor's own compile. step_choice.py weighs it again on the loop's steps, or waits
+    for real calls in DDP's graph split."""
     sides = 3 if trace is not None else 2
     cannot = why_not(gm, example_inputs, sides)
     if cannot:
         log.info("the Dynamo graph's step was not timed against eager and Inductor's own compile: %s", cannot)
-        return (TRACE, trace, None) if trace is not None else (OWN, compile_own(), None)
+        return Settled(TRACE, trace, None) if trace is not None else Settled(OWN, compile_own(), None)
     candidates = compiled_sides(compile_own, eager, trace)
     if candidates is None:  # Inductor's own failed: the trace stands (compiled_sides raises without one)
         assert trace is not None
-        return TRACE, trace, None
+        return Settled(TRACE, trace, None)
     try:
-        verdict = time_steps(candidates, example_inputs, margin=margin, warmup_s=warmup_s)
+        check = time_steps(candidates, example_inputs, margin=margin, warmup_s=warmup_s)
     except Exception as exc:  # never the user's compile
         kept = TRACE if trace is not None else OWN
         log.warning("the step check did not run (%s: %s); %s is kept", type(exc).__name__, exc, NAMES[kept],
                     exc_info=log.isEnabledFor(logging.DEBUG))
-        return kept, candidates[kept], None
-    log.info("%s", reason(verdict))
-    won = winner(verdict)
-    return won, candidates[won], verdict
-
+        return Settled(kept, candidates[kept], None, candidates)
+    log.info("%s", reason(check.verdict))
+    won = winner(check.verdict)
+    return Settled(won, candidates[won], check.verdict, candidates, check)

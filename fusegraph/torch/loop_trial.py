@@ -1,0 +1,270 @@
+"""The step check's choice weighed again on the user's own training steps.
+
+A Dynamo graph timed alone as a step (step_floor.py) can misjudge the step it is part of:
+what runs beside it is not there. Under FSDP2, as its recipes compile it (each transformer
+block's ``module.compile``: one graph called twelve times a step), the block's step alone
+gave Inductor's own compile 2.135 ms against eager's 2.200 (a tie, so Inductor's own ran),
+while whole steps ran 59.98 ms eager against 63.53 under Inductor (2x H200, GPT-2-sized,
+bf16): eager's backward readies each gradient for FSDP2's reduce-scatter as it comes, a
+compiled backward all of them at its end. DDP's graph split has the same blind spot
+(ddp_split.py).
+
+So where the check leaves more than one side within BAND of the fastest alone, and the
+step has a backward, the graph (a Piece) runs those sides in turn on the user's steps, one
+choice a step for every call of the graph in it, SAMPLES steps each, and keeps the fastest
+median (ties within the margin go to Inductor's own, then eager, as in the check). A step
+is timed from one start to the next, the device synchronized there, so a period holds the
+whole step: forward, backward, communication, optimizer, data. A step starts at a call of
+the trial's first graph made outside a backward after that graph's backward ran: a graph
+called many times a step (per-block compile) or again inside the backward (activation
+checkpointing's recompute) starts no step there; one whose backward never runs
+(inference, a frozen feature extractor) starts none after its first and keeps running its
+check's winner, the first turn. One trial runs at a time in a process (QUEUE): trials in
+lockstep would time each other's turns. The verdict is stored once the trial decides, so a
+process stopped before that leaves the graph to be checked again."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fusegraph.regions.verdicts import Verdict
+from fusegraph.select import timing
+from fusegraph.torch.step_floor import EAGER, ENGINE, NAMES, OWN, TRACE, Check, device_of, winner
+
+log = logging.getLogger("fusegraph.torch")
+
+# the choices, in the order ties go: Inductor's own (the incumbent), eager (what the user
+# could call without fusegraph), each graph's own check's winner
+ALL_OWN, ALL_EAGER, EACH = "every piece Inductor's own compile", "every piece eager", "each piece its own check's winner"
+CHOICES = (ALL_OWN, ALL_EAGER, EACH)
+SAMPLES = 5  # the user's steps timed per choice (the backend's option ``loop_steps``)
+BAND = 1.25  # a choice whose graphs took longer than this times the fastest's alone is not weighed
+STALE_S = 60.0  # a trial whose graph started no step for this long gives way to the next
+LOOPED = ("then weighed on the training loop's own steps against the other sides within "
+          f"{BAND - 1:.0%} of the fastest alone")
+
+
+def _clock() -> float:
+    """The loop's clock, looked up at each step; tests replace this."""
+    return time.perf_counter()
+
+
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread (a call from there
+    is a recompute, not a new step)."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
+class Piece:
+    """A compiled graph whose side a Trial chooses: ``candidates`` (name -> compiled graph),
+    ``own_winner`` (its check's winner, run before and where the trial cannot choose),
+    ``checked`` and ``times`` (that check's verdict and each side's step time alone, where it
+    ran), ``record`` (where the trial's verdict is stored)."""
+
+    def __init__(self, candidates: Mapping[str, Callable[..., Any]], own_winner: str, trial: Trial, *,
+                 record: Callable[[Verdict], None] | None, checked: Verdict | None = None,
+                 times: Mapping[str, float] | None = None) -> None:
+        self.candidates = dict(candidates)
+        self.own_winner = own_winner
+        self.record = record
+        self.checked = checked
+        self.times = dict(times or {})
+        self.runnable = set(self.candidates)  # the candidates that did not fail the check
+        self.chosen: Callable[..., Any] | None = None
+        self.trial = trial
+        trial.join(self)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.chosen is not None:
+            return self.chosen(*args)
+        return self.run(args)
+
+    def run(self, args: Sequence[Any]) -> Any:
+        """A real call while the trial goes on: the side of the step's turn."""
+        side = self.trial.side(self, args)
+        if self.chosen is not None:  # the trial decided at this step's start
+            return self.chosen(*args)
+        out = self.candidates[side](*args)
+        if self is self.trial.pieces[0] and not self.trial.done:
+            self.trial.watch(out)
+        return out
+
+    def settle(self, side: str, why: str, ms: float | None = None, own_ms: float | None = None,
+               store: bool = True) -> None:
+        """Run ``side`` from now on, the losers let go; store the verdict saying so (``ms``:
+        the whole step's median as chosen, ``own_ms``: with every piece on Inductor's own;
+        without them, this piece's own check's times)."""
+        self.chosen = self.candidates[side]
+        self.candidates.clear()
+        if self.record is None or not store:
+            return
+        checked = self.checked
+        own_check = f"; the piece alone: {checked.why}" if checked is not None else ""
+        if ms is None and checked is not None:
+            ms, own_ms = (checked.fusegraph_ms if side == TRACE else checked.incumbent_ms), checked.incumbent_ms
+        verdict = Verdict(side == TRACE, "measured", f"{why}{own_check}", ENGINE, ms if side == TRACE else None,
+                          own_ms if side == TRACE else ms, NAMES[EAGER] if side == EAGER else NAMES[OWN])
+        try:
+            self.record(verdict)
+        except Exception as exc:  # the choice still stands for this process
+            log.warning("the step's verdict was not stored (%s: %s)", type(exc).__name__, exc)
+
+
+class Trial:
+    """Pieces chosen together on the user's steps (module docstring): one graph, or the
+    pieces of one DDP split (ddp_split.py), which must run the same way to be weighed."""
+
+    def __init__(self, margin: float, samples: int = SAMPLES) -> None:
+        self.margin, self.samples = margin, samples
+        self.pieces: list[Piece] = []
+        self.periods: dict[str, list[float]] = {}
+        self.turn: str | None = None  # the choice the current step runs
+        self.since: float | None = None  # when the current step began (synchronized)
+        self.last = _clock()  # when a step last began (or the trial was made)
+        self.backward = False  # whether the first piece's backward ran since the step began
+        self.done = False
+
+    def join(self, piece: Piece) -> None:
+        self.pieces.append(piece)
+
+    def sides(self, choice: str) -> tuple[str, ...]:
+        def side(piece: Piece) -> str:
+            want = {ALL_OWN: OWN, ALL_EAGER: EAGER}.get(choice, piece.own_winner)
+            return want if want in piece.runnable else piece.own_winner
+        return tuple(side(p) for p in self.pieces)
+
+    def weighed(self) -> list[str]:
+        """The choices to time on the loop's steps, each once (two giving the same sides are
+        one, named as ties go), without those whose pieces took longer than BAND times the
+        fastest choice's alone (where every piece's check timed the sides it runs). The
+        checks' winners come first: a trial whose steps never end (no backward comes) runs
+        what the checks chose."""
+        distinct: dict[tuple[str, ...], str] = {}
+        for choice in CHOICES:
+            distinct.setdefault(self.sides(choice), choice)
+        checks = self.sides(EACH)
+        distinct = dict(sorted(distinct.items(), key=lambda item: item[0] != checks))
+        alone = {c: sum(p.times[s] for p, s in zip(self.pieces, sides, strict=True))
+                 for sides, c in distinct.items()
+                 if all(s in p.times for p, s in zip(self.pieces, sides, strict=True))}
+        if len(alone) < len(distinct) or not alone:
+            return list(distinct.values())
+        fastest = min(alone.values())
+        return [c for c in distinct.values() if alone[c] <= BAND * fastest]
+
+    def label(self, choice: str) -> str:
+        """A choice as the verdict names it: the side itself where one graph is weighed."""
+        return NAMES[self.sides(choice)[0]] if len(self.pieces) == 1 else choice
+
+    def side(self, piece: Piece, args: Sequence[Any]) -> str:
+        """The side ``piece`` runs in the current step: the turn's choice (its check's winner
+        while the trial waits for its first step, or for its turn in the QUEUE)."""
+        if piece is self.pieces[0] and not in_backward() and (self.turn is None or self.backward) \
+                and QUEUE.admits(self):
+            self._tick(device_of(args))
+        if self.turn is None or self.done:
+            return piece.own_winner
+        return self.sides(self.turn)[self.pieces.index(piece)]
+
+    def watch(self, out: Any) -> None:
+        """Note when the backward of ``out`` (the first piece's outputs) begins: the next
+        call of the first piece outside a backward starts a step."""
+        from torch.utils._pytree import tree_leaves
+
+        node = next((o.grad_fn for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.grad_fn is not None),
+                    None)
+        if node is not None:
+            node.register_prehook(self._backward_began)
+
+    def _backward_began(self, grad_outputs: Any) -> None:
+        self.backward = True
+
+    def _tick(self, device: torch.device) -> None:
+        """A step begins: the last one's period is kept and the next choice takes its turn."""
+        if not self.periods:
+            self.periods = {choice: [] for choice in self.weighed()}
+            if len(self.periods) == 1 or self.samples <= 0:  # nothing to weigh
+                self._decide()
+                return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = _clock()
+        if self.turn is not None and self.since is not None:
+            self.periods[self.turn].append((now - self.since) * 1e3)
+        self.backward, self.last = False, now
+        if all(len(p) >= self.samples for p in self.periods.values()):
+            self._decide()
+            return
+        choices = list(self.periods)
+        self.turn = choices[sum(len(p) for p in self.periods.values()) % len(choices)]
+        self.since = now
+
+    def _decide(self) -> None:
+        self.done = True
+        timed = {c: p for c, p in self.periods.items() if p}
+        ms: float | None = None
+        own_ms: float | None = None
+        if len(timed) > 1:
+            medians = {c: statistics.median(p) for c, p in timed.items()}
+            choice = timing.fastest({c: timing.Timing(c, t, t, (t,)) for c, t in medians.items()}, order=CHOICES,
+                                    tie_margin=self.margin)
+            steps = " vs ".join(f"{self.label(c)} {medians[c]:.3f} ms" for c in sorted(medians, key=medians.__getitem__))
+            why = (f"the training loop's own steps timed: {steps} (medians of {self.samples}; ties within "
+                   f"{self.margin:.0%} go to Inductor's own, then eager); {self.label(choice)}")
+            ms, own_ms = medians[choice], medians.get(ALL_OWN, medians[choice])
+        else:
+            choice = EACH
+            why = ("the check alone chose: no other side came within "
+                   f"{BAND - 1:.0%} of it" if self.samples > 0 else "the check alone chose (loop_steps 0)")
+        log.info("%s", why)
+        for piece, side in zip(self.pieces, self.sides(choice), strict=True):
+            piece.settle(side, why, ms, own_ms)
+
+    def give_way(self) -> None:
+        """Stopped before it decided (STALE_S without a step): each piece keeps its check's
+        winner, unstored, so a later compile checks it again."""
+        self.done = True
+        log.info("the loop trial saw no step for %.0f s: each piece keeps its check's winner, unstored", STALE_S)
+        for piece in self.pieces:
+            piece.settle(piece.own_winner, "", store=False)
+
+
+class _Queue:
+    """The one trial running in this process; the others wait their turn."""
+
+    def __init__(self) -> None:
+        self.running: Trial | None = None
+
+    def admits(self, trial: Trial) -> bool:
+        running = self.running
+        if running is not None and running is not trial and not running.done:
+            if _clock() - running.last < STALE_S:
+                return False
+            running.give_way()
+        self.running = trial
+        return True
+
+
+QUEUE = _Queue()
+
+
+def weigh(candidates: Mapping[str, Callable[..., Any]], check: Check, *, margin: float, samples: int,
+          record: Callable[[Verdict], None] | None) -> Callable[..., Any]:
+    """What runs a graph its step check chose ``check.verdict`` for: the winner alone, or a
+    Piece in a Trial of its own where the step has a backward and another side came within
+    BAND of the fastest alone."""
+    won = winner(check.verdict)
+    runnable = {n: fn for n, fn in candidates.items() if n not in check.failed}
+    if samples <= 0 or not check.backward or len(runnable) < 2:
+        return candidates[won]
+    trial = Trial(margin, samples)
+    piece = Piece(runnable, won, trial, record=record, checked=check.verdict, times=check.times)
+    if len(trial.weighed()) < 2:
+        return candidates[won]
+    return piece

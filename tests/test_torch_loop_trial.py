@@ -1,0 +1,237 @@
+"""The step check's choice weighed again on the user's own steps (fusegraph/torch/loop_trial.py).
+The candidates are plain functions whose real calls cost what the test says on a virtual
+loop clock; the compile-time check is a Check built here. What is asserted: where a step
+starts (a call after the graph's backward ran, never inside a backward, never twice in a
+step for a graph called many times), that every call in a step runs the turn's side, what
+is weighed (BAND, failed sides, loop_steps 0, no backward), the verdict stored, and one
+trial at a time. The backend's own path: the last test, on the real clock."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="the torch.compile backend needs torch")
+
+from test_torch_incumbent_path import regions_lose  # noqa: E402, F401  (regions lose: nothing claimed)
+from test_torch_step_floor import step_timer  # noqa: E402
+
+from fusegraph.regions.verdicts import Verdict  # noqa: E402
+from fusegraph.torch import loop_trial, step_floor  # noqa: E402
+from fusegraph.torch.step_floor import EAGER, OWN, TRACE, Check  # noqa: E402
+
+MARGIN = 0.03
+
+
+class _Loop:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+
+class _Side:
+    """A candidate costing ``cost`` seconds of the loop's clock per call; it notes which side
+    ran each call in the loop's ``ran``."""
+
+    def __init__(self, loop: _Loop, name: str, cost: float, ran: list[str]) -> None:
+        self.loop, self.name, self.cost, self.ran = loop, name, cost, ran
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        self.loop.now += self.cost
+        self.ran.append(self.name)
+        return (torch.tanh(x @ w),)
+
+
+@pytest.fixture
+def loop(monkeypatch: pytest.MonkeyPatch) -> _Loop:
+    clock = _Loop()
+    monkeypatch.setattr(loop_trial, "_clock", lambda: clock.now)
+    monkeypatch.setattr(loop_trial, "QUEUE", loop_trial._Queue())
+    return clock
+
+
+def _check(times: dict[str, float], backward: bool = True, failed: dict[str, str] | None = None) -> Check:
+    failed = failed or {}
+    return Check(step_floor._verdict(times, failed, MARGIN), times, failed, backward)
+
+
+def _graph(loop: _Loop, costs: dict[str, float], alone: dict[str, float], *, backward: bool = True,
+           failed: dict[str, str] | None = None, samples: int = loop_trial.SAMPLES
+           ) -> tuple[Any, list[str], list[Verdict]]:
+    ran: list[str] = []
+    recorded: list[Verdict] = []
+    sides = {name: _Side(loop, name, cost, ran) for name, cost in costs.items()}
+    fn = loop_trial.weigh(sides, _check(alone, backward, failed), margin=MARGIN, samples=samples,
+                          record=recorded.append)
+    return fn, ran, recorded
+
+
+def _w() -> torch.Tensor:
+    return torch.randn(6, 6, requires_grad=True)
+
+
+def _steps(fn: Any, w: torch.Tensor, steps: int, calls: int = 1, backward: bool = True,
+           checkpoint: bool = False) -> None:
+    """``steps`` training steps, each calling ``fn`` ``calls`` times in a chain (blocks
+    compiled alone; ``checkpoint``: each under activation checkpointing), then the backward."""
+    from torch.utils.checkpoint import checkpoint as recompute
+
+    for _ in range(steps):
+        y = torch.randn(4, 6)
+        for _ in range(calls):
+            y = recompute(lambda t: fn(t, w)[0], y, use_reentrant=False) if checkpoint else fn(y, w)[0]
+        if backward:
+            torch.autograd.grad(y.sum(), [w])
+
+
+def _sides_per_step(ran: list[str], calls: int) -> list[tuple[str, ...]]:
+    return [tuple(ran[i:i + calls]) for i in range(0, len(ran), calls)]
+
+
+def test_a_graph_called_three_times_a_step_is_chosen_on_whole_steps(loop: _Loop) -> None:
+    """Alone, Inductor's own wins by a tie's width; on the loop's steps eager is faster: the
+    verdict goes to eager, every call in a step ran the turn's side, and a step starts once
+    per step (three calls, one backward)."""
+    fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.02})
+    assert isinstance(fn, loop_trial.Piece) and fn.own_winner == OWN
+    w = _w()
+    _steps(fn, w, 2 * loop_trial.SAMPLES + 1, calls=3)
+    trial = fn.trial
+    assert trial.periods == {loop_trial.ALL_OWN: [6000.0] * loop_trial.SAMPLES,
+                             loop_trial.ALL_EAGER: [3000.0] * loop_trial.SAMPLES}, trial.periods
+    steps = _sides_per_step(ran, 3)
+    assert all(len(set(s)) == 1 for s in steps), steps  # one side a step
+    assert steps[0] == (OWN,) * 3 and steps[1] == (EAGER,) * 3, steps  # the check's winner first
+    assert len(recorded) == 1, recorded
+    verdict = recorded[0]
+    assert step_floor.winner(verdict) == EAGER and verdict.incumbent_ms == 3000.0, verdict
+    assert "training loop's own steps timed: eager 3000.000 ms vs Inductor's own" in verdict.why, verdict.why
+    assert "the piece alone: Inductor's own" in verdict.why, verdict.why
+    before = len(ran)
+    _steps(fn, w, 2, calls=3)
+    assert ran[before:] == [EAGER] * 6 and len(recorded) == 1 and w.grad is None
+
+
+def test_a_recompute_inside_the_backward_starts_no_step(loop: _Loop) -> None:
+    """Activation checkpointing calls the graph again inside the backward: one step still
+    counts one period, and each recompute runs the side its forward ran."""
+    fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    w = _w()
+    _steps(fn, w, 2 * loop_trial.SAMPLES + 1, calls=2, checkpoint=True)
+    assert [len(p) for p in fn.trial.periods.values()] == [loop_trial.SAMPLES] * 2, fn.trial.periods
+    steps = _sides_per_step(ran, 4)  # two forwards, two recomputes
+    assert all(len(set(s)) == 1 for s in steps), steps
+    # a step's period: its forwards and its recomputes, on one side
+    assert fn.trial.periods[loop_trial.ALL_OWN] == [8000.0] * loop_trial.SAMPLES, fn.trial.periods
+    assert len(recorded) == 1 and step_floor.winner(recorded[0]) == EAGER
+
+
+def test_without_a_backward_no_step_ends_and_the_checks_winner_runs(loop: _Loop) -> None:
+    fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    assert isinstance(fn, loop_trial.Piece)
+    with torch.no_grad():
+        _steps(fn, _w(), 12, backward=False)
+    assert ran == [OWN] * 12 and not recorded and not fn.trial.done
+
+
+@pytest.mark.parametrize("case", ["band", "failed", "loop_steps-0", "inference"])
+def test_what_is_not_weighed_runs_the_checks_winner_as_it_is(loop: _Loop, case: str) -> None:
+    alone = {OWN: 1.0, EAGER: 1.3 if case == "band" else 1.1}
+    fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, alone,
+                               failed={EAGER: "RuntimeError: made to fail"} if case == "failed" else None,
+                               samples=0 if case == "loop_steps-0" else loop_trial.SAMPLES,
+                               backward=case != "inference")
+    assert isinstance(fn, _Side) and fn.name == OWN, fn
+    _steps(fn, _w(), 3)
+    assert ran == [OWN] * 3 and not recorded
+
+
+def test_the_trace_is_weighed_only_where_it_won_alone(loop: _Loop) -> None:
+    costs = {OWN: 2.0, EAGER: 3.0, TRACE: 1.0}
+    fn, ran, recorded = _graph(loop, costs, {OWN: 1.0, EAGER: 1.1, TRACE: 0.9})
+    _steps(fn, _w(), 3 * loop_trial.SAMPLES + 1)
+    assert set(fn.trial.periods) == set(loop_trial.CHOICES)
+    assert recorded[0].fusegraph and "fusegraph's trace 1000.000 ms" in recorded[0].why, recorded[0].why
+    fn, ran, recorded = _graph(loop, costs, {OWN: 1.0, EAGER: 1.1, TRACE: 1.05})
+    _steps(fn, _w(), 2 * loop_trial.SAMPLES + 1)
+    assert set(fn.trial.periods) == {loop_trial.ALL_OWN, loop_trial.ALL_EAGER} and TRACE not in ran
+    assert not recorded[0].fusegraph and step_floor.winner(recorded[0]) == OWN  # the loop: own 2 s, eager 3 s
+
+
+def test_one_trial_at_a_time_and_a_stale_one_gives_way(loop: _Loop) -> None:
+    first, _, rec_a = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    second, ran_b, rec_b = _graph(loop, {OWN: 1.0, EAGER: 2.0}, {OWN: 1.1, EAGER: 1.0})
+    w = _w()
+    for _ in range(2 * loop_trial.SAMPLES + 1):
+        y = first(torch.randn(4, 6), w)[0]
+        y = second(y, w)[0]
+        torch.autograd.grad(y.sum(), [w])
+    assert rec_a and not rec_b and ran_b == [EAGER] * len(ran_b)  # the second waited, on its winner
+    for _ in range(2 * loop_trial.SAMPLES + 1):
+        y = first(torch.randn(4, 6), w)[0]
+        y = second(y, w)[0]
+        torch.autograd.grad(y.sum(), [w])
+    assert rec_b and step_floor.winner(rec_b[0]) == OWN, rec_b
+    # a trial whose graph stops being called gives way, unstored, after STALE_S
+    stale, ran_s, rec_s = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    other, ran_o, rec_o = _graph(loop, {OWN: 1.0, EAGER: 2.0}, {OWN: 1.0, EAGER: 1.1})
+    _steps(stale, w, 3)
+    assert not stale.trial.done
+    _steps(other, w, 1)
+    assert ran_o == [OWN] and loop_trial.QUEUE.running is stale.trial
+    loop.now += loop_trial.STALE_S
+    _steps(other, w, 2 * loop_trial.SAMPLES + 1)
+    assert stale.trial.done and not rec_s and loop_trial.QUEUE.running is other.trial
+    assert rec_o and step_floor.winner(rec_o[0]) == OWN
+    before = len(ran_s)
+    _steps(stale, w, 2)
+    assert ran_s[before:] == [OWN, OWN]  # its check's winner, for good
+
+
+@pytest.mark.usefixtures("regions_lose")
+def test_the_backend_weighs_close_sides_on_the_loop_and_stores_that_verdict(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """Through torch.compile: the check alone finds eager within BAND of Inductor's own
+    (forced times), the graph reports the loop trial and stores nothing until it decides on
+    the real clock; losses match eager's throughout; a second compile reads the verdict and
+    times nothing."""
+    from test_torch_step_floor import _stored
+
+    from fusegraph.torch.compile_backend import collecting, fusegraph_backend
+
+    monkeypatch.setattr(loop_trial, "QUEUE", loop_trial._Queue())
+    clock = step_timer(monkeypatch, tmp_path)
+    clock.update(own_ms=1.0, eager_ms=1.1)
+    options = {"warmup_s": 0.0}
+
+    def run(compiled: bool, first: bool = False) -> list[float]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
+        step = torch.compile(model, backend=partial(fusegraph_backend, options=options)) if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses = []
+        for i in range(2 * loop_trial.SAMPLES + 3):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
+            loss = step(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(float(loss.detach()))
+            if first and i == 0:
+                assert not _stored(), "stored before the loop's steps decided"
+        return losses
+
+    want = run(False)
+    torch._dynamo.reset()
+    with collecting() as rows:
+        got = run(True, first=True)
+    assert rows and all(loop_trial.LOOPED in r.why for r in rows), rows[0].why
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    stored = _stored()
+    assert len(stored) == 1 and "training loop's own steps timed" in stored[0]["why"], stored
+    calls = clock["calls"]
+    torch._dynamo.reset()
+    with collecting() as rows:
+        run(True)
+    assert clock["calls"] == calls and rows and all("a stored verdict chose it" in r.why for r in rows), rows[0].why
