@@ -269,6 +269,20 @@ def bench(name: str, mode: str, batch: int | None, dtype: str, args: argparse.Na
             print(f"{name} {mode} {variant}: first result {d['first_rel']:.2e} from eager's (tolerance {tol})",
                   file=sys.stderr)
     if calls and args.budget > 0:
+        # a training loop's first steps, each variant alone: where the step check left sides
+        # close, fusegraph weighs them on these (fusegraph/torch/loop_trial.py), as a user's
+        # loop would, before the variants' steps interleave
+        warm = args.warm_steps if mode == "train" else 0
+        for variant, call in list(calls.items()):
+            try:
+                for _ in range(warm):
+                    call()
+                if sync:
+                    sync()
+            except Exception as exc:
+                row["variants"][variant]["error"] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+                del calls[variant]
+        row["warm_steps"] = warm
         errors: dict[str, str] = {}
         timings = time_candidates(calls, sync=sync, budget_s=args.budget, warmup_s=args.warmup,
                                   on_error=lambda n, e: errors.__setitem__(n, f"{type(e).__name__}: {e}"))
@@ -391,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--infer-dtype", default="bf16,fp32", help="inference precisions (bf16, fp16, fp32)")
     ap.add_argument("--budget", type=float, default=15.0, help="seconds of interleaved timing per row (0: none)")
     ap.add_argument("--warmup", type=float, default=1.0, help="seconds of warm-up bound per variant")
+    ap.add_argument("--warm-steps", type=int, default=20,
+                    help="training steps each variant runs alone before the timing, as a loop's first steps "
+                         "(fusegraph weighs close sides on them: loop_trial.py)")
     ap.add_argument("--check-steps", type=int, default=5, help="float32 training steps compared with eager (0: no check)")
     ap.add_argument("--check-size", choices=("full", "tiny"), help="model size of the float32 check (default: --size)")
     ap.add_argument("--options", default="", help="backend options for the fusegraph variants, k=v,k=v")

@@ -30,7 +30,9 @@ from fusegraph.torch.compile_backend import INDUCTORS_OWN, STORED_OWN, collectin
 # The floor's budget off: these tests (and those importing FLOOR) need every region measured
 # in the first compile, which on a GPU the default bounds by wall time
 # (tests/test_torch_floor_budget.py tests the budget).
-FLOOR = {"floor": True, "warmup_s": 0.02, "budget": None}
+# the step check's verdict taken at compile time (loop_steps 0): these tests follow the
+# region and graph verdicts; the loop's own steps: tests/test_torch_loop_trial.py
+FLOOR = {"floor": True, "warmup_s": 0.02, "budget": None, "loop_steps": 0}
 
 
 class ConvBN(nn.Module):
