@@ -559,6 +559,9 @@ def _recorder(own_verdict: DynamoVerdict | None, state: _Compile) -> Callable[[A
     def record(verdict: Any) -> None:
         if state.lasting:
             store.record_step(verdict)
+        else:
+            log.info("the step's verdict is not stored: this compile left a region unmeasured (the floor's "
+                     "budget) or a graph check failed, so a later compile checks the graph again")
 
     return record
 
