@@ -235,3 +235,55 @@ def test_the_backend_weighs_close_sides_on_the_loop_and_stores_that_verdict(
     with collecting() as rows:
         run(True)
     assert clock["calls"] == calls and rows and all("a stored verdict chose it" in r.why for r in rows), rows[0].why
+
+
+@pytest.mark.gpu
+def test_on_cuda_bf16_channels_last_training_tracks_eager_through_the_trial(tmp_path: Any,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """conv + batch norm + ReLU, channels-last, bf16 autocast, SGD steps as users compile it
+    (the default options, the real clock): the losses track eager's whichever sides the
+    trial runs in turn, and the verdict stored says where it came from (the loop's steps
+    where the rows say the graph was weighed there, else the check alone)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU: run on the GPU machine with `pytest -m gpu`")
+    import copy
+
+    from test_torch_incumbent_path import ConvBN
+    from test_torch_step_floor import _stored
+
+    from fusegraph.torch.compile_backend import collecting, fusegraph_backend
+
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(loop_trial, "QUEUE", loop_trial._Queue())
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    cuda = torch.device("cuda")
+    model = ConvBN().to(cuda).to(memory_format=torch.channels_last)
+    steps = 3 * loop_trial.SAMPLES + 3
+    xs = [torch.randn(16, 3, 16, 16, device=cuda).to(memory_format=torch.channels_last) for _ in range(steps)]
+    gs = [torch.randn(16, 10, device=cuda) for _ in range(steps)]
+    losses: list[list[tuple[float, float]]] = []  # per step: the loss and its scale (sum of |term|)
+    rows: list[Any] = []  # the compiled run's
+    for compiled in (False, True):
+        twin = copy.deepcopy(model)
+        opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        torch._dynamo.reset()
+        run = torch.compile(twin, backend=partial(fusegraph_backend, options={"budget": None})) if compiled else twin
+        side = []
+        with collecting() as seen:
+            for x, g in zip(xs, gs, strict=True):
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast("cuda", torch.bfloat16):
+                    terms = run(x).float() * g
+                    loss = terms.sum()
+                loss.backward()
+                opt.step()
+                side.append((float(loss.detach()), float(terms.detach().abs().sum())))
+        losses.append(side)
+        rows = seen
+    for (want, scale), (got, _) in zip(losses[0], losses[1], strict=True):
+        assert abs(got - want) <= 2e-2 * scale, losses
+    stored = _stored()
+    assert len(stored) == 1 and stored[0]["source"] == "measured", stored
+    weighed = any(loop_trial.LOOPED in r.why for r in rows)
+    assert ("training loop's own steps timed" in stored[0]["why"]) == weighed, (weighed, stored[0]["why"])
