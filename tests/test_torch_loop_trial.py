@@ -287,3 +287,17 @@ def test_on_cuda_bf16_channels_last_training_tracks_eager_through_the_trial(tmp_
     assert len(stored) == 1 and stored[0]["source"] == "measured", stored
     weighed = any(loop_trial.LOOPED in r.why for r in rows)
     assert ("training loop's own steps timed" in stored[0]["why"]) == weighed, (weighed, stored[0]["why"])
+
+
+def test_the_queue_keeps_no_trial_whose_graph_is_gone(loop: _Loop) -> None:
+    import gc
+
+    fn, _, _ = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    _steps(fn, _w(), 2)
+    assert loop_trial.QUEUE.running is fn.trial and not fn.trial.done
+    del fn
+    gc.collect()
+    assert loop_trial.QUEUE.running is None
+    other, ran, _ = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    _steps(other, _w(), 2)
+    assert ran == [OWN, EAGER]  # admitted at once: its check's winner, then the next turn

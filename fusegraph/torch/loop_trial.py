@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -236,10 +237,16 @@ class Trial:
 
 
 class _Queue:
-    """The one trial running in this process; the others wait their turn."""
+    """The one trial running in this process; the others wait their turn. It is held weakly:
+    a trial whose graphs are gone (``torch._dynamo.reset()``, a model deleted) keeps
+    neither them nor the queue."""
 
     def __init__(self) -> None:
-        self.running: Trial | None = None
+        self._running: weakref.ref[Trial] | None = None
+
+    @property
+    def running(self) -> Trial | None:
+        return self._running() if self._running is not None else None
 
     def admits(self, trial: Trial) -> bool:
         running = self.running
@@ -247,7 +254,7 @@ class _Queue:
             if _clock() - running.last < STALE_S:
                 return False
             running.give_way()
-        self.running = trial
+        self._running = weakref.ref(trial)
         return True
 
 
