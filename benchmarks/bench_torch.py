@@ -1,9 +1,11 @@
 """Real architectures under ``torch.compile(backend="fusegraph")`` against PyTorch eager and
 Inductor (issue 23 item 5), side by side in one process: a training step (forward + loss +
 backward + SGD step, bf16 autocast on a GPU) and inference latency (``torch.no_grad``,
-eval mode, bf16 and float32), every variant compiled first (compile time reported), then
-timed interleaved by fusegraph's one timing routine (select/timing.py: warm-up to a steady
-state, rotating rounds, medians). Before timing, a float32 check trains each model five
+eval mode, bf16 and float32), every variant compiled first (compile time reported), each
+training variant then run ``--warm-steps`` steps alone (a loop's first steps, on which
+fusegraph weighs close sides: fusegraph/torch/loop_trial.py), then all timed interleaved by
+fusegraph's one timing routine (select/timing.py: warm-up to a steady state, rotating
+rounds, medians). Before timing, a float32 check trains each model five
 steps under eager and under the backend (every region claimed) and compares the losses
 (target <= 1e-4 relative) and the first step's gradients.
 
