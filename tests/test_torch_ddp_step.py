@@ -7,6 +7,7 @@ what the test says. DDP itself runs in tests/test_torch_ddp.py."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -48,11 +49,13 @@ class _Side:
 
 
 @pytest.fixture
-def loop(monkeypatch: pytest.MonkeyPatch) -> _Loop:
+def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Loop]:
     clock = _Loop()
     monkeypatch.setattr(loop_trial, "_clock", lambda: clock.now)
     monkeypatch.setattr(loop_trial, "QUEUE", loop_trial._Queue())
-    return clock
+    monkeypatch.setattr(loop_trial, "OPTIMIZER", loop_trial._OptimizerSteps())
+    yield clock
+    loop_trial.OPTIMIZER.release()
 
 
 def _piece(sides: dict[str, _Side], default: str = step_floor.OWN) -> tuple[ddp_split.Deferred, list[Verdict]]:
@@ -73,10 +76,12 @@ def _fake_call(fn: ddp_split.Deferred, x: torch.Tensor, w: torch.Tensor) -> Any:
 
 def _loop_steps(pieces: list[ddp_split.Deferred], x: torch.Tensor, w: torch.Tensor, steps: int) -> None:
     """``steps`` training steps: each piece's forward, then the backward of them all (as
-    ``torch.autograd.grad``, so the caller's ``w.grad`` stays unset)."""
+    ``torch.autograd.grad``, so the caller's ``w.grad`` stays unset), then a torch.optim step."""
+    opt = torch.optim.SGD([w], lr=0.0)  # its step changes nothing: w.grad stays unset
     for _ in range(steps):
         outs = [piece(x, w)[0] for piece in pieces]
         torch.autograd.grad(sum(o.sum() for o in outs), [w])
+        opt.step()
 
 
 def test_alone_the_trace_wins_but_the_loops_steps_give_the_piece_to_eager(

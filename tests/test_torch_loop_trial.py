@@ -8,6 +8,7 @@ trial at a time. The backend's own path: the last test, on the real clock."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -44,11 +45,13 @@ class _Side:
 
 
 @pytest.fixture
-def loop(monkeypatch: pytest.MonkeyPatch) -> _Loop:
+def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Loop]:
     clock = _Loop()
     monkeypatch.setattr(loop_trial, "_clock", lambda: clock.now)
     monkeypatch.setattr(loop_trial, "QUEUE", loop_trial._Queue())
-    return clock
+    monkeypatch.setattr(loop_trial, "OPTIMIZER", loop_trial._OptimizerSteps())
+    yield clock
+    loop_trial.OPTIMIZER.release()
 
 
 def _check(times: dict[str, float], backward: bool = True, failed: dict[str, str] | None = None) -> Check:
@@ -72,20 +75,27 @@ def _w() -> torch.Tensor:
 
 
 def _steps(fn: Any, w: torch.Tensor, steps: int, calls: int = 1, backward: bool = True,
-           checkpoint: bool = False) -> None:
-    """``steps`` training steps, each calling ``fn`` ``calls`` times in a chain (blocks
-    compiled alone; ``checkpoint``: each under activation checkpointing), then the backward."""
+           checkpoint: bool = False, micro: int = 1, optimizer: bool = True) -> None:
+    """``steps`` training steps, each of ``micro`` micro-steps (gradient accumulation) that
+    call ``fn`` ``calls`` times in a chain (blocks compiled alone; ``checkpoint``: each under
+    activation checkpointing), then the backward (``torch.autograd.grad``: the caller's
+    ``w.grad`` stays unset); then a torch.optim step (one that changes nothing)."""
     from torch.utils.checkpoint import checkpoint as recompute
 
+    opt = torch.optim.SGD([w], lr=0.0)
     for _ in range(steps):
-        y = torch.randn(4, 6)
-        for _ in range(calls):
-            y = recompute(lambda t: fn(t, w)[0], y, use_reentrant=False) if checkpoint else fn(y, w)[0]
-        if backward:
-            torch.autograd.grad(y.sum(), [w])
+        for _ in range(micro):
+            y = torch.randn(4, 6)
+            for _ in range(calls):
+                y = recompute(lambda t: fn(t, w)[0], y, use_reentrant=False) if checkpoint else fn(y, w)[0]
+            if backward:
+                torch.autograd.grad(y.sum(), [w])
+        if optimizer:
+            opt.step()
 
 
 def _sides_per_step(ran: list[str], calls: int) -> list[tuple[str, ...]]:
+    """The sides run, ``calls`` at a time."""
     return [tuple(ran[i:i + calls]) for i in range(0, len(ran), calls)]
 
 
@@ -127,6 +137,31 @@ def test_a_recompute_inside_the_backward_starts_no_step(loop: _Loop) -> None:
     assert len(recorded) == 1 and step_floor.winner(recorded[0]) == EAGER
 
 
+def test_gradient_accumulations_micro_steps_start_no_step(loop: _Loop) -> None:
+    """Three micro-steps per optimizer step (DDP's no_sync until the last): each period holds
+    a whole cycle and every micro-step of it runs the same side."""
+    fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    _steps(fn, _w(), 2 * loop_trial.SAMPLES + 1, micro=3)
+    assert fn.trial.by_optimizer is True
+    assert fn.trial.periods == {loop_trial.ALL_OWN: [6000.0] * loop_trial.SAMPLES,
+                                loop_trial.ALL_EAGER: [3000.0] * loop_trial.SAMPLES}, fn.trial.periods
+    assert all(len(set(s)) == 1 for s in _sides_per_step(ran, 3)), ran
+    assert len(recorded) == 1 and step_floor.winner(recorded[0]) == EAGER
+
+
+def test_a_loop_without_torch_optim_is_timed_on_its_backwards(loop: _Loop, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loop_trial, "NO_OPTIMIZER", 3)
+    fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    _steps(fn, _w(), 3, optimizer=False)
+    assert fn.trial.by_optimizer is None and not any(fn.trial.periods.values()) and ran == [OWN] * 3
+    _steps(fn, _w(), 2 * loop_trial.SAMPLES + 1, optimizer=False)
+    assert fn.trial.by_optimizer is False, fn.trial.by_optimizer
+    # the three steps before the switch (one period spanning them) are dropped
+    assert fn.trial.periods == {loop_trial.ALL_OWN: [2000.0] * loop_trial.SAMPLES,
+                                loop_trial.ALL_EAGER: [1000.0] * loop_trial.SAMPLES}, fn.trial.periods
+    assert len(recorded) == 1 and step_floor.winner(recorded[0]) == EAGER
+
+
 def test_without_a_backward_no_step_ends_and_the_checks_winner_runs(loop: _Loop) -> None:
     fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     assert isinstance(fn, loop_trial.Piece)
@@ -163,15 +198,18 @@ def test_one_trial_at_a_time_and_a_stale_one_gives_way(loop: _Loop) -> None:
     first, _, rec_a = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     second, ran_b, rec_b = _graph(loop, {OWN: 1.0, EAGER: 2.0}, {OWN: 1.1, EAGER: 1.0})
     w = _w()
+    opt = torch.optim.SGD([w], lr=0.0)
     for _ in range(2 * loop_trial.SAMPLES + 1):
         y = first(torch.randn(4, 6), w)[0]
         y = second(y, w)[0]
         torch.autograd.grad(y.sum(), [w])
+        opt.step()
     assert rec_a and not rec_b and ran_b == [EAGER] * len(ran_b)  # the second waited, on its winner
     for _ in range(2 * loop_trial.SAMPLES + 1):
         y = first(torch.randn(4, 6), w)[0]
         y = second(y, w)[0]
         torch.autograd.grad(y.sum(), [w])
+        opt.step()
     assert rec_b and step_floor.winner(rec_b[0]) == OWN, rec_b
     # a trial whose graph stops being called gives way, unstored, after STALE_S
     stale, ran_s, rec_s = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})

@@ -15,11 +15,14 @@ choice a step for every call of the graph in it, SAMPLES steps each, and keeps t
 median (ties within the margin go to Inductor's own, then eager, as in the check). A step
 is timed from one start to the next, the device synchronized there, so a period holds the
 whole step: forward, backward, communication, optimizer, data. A step starts at a call of
-the trial's first graph made outside a backward after that graph's backward ran: a graph
-called many times a step (per-block compile) or again inside the backward (activation
-checkpointing's recompute) starts no step there; one whose backward never runs
-(inference, a frozen feature extractor) starts none after its first and keeps running its
-check's winner, the first turn. One trial runs at a time in a process (QUEUE): trials in
+the trial's first graph made outside a backward after that graph's backward ran and, once
+the process has taken a ``torch.optim`` step, after another such step: a graph called many
+times a step (per-block compile), again inside the backward (activation checkpointing's
+recompute), or in each micro-step of gradient accumulation (DDP's ``no_sync``: only the
+last all-reduces) starts one step per optimizer step, so every period holds whole cycles. A
+loop with no ``torch.optim`` step in its first NO_OPTIMIZER backwards is timed on its
+backwards alone. A graph whose backward never runs (inference, a frozen feature extractor)
+starts no step after its first and keeps running its check's winner, the first turn. One trial runs at a time in a process (QUEUE): trials in
 lockstep would time each other's turns. The verdict is stored once the trial decides, so a
 process stopped before that leaves the graph to be checked again."""
 
@@ -47,6 +50,7 @@ CHOICES = (ALL_OWN, ALL_EAGER, EACH)
 SAMPLES = 5  # the user's steps timed per choice (the backend's option ``loop_steps``)
 BAND = 1.25  # a choice whose graphs took longer than this times the fastest's alone is not weighed
 STALE_S = 60.0  # a trial whose graph started no step for this long gives way to the next
+NO_OPTIMIZER = 32  # backwards without a torch.optim step after which a trial times backwards alone
 LOOPED = ("then weighed on the training loop's own steps against the other sides within "
           f"{BAND - 1:.0%} of the fastest alone")
 
@@ -129,6 +133,9 @@ class Trial:
         self.since: float | None = None  # when the current step began (synchronized)
         self.last = _clock()  # when a step last began (or the trial was made)
         self.backward = False  # whether the first piece's backward ran since the step began
+        self.stepped = 0  # OPTIMIZER.count when the step began
+        self.by_optimizer: bool | None = None  # steps end at optimizer steps (None: none seen yet)
+        self.waited = 0  # backwards seen without an optimizer step, while by_optimizer is None
         self.done = False
 
     def join(self, piece: Piece) -> None:
@@ -167,7 +174,7 @@ class Trial:
         """The side ``piece`` runs in the current step: the turn's choice (its check's winner
         while the trial waits for its first step, or for its turn in the QUEUE)."""
         if piece is self.pieces[0] and not in_backward() and (self.turn is None or self.backward) \
-                and QUEUE.admits(self):
+                and QUEUE.admits(self) and self._step_ends():
             self._tick(device_of(args))
         if self.turn is None or self.done:
             return piece.own_winner
@@ -186,6 +193,27 @@ class Trial:
     def _backward_began(self, grad_outputs: Any) -> None:
         self.backward = True
 
+    def _step_ends(self) -> bool:
+        """Whether the current call starts a step (the first piece called outside a
+        backward, after its backward ran): always at the trial's start; after an optimizer
+        step since the last start once one was seen (a micro-step of gradient accumulation
+        starts none); on backwards alone after NO_OPTIMIZER of them with no optimizer step,
+        the period so far dropped (it spans many steps)."""
+        if self.turn is None:
+            OPTIMIZER.watch()
+            return True
+        self.backward = False
+        if OPTIMIZER.count > self.stepped:
+            self.by_optimizer = True
+            return True
+        if self.by_optimizer is None:
+            self.waited += 1
+            if self.waited < NO_OPTIMIZER:
+                return False
+            self.by_optimizer, self.since = False, None
+            log.info("the loop trial saw no torch.optim step in %d backwards: its steps end at backwards", NO_OPTIMIZER)
+        return self.by_optimizer is False
+
     def _tick(self, device: torch.device) -> None:
         """A step begins: the last one's period is kept and the next choice takes its turn."""
         if not self.periods:
@@ -198,7 +226,7 @@ class Trial:
         now = _clock()
         if self.turn is not None and self.since is not None:
             self.periods[self.turn].append((now - self.since) * 1e3)
-        self.backward, self.last = False, now
+        self.backward, self.last, self.stepped = False, now, OPTIMIZER.count
         if all(len(p) >= self.samples for p in self.periods.values()):
             self._decide()
             return
@@ -208,6 +236,7 @@ class Trial:
 
     def _decide(self) -> None:
         self.done = True
+        OPTIMIZER.release()
         timed = {c: p for c, p in self.periods.items() if p}
         ms: float | None = None
         own_ms: float | None = None
@@ -231,9 +260,36 @@ class Trial:
         """Stopped before it decided (STALE_S without a step): each piece keeps its check's
         winner, unstored, so a later compile checks it again."""
         self.done = True
+        OPTIMIZER.release()
         log.info("the loop trial saw no step for %.0f s: each piece keeps its check's winner, unstored", STALE_S)
         for piece in self.pieces:
             piece.settle(piece.own_winner, "", store=False)
+
+
+class _OptimizerSteps:
+    """How many ``torch.optim`` steps the process took while a trial ran (a global
+    post-step hook, held only then)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._handle: Any = None
+
+    def watch(self) -> None:
+        if self._handle is None:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            self._handle = register_optimizer_step_post_hook(self._stepped)
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _stepped(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.count += 1
+
+
+OPTIMIZER = _OptimizerSteps()
 
 
 class _Queue:
