@@ -48,6 +48,9 @@ def main() -> int:
     ap.add_argument("--variants", default="eager,inductor,fusegraph,fusegraph-floor",
                     help="of eager, dynamo-eager (torch.compile's backend 'eager'), inductor, fusegraph (floor "
                          "off: every region claimed), fusegraph-floor (the default backend)")
+    ap.add_argument("--accumulate", type=int, default=1,
+                    help="micro-batches per optimizer step (gradient accumulation): DDP's no_sync, or FSDP2's "
+                         "set_requires_gradient_sync(False), until the last")
     ap.add_argument("--bucket-cap-mb", type=float, default=None,
                     help="DDP's bucket size, where its graph split cuts (default: DDP's own; --quick: 1, the least DDP allows, "
                          "so the quick model is split too)")
@@ -64,12 +67,13 @@ def main() -> int:
     g = torch.Generator().manual_seed(rank + 1)
     warm = args.warm_steps if args.warm_steps is not None else (0 if args.quick else 20)
     steps = warm + (args.steps if args.steps is not None else (5 if args.quick else 20))
-    data = [(torch.randint(0, vocab, (b, s), generator=g).to(device),
-             torch.randint(0, vocab, (b * s,), generator=g).to(device)) for _ in range(steps)]
+    micro = max(1, args.accumulate)
+    data = [[(torch.randint(0, vocab, (b, s), generator=g).to(device),
+              torch.randint(0, vocab, (b * s,), generator=g).to(device)) for _ in range(micro)] for _ in range(steps)]
     amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" else (
         lambda: torch.autocast("cpu", enabled=False))
     variants = args.variants.split(",")
-    runs: dict[str, tuple[Any, torch.optim.Optimizer]] = {}
+    runs: dict[str, tuple[Any, torch.optim.Optimizer, Any]] = {}
     torch._dynamo.reset()
     for variant in variants:  # every variant built first, then their steps interleaved
         model = copy.deepcopy(base)
@@ -94,7 +98,8 @@ def main() -> int:
                 blk.compile(backend=backend)
         elif backend is not None:
             wrapped = torch.compile(wrapped, backend=backend)
-        runs[variant] = (wrapped, torch.optim.SGD(model.parameters(), lr=0.05))
+        runs[variant] = (wrapped, torch.optim.SGD(model.parameters(), lr=0.05), sync_of(model if args.fsdp else
+                                                                                        getattr(wrapped, "_orig_mod", wrapped)))
     results: dict[str, tuple[list[float], list[float]]] = {v: ([], []) for v in variants}
     # first each variant's warm steps alone, as its own loop would run them (a choice fusegraph
     # makes on the loop's steps must not time other variants' steps in between); then the
@@ -105,20 +110,23 @@ def main() -> int:
     at = dict.fromkeys(variants, 0)
     for turn in order:
         for variant in turn:
-            ids, y = data[at[variant]]
+            batches = data[at[variant]]
             at[variant] += 1
-            wrapped, opt = runs[variant]
+            wrapped, opt, sync = runs[variant]
             losses, times = results[variant]
             t0 = time.perf_counter()
             opt.zero_grad(set_to_none=True)
-            with amp():
-                loss = F.cross_entropy(wrapped(ids).flatten(0, -2).float(), y)
-            loss.backward()
+            loss = torch.zeros(())
+            for i, (ids, y) in enumerate(batches):  # the gradients reduced across ranks at the last only
+                with sync(i == len(batches) - 1), amp():
+                    loss = F.cross_entropy(wrapped(ids).flatten(0, -2).float(), y) / len(batches)
+                with sync(i == len(batches) - 1):
+                    loss.backward()
             opt.step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             times.append((time.perf_counter() - t0) * 1e3)
-            losses.append(float(loss.detach()))
+            losses.append(float(loss.detach()) * len(batches))  # the last micro-batch's loss
     ok = True
     if rank == 0:
         ref = results.get("eager", next(iter(results.values())))[0]
@@ -131,6 +139,24 @@ def main() -> int:
                   f"step {statistics.median(timed):8.2f} ms (median of {len(timed)})")
     dist.destroy_process_group()
     return 0 if ok else 1
+
+
+def sync_of(module: Any) -> Any:
+    """A context factory: ``sync(True)`` lets the wrapper reduce gradients across ranks in the
+    backward run under it, ``sync(False)`` holds them back (DDP's ``no_sync``; FSDP2's
+    ``set_requires_gradient_sync``), as gradient accumulation does."""
+    from contextlib import contextmanager, nullcontext
+
+    @contextmanager
+    def sync(on: bool) -> Any:
+        if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+            module.set_requires_gradient_sync(on)
+            yield
+        else:
+            with nullcontext() if on else module.no_sync():
+                yield
+
+    return sync
 
 
 if __name__ == "__main__":

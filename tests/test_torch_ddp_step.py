@@ -102,7 +102,7 @@ def test_alone_the_trace_wins_but_the_loops_steps_give_the_piece_to_eager(
     assert out[0].requires_grad  # the caller's own call keeps its autograd graph
     # three choices (every piece own, every piece eager, each its winner: the trace), each
     # timed on SAMPLES of the loop's steps, then the decision at the next step's start
-    _loop_steps([piece], x, w, 3 * loop_trial.SAMPLES + 1)
+    _loop_steps([piece], x, w, 3 * loop_trial.SAMPLES + 2)
     assert len(recorded) == 1, recorded
     verdict = recorded[0]
     assert step_floor.winner(verdict) == step_floor.EAGER and not verdict.fusegraph, verdict
@@ -135,7 +135,7 @@ def test_a_splits_pieces_are_chosen_together_on_whole_steps(monkeypatch: pytest.
     _fake_call(a, x, w)
     _fake_call(b, x, w)
     # the first real step, then one choice per step (EACH gives what ALL_OWN gives: two choices)
-    _loop_steps([a, b], x, w, 1 + 2 * loop_trial.SAMPLES + 1)
+    _loop_steps([a, b], x, w, 1 + 2 * loop_trial.SAMPLES + 2)
     assert set(trial.periods) == {loop_trial.ALL_OWN, loop_trial.ALL_EAGER}, trial.periods
     assert trial.periods[loop_trial.ALL_OWN] == [6000.0] * loop_trial.SAMPLES, trial.periods
     assert trial.periods[loop_trial.ALL_EAGER] == [4000.0] * loop_trial.SAMPLES, trial.periods

@@ -106,13 +106,14 @@ def test_a_graph_called_three_times_a_step_is_chosen_on_whole_steps(loop: _Loop)
     fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.02})
     assert isinstance(fn, loop_trial.Piece) and fn.own_winner == OWN
     w = _w()
-    _steps(fn, w, 2 * loop_trial.SAMPLES + 1, calls=3)
+    _steps(fn, w, 2 * loop_trial.SAMPLES + 2, calls=3)
     trial = fn.trial
     assert trial.periods == {loop_trial.ALL_OWN: [6000.0] * loop_trial.SAMPLES,
                              loop_trial.ALL_EAGER: [3000.0] * loop_trial.SAMPLES}, trial.periods
     steps = _sides_per_step(ran, 3)
     assert all(len(set(s)) == 1 for s in steps), steps  # one side a step
-    assert steps[0] == (OWN,) * 3 and steps[1] == (EAGER,) * 3, steps  # the check's winner first
+    # the check's winner first, twice: the trial's first period is not kept
+    assert steps[0] == steps[1] == (OWN,) * 3 and steps[2] == (EAGER,) * 3, steps
     assert len(recorded) == 1, recorded
     verdict = recorded[0]
     assert step_floor.winner(verdict) == EAGER and verdict.incumbent_ms == 3000.0, verdict
@@ -128,7 +129,7 @@ def test_a_recompute_inside_the_backward_starts_no_step(loop: _Loop) -> None:
     counts one period, and each recompute runs the side its forward ran."""
     fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     w = _w()
-    _steps(fn, w, 2 * loop_trial.SAMPLES + 1, calls=2, checkpoint=True)
+    _steps(fn, w, 2 * loop_trial.SAMPLES + 2, calls=2, checkpoint=True)
     assert [len(p) for p in fn.trial.periods.values()] == [loop_trial.SAMPLES] * 2, fn.trial.periods
     steps = _sides_per_step(ran, 4)  # two forwards, two recomputes
     assert all(len(set(s)) == 1 for s in steps), steps
@@ -141,7 +142,7 @@ def test_gradient_accumulations_micro_steps_start_no_step(loop: _Loop) -> None:
     """Three micro-steps per optimizer step (DDP's no_sync until the last): each period holds
     a whole cycle and every micro-step of it runs the same side."""
     fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
-    _steps(fn, _w(), 2 * loop_trial.SAMPLES + 1, micro=3)
+    _steps(fn, _w(), 2 * loop_trial.SAMPLES + 2, micro=3)
     assert fn.trial.by_optimizer is True
     assert fn.trial.periods == {loop_trial.ALL_OWN: [6000.0] * loop_trial.SAMPLES,
                                 loop_trial.ALL_EAGER: [3000.0] * loop_trial.SAMPLES}, fn.trial.periods
@@ -154,7 +155,7 @@ def test_a_loop_without_torch_optim_is_timed_on_its_backwards(loop: _Loop, monke
     fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     _steps(fn, _w(), 3, optimizer=False)
     assert fn.trial.by_optimizer is None and not any(fn.trial.periods.values()) and ran == [OWN] * 3
-    _steps(fn, _w(), 2 * loop_trial.SAMPLES + 1, optimizer=False)
+    _steps(fn, _w(), 2 * loop_trial.SAMPLES + 2, optimizer=False)
     assert fn.trial.by_optimizer is False, fn.trial.by_optimizer
     # the three steps before the switch (one period spanning them) are dropped
     assert fn.trial.periods == {loop_trial.ALL_OWN: [2000.0] * loop_trial.SAMPLES,
@@ -185,11 +186,11 @@ def test_what_is_not_weighed_runs_the_checks_winner_as_it_is(loop: _Loop, case: 
 def test_the_trace_is_weighed_only_where_it_won_alone(loop: _Loop) -> None:
     costs = {OWN: 2.0, EAGER: 3.0, TRACE: 1.0}
     fn, ran, recorded = _graph(loop, costs, {OWN: 1.0, EAGER: 1.1, TRACE: 0.9})
-    _steps(fn, _w(), 3 * loop_trial.SAMPLES + 1)
+    _steps(fn, _w(), 3 * loop_trial.SAMPLES + 2)
     assert set(fn.trial.periods) == set(loop_trial.CHOICES)
     assert recorded[0].fusegraph and "fusegraph's trace 1000.000 ms" in recorded[0].why, recorded[0].why
     fn, ran, recorded = _graph(loop, costs, {OWN: 1.0, EAGER: 1.1, TRACE: 1.05})
-    _steps(fn, _w(), 2 * loop_trial.SAMPLES + 1)
+    _steps(fn, _w(), 2 * loop_trial.SAMPLES + 2)
     assert set(fn.trial.periods) == {loop_trial.ALL_OWN, loop_trial.ALL_EAGER} and TRACE not in ran
     assert not recorded[0].fusegraph and step_floor.winner(recorded[0]) == OWN  # the loop: own 2 s, eager 3 s
 
@@ -199,13 +200,13 @@ def test_one_trial_at_a_time_and_a_stale_one_gives_way(loop: _Loop) -> None:
     second, ran_b, rec_b = _graph(loop, {OWN: 1.0, EAGER: 2.0}, {OWN: 1.1, EAGER: 1.0})
     w = _w()
     opt = torch.optim.SGD([w], lr=0.0)
-    for _ in range(2 * loop_trial.SAMPLES + 1):
+    for _ in range(2 * loop_trial.SAMPLES + 2):
         y = first(torch.randn(4, 6), w)[0]
         y = second(y, w)[0]
         torch.autograd.grad(y.sum(), [w])
         opt.step()
     assert rec_a and not rec_b and ran_b == [EAGER] * len(ran_b)  # the second waited, on its winner
-    for _ in range(2 * loop_trial.SAMPLES + 1):
+    for _ in range(2 * loop_trial.SAMPLES + 2):
         y = first(torch.randn(4, 6), w)[0]
         y = second(y, w)[0]
         torch.autograd.grad(y.sum(), [w])
@@ -219,7 +220,7 @@ def test_one_trial_at_a_time_and_a_stale_one_gives_way(loop: _Loop) -> None:
     _steps(other, w, 1)
     assert ran_o == [OWN] and loop_trial.QUEUE.running is stale.trial
     loop.now += loop_trial.STALE_S
-    _steps(other, w, 2 * loop_trial.SAMPLES + 1)
+    _steps(other, w, 2 * loop_trial.SAMPLES + 2)
     assert stale.trial.done and not rec_s and loop_trial.QUEUE.running is other.trial
     assert rec_o and step_floor.winner(rec_o[0]) == OWN
     before = len(ran_s)
@@ -337,5 +338,5 @@ def test_the_queue_keeps_no_trial_whose_graph_is_gone(loop: _Loop) -> None:
     gc.collect()
     assert loop_trial.QUEUE.running is None
     other, ran, _ = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
-    _steps(other, _w(), 2)
-    assert ran == [OWN, EAGER]  # admitted at once: its check's winner, then the next turn
+    _steps(other, _w(), 3)
+    assert ran == [OWN, OWN, EAGER]  # admitted at once: its check's winner (twice), then the next turn

@@ -195,7 +195,8 @@ class Trial:
 
     def _step_ends(self) -> bool:
         """Whether the current call starts a step (the first piece called outside a
-        backward, after its backward ran): always at the trial's start; after an optimizer
+        backward, after its backward ran): always at the trial's start (its first period,
+        which may begin inside a step, is not kept); after an optimizer
         step since the last start once one was seen (a micro-step of gradient accumulation
         starts none); on backwards alone after NO_OPTIMIZER of them with no optimizer step,
         the period so far dropped (it spans many steps)."""
@@ -231,8 +232,11 @@ class Trial:
             self._decide()
             return
         choices = list(self.periods)
+        first = self.turn is None
         self.turn = choices[sum(len(p) for p in self.periods.values()) % len(choices)]
-        self.since = now
+        # the trial's first call may fall inside a step (a micro-step of accumulation): the
+        # period up to the next start is not kept, the turn runs it and the next one again
+        self.since = None if first else now
 
     def _decide(self) -> None:
         self.done = True
