@@ -40,10 +40,15 @@ def _step_verdicts(cache: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[st
     return [v for v in table.values() if v.get("engine") == step_floor.ENGINE and v.get("source") == "measured"]
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["ddp", "fsdp2"])
-def test_two_cpu_processes_track_eager(fsdp: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # 20 steps: the DDP split's pieces are chosen together on the loop's steps 2-17
-    args = ["--cpu", "--quick", "--steps", "20", "--variants", "eager,fusegraph-floor", *(["--fsdp"] if fsdp else [])]
+@pytest.mark.parametrize(("fsdp", "accumulate"), [(False, 1), (True, 1), (False, 2)],
+                         ids=["ddp", "fsdp2", "ddp-accumulate"])
+def test_two_cpu_processes_track_eager(fsdp: bool, accumulate: int, tmp_path: Path,
+                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # 20 steps: the DDP split's pieces are checked alone at the first, chosen together on the
+    # loop's steps 4-18 (the trial starts at the second, its first period not kept); with
+    # gradient accumulation (no_sync but for the last micro-batch) a step is an optimizer step
+    args = ["--cpu", "--quick", "--steps", "20", "--variants", "eager,fusegraph-floor", "--accumulate",
+            str(accumulate), *(["--fsdp"] if fsdp else [])]
     out = _launch(args, tmp_path, 600)
     assert "fusegraph-floor losses" in out, out
     if not fsdp:
