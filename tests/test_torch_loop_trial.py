@@ -340,3 +340,13 @@ def test_the_queue_keeps_no_trial_whose_graph_is_gone(loop: _Loop) -> None:
     other, ran, _ = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     _steps(other, _w(), 3)
     assert ran == [OWN, OWN, EAGER]  # admitted at once: its check's winner (twice), then the next turn
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, True, "5"])
+def test_loop_steps_refuses_with_its_name(bad: Any) -> None:
+    from fusegraph.errors import OptionError
+    from fusegraph.torch.partition import Options
+
+    assert Options.of({"loop_steps": 0}).loop_steps == 0
+    with pytest.raises(OptionError, match="loop_steps"):
+        Options.of({"loop_steps": bad})

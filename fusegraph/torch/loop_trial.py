@@ -22,9 +22,11 @@ recompute), or in each micro-step of gradient accumulation (DDP's ``no_sync``: o
 last all-reduces) starts one step per optimizer step, so every period holds whole cycles. A
 loop with no ``torch.optim`` step in its first NO_OPTIMIZER backwards is timed on its
 backwards alone. A graph whose backward never runs (inference, a frozen feature extractor)
-starts no step after its first and keeps running its check's winner, the first turn. One trial runs at a time in a process (QUEUE): trials in
-lockstep would time each other's turns. The verdict is stored once the trial decides, so a
-process stopped before that leaves the graph to be checked again."""
+starts no step after its first and keeps running its check's winner, the first turn.
+
+One trial runs at a time in a process (QUEUE): trials in lockstep would time each other's
+turns. The verdict is stored once the trial decides, so a process stopped before that
+leaves the graph to be checked again."""
 
 from __future__ import annotations
 
@@ -63,7 +65,8 @@ def _clock() -> float:
 def in_backward() -> bool:
     """Whether the autograd engine is running a backward on this thread (a call from there
     is a recompute, not a new step)."""
-    return bool(torch._C._current_graph_task_id() != -1)
+    task = getattr(torch._C, "_current_graph_task_id", None)  # private: a torch without it counts none
+    return task is not None and bool(task() != -1)
 
 
 class Piece:
@@ -254,8 +257,8 @@ class Trial:
             ms, own_ms = medians[choice], medians.get(ALL_OWN, medians[choice])
         else:
             choice = EACH
-            why = ("the check alone chose: no other side came within "
-                   f"{BAND - 1:.0%} of it" if self.samples > 0 else "the check alone chose (loop_steps 0)")
+            why = (f"the check alone chose: no other choice of sides came within {BAND - 1:.0%} of it alone"
+                   if self.samples > 0 else "the check alone chose (loop_steps 0)")
         log.info("%s", why)
         for piece, side in zip(self.pieces, self.sides(choice), strict=True):
             piece.settle(side, why, ms, own_ms)
