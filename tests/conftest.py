@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -96,3 +97,25 @@ def _steady_machine_load(monkeypatch: pytest.MonkeyPatch) -> None:
     from fusegraph.onnx import floor
 
     monkeypatch.setattr(floor, "machine_load", lambda: "quiet")
+
+
+class LoopClock:
+    """The virtual clock of a training loop's steps (fusegraph/torch/loop_trial.py): the
+    test's candidates add their cost to ``now``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+
+@pytest.fixture
+def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[LoopClock]:
+    """loop_trial's clock made virtual, with a queue and an optimizer-step count of the
+    test's own (the hook released afterwards)."""
+    from fusegraph.torch import loop_trial
+
+    clock = LoopClock()
+    monkeypatch.setattr(loop_trial, "_clock", lambda: clock.now)
+    monkeypatch.setattr(loop_trial, "QUEUE", loop_trial._Queue())
+    monkeypatch.setattr(loop_trial, "OPTIMIZER", loop_trial._OptimizerSteps())
+    yield clock
+    loop_trial.OPTIMIZER.release()

@@ -7,7 +7,6 @@ what the test says. DDP itself runs in tests/test_torch_ddp.py."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,18 +19,11 @@ from fusegraph.regions.verdicts import Verdict  # noqa: E402
 from fusegraph.torch import ddp_split, loop_trial, step_floor  # noqa: E402
 
 
-class _Loop:
-    """The virtual clock of the loop's steps: each real call of a side adds its cost."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-
 class _Side:
     """A candidate that counts its calls, fake and real, costs ``cost`` seconds of the loop's
     clock per real call, and may lay its output out transposed (same values, other strides)."""
 
-    def __init__(self, loop: _Loop, cost: float = 1.0, transposed: bool = False) -> None:
+    def __init__(self, loop: Any, cost: float = 1.0, transposed: bool = False) -> None:
         self.loop, self.cost = loop, cost
         self.fake = self.real = 0
         self.transposed = transposed
@@ -46,16 +38,6 @@ class _Side:
             self.loop.now += self.cost
         y = torch.tanh(x @ w)
         return (y.t().contiguous().t() if self.transposed else y,)
-
-
-@pytest.fixture
-def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Loop]:
-    clock = _Loop()
-    monkeypatch.setattr(loop_trial, "_clock", lambda: clock.now)
-    monkeypatch.setattr(loop_trial, "QUEUE", loop_trial._Queue())
-    monkeypatch.setattr(loop_trial, "OPTIMIZER", loop_trial._OptimizerSteps())
-    yield clock
-    loop_trial.OPTIMIZER.release()
 
 
 def _piece(sides: dict[str, _Side], default: str = step_floor.OWN) -> tuple[ddp_split.Deferred, list[Verdict]]:
@@ -85,7 +67,7 @@ def _loop_steps(pieces: list[ddp_split.Deferred], x: torch.Tensor, w: torch.Tens
 
 
 def test_alone_the_trace_wins_but_the_loops_steps_give_the_piece_to_eager(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, loop: _Loop) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, loop: Any) -> None:
     clock = step_timer(monkeypatch, tmp_path)
     clock.update(own_ms=2.0, eager_ms=2.2, trace_ms=1.8)  # alone: the trace, then Inductor's own
     sides = {step_floor.OWN: _Side(loop, 2.0), step_floor.EAGER: _Side(loop, 1.0), step_floor.TRACE: _Side(loop, 3.0)}
@@ -119,7 +101,7 @@ def test_alone_the_trace_wins_but_the_loops_steps_give_the_piece_to_eager(
 
 
 def test_a_splits_pieces_are_chosen_together_on_whole_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
-                                                              loop: _Loop) -> None:
+                                                              loop: Any) -> None:
     """Alone, each piece goes to Inductor's own; on the loop's steps every piece eager is
     faster only together (the second piece's eager costs more alone than it saves)."""
     clock = step_timer(monkeypatch, tmp_path)
@@ -144,7 +126,7 @@ def test_a_splits_pieces_are_chosen_together_on_whole_steps(monkeypatch: pytest.
 
 
 def test_a_side_laid_out_otherwise_than_ddps_fake_outputs_never_runs(monkeypatch: pytest.MonkeyPatch,
-                                                                     tmp_path: Any, loop: _Loop) -> None:
+                                                                     tmp_path: Any, loop: Any) -> None:
     clock = step_timer(monkeypatch, tmp_path)
     clock.update(own_ms=2.0, eager_ms=1.0)  # eager faster, but its output has other strides
     sides = {step_floor.OWN: _Side(loop, 2.0), step_floor.EAGER: _Side(loop, 1.0, transposed=True)}
@@ -161,7 +143,7 @@ def test_a_side_laid_out_otherwise_than_ddps_fake_outputs_never_runs(monkeypatch
 
 
 def test_where_the_check_cannot_run_the_default_side_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
-                                                          loop: _Loop) -> None:
+                                                          loop: Any) -> None:
     clock = step_timer(monkeypatch, tmp_path)
 
     def broken(candidates: Any, **_: Any) -> Any:

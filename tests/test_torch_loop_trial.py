@@ -8,7 +8,6 @@ trial at a time. The backend's own path: the last test, on the real clock."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -26,16 +25,11 @@ from fusegraph.torch.step_floor import EAGER, OWN, TRACE, Check  # noqa: E402
 MARGIN = 0.03
 
 
-class _Loop:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-
 class _Side:
     """A candidate costing ``cost`` seconds of the loop's clock per call; it notes which side
     ran each call in the loop's ``ran``."""
 
-    def __init__(self, loop: _Loop, name: str, cost: float, ran: list[str]) -> None:
+    def __init__(self, loop: Any, name: str, cost: float, ran: list[str]) -> None:
         self.loop, self.name, self.cost, self.ran = loop, name, cost, ran
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
@@ -44,22 +38,12 @@ class _Side:
         return (torch.tanh(x @ w),)
 
 
-@pytest.fixture
-def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[_Loop]:
-    clock = _Loop()
-    monkeypatch.setattr(loop_trial, "_clock", lambda: clock.now)
-    monkeypatch.setattr(loop_trial, "QUEUE", loop_trial._Queue())
-    monkeypatch.setattr(loop_trial, "OPTIMIZER", loop_trial._OptimizerSteps())
-    yield clock
-    loop_trial.OPTIMIZER.release()
-
-
 def _check(times: dict[str, float], backward: bool = True, failed: dict[str, str] | None = None) -> Check:
     failed = failed or {}
     return Check(step_floor._verdict(times, failed, MARGIN), times, failed, backward)
 
 
-def _graph(loop: _Loop, costs: dict[str, float], alone: dict[str, float], *, backward: bool = True,
+def _graph(loop: Any, costs: dict[str, float], alone: dict[str, float], *, backward: bool = True,
            failed: dict[str, str] | None = None, samples: int = loop_trial.SAMPLES
            ) -> tuple[Any, list[str], list[Verdict]]:
     ran: list[str] = []
@@ -99,7 +83,7 @@ def _sides_per_step(ran: list[str], calls: int) -> list[tuple[str, ...]]:
     return [tuple(ran[i:i + calls]) for i in range(0, len(ran), calls)]
 
 
-def test_a_graph_called_three_times_a_step_is_chosen_on_whole_steps(loop: _Loop) -> None:
+def test_a_graph_called_three_times_a_step_is_chosen_on_whole_steps(loop: Any) -> None:
     """Alone, Inductor's own wins by a tie's width; on the loop's steps eager is faster: the
     verdict goes to eager, every call in a step ran the turn's side, and a step starts once
     per step (three calls, one backward)."""
@@ -124,7 +108,7 @@ def test_a_graph_called_three_times_a_step_is_chosen_on_whole_steps(loop: _Loop)
     assert ran[before:] == [EAGER] * 6 and len(recorded) == 1 and w.grad is None
 
 
-def test_a_recompute_inside_the_backward_starts_no_step(loop: _Loop) -> None:
+def test_a_recompute_inside_the_backward_starts_no_step(loop: Any) -> None:
     """Activation checkpointing calls the graph again inside the backward: one step still
     counts one period, and each recompute runs the side its forward ran."""
     fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
@@ -138,7 +122,7 @@ def test_a_recompute_inside_the_backward_starts_no_step(loop: _Loop) -> None:
     assert len(recorded) == 1 and step_floor.winner(recorded[0]) == EAGER
 
 
-def test_gradient_accumulations_micro_steps_start_no_step(loop: _Loop) -> None:
+def test_gradient_accumulations_micro_steps_start_no_step(loop: Any) -> None:
     """Three micro-steps per optimizer step (DDP's no_sync until the last): each period holds
     a whole cycle and every micro-step of it runs the same side."""
     fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
@@ -150,7 +134,7 @@ def test_gradient_accumulations_micro_steps_start_no_step(loop: _Loop) -> None:
     assert len(recorded) == 1 and step_floor.winner(recorded[0]) == EAGER
 
 
-def test_a_loop_without_torch_optim_is_timed_on_its_backwards(loop: _Loop, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_loop_without_torch_optim_is_timed_on_its_backwards(loop: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loop_trial, "NO_OPTIMIZER", 3)
     fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     _steps(fn, _w(), 3, optimizer=False)
@@ -163,7 +147,7 @@ def test_a_loop_without_torch_optim_is_timed_on_its_backwards(loop: _Loop, monke
     assert len(recorded) == 1 and step_floor.winner(recorded[0]) == EAGER
 
 
-def test_without_a_backward_no_step_ends_and_the_checks_winner_runs(loop: _Loop) -> None:
+def test_without_a_backward_no_step_ends_and_the_checks_winner_runs(loop: Any) -> None:
     fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     assert isinstance(fn, loop_trial.Piece)
     with torch.no_grad():
@@ -172,7 +156,7 @@ def test_without_a_backward_no_step_ends_and_the_checks_winner_runs(loop: _Loop)
 
 
 @pytest.mark.parametrize("case", ["band", "failed", "loop_steps-0", "inference"])
-def test_what_is_not_weighed_runs_the_checks_winner_as_it_is(loop: _Loop, case: str) -> None:
+def test_what_is_not_weighed_runs_the_checks_winner_as_it_is(loop: Any, case: str) -> None:
     alone = {OWN: 1.0, EAGER: 1.3 if case == "band" else 1.1}
     fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, alone,
                                failed={EAGER: "RuntimeError: made to fail"} if case == "failed" else None,
@@ -183,7 +167,7 @@ def test_what_is_not_weighed_runs_the_checks_winner_as_it_is(loop: _Loop, case: 
     assert ran == [OWN] * 3 and not recorded
 
 
-def test_the_trace_is_weighed_only_where_it_won_alone(loop: _Loop) -> None:
+def test_the_trace_is_weighed_only_where_it_won_alone(loop: Any) -> None:
     costs = {OWN: 2.0, EAGER: 3.0, TRACE: 1.0}
     fn, ran, recorded = _graph(loop, costs, {OWN: 1.0, EAGER: 1.1, TRACE: 0.9})
     _steps(fn, _w(), 3 * loop_trial.SAMPLES + 2)
@@ -195,7 +179,7 @@ def test_the_trace_is_weighed_only_where_it_won_alone(loop: _Loop) -> None:
     assert not recorded[0].fusegraph and step_floor.winner(recorded[0]) == OWN  # the loop: own 2 s, eager 3 s
 
 
-def test_one_trial_at_a_time_and_a_stale_one_gives_way(loop: _Loop) -> None:
+def test_one_trial_at_a_time_and_a_stale_one_gives_way(loop: Any) -> None:
     first, _, rec_a = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     second, ran_b, rec_b = _graph(loop, {OWN: 1.0, EAGER: 2.0}, {OWN: 1.1, EAGER: 1.0})
     w = _w()
@@ -280,55 +264,24 @@ def test_the_backend_weighs_close_sides_on_the_loop_and_stores_that_verdict(
 def test_on_cuda_bf16_channels_last_training_tracks_eager_through_the_trial(tmp_path: Any,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """conv + batch norm + ReLU, channels-last, bf16 autocast, SGD steps as users compile it
-    (the default options, the real clock): the losses track eager's whichever sides the
-    trial runs in turn, and the verdict stored says where it came from (the loop's steps
-    where the rows say the graph was weighed there, else the check alone)."""
+    (the default options but the budget, the real clock): the losses track eager's whichever
+    sides the trial runs in turn, and the verdict stored says where it came from (the loop's
+    steps where the rows say the graph was weighed there, else the check alone)."""
     if not torch.cuda.is_available():
         pytest.skip("needs an NVIDIA GPU: run on the GPU machine with `pytest -m gpu`")
-    import copy
-
-    from test_torch_incumbent_path import ConvBN
+    from test_torch_step_candidates import cuda_bf16_training_tracks_eager
     from test_torch_step_floor import _stored
-
-    from fusegraph.torch.compile_backend import collecting, fusegraph_backend
 
     monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(loop_trial, "QUEUE", loop_trial._Queue())
-    torch.backends.cudnn.allow_tf32 = False
-    torch.backends.cuda.matmul.allow_tf32 = False
-    cuda = torch.device("cuda")
-    model = ConvBN().to(cuda).to(memory_format=torch.channels_last)
-    steps = 3 * loop_trial.SAMPLES + 3
-    xs = [torch.randn(16, 3, 16, 16, device=cuda).to(memory_format=torch.channels_last) for _ in range(steps)]
-    gs = [torch.randn(16, 10, device=cuda) for _ in range(steps)]
-    losses: list[list[tuple[float, float]]] = []  # per step: the loss and its scale (sum of |term|)
-    rows: list[Any] = []  # the compiled run's
-    for compiled in (False, True):
-        twin = copy.deepcopy(model)
-        opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
-        torch._dynamo.reset()
-        run = torch.compile(twin, backend=partial(fusegraph_backend, options={"budget": None})) if compiled else twin
-        side = []
-        with collecting() as seen:
-            for x, g in zip(xs, gs, strict=True):
-                opt.zero_grad(set_to_none=True)
-                with torch.autocast("cuda", torch.bfloat16):
-                    terms = run(x).float() * g
-                    loss = terms.sum()
-                loss.backward()
-                opt.step()
-                side.append((float(loss.detach()), float(terms.detach().abs().sum())))
-        losses.append(side)
-        rows = seen
-    for (want, scale), (got, _) in zip(losses[0], losses[1], strict=True):
-        assert abs(got - want) <= 2e-2 * scale, losses
+    rows = cuda_bf16_training_tracks_eager(3 * loop_trial.SAMPLES + 3, {"budget": None})
     stored = _stored()
     assert len(stored) == 1 and stored[0]["source"] == "measured", stored
     weighed = any(loop_trial.LOOPED in r.why for r in rows)
     assert ("training loop's own steps timed" in stored[0]["why"]) == weighed, (weighed, stored[0]["why"])
 
 
-def test_the_queue_keeps_no_trial_whose_graph_is_gone(loop: _Loop) -> None:
+def test_the_queue_keeps_no_trial_whose_graph_is_gone(loop: Any) -> None:
     import gc
 
     fn, _, _ = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})

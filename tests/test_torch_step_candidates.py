@@ -409,27 +409,26 @@ def test_the_check_on_the_real_clock_agrees_with_eager(tmp_path: Any, monkeypatc
             assert all("cached" in r.why for r in rows if r.fusegraph or side != "trace"), rows[0].why
 
 
-@pytest.mark.gpu
-def test_on_cuda_bf16_channels_last_training_tracks_eager_whichever_side_wins(tmp_path: Any,
-                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """conv + batch norm + ReLU, channels-last, bf16 autocast, three SGD steps as users
-    compile it (floor on, real clock): the losses track eager's, whichever candidate the
-    step check chose (the rows say which)."""
-    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+def cuda_bf16_training_tracks_eager(steps: int, options: dict[str, Any]) -> list[Any]:
+    """conv + batch norm + ReLU, channels-last, bf16 autocast, ``steps`` SGD steps under eager
+    and then compiled with ``options`` (the real clock): the compiled losses must track
+    eager's within bf16 tolerance; the compiled run's report rows are returned. The caller
+    sets the cache directory."""
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     cuda = torch.device("cuda")
     model = ConvBN().to(cuda).to(memory_format=torch.channels_last)
-    xs = [torch.randn(16, 3, 16, 16, device=cuda).to(memory_format=torch.channels_last) for _ in range(3)]
-    gs = [torch.randn(16, 10, device=cuda) for _ in range(3)]
+    xs = [torch.randn(16, 3, 16, 16, device=cuda).to(memory_format=torch.channels_last) for _ in range(steps)]
+    gs = [torch.randn(16, 10, device=cuda) for _ in range(steps)]
     losses: list[list[tuple[float, float]]] = []  # per step: the loss and its scale (sum of |term|)
+    rows: list[Any] = []
     for compiled_side in (False, True):
         twin = copy.deepcopy(model)
         opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
         torch._dynamo.reset()
-        run = torch.compile(twin, backend=partial(fusegraph_backend, options=FLOOR)) if compiled_side else twin
+        run = torch.compile(twin, backend=partial(fusegraph_backend, options=options)) if compiled_side else twin
         side = []
-        with collecting() as rows:
+        with collecting() as seen:
             for x, g in zip(xs, gs, strict=True):
                 opt.zero_grad(set_to_none=True)
                 with torch.autocast("cuda", torch.bfloat16):
@@ -437,12 +436,22 @@ def test_on_cuda_bf16_channels_last_training_tracks_eager_whichever_side_wins(tm
                     loss = terms.sum()
                 loss.backward()
                 opt.step()
-                side.append((float(loss), float(terms.detach().abs().sum())))
+                side.append((float(loss.detach()), float(terms.detach().abs().sum())))
         losses.append(side)
-        if compiled_side:
-            assert rows and any(step_floor.TIMED in r.why for r in rows), rows[0].why
+        rows = seen
     for (want, scale), (got, _) in zip(losses[0], losses[1], strict=True):
         assert abs(got - want) <= 2e-2 * scale, losses
+    return rows
+
+
+@pytest.mark.gpu
+def test_on_cuda_bf16_channels_last_training_tracks_eager_whichever_side_wins(tmp_path: Any,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three SGD steps as users compile it (floor on, real clock): the losses track eager's,
+    whichever candidate the step check chose (the rows say which)."""
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
+    rows = cuda_bf16_training_tracks_eager(3, FLOOR)
+    assert rows and any(step_floor.TIMED in r.why for r in rows), rows[0].why
 
 
 def test_the_steps_run_on_copies_of_the_callers_values() -> None:
