@@ -303,3 +303,61 @@ def test_loop_steps_refuses_with_its_name(bad: Any) -> None:
     assert Options.of({"loop_steps": 0}).loop_steps == 0
     with pytest.raises(OptionError, match="loop_steps"):
         Options.of({"loop_steps": bad})
+
+
+def test_a_side_without_room_on_the_device_is_left_out(loop: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eager saved 40 MiB for its backward in the check, Inductor's own 10 MiB; the graph is
+    called twice a step and 64 MiB are free: eager's turn (80 MiB) is left out before it
+    runs, and with it the trial (nothing else to weigh): the check's winner, nothing stored."""
+    monkeypatch.setattr(loop_trial, "_free", lambda device: 64 * 2**20)
+    ran: list[str] = []
+    sides = {name: _Side(loop, name, 1.0, ran) for name in (OWN, EAGER)}
+    check = Check(step_floor._verdict({OWN: 1.0, EAGER: 1.1}, {}, MARGIN), {OWN: 1.0, EAGER: 1.1}, {}, True,
+                  {OWN: 10 * 2**20, EAGER: 40 * 2**20})
+    recorded: list[Verdict] = []
+    fn = loop_trial.weigh(sides, check, margin=MARGIN, samples=loop_trial.SAMPLES, record=recorded.append)
+    _steps(fn, _w(), 6, calls=2)
+    assert EAGER not in ran and fn.trial.done, ran
+    assert len(recorded) == 1 and "room on the device" in recorded[0].why, recorded
+    assert step_floor.winner(recorded[0]) == OWN
+    # with room (a step's 80 MiB within 80% of 128 MiB) eager takes its turns
+    monkeypatch.setattr(loop_trial, "_free", lambda device: 128 * 2**20)
+    ran.clear()
+    fn = loop_trial.weigh(sides, check, margin=MARGIN, samples=loop_trial.SAMPLES, record=recorded.append)
+    _steps(fn, _w(), 4, calls=2)
+    assert EAGER in ran, ran
+
+
+def test_a_forward_out_of_memory_stops_the_trial_on_the_checks_winner(loop: Any) -> None:
+    ran: list[str] = []
+
+    class _Oom(_Side):
+        def __call__(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+            raise torch.OutOfMemoryError("made to run out in this test")
+
+    sides = {OWN: _Side(loop, OWN, 1.0, ran), EAGER: _Oom(loop, EAGER, 1.0, ran)}
+    recorded: list[Verdict] = []
+    fn = loop_trial.weigh(sides, _check({OWN: 1.0, EAGER: 1.1}), margin=MARGIN, samples=loop_trial.SAMPLES,
+                          record=recorded.append)
+    w = _w()
+    _steps(fn, w, 6)  # the third step is eager's first turn: its forward fails, Inductor's own runs it
+    assert ran == [OWN] * 6 and fn.trial.done and not recorded, (ran, recorded)
+
+
+def test_the_check_counts_what_each_side_saves_for_its_backward(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Any) -> None:
+    """Distinct storages saved in the first step's forward, the inputs' left out: a side that
+    saves only its inputs counts nothing."""
+    step_timer(monkeypatch, tmp_path)
+
+    def own(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        return (x * w,)  # saves x and w: inputs
+
+    def eager(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        h = torch.exp(x * w)  # saves its 64 x 32 float32 result (8 KiB), and x * w for sin
+        return (torch.sin(h) * h,)
+
+    x, w = torch.randn(64, 32), torch.randn(64, 32, requires_grad=True)
+    check = step_floor.time_steps({OWN: own, EAGER: eager}, [x, w], margin=MARGIN, warmup_s=0.0)
+    assert check.backward and check.saved[OWN] == 0, check.saved
+    assert check.saved[EAGER] >= 2 * 64 * 32 * 4, check.saved

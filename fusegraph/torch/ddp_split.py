@@ -129,5 +129,6 @@ class Deferred(Piece):
             self.runnable = {self.default}
             return
         log.info("DDP piece: %s", reason(check.verdict))
-        self.checked, self.own_winner, self.times = check.verdict, winner(check.verdict), dict(check.times)
+        self.checked, self.own_winner = check.verdict, winner(check.verdict)
+        self.times, self.saved = dict(check.times), dict(check.saved)
         self.runnable -= set(check.failed)

@@ -24,6 +24,12 @@ loop with no ``torch.optim`` step in its first NO_OPTIMIZER backwards is timed o
 backwards alone. A graph whose backward never runs (inference, a frozen feature extractor)
 starts no step after its first and keeps running its check's winner, the first turn.
 
+A side runs its turn only where the tensors it saved for the backward in the check, times
+the graph's calls a step, fit in ROOM of the device memory free at the step's start: the
+user's memory is fuller than at the check (the optimizer's state comes at its first step),
+and an eager backward that ran out of memory would fail the user's step where nothing can
+catch it. A forward that runs out of memory stops the trial, which keeps the check's winner.
+
 One trial runs at a time in a process (QUEUE): trials in lockstep would time each other's
 turns. The verdict is stored once the trial decides, so a process stopped before that
 leaves the graph to be checked again."""
@@ -53,6 +59,7 @@ SAMPLES = 5  # the user's steps timed per choice (the backend's option ``loop_st
 BAND = 1.25  # a choice whose graphs took longer than this times the fastest's alone is not weighed
 STALE_S = 60.0  # a trial whose graph started no step for this long gives way to the next
 NO_OPTIMIZER = 32  # backwards without a torch.optim step after which a trial times backwards alone
+ROOM = 0.8  # a turn runs where its steps' saved tensors take at most this share of the device's free memory
 LOOPED = ("then weighed on the training loop's own steps against the other sides within "
           f"{BAND - 1:.0%} of the fastest alone")
 
@@ -60,6 +67,16 @@ LOOPED = ("then weighed on the training loop's own steps against the other sides
 def _clock() -> float:
     """The loop's clock, looked up at each step; tests replace this."""
     return time.perf_counter()
+
+
+def _free(device: torch.device) -> int | None:
+    """Bytes free for a step on ``device``: the device's own free memory and what PyTorch's
+    allocator holds unused (None off a GPU: no limit weighed). Tests replace this."""
+    if device.type != "cuda":
+        return None
+    free: int = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
+        - torch.cuda.memory_allocated(device)
+    return free
 
 
 def in_backward() -> bool:
@@ -72,17 +89,19 @@ def in_backward() -> bool:
 class Piece:
     """A compiled graph whose side a Trial chooses: ``candidates`` (name -> compiled graph),
     ``own_winner`` (its check's winner, run before and where the trial cannot choose),
-    ``checked`` and ``times`` (that check's verdict and each side's step time alone, where it
-    ran), ``record`` (where the trial's verdict is stored)."""
+    ``checked``, ``times`` and ``saved`` (that check's verdict, and each side's step time
+    alone and bytes saved for its backward, where it ran), ``record`` (where the trial's
+    verdict is stored)."""
 
     def __init__(self, candidates: Mapping[str, Callable[..., Any]], own_winner: str, trial: Trial, *,
                  record: Callable[[Verdict], None] | None, checked: Verdict | None = None,
-                 times: Mapping[str, float] | None = None) -> None:
+                 times: Mapping[str, float] | None = None, saved: Mapping[str, int] | None = None) -> None:
         self.candidates = dict(candidates)
         self.own_winner = own_winner
         self.record = record
         self.checked = checked
         self.times = dict(times or {})
+        self.saved = dict(saved or {})  # bytes each side's forward saved for its backward, in the check
         self.runnable = set(self.candidates)  # the candidates that did not fail the check
         self.chosen: Callable[..., Any] | None = None
         self.trial = trial
@@ -98,7 +117,16 @@ class Piece:
         side = self.trial.side(self, args)
         if self.chosen is not None:  # the trial decided at this step's start
             return self.chosen(*args)
-        out = self.candidates[side](*args)
+        try:
+            out = self.candidates[side](*args)
+        except torch.OutOfMemoryError:
+            if side == self.own_winner:
+                raise
+            # the forward of a side the trial tried; a backward's cannot be caught here
+            # (Trial._room keeps sides that would not fit from running at all)
+            self.trial.stop(f"{NAMES[side]} ran out of device memory")
+            assert self.chosen is not None
+            return self.chosen(*args)
         if self is self.trial.pieces[0] and not self.trial.done:
             self.trial.watch(out)
         return out
@@ -139,6 +167,8 @@ class Trial:
         self.stepped = 0  # OPTIMIZER.count when the step began
         self.by_optimizer: bool | None = None  # steps end at optimizer steps (None: none seen yet)
         self.waited = 0  # backwards seen without an optimizer step, while by_optimizer is None
+        self.calls = 0  # calls of the first piece in the current step (outside a backward)
+        self.per_step = 1  # the most such calls a step has made (a block compiled alone: its blocks)
         self.done = False
 
     def join(self, piece: Piece) -> None:
@@ -176,9 +206,10 @@ class Trial:
     def side(self, piece: Piece, args: Sequence[Any]) -> str:
         """The side ``piece`` runs in the current step: the turn's choice (its check's winner
         while the trial waits for its first step, or for its turn in the QUEUE)."""
-        if piece is self.pieces[0] and not in_backward() and (self.turn is None or self.backward) \
-                and QUEUE.admits(self) and self._step_ends():
+        first = piece is self.pieces[0] and not in_backward()
+        if first and (self.turn is None or self.backward) and QUEUE.admits(self) and self._step_ends():
             self._tick(device_of(args))
+        self.calls += first
         if self.turn is None or self.done:
             return piece.own_winner
         return self.sides(self.turn)[self.pieces.index(piece)]
@@ -231,15 +262,36 @@ class Trial:
         if self.turn is not None and self.since is not None:
             self.periods[self.turn].append((now - self.since) * 1e3)
         self.backward, self.last, self.stepped = False, now, OPTIMIZER.count
-        if all(len(p) >= self.samples for p in self.periods.values()):
-            self._decide()
-            return
-        choices = list(self.periods)
+        self.per_step, self.calls = max(self.per_step, self.calls), 0
         first = self.turn is None
-        self.turn = choices[sum(len(p) for p in self.periods.values()) % len(choices)]
+        while True:
+            if len(self.periods) == 1 or all(len(p) >= self.samples for p in self.periods.values()):
+                self._decide()
+                return
+            choices = list(self.periods)
+            turn = choices[sum(len(p) for p in self.periods.values()) % len(choices)]
+            cannot = self._room(turn, device) if turn != choices[0] else ""
+            if not cannot:
+                break
+            log.info("the loop trial leaves out %s: %s", turn, cannot)
+            del self.periods[turn]
+        self.turn = turn
         # the trial's first call may fall inside a step (a micro-step of accumulation): the
         # period up to the next start is not kept, the turn runs it and the next one again
         self.since = None if first else now
+
+    def _room(self, choice: str, device: torch.device) -> str:
+        """Why ``choice`` cannot run a step on this device now ('' where it can): the
+        tensors its pieces saved for their backwards in the check, times the calls a step
+        makes, must take at most ROOM of the memory free at the step's start (the device's
+        own and what PyTorch's allocator holds unused). A side that saves more than the one
+        running could otherwise run out of memory in a backward, where nothing can catch it."""
+        free = _free(device)
+        need = self.per_step * sum(p.saved.get(s, 0) for p, s in zip(self.pieces, self.sides(choice), strict=True))
+        if free is None or not need or need <= ROOM * free:
+            return ""
+        return (f"its steps would save {need / 2**20:.0f} MiB for their backwards, more than {ROOM:.0%} of the "
+                f"{free / 2**20:.0f} MiB free on the device")
 
     def _decide(self) -> None:
         self.done = True
@@ -257,18 +309,18 @@ class Trial:
             ms, own_ms = medians[choice], medians.get(ALL_OWN, medians[choice])
         else:
             choice = EACH
-            why = (f"the check alone chose: no other choice of sides came within {BAND - 1:.0%} of it alone"
-                   if self.samples > 0 else "the check alone chose (loop_steps 0)")
+            why = (f"the check alone chose: no other choice of sides came within {BAND - 1:.0%} of it alone and "
+                   "had room on the device" if self.samples > 0 else "the check alone chose (loop_steps 0)")
         log.info("%s", why)
         for piece, side in zip(self.pieces, self.sides(choice), strict=True):
             piece.settle(side, why, ms, own_ms)
 
-    def give_way(self) -> None:
-        """Stopped before it decided (STALE_S without a step): each piece keeps its check's
-        winner, unstored, so a later compile checks it again."""
+    def stop(self, why: str) -> None:
+        """Stopped before it decided (``why``: STALE_S without a step, a side out of memory):
+        each piece keeps its check's winner, unstored, so a later compile checks it again."""
         self.done = True
         OPTIMIZER.release()
-        log.info("the loop trial saw no step for %.0f s: each piece keeps its check's winner, unstored", STALE_S)
+        log.info("the loop trial stopped (%s): each piece keeps its check's winner, unstored", why)
         for piece in self.pieces:
             piece.settle(piece.own_winner, "", store=False)
 
@@ -316,7 +368,7 @@ class _Queue:
         if running is not None and running is not trial and not running.done:
             if _clock() - running.last < STALE_S:
                 return False
-            running.give_way()
+            running.stop(f"no step for {STALE_S:.0f} s")
         self._running = weakref.ref(trial)
         return True
 
@@ -334,7 +386,7 @@ def weigh(candidates: Mapping[str, Callable[..., Any]], check: Check, *, margin:
     if samples <= 0 or not check.backward or len(runnable) < 2:
         return candidates[won]
     trial = Trial(margin, samples)
-    piece = Piece(runnable, won, trial, record=record, checked=check.verdict, times=check.times)
+    piece = Piece(runnable, won, trial, record=record, checked=check.verdict, times=check.times, saved=check.saved)
     if len(trial.weighed()) < 2:
         return candidates[won]
     return piece

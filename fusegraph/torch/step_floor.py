@@ -125,12 +125,15 @@ def _verdict(ms: Mapping[str, float], failed: Mapping[str, str], margin: float) 
 @dataclasses.dataclass(frozen=True)
 class Check:
     """A step check's outcome: its ``verdict``, each side's median step ``times`` (ms),
-    the sides that ``failed`` (name -> error) and whether the step had a ``backward``."""
+    the sides that ``failed`` (name -> error), whether the step had a ``backward``, and the
+    bytes each side's forward ``saved`` for it (distinct storages, the inputs' not counted):
+    what a side needs on the device beyond the inputs while its step runs."""
 
     verdict: Verdict
     times: Mapping[str, float]
     failed: Mapping[str, str]
     backward: bool
+    saved: Mapping[str, int] = dataclasses.field(default_factory=dict)  # bytes each side saves for its backward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +189,7 @@ class _Step:
         self.grads: list[torch.Tensor] | None = None
         self.backward = False  # whether a call ran a backward
         self.layout: list[object] | None = None  # the first call's outputs' sizes and strides
+        self.saved: dict[int, int] = {}  # the first forward's saved storages (address -> bytes), inputs' left out
 
     def __call__(self) -> None:
         from torch.utils._pytree import tree_leaves
@@ -198,9 +202,15 @@ class _Step:
         # bf16 inference on an H200: eager timed 4.30 ms in the check, 6.17-6.49 ms as run,
         # against Inductor's own 4.78 / 4.73, whose casts are compiled in): cleared per step.
         torch.clear_autocast_cache()
-        out = self.fn(*self.args)
         if self.layout is None:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack):
+                out = self.fn(*self.args)
             self.layout = layout(out)
+            for a in self.args:
+                if isinstance(a, torch.Tensor):
+                    self.saved.pop(_storage(a)[0], None)
+        else:
+            out = self.fn(*self.args)
         outs = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad
                 and o.is_floating_point()]
         if not outs:
@@ -209,6 +219,26 @@ class _Step:
             self.grads = [torch.empty_like(o).normal_() for o in outs]
         torch.autograd.backward(outs, self.grads)
         self.backward = True
+
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        address, size = _storage(t)
+        if size:
+            self.saved[address] = size
+        return t
+
+
+def _unpack(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """A tensor's storage address and size in bytes ((0, 0) for one without a plain storage)."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except Exception:  # a tensor subclass or a sparse tensor: not counted
+        return 0, 0
 
 
 @contextlib.contextmanager
@@ -279,6 +309,7 @@ def time_steps(sides: Mapping[str, Callable[..., Any]], example_inputs: Sequence
             raise RuntimeError("the candidates disagree on whether the step has a backward")
         backward = any(step.backward for step in steps.values())
         errors: dict[str, Exception] = {}
+        saved = {name: sum(step.saved.values()) for name, step in steps.items()}
         timings = _time(steps, sync=sync, warmup_s=warmup_s, min_rounds=ROUNDS, on_error=errors.__setitem__)
         failed.update({name: f"{type(exc).__name__}: {exc}" for name, exc in errors.items()})
         del steps
@@ -287,7 +318,7 @@ def time_steps(sides: Mapping[str, Callable[..., Any]], example_inputs: Sequence
     if OWN not in timings:
         raise RuntimeError(f"{NAMES[OWN]} failed when timed: {failed.get(OWN, 'no time')}")
     times = {name: t.median_ms for name, t in timings.items()}
-    return Check(_verdict(times, failed, margin), times, failed, backward)
+    return Check(_verdict(times, failed, margin), times, failed, backward, saved)
 
 
 def trace_cannot_win(gain_ms: float, best: Verdict, margin: float) -> str:
