@@ -386,6 +386,34 @@ def test_cuda_attention_forward_and_backward_convert(which: str) -> None:
     assert [r.pattern for r in regions] == ["cudnn.sdpa", "cudnn.sdpa_backward"]
 
 
+@pytest.mark.parametrize("which", ["flash", "efficient", "cudnn"])
+def test_cuda_attention_whose_statistics_nobody_reads_asks_for_none(which: str) -> None:
+    """Inference: the CUDA attention ops return their log-sum-exp all the same; unread, the
+    sdpa converted asks for no statistics (with them, the torch engine runs an explicit
+    softmax: 30x Inductor's attention on an H200)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fusegraph.torch import aten as conv_aten
+
+    a = torch.ops.aten
+
+    def f(q: Any, k: Any, v: Any) -> Any:
+        if which == "flash":
+            return a._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[0]
+        if which == "efficient":
+            return a._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, True)[0]
+        return a._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, True, False)[0]
+
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 64, 16, device="cuda", dtype=torch.bfloat16)
+    gm = make_fx(f, tracing_mode="fake")(q, q, q)
+    conv = conv_aten.convert(gm.graph)
+    assert not conv.refused, conv.refused
+    sdpa = [node for node in conv.graph.validate().nodes if node.kind.name == "SDPA"]
+    assert len(sdpa) == 1 and "stats" not in sdpa[0].outputs, sdpa
+
+
 def test_public_names_stay_functions_after_their_modules_are_imported() -> None:
     """``fusegraph.torch.explain`` and ``.backend`` are the functions even after their modules
     were imported elsewhere (a submodule named like them would be bound over them)."""
