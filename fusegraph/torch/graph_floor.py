@@ -76,6 +76,13 @@ def real_inputs(inputs: Sequence[Any]) -> list[Any]:
     return out
 
 
+def free_memory(device: torch.device) -> int:
+    """Bytes a new allocation can take on a CUDA ``device``: the device's own free memory and
+    what PyTorch's caching allocator holds unused (it hands those out first)."""
+    return int(torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+               - torch.cuda.memory_allocated(device))
+
+
 def room(inputs: Sequence[Any], device: torch.device, copies: int = 2) -> str:
     """Why the graph cannot be timed whole on this device ('' when it can): its inputs are
     allocated again for each of the ``copies`` sides timed (a forward graph's parameters, a
@@ -84,7 +91,7 @@ def room(inputs: Sequence[Any], device: torch.device, copies: int = 2) -> str:
     if device.type != "cuda":
         return ""
     need = sum(math.prod(aten.hint(d) for d in x.shape) * x.element_size() for x in inputs if isinstance(x, torch.Tensor))
-    free, _ = torch.cuda.mem_get_info(device)
+    free = free_memory(device)
     if need <= free // copies:
         return ""
     share = "half" if copies == 2 else f"1/{copies}"

@@ -47,6 +47,7 @@ import torch
 
 from fusegraph.regions.verdicts import Verdict
 from fusegraph.select import timing
+from fusegraph.torch import graph_floor
 from fusegraph.torch.step_floor import EAGER, ENGINE, NAMES, OWN, TRACE, Check, device_of, winner
 
 log = logging.getLogger("fusegraph.torch")
@@ -70,13 +71,9 @@ def _clock() -> float:
 
 
 def _free(device: torch.device) -> int | None:
-    """Bytes free for a step on ``device``: the device's own free memory and what PyTorch's
-    allocator holds unused (None off a GPU: no limit weighed). Tests replace this."""
-    if device.type != "cuda":
-        return None
-    free: int = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) \
-        - torch.cuda.memory_allocated(device)
-    return free
+    """Bytes free for a step on ``device`` (graph_floor.free_memory; None off a GPU: no
+    limit weighed). Tests replace this."""
+    return graph_floor.free_memory(device) if device.type == "cuda" else None
 
 
 def in_backward() -> bool:
