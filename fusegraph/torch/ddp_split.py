@@ -25,7 +25,7 @@ from typing import Any
 
 from fusegraph.regions.verdicts import Verdict
 from fusegraph.torch import graph_floor, step_floor
-from fusegraph.torch.loop_trial import Piece, Trial
+from fusegraph.torch.loop_trial import SAMPLES, Piece, Trial
 from fusegraph.torch.step_floor import (
     EAGER,
     NAMES,
@@ -90,7 +90,7 @@ class Deferred(Piece):
     pieces together) chooses its side on the user's steps, and ``record`` stores the verdict."""
 
     def __init__(self, candidates: Mapping[str, Callable[..., Any]], default: str, *, margin: float,
-                 warmup_s: float, samples: int = 5, record: Callable[[Verdict], None] | None) -> None:
+                 warmup_s: float, samples: int = SAMPLES, record: Callable[[Verdict], None] | None) -> None:
         super().__init__(candidates, default, of_split(margin, samples), record=record)
         self.default = default
         self.margin, self.warmup_s = margin, warmup_s
