@@ -108,7 +108,7 @@ class LoopClock:
 
 
 @pytest.fixture
-def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[LoopClock]:
+def loop_clock(monkeypatch: pytest.MonkeyPatch) -> Iterator[LoopClock]:
     """loop_trial's clock made virtual, with a queue and an optimizer-step count of the
     test's own (the hook released afterwards)."""
     from fusegraph.torch import loop_trial

@@ -23,8 +23,8 @@ class _Side:
     """A candidate that counts its calls, fake and real, costs ``cost`` seconds of the loop's
     clock per real call, and may lay its output out transposed (same values, other strides)."""
 
-    def __init__(self, loop: Any, cost: float = 1.0, transposed: bool = False) -> None:
-        self.loop, self.cost = loop, cost
+    def __init__(self, loop_clock: Any, cost: float = 1.0, transposed: bool = False) -> None:
+        self.loop, self.cost = loop_clock, cost
         self.fake = self.real = 0
         self.transposed = transposed
 
@@ -67,10 +67,10 @@ def _loop_steps(pieces: list[ddp_split.Deferred], x: torch.Tensor, w: torch.Tens
 
 
 def test_alone_the_trace_wins_but_the_loops_steps_give_the_piece_to_eager(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, loop: Any) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any, loop_clock: Any) -> None:
     clock = step_timer(monkeypatch, tmp_path)
     clock.update(own_ms=2.0, eager_ms=2.2, trace_ms=1.8)  # alone: the trace, then Inductor's own
-    sides = {step_floor.OWN: _Side(loop, 2.0), step_floor.EAGER: _Side(loop, 1.0), step_floor.TRACE: _Side(loop, 3.0)}
+    sides = {step_floor.OWN: _Side(loop_clock, 2.0), step_floor.EAGER: _Side(loop_clock, 1.0), step_floor.TRACE: _Side(loop_clock, 3.0)}
     piece, recorded = _piece(sides, default=step_floor.TRACE)
     x, w = _args()
     fake = _fake_call(piece, x, w)
@@ -101,15 +101,15 @@ def test_alone_the_trace_wins_but_the_loops_steps_give_the_piece_to_eager(
 
 
 def test_a_splits_pieces_are_chosen_together_on_whole_steps(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
-                                                              loop: Any) -> None:
+                                                              loop_clock: Any) -> None:
     """Alone, each piece goes to Inductor's own; on the loop's steps every piece eager is
     faster only together (the second piece's eager costs more alone than it saves)."""
     clock = step_timer(monkeypatch, tmp_path)
     clock.update(own_ms=1.0, eager_ms=1.2)  # alone: Inductor's own, eager within loop_trial.BAND of it
     trial = loop_trial.Trial(0.03)
     monkeypatch.setattr(ddp_split, "of_split", lambda margin, samples: trial)
-    a_sides = {step_floor.OWN: _Side(loop, 5.0), step_floor.EAGER: _Side(loop, 2.0)}
-    b_sides = {step_floor.OWN: _Side(loop, 1.0), step_floor.EAGER: _Side(loop, 2.0)}
+    a_sides = {step_floor.OWN: _Side(loop_clock, 5.0), step_floor.EAGER: _Side(loop_clock, 2.0)}
+    b_sides = {step_floor.OWN: _Side(loop_clock, 1.0), step_floor.EAGER: _Side(loop_clock, 2.0)}
     a, a_recorded = _piece(a_sides)
     b, b_recorded = _piece(b_sides)
     assert trial.pieces == [a, b]
@@ -126,10 +126,10 @@ def test_a_splits_pieces_are_chosen_together_on_whole_steps(monkeypatch: pytest.
 
 
 def test_a_side_laid_out_otherwise_than_ddps_fake_outputs_never_runs(monkeypatch: pytest.MonkeyPatch,
-                                                                     tmp_path: Any, loop: Any) -> None:
+                                                                     tmp_path: Any, loop_clock: Any) -> None:
     clock = step_timer(monkeypatch, tmp_path)
     clock.update(own_ms=2.0, eager_ms=1.0)  # eager faster, but its output has other strides
-    sides = {step_floor.OWN: _Side(loop, 2.0), step_floor.EAGER: _Side(loop, 1.0, transposed=True)}
+    sides = {step_floor.OWN: _Side(loop_clock, 2.0), step_floor.EAGER: _Side(loop_clock, 1.0, transposed=True)}
     piece, recorded = _piece(sides)
     x, w = _args()
     _fake_call(piece, x, w)
@@ -143,14 +143,14 @@ def test_a_side_laid_out_otherwise_than_ddps_fake_outputs_never_runs(monkeypatch
 
 
 def test_where_the_check_cannot_run_the_default_side_runs(monkeypatch: pytest.MonkeyPatch, tmp_path: Any,
-                                                          loop: Any) -> None:
+                                                          loop_clock: Any) -> None:
     clock = step_timer(monkeypatch, tmp_path)
 
     def broken(candidates: Any, **_: Any) -> Any:
         raise RuntimeError("no clock here")
 
     clock["timer"] = broken
-    sides = {step_floor.OWN: _Side(loop), step_floor.EAGER: _Side(loop), step_floor.TRACE: _Side(loop)}
+    sides = {step_floor.OWN: _Side(loop_clock), step_floor.EAGER: _Side(loop_clock), step_floor.TRACE: _Side(loop_clock)}
     piece, recorded = _piece(sides, default=step_floor.TRACE)
     x, w = _args()
     _fake_call(piece, x, w)

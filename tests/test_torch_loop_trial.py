@@ -29,8 +29,8 @@ class _Side:
     """A candidate costing ``cost`` seconds of the loop's clock per call; it notes which side
     ran each call in the loop's ``ran``."""
 
-    def __init__(self, loop: Any, name: str, cost: float, ran: list[str]) -> None:
-        self.loop, self.name, self.cost, self.ran = loop, name, cost, ran
+    def __init__(self, loop_clock: Any, name: str, cost: float, ran: list[str]) -> None:
+        self.loop, self.name, self.cost, self.ran = loop_clock, name, cost, ran
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
         self.loop.now += self.cost
@@ -43,12 +43,12 @@ def _check(times: dict[str, float], backward: bool = True, failed: dict[str, str
     return Check(step_floor._verdict(times, failed, MARGIN), times, failed, backward)
 
 
-def _graph(loop: Any, costs: dict[str, float], alone: dict[str, float], *, backward: bool = True,
+def _graph(loop_clock: Any, costs: dict[str, float], alone: dict[str, float], *, backward: bool = True,
            failed: dict[str, str] | None = None, samples: int = loop_trial.SAMPLES
            ) -> tuple[Any, list[str], list[Verdict]]:
     ran: list[str] = []
     recorded: list[Verdict] = []
-    sides = {name: _Side(loop, name, cost, ran) for name, cost in costs.items()}
+    sides = {name: _Side(loop_clock, name, cost, ran) for name, cost in costs.items()}
     fn = loop_trial.weigh(sides, _check(alone, backward, failed), margin=MARGIN, samples=samples,
                           record=recorded.append)
     return fn, ran, recorded
@@ -83,11 +83,11 @@ def _sides_per_step(ran: list[str], calls: int) -> list[tuple[str, ...]]:
     return [tuple(ran[i:i + calls]) for i in range(0, len(ran), calls)]
 
 
-def test_a_graph_called_three_times_a_step_is_chosen_on_whole_steps(loop: Any) -> None:
+def test_a_graph_called_three_times_a_step_is_chosen_on_whole_steps(loop_clock: Any) -> None:
     """Alone, Inductor's own wins by a tie's width; on the loop's steps eager is faster: the
     verdict goes to eager, every call in a step ran the turn's side, and a step starts once
     per step (three calls, one backward)."""
-    fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.02})
+    fn, ran, recorded = _graph(loop_clock, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.02})
     assert isinstance(fn, loop_trial.Piece) and fn.own_winner == OWN
     w = _w()
     _steps(fn, w, 2 * loop_trial.SAMPLES + 2, calls=3)
@@ -108,10 +108,10 @@ def test_a_graph_called_three_times_a_step_is_chosen_on_whole_steps(loop: Any) -
     assert ran[before:] == [EAGER] * 6 and len(recorded) == 1 and w.grad is None
 
 
-def test_a_recompute_inside_the_backward_starts_no_step(loop: Any) -> None:
+def test_a_recompute_inside_the_backward_starts_no_step(loop_clock: Any) -> None:
     """Activation checkpointing calls the graph again inside the backward: one step still
     counts one period, and each recompute runs the side its forward ran."""
-    fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    fn, ran, recorded = _graph(loop_clock, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     w = _w()
     _steps(fn, w, 2 * loop_trial.SAMPLES + 2, calls=2, checkpoint=True)
     assert [len(p) for p in fn.trial.periods.values()] == [loop_trial.SAMPLES] * 2, fn.trial.periods
@@ -122,10 +122,10 @@ def test_a_recompute_inside_the_backward_starts_no_step(loop: Any) -> None:
     assert len(recorded) == 1 and step_floor.winner(recorded[0]) == EAGER
 
 
-def test_gradient_accumulations_micro_steps_start_no_step(loop: Any) -> None:
+def test_gradient_accumulations_micro_steps_start_no_step(loop_clock: Any) -> None:
     """Three micro-steps per optimizer step (DDP's no_sync until the last): each period holds
     a whole cycle and every micro-step of it runs the same side."""
-    fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    fn, ran, recorded = _graph(loop_clock, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     _steps(fn, _w(), 2 * loop_trial.SAMPLES + 2, micro=3)
     assert fn.trial.by_optimizer is True
     assert fn.trial.periods == {loop_trial.ALL_OWN: [6000.0] * loop_trial.SAMPLES,
@@ -134,9 +134,9 @@ def test_gradient_accumulations_micro_steps_start_no_step(loop: Any) -> None:
     assert len(recorded) == 1 and step_floor.winner(recorded[0]) == EAGER
 
 
-def test_a_loop_without_torch_optim_is_timed_on_its_backwards(loop: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_loop_without_torch_optim_is_timed_on_its_backwards(loop_clock: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(loop_trial, "NO_OPTIMIZER", 3)
-    fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    fn, ran, recorded = _graph(loop_clock, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     _steps(fn, _w(), 3, optimizer=False)
     assert fn.trial.by_optimizer is None and not any(fn.trial.periods.values()) and ran == [OWN] * 3
     _steps(fn, _w(), 2 * loop_trial.SAMPLES + 2, optimizer=False)
@@ -147,8 +147,8 @@ def test_a_loop_without_torch_optim_is_timed_on_its_backwards(loop: Any, monkeyp
     assert len(recorded) == 1 and step_floor.winner(recorded[0]) == EAGER
 
 
-def test_without_a_backward_no_step_ends_and_the_checks_winner_runs(loop: Any) -> None:
-    fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+def test_without_a_backward_no_step_ends_and_the_checks_winner_runs(loop_clock: Any) -> None:
+    fn, ran, recorded = _graph(loop_clock, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     assert isinstance(fn, loop_trial.Piece)
     with torch.no_grad():
         _steps(fn, _w(), 12, backward=False)
@@ -156,9 +156,9 @@ def test_without_a_backward_no_step_ends_and_the_checks_winner_runs(loop: Any) -
 
 
 @pytest.mark.parametrize("case", ["band", "failed", "loop_steps-0", "inference"])
-def test_what_is_not_weighed_runs_the_checks_winner_as_it_is(loop: Any, case: str) -> None:
+def test_what_is_not_weighed_runs_the_checks_winner_as_it_is(loop_clock: Any, case: str) -> None:
     alone = {OWN: 1.0, EAGER: 1.3 if case == "band" else 1.1}
-    fn, ran, recorded = _graph(loop, {OWN: 2.0, EAGER: 1.0}, alone,
+    fn, ran, recorded = _graph(loop_clock, {OWN: 2.0, EAGER: 1.0}, alone,
                                failed={EAGER: "RuntimeError: made to fail"} if case == "failed" else None,
                                samples=0 if case == "loop_steps-0" else loop_trial.SAMPLES,
                                backward=case != "inference")
@@ -167,21 +167,21 @@ def test_what_is_not_weighed_runs_the_checks_winner_as_it_is(loop: Any, case: st
     assert ran == [OWN] * 3 and not recorded
 
 
-def test_the_trace_is_weighed_only_where_it_won_alone(loop: Any) -> None:
+def test_the_trace_is_weighed_only_where_it_won_alone(loop_clock: Any) -> None:
     costs = {OWN: 2.0, EAGER: 3.0, TRACE: 1.0}
-    fn, ran, recorded = _graph(loop, costs, {OWN: 1.0, EAGER: 1.1, TRACE: 0.9})
+    fn, ran, recorded = _graph(loop_clock, costs, {OWN: 1.0, EAGER: 1.1, TRACE: 0.9})
     _steps(fn, _w(), 3 * loop_trial.SAMPLES + 2)
     assert set(fn.trial.periods) == set(loop_trial.CHOICES)
     assert recorded[0].fusegraph and "fusegraph's trace 1000.000 ms" in recorded[0].why, recorded[0].why
-    fn, ran, recorded = _graph(loop, costs, {OWN: 1.0, EAGER: 1.1, TRACE: 1.05})
+    fn, ran, recorded = _graph(loop_clock, costs, {OWN: 1.0, EAGER: 1.1, TRACE: 1.05})
     _steps(fn, _w(), 2 * loop_trial.SAMPLES + 2)
     assert set(fn.trial.periods) == {loop_trial.ALL_OWN, loop_trial.ALL_EAGER} and TRACE not in ran
     assert not recorded[0].fusegraph and step_floor.winner(recorded[0]) == OWN  # the loop: own 2 s, eager 3 s
 
 
-def test_one_trial_at_a_time_and_a_stale_one_gives_way(loop: Any) -> None:
-    first, _, rec_a = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
-    second, ran_b, rec_b = _graph(loop, {OWN: 1.0, EAGER: 2.0}, {OWN: 1.1, EAGER: 1.0})
+def test_one_trial_at_a_time_and_a_stale_one_gives_way(loop_clock: Any) -> None:
+    first, _, rec_a = _graph(loop_clock, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    second, ran_b, rec_b = _graph(loop_clock, {OWN: 1.0, EAGER: 2.0}, {OWN: 1.1, EAGER: 1.0})
     w = _w()
     opt = torch.optim.SGD([w], lr=0.0)
     for _ in range(2 * loop_trial.SAMPLES + 2):
@@ -197,13 +197,13 @@ def test_one_trial_at_a_time_and_a_stale_one_gives_way(loop: Any) -> None:
         opt.step()
     assert rec_b and step_floor.winner(rec_b[0]) == OWN, rec_b
     # a trial whose graph stops being called gives way, unstored, after STALE_S
-    stale, ran_s, rec_s = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
-    other, ran_o, rec_o = _graph(loop, {OWN: 1.0, EAGER: 2.0}, {OWN: 1.0, EAGER: 1.1})
+    stale, ran_s, rec_s = _graph(loop_clock, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    other, ran_o, rec_o = _graph(loop_clock, {OWN: 1.0, EAGER: 2.0}, {OWN: 1.0, EAGER: 1.1})
     _steps(stale, w, 3)
     assert not stale.trial.done
     _steps(other, w, 1)
     assert ran_o == [OWN] and loop_trial.QUEUE.running is stale.trial
-    loop.now += loop_trial.STALE_S
+    loop_clock.now += loop_trial.STALE_S
     _steps(other, w, 2 * loop_trial.SAMPLES + 2)
     assert stale.trial.done and not rec_s and loop_trial.QUEUE.running is other.trial
     assert rec_o and step_floor.winner(rec_o[0]) == OWN
@@ -281,16 +281,16 @@ def test_on_cuda_bf16_channels_last_training_tracks_eager_through_the_trial(tmp_
     assert ("training loop's own steps timed" in stored[0]["why"]) == weighed, (weighed, stored[0]["why"])
 
 
-def test_the_queue_keeps_no_trial_whose_graph_is_gone(loop: Any) -> None:
+def test_the_queue_keeps_no_trial_whose_graph_is_gone(loop_clock: Any) -> None:
     import gc
 
-    fn, _, _ = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    fn, _, _ = _graph(loop_clock, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     _steps(fn, _w(), 2)
     assert loop_trial.QUEUE.running is fn.trial and not fn.trial.done
     del fn
     gc.collect()
     assert loop_trial.QUEUE.running is None
-    other, ran, _ = _graph(loop, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
+    other, ran, _ = _graph(loop_clock, {OWN: 2.0, EAGER: 1.0}, {OWN: 1.0, EAGER: 1.1})
     _steps(other, _w(), 3)
     assert ran == [OWN, OWN, EAGER]  # admitted at once: its check's winner (twice), then the next turn
 
@@ -305,13 +305,13 @@ def test_loop_steps_refuses_with_its_name(bad: Any) -> None:
         Options.of({"loop_steps": bad})
 
 
-def test_a_side_without_room_on_the_device_is_left_out(loop: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_side_without_room_on_the_device_is_left_out(loop_clock: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eager saved 40 MiB for its backward in the check, Inductor's own 10 MiB; the graph is
     called twice a step and 64 MiB are free: eager's turn (80 MiB) is left out before it
     runs, and with it the trial (nothing else to weigh): the check's winner, nothing stored."""
     monkeypatch.setattr(loop_trial, "_free", lambda device: 64 * 2**20)
     ran: list[str] = []
-    sides = {name: _Side(loop, name, 1.0, ran) for name in (OWN, EAGER)}
+    sides = {name: _Side(loop_clock, name, 1.0, ran) for name in (OWN, EAGER)}
     check = Check(step_floor._verdict({OWN: 1.0, EAGER: 1.1}, {}, MARGIN), {OWN: 1.0, EAGER: 1.1}, {}, True,
                   {OWN: 10 * 2**20, EAGER: 40 * 2**20})
     recorded: list[Verdict] = []
@@ -328,14 +328,14 @@ def test_a_side_without_room_on_the_device_is_left_out(loop: Any, monkeypatch: p
     assert EAGER in ran, ran
 
 
-def test_a_forward_out_of_memory_stops_the_trial_on_the_checks_winner(loop: Any) -> None:
+def test_a_forward_out_of_memory_stops_the_trial_on_the_checks_winner(loop_clock: Any) -> None:
     ran: list[str] = []
 
     class _Oom(_Side):
         def __call__(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
             raise torch.OutOfMemoryError("made to run out in this test")
 
-    sides = {OWN: _Side(loop, OWN, 1.0, ran), EAGER: _Oom(loop, EAGER, 1.0, ran)}
+    sides = {OWN: _Side(loop_clock, OWN, 1.0, ran), EAGER: _Oom(loop_clock, EAGER, 1.0, ran)}
     recorded: list[Verdict] = []
     fn = loop_trial.weigh(sides, _check({OWN: 1.0, EAGER: 1.1}), margin=MARGIN, samples=loop_trial.SAMPLES,
                           record=recorded.append)
