@@ -20,9 +20,10 @@ Models (benchmarks/torch_models.py, random weights, no downloads): ``resnet50``
 sequence 1024), ``llama`` (8 layers, h 2048, GQA 32/8, RMSNorm, rotary, batch 2, sequence
 2048), ``unet`` (a Stable Diffusion UNet level: resnet + transformer block, c 640, 32x32,
 batch 8); ``convnet`` (a small conv net) on request. Variants: ``eager``, ``inductor``
-(torch.compile's default), ``fusegraph`` (backend "fusegraph", floor on: each region kept
-only where it measured faster than Inductor's code), ``fusegraph-claim`` (floor off: every
-region it can build). Ratios are other / fusegraph: above 1, fusegraph is faster.
+(torch.compile's default), ``inductor-again`` (a second, independent compile of the same:
+the spread between two identical variants, on request), ``fusegraph`` (backend "fusegraph",
+floor on: each region kept only where it measured faster than Inductor's code),
+``fusegraph-claim`` (floor off: every region it can build). Ratios are other / fusegraph: above 1, fusegraph is faster.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from fusegraph.torch.compile_backend import collecting
 from fusegraph.torch.phases import compile_phases
 
 DEFAULT_MODELS = "resnet50,vit_b_16,gpt2,llama,unet"
-VARIANTS = ("eager", "inductor", "fusegraph", "fusegraph-claim")
+VARIANTS = ("eager", "inductor", "inductor-again", "fusegraph", "fusegraph-claim")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LOSS_TOL = 1e-4  # float32 losses of the check, relative (issue 23's target)
 GRAD_TOL = 1e-3  # float32 gradients after the check's first step, relative over all of them
@@ -90,7 +91,7 @@ def _options(text: str) -> dict[str, Any]:
 def _compile(variant: str, model: nn.Module, extra: dict[str, Any]) -> Callable[..., Any]:
     if variant == "eager":
         return model
-    if variant == "inductor":
+    if variant in ("inductor", "inductor-again"):
         return torch.compile(model, dynamic=False)
     options = {"floor": variant == "fusegraph", **extra}
     return torch.compile(model, backend="fusegraph", options=options, dynamic=False)
