@@ -98,3 +98,41 @@ def test_a_spent_budget_leaves_regions_to_a_later_compile(request: pytest.Fixtur
     assert kept and not any("budget" in r.why for r in rows), [r.why for r in rows]
     assert built
     assert _rel(got, want) < 1e-5
+
+
+def test_measuring_is_spread_over_two_compiles_at_most(request: pytest.FixtureRequest,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second compile that leaves regions unmeasured too has its verdict stored, its rows
+    saying no later compile measures them; a third compile is Inductor's own at once, with
+    no trace, no build and no step timing (until a verdict is stored, each compile traced
+    the graph and spent the budget again)."""
+    from fusegraph.torch.compile_backend import NOT_MEASURED
+    from fusegraph.torch.dynamo_verdict import STORED_OWN
+
+    step: dict[str, Any] = request.getfixturevalue("step_clock")
+    step["own_ms"], step["eager_ms"], step["trace_ms"] = 100.0, 200.0, 50.0  # bound 3 ms: regions can win
+    built: list[str] = []
+    real_build = partition.PLANS.get
+
+    def counted(key: Any, *args: Any, **kwargs: Any) -> Any:
+        built.append(str(key))
+        return real_build(key, *args, **kwargs)
+
+    monkeypatch.setattr(partition.PLANS, "get", counted)
+    model = LNBlock().eval()
+    x = torch.randn(2, 8, 32)
+    with torch.no_grad():
+        want = torch.compile(model)(x)
+    whys = []
+    for _ in range(2):
+        got, rows = _compile(model, x, {**OPTIONS, "budget": 0})
+        assert torch.equal(got, want) and not any(r.fusegraph for r in rows)
+        whys.append({r.why for r in rows if r.region is not None})
+    assert all("unmeasured" in w and "a later session (or compile) measures it" in w for w in whys[0]), whys[0]
+    assert all("unmeasured" in w and NOT_MEASURED in w for w in whys[1]), whys[1]
+    timed = step["calls"]
+    got, rows = _compile(model, x, {**OPTIONS, "budget": 0})
+    assert torch.equal(got, want)
+    assert rows and all(STORED_OWN in r.why for r in rows), {r.why for r in rows}
+    assert step["calls"] == timed  # nothing timed: the stored verdict decides
+    assert not built

@@ -23,6 +23,9 @@ from fusegraph.runtime.handle import Handle
 
 log = logging.getLogger("fusegraph.regions")
 
+# what an unmeasured verdict promises (a caller that ends the measuring says otherwise)
+MEASURED_LATER = "a later session (or compile) measures it"
+
 PENDING = "pending"  # the source of a deferred region's verdict (``choose_all(defer=True)``)
 
 
@@ -287,7 +290,8 @@ class Chooser:
             if fresh and self.budget_s is not None and spent >= self.budget_s:
                 out.append(Choice(region, Verdict(
                     False, "unmeasured", f"the region floor's budget ({self.budget_s:g} s) was spent before it; "
-                    "a later session (or compile) measures it", incumbent=self.incumbent.name)))
+                    f"{MEASURED_LATER}",
+                    incumbent=self.incumbent.name)))
                 continue
             t0 = time.perf_counter()
             choice, first = self._pick(region, inputs)

@@ -42,8 +42,10 @@ from typing import Any
 import torch
 import torch.fx
 
+from fusegraph.regions.choose import MEASURED_LATER
 from fusegraph.regions.report import Row
-from fusegraph.torch import aten, phases, step_choice
+from fusegraph.torch import phases, step_choice
+from fusegraph.torch.decompositions import cacheable, decompose_rest, keep_whole
 from fusegraph.torch.dynamo_verdict import (
     NO_REGION_EAGER,
     STORED_EAGER,
@@ -202,60 +204,9 @@ def _kind(gm: torch.fx.GraphModule) -> str:
     return "bw" if any(n.startswith("tangents") for n in names) else "fw"
 
 
-def _keep_whole() -> dict[Any, Any]:
-    """Inductor's decompositions without the ops fusegraph converts."""
-    from torch._inductor.decomposition import select_decomp_table
-
-    return {op: fn for op, fn in select_decomp_table().items() if op not in aten.CONVERTERS}
-
-
-def _decompose_rest(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> tuple[torch.fx.GraphModule, bool]:
-    """The ops kept whole for fusegraph that it did not claim, decomposed as Inductor would
-    have (so Inductor fuses them instead of calling them as fallbacks, which it refuses for an
-    op with a decomposition: ``aten.t`` under a dynamic batch on the H100). Re-traced on the
-    graph's fake inputs, symbolic sizes included. Also says whether the graph is now as
-    Inductor's own table leaves it (False: ops kept whole remain)."""
-    from torch._inductor.decomposition import select_decomp_table
-
-    table = select_decomp_table()
-    left = {n.target for n in gm.graph.nodes if n.op == "call_function" and n.target in aten.CONVERTERS}
-    # Re-traced with Inductor's whole table, not only the kept ops' entries: a decomposition
-    # can itself produce a kept op (native_layer_norm_backward -> aten.transpose.int), which
-    # Inductor would then make a fallback -- an error where the CI variable is set
-    needed = table if any(op in table for op in left) else {}
-    if not needed:
-        return gm, True
-    if any(not isinstance(x, torch.Tensor | torch.SymInt) for x in inputs):
-        return gm, False
-    from torch._guards import detect_fake_mode
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    mode = detect_fake_mode(inputs)
-    try:
-        with mode if mode is not None else contextlib.nullcontext():
-            traced: torch.fx.GraphModule = make_fx(torch.fx.Interpreter(gm).run, decomposition_table=needed)(*inputs)
-    except Exception as exc:  # keep them whole
-        log.info("unclaimed ops kept whole for Inductor (%s: %s)", type(exc).__name__, exc)
-        return gm, False
-    traced.meta.update(gm.meta)
-    return traced, True
-
-
-def _cacheable(settled: bool, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Inductor's compile kwargs with its own decomposition table where the graph is as that
-    table leaves it (``settled``: _decompose_rest re-traced it, or kept nothing whole): the
-    table fusegraph passes to keep ops whole holds functions Inductor cannot pickle into its
-    FX graph cache's key, so every graph was compiled afresh in every process (measured on
-    the CPU: a tiny GPT-2's first step 13.5 s with a warm fusegraph cache, against 2.7 s for
-    Inductor alone)."""
-    if not settled:
-        return kwargs
-    from torch._inductor.decomposition import select_decomp_table
-
-    return {**kwargs, "get_decomp_fn": select_decomp_table}
-
-
 INDUCTORS_OWN = "no region kept in this graph: it runs Inductor's own compile"
+NOT_MEASURED = ("not measured: an earlier compile of this graph left regions unmeasured too, so this "
+                "compile's verdict is stored and the incumbent runs it")
 
 
 @dataclasses.dataclass
@@ -283,16 +234,25 @@ class _Compile:
     kept: bool = False  # an ATen graph runs claimed regions
     skipped: bool = False  # an ATen graph was not compiled: nothing claimed in it, or all handed back
     redo: bool = False  # a graph kept regions after one was skipped: trace again, compiling each
-    lasting: bool = True  # every verdict taken would be taken again (none unmeasured, no check failed)
+    unmeasured: int = 0  # regions left unmeasured (the floor's budget): measured by a later compile
+    failed: bool = False  # a graph check failed or could not time its graph: may go otherwise next time
+    bounded: bool = False  # an earlier compile left regions unmeasured: this one's verdict is stored anyway
     rows: list[Row] = dataclasses.field(default_factory=list)
     best: Any = None  # the step check's verdict between Inductor's own and eager, taken before the trace
     gain: float = 0.0  # what the regions claimed so far save, measured alone (partition.py)
     budget: FloorBudget | None = None  # what the region floor may spend over the Dynamo graph (partition.py)
 
+    @property
+    def lasting(self) -> bool:
+        """Whether this compile's verdict is stored: every verdict it took would be taken
+        again, or measuring stops here (DynamoVerdict.explored_before)."""
+        return not self.failed and (not self.unmeasured or self.bounded)
+
     def report(self, rows: list[Row]) -> None:
-        # a region left unmeasured (a budget spent) is measured by a later compile
-        if any(": unmeasured" in r.why for r in rows):
-            self.lasting = False
+        left = {(r.node.split(":", 1)[0], r.region) for r in rows if ": unmeasured" in r.why}
+        self.unmeasured += len(left)
+        if left and self.bounded:  # no later compile measures them: the rows say so
+            rows = [dataclasses.replace(r, why=r.why.replace(MEASURED_LATER, NOT_MEASURED)) for r in rows]
         if self.probing or self.collect:
             self.rows.extend(rows)
         else:
@@ -337,8 +297,8 @@ def _inductor_inner(opts: Options, state: _Compile, patches: dict[str, Any] | No
             if state.skipped and original is None:  # kept unmeasured, and the forward was not compiled
                 state.redo = True
                 return _skipped
-        rest, settled = _decompose_rest(graph, inputs)
-        compiled = compile_fx_inner(rest, inputs, **_cacheable(settled, kwargs))
+        rest, settled = decompose_rest(graph, inputs)
+        compiled = compile_fx_inner(rest, inputs, **cacheable(settled, kwargs))
         # each compile records its outputs' strides in the tracing context, which must
         # hold the strides of the one returned
         from torch._guards import TracingContext
@@ -351,15 +311,15 @@ def _inductor_inner(opts: Options, state: _Compile, patches: dict[str, Any] | No
                 strides["claimed"] = list(context.output_strides)
                 context.output_strides.clear()
             assert original is not None
-            whole, whole_settled = _decompose_rest(original, inputs)
-            return compile_fx_inner(whole, inputs, **_cacheable(whole_settled, kwargs))
+            whole, whole_settled = decompose_rest(original, inputs)
+            return compile_fx_inner(whole, inputs, **cacheable(whole_settled, kwargs))
 
         verdicts: list[Any] = []
         chosen, rows = _settle(compiled, compile_original, original, inputs, rows, opts, "inductor", device_time,
                                verdicts)
         # a graph check that failed or could not time the graph (memory) may go otherwise next time
         if any(v.source not in ("measured", "cached") for v in verdicts):
-            state.lasting = False
+            state.failed = True
         if chosen is compiled and context is not None and context.output_strides is not None and "claimed" in strides:
             context.output_strides[:] = strides["claimed"]
         kept = chosen is compiled and claimed
@@ -402,7 +362,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         with functorch_config.patch(enable_autograd_cache=False, **config):
             return compile_fx(gm, example_inputs,  # type: ignore[return-value]
                               inner_compile=_inductor_inner(opts, state, patches), config_patches=patches,
-                              decompositions=_keep_whole())
+                              decompositions=keep_whole())
 
     # under CUDA graphs every side would be captured and replayed: the regions' verdicts decide
     checked = opts.floor and opts.whole_graph and patches is None
@@ -434,6 +394,9 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         if side == step_floor.EAGER:  # nothing compiled at all
             log.info("%s (%s)", STORED_EAGER, stored.describe())
             _report(dynamo_rows(gm, step_floor.WHERE[side], own_verdict.why(stored, STORED_EAGER)))
+            # the generated forward itself: a lazy module's forward read before its code exists
+            # is a wrapper that checks for it at every call (nothing here keys Inductor's cache)
+            gm.code  # noqa: B018
             return gm.forward
         if not checked or stored.incumbent_ms is not None:
             log.info("%s (%s)", STORED_OWN, stored.describe())
@@ -455,7 +418,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         return settled.fn
     eager = copy_graph(gm) if checked else None
     own_once = functools.cache(compile_own)  # the step check may ask for it twice: compiled once
-    state = _Compile(probing=True)
+    state = _Compile(probing=True, bounded=own_verdict is not None and stored is None and own_verdict.explored_before())
     best = None
     if eager is not None and stored is None and not step_floor.why_not(gm, example_inputs):
         # Inductor's own compile and eager first: the step they take bounds what the trace
@@ -483,7 +446,8 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         log.info("a backward graph claimed regions where its forward claimed none: traced again")
         if eager is None:
             return trace(_Compile(probing=False, budget=state.budget))
-        state = _Compile(probing=False, collect=True, budget=state.budget)  # every graph compiled, then the step check
+        # every graph compiled, then the step check
+        state = _Compile(probing=False, collect=True, budget=state.budget, bounded=state.bounded)
         with phase(phases.FIRST_PASS):
             first = trace(state, force_non_lazy_backward_lowering=True)
     if state.kept:
@@ -496,11 +460,10 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
                                   record=_recorder(own_verdict, state))
     if best is not None:
         side, chosen, found = best.side, best.fn, best.verdict
-    if own_verdict is not None and state.lasting and not (chosen is not None and step_choice.pending(chosen)):
-        if found is not None:
-            own_verdict.record_step(found)
-        else:
-            own_verdict.record(state.rows)
+    if own_verdict is not None and not (chosen is not None and step_choice.pending(chosen)):
+        verdict_of = own_verdict
+        _store(own_verdict, state, (lambda: verdict_of.record_step(found)) if found is not None
+               else (lambda: verdict_of.record(state.rows)))
     # the node's own reason first (bench_torch.py groups and truncates them)
     end = f"{step_floor.reason(found)}; " if found is not None else ""
     end += NO_REGION_EAGER if side == step_floor.EAGER else INDUCTORS_OWN
@@ -538,8 +501,9 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
             _report([dataclasses.replace(r, why=f"{r.why}{later}") if r.fusegraph else r for r in state.rows])
             return fn
         verdict = found
-        if own_verdict is not None and state.lasting and not step_choice.pending(fn):
-            own_verdict.record_step(verdict)
+        if own_verdict is not None and not step_choice.pending(fn):
+            verdict_of = own_verdict
+            _store(own_verdict, state, lambda: verdict_of.record_step(verdict))
     why = step_floor.reason(verdict) + step_choice.later(fn)
     if side == step_floor.TRACE:
         _report([dataclasses.replace(r, why=f"{r.why}; {why}") if r.fusegraph else r for r in state.rows])
@@ -547,6 +511,22 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
         _report([dataclasses.replace(r, where=step_floor.WHERE[side], why=f"{r.why}; {why}" if r.why else why)
                  for r in state.rows])
     return fn
+
+
+def _store(own_verdict: DynamoVerdict, state: _Compile, record: Callable[[], None]) -> None:
+    """Records the compile's verdict where it lasts (_Compile.lasting). Where regions were
+    left to a later compile instead, the graph is marked explored, so that compile's
+    verdict is stored whatever it leaves (DynamoVerdict.explored_before)."""
+    if state.lasting:
+        record()
+    elif state.unmeasured and not state.failed:
+        own_verdict.record_explored(state.unmeasured)
+        log.info("the graph's verdict is not stored: this compile left %d region%s unmeasured (the floor's budget); "
+                 "the next compile measures more and its verdict is stored", state.unmeasured,
+                 "s" * (state.unmeasured != 1))
+    else:
+        log.info("the graph's verdict is not stored: a graph check failed or could not time its graph, so a "
+                 "later compile checks the graph again")
 
 
 def _recorder(own_verdict: DynamoVerdict | None, state: _Compile) -> Callable[[Any], None] | None:
@@ -557,11 +537,7 @@ def _recorder(own_verdict: DynamoVerdict | None, state: _Compile) -> Callable[[A
     store = own_verdict
 
     def record(verdict: Any) -> None:
-        if state.lasting:
-            store.record_step(verdict)
-        else:
-            log.info("the step's verdict is not stored: this compile left a region unmeasured (the floor's "
-                     "budget) or a graph check failed, so a later compile checks the graph again")
+        _store(store, state, lambda: store.record_step(verdict))
 
     return record
 

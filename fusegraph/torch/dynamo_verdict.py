@@ -91,6 +91,37 @@ class DynamoVerdict:
         except Exception as exc:  # the next compile traces the graph again
             log.info("the Dynamo graph verdict was not stored (%s: %s)", type(exc).__name__, exc)
 
+    @property
+    def _explored_key(self) -> str:
+        return f"{self.key}:explored"
+
+    def explored_before(self) -> bool:
+        """Whether an earlier compile of this graph left regions unmeasured (the floor's
+        budget): this compile's verdict is then stored whatever it leaves, so measuring is
+        spread over two compiles at most. Until a verdict is stored every compile traces
+        the graph again and spends the budget (a GPT-2 on an H200: 11-14 s over Inductor's
+        own compile, still unstored after three compiles); once stored, a compile is
+        Inductor's own. Regions never measured run the incumbent until a new fusegraph,
+        engine or torch version changes the key."""
+        try:
+            return self.store.lookup(self._explored_key) is not None
+        except Exception as exc:  # read as not explored: this compile explores again
+            log.info("the Dynamo graph's exploration mark could not be read (%s: %s)", type(exc).__name__, exc)
+            return False
+
+    def record_explored(self, unmeasured: int) -> None:
+        """Marks a compile that stored no verdict because ``unmeasured`` regions were left to
+        a later compile: that later compile's verdict is stored whatever it leaves."""
+        from fusegraph.regions.verdicts import Verdict
+        from fusegraph.torch import graph_floor
+
+        why = f"a compile of this graph left {unmeasured} region{'s' * (unmeasured != 1)} unmeasured (the floor's budget)"
+        try:
+            self.store.record(self._explored_key, Verdict(False, "concluded", why, incumbent=graph_floor.INDUCTORS_OWN))
+            self.store.flush()
+        except Exception as exc:  # the next compile explores as this one did
+            log.info("the Dynamo graph's exploration mark was not stored (%s: %s)", type(exc).__name__, exc)
+
     def why(self, verdict: Any, prefix: str = STORED_OWN) -> str:
         return f"{prefix} ({verdict.describe()}; stored in {self.store.path}, key {self.key[:16]})"
 
