@@ -472,12 +472,12 @@ def test_inductors_fx_graph_cache_serves_the_backends_graphs(tmp_path: Any, monk
     assert seen[1].get("fxgraph_cache_hit", 0) >= 1, seen
 
 
-def test_inductors_own_compile_reads_what_torch_compile_saved(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where a stored verdict chose Inductor's own compile, that compile is the one
-    ``torch.compile(fn)`` makes, so it reads the AOTAutograd cache entry that compile saved:
-    the backend must not touch the Dynamo graph on the way (its verdict key once read
-    ``gm.code``, which made the lazy module generate its code early and changed the entry's
-    key, so a user switching backends compiled everything again)."""
+def test_a_stored_verdicts_compile_reads_what_the_checks_compile_saved(tmp_path: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a stored verdict chose Inductor's own compile, that compile reads the
+    AOTAutograd cache entry the step check's compile of the same graph saved (an earlier run
+    of the script), instead of tracing the graph again: both lower the backward with the
+    forward, a setting AOTAutograd's cache key holds."""
     from test_torch_step_floor import step_timer
     from torch._dynamo.utils import counters
 
@@ -489,13 +489,12 @@ def test_inductors_own_compile_reads_what_torch_compile_saved(tmp_path: Any, mon
 
     x, w = torch.randn(8, 16, requires_grad=True), torch.randn(16, requires_grad=True)
     want = torch.autograd.grad(fn(x, w), (x, w))
-    hits = []
-    for backend in ("fusegraph", "inductor", "fusegraph"):  # checked and stored, torch.compile's own, stored
+    seen = []
+    for _ in range(2):  # checked and stored, then compiled on the stored verdict
         torch._dynamo.reset()
         counters.clear()
-        compiled = torch.compile(fn, backend=partial(fusegraph_backend, options={"floor": True})
-                                 if backend == "fusegraph" else "inductor")
+        compiled = torch.compile(fn, backend=partial(fusegraph_backend, options={"floor": True}))
         got = torch.autograd.grad(compiled(x, w), (x, w))
         assert all(torch.allclose(g, e, rtol=1e-5, atol=1e-5) for g, e in zip(got, want, strict=True))
-        hits.append(dict(counters["aot_autograd"]))
-    assert hits[2].get("autograd_cache_hit", 0) >= 1, hits
+        seen.append(dict(counters["aot_autograd"]))
+    assert seen[1].get("autograd_cache_hit", 0) >= 1 and not seen[1].get("autograd_cache_miss"), seen

@@ -140,8 +140,8 @@ def inductors_own_key(gm: torch.fx.GraphModule, inputs: Sequence[Any], settings:
             called.append((n.target, _dynamo_meta(value, None) if isinstance(value, torch.Tensor) else type(value).__name__))
     # the code generated from the graph, not ``gm.code``: reading that makes a lazy Dynamo
     # module generate its code now, before AOTAutograd's cache adds a field to it, and the
-    # changed attribute order changes the cache key, so Inductor's own compile of the graph
-    # missed the entries ``torch.compile(model)`` saved (and they it)
+    # changed attribute order changed the cache key Inductor's own compile of the graph
+    # computes from what ``torch.compile(model)`` computes (the key leaves the module as it is)
     source = gm.graph.python_code(root_module="self").src
     text = repr((source, [_dynamo_meta(x, t) for x, t in zip(inputs, traced, strict=True)], called,
                  torch.is_grad_enabled(), torch.is_inference_mode_enabled(), global_state()))
