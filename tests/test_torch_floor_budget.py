@@ -136,3 +136,37 @@ def test_measuring_is_spread_over_two_compiles_at_most(request: pytest.FixtureRe
     assert rows and all(STORED_OWN in r.why for r in rows), {r.why for r in rows}
     assert step["calls"] == timed  # nothing timed: the stored verdict decides
     assert not built
+
+
+def test_where_no_measured_region_won_the_first_compiles_verdict_is_stored(request: pytest.FixtureRequest,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Regions measured (here stored by an earlier model's compile) and all losing, others
+    left unmeasured by the budget: the compile's verdict is stored at once, its unmeasured
+    rows saying so, and the next compile is Inductor's own; no second compile traces the
+    graph to measure regions unlikely to win (none of five benchmark models' did on an H200)."""
+    from torch import nn
+
+    from fusegraph.torch.compile_backend import NONE_WON
+    from fusegraph.torch.dynamo_verdict import STORED_OWN
+
+    step: dict[str, Any] = request.getfixturevalue("step_clock")
+    step["own_ms"], step["eager_ms"], step["trace_ms"] = 100.0, 200.0, 50.0
+    state: dict[str, float] = request.getfixturevalue("clock")
+    # every region's incumbent costs 1 against the region call's 3: every region loses
+    monkeypatch.setattr(partition, "_incumbent_call",
+                        lambda region, inputs, opts: lambda: state.__setitem__("now", state["now"] + 1.0))
+    x = torch.randn(2, 8, 32)
+    _, rows = _compile(LNBlock().eval(), x, {**OPTIONS, "budget": None})  # its regions measured, stored
+    assert any(r.region is not None for r in rows) and not any(r.fusegraph for r in rows)
+    model = nn.Sequential(LNBlock(), nn.Linear(32, 48)).eval()  # the same regions, and a new one
+    with torch.no_grad():
+        want = torch.compile(model)(x)
+    got, rows = _compile(model, x, {**OPTIONS, "budget": 0})
+    assert _rel(got, want) < 1e-5
+    left = [r for r in rows if r.region is not None and "unmeasured" in r.why]
+    assert left and all(NONE_WON in r.why for r in left), [r.why for r in left]
+    assert any(r.region is not None and "cached" in r.why for r in rows), [r.why for r in rows]
+    timed = step["calls"]
+    got, rows = _compile(model, x, {**OPTIONS, "budget": 0})
+    assert rows and all(STORED_OWN in r.why for r in rows), {r.why for r in rows}
+    assert step["calls"] == timed and _rel(got, want) < 1e-5

@@ -207,6 +207,8 @@ def _kind(gm: torch.fx.GraphModule) -> str:
 INDUCTORS_OWN = "no region kept in this graph: it runs Inductor's own compile"
 NOT_MEASURED = ("not measured: an earlier compile of this graph left regions unmeasured too, so this "
                 "compile's verdict is stored and the incumbent runs it")
+NONE_WON = ("not measured: no region this compile measured won, so its verdict is stored and the incumbent "
+            "runs it")
 
 
 @dataclasses.dataclass
@@ -237,6 +239,8 @@ class _Compile:
     unmeasured: int = 0  # regions left unmeasured (the floor's budget): measured by a later compile
     failed: bool = False  # a graph check failed or could not time its graph: may go otherwise next time
     bounded: bool = False  # an earlier compile left regions unmeasured: this one's verdict is stored anyway
+    measured: int = 0  # regions with a measured verdict, this compile's or a stored one
+    won: bool = False  # a region won its floor (alone, before any graph-level check)
     rows: list[Row] = dataclasses.field(default_factory=list)
     best: Any = None  # the step check's verdict between Inductor's own and eager, taken before the trace
     gain: float = 0.0  # what the regions claimed so far save, measured alone (partition.py)
@@ -245,12 +249,28 @@ class _Compile:
     @property
     def lasting(self) -> bool:
         """Whether this compile's verdict is stored: every verdict it took would be taken
-        again, or measuring stops here (DynamoVerdict.explored_before)."""
-        return not self.failed and (not self.unmeasured or self.bounded)
+        again, or measuring stops here: an earlier compile left regions unmeasured too
+        (DynamoVerdict.explored_before), or regions were measured and none won, so the
+        rest are not worth a second compile's trace and budget (every region of the five
+        benchmark models' training lost or tied on an H200)."""
+        return not self.failed and (not self.unmeasured or self.bounded or self.no_region_won)
+
+    @property
+    def no_region_won(self) -> bool:
+        return self.measured > 0 and not self.won
+
+    def settled(self, rows: list[Row]) -> list[Row]:
+        """The rows as the compile's verdict leaves them: where it is stored because no
+        measured region won, no later compile measures the regions left unmeasured."""
+        if not (self.unmeasured and self.no_region_won and not self.bounded and not self.failed):
+            return rows
+        return [dataclasses.replace(r, why=r.why.replace(MEASURED_LATER, NONE_WON)) for r in rows]
 
     def report(self, rows: list[Row]) -> None:
         left = {(r.node.split(":", 1)[0], r.region) for r in rows if ": unmeasured" in r.why}
         self.unmeasured += len(left)
+        self.measured += len({(r.node.split(":", 1)[0], r.region) for r in rows if r.region is not None
+                              and (": measured" in r.why or ": cached" in r.why)})
         if left and self.bounded:  # no later compile measures them: the rows say so
             rows = [dataclasses.replace(r, why=r.why.replace(MEASURED_LATER, NOT_MEASURED)) for r in rows]
         if self.probing or self.collect:
@@ -279,6 +299,7 @@ def _inductor_inner(opts: Options, state: _Compile, patches: dict[str, Any] | No
         gains: list[float] = []
         rows, device_time = _claim(graph, opts, _kind(graph), original is not None, inputs, gains, state.budget)
         claimed = any(r.fusegraph for r in rows)
+        state.won = state.won or claimed
         if state.probing and claimed and state.best is not None:
             state.gain += sum(gains)
             from fusegraph.torch.step_floor import trace_cannot_win
@@ -474,7 +495,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     end += NO_REGION_EAGER if side == step_floor.EAGER else INDUCTORS_OWN
     end += step_choice.later(chosen) if chosen is not None else ""
     _report([dataclasses.replace(r, where=step_floor.WHERE[side], why=f"{r.why}; {end}" if r.why else end)
-             for r in state.rows])
+             for r in state.settled(state.rows)])
     if chosen is not None:
         return chosen
     with phase(phases.OWN):
