@@ -97,8 +97,9 @@ class DynamoVerdict:
 
     def explored_before(self) -> bool:
         """Whether an earlier compile of this graph left regions unmeasured (the floor's
-        budget): this compile's verdict is then stored whatever it leaves, so measuring is
-        spread over two compiles at most. Until a verdict is stored every compile traces
+        budget) where a measured region won: this compile's verdict is then stored whatever
+        it leaves, so measuring is spread over two compiles at most (where none won, the
+        first compile's verdict is stored: compile_backend._Compile.lasting). Until a verdict is stored every compile traces
         the graph again and spends the budget (a GPT-2 on an H200: 11-14 s over Inductor's
         own compile, still unstored after three compiles); once stored, a compile is
         Inductor's own. Regions never measured run the incumbent until a new fusegraph,
