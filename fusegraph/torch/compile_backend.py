@@ -24,7 +24,9 @@ eager (the Dynamo graph as it is, ``backend="eager"``), before fusegraph's trace
 ATen graphs are not compiled where their claimed regions save too little to beat the
 faster of those two; then, where the trace kept regions, the three together. The fastest
 runs. That verdict is stored under the same key,
-so a later compile builds only the side that won: eager compiles nothing at all.
+so a later compile builds only the side that won: eager compiles nothing at all. A compile
+that left regions unmeasured (the floor's budget) stores it only where none of the regions
+it measured won; otherwise the next compile measures more and stores it (_Compile.lasting).
 """
 
 from __future__ import annotations
@@ -540,19 +542,7 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
 
 
 def _store(own_verdict: DynamoVerdict, state: _Compile, record: Callable[[], None]) -> None:
-    """Records the compile's verdict where it lasts (_Compile.lasting). Where regions were
-    left to a later compile instead, the graph is marked explored, so that compile's
-    verdict is stored whatever it leaves (DynamoVerdict.explored_before)."""
-    if state.lasting:
-        record()
-    elif state.unmeasured and not state.failed:
-        own_verdict.record_explored(state.unmeasured)
-        log.info("the graph's verdict is not stored: this compile left %d region%s unmeasured (the floor's budget); "
-                 "the next compile measures more and its verdict is stored", state.unmeasured,
-                 "s" * (state.unmeasured != 1))
-    else:
-        log.info("the graph's verdict is not stored: a graph check failed or could not time its graph, so a "
-                 "later compile checks the graph again")
+    own_verdict.store_or_mark(record, lasting=state.lasting, unmeasured=0 if state.failed else state.unmeasured)
 
 
 def _recorder(own_verdict: DynamoVerdict | None, state: _Compile) -> Callable[[Any], None] | None:

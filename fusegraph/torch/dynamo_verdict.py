@@ -9,7 +9,7 @@ import dataclasses
 import itertools
 import logging
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -122,6 +122,22 @@ class DynamoVerdict:
             self.store.flush()
         except Exception as exc:  # the next compile explores as this one did
             log.info("the Dynamo graph's exploration mark was not stored (%s: %s)", type(exc).__name__, exc)
+
+    def store_or_mark(self, record: Callable[[], None], *, lasting: bool, unmeasured: int) -> None:
+        """Records a compile's verdict (``record``) where it lasts; where ``unmeasured``
+        regions were left to a later compile instead, marks the graph explored, so that
+        compile's verdict is stored whatever it leaves; otherwise (a graph check failed)
+        stores nothing, and a later compile checks the graph again."""
+        if lasting:
+            record()
+        elif unmeasured:
+            self.record_explored(unmeasured)
+            log.info("the graph's verdict is not stored: this compile left %d region%s unmeasured (the floor's "
+                     "budget); the next compile measures more and its verdict is stored", unmeasured,
+                     "s" * (unmeasured != 1))
+        else:
+            log.info("the graph's verdict is not stored: a graph check failed or could not time its graph, so a "
+                     "later compile checks the graph again")
 
     def why(self, verdict: Any, prefix: str = STORED_OWN) -> str:
         return f"{prefix} ({verdict.describe()}; stored in {self.store.path}, key {self.key[:16]})"
