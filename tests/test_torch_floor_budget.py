@@ -67,13 +67,11 @@ def _compile(model: Any, x: Any, options: dict[str, Any]) -> tuple[Any, list[Any
     return got, rows
 
 
-def test_a_spent_budget_leaves_regions_to_a_later_compile(request: pytest.FixtureRequest,
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """budget=0: every region runs Inductor's code unmeasured (no plan built, none measured),
-    the output is Inductor's own; the next compile, unbounded, measures them and keeps them.
-    Were the first compile's verdict stored, the second would go straight to Inductor's own."""
+def _counted(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], list[str]]:
+    """The step check's forced times (regions can win: the bound is 3 ms) and a list of the
+    plans built."""
     step: dict[str, Any] = request.getfixturevalue("step_clock")
-    step["own_ms"], step["eager_ms"], step["trace_ms"] = 100.0, 200.0, 50.0  # bound 3 ms: regions can win
+    step["own_ms"], step["eager_ms"], step["trace_ms"] = 100.0, 200.0, 50.0
     built: list[str] = []
     real_build = partition.PLANS.get
 
@@ -82,6 +80,15 @@ def test_a_spent_budget_leaves_regions_to_a_later_compile(request: pytest.Fixtur
         return real_build(key, *args, **kwargs)
 
     monkeypatch.setattr(partition.PLANS, "get", counted)
+    return step, built
+
+
+def test_a_spent_budget_leaves_regions_to_a_later_compile(request: pytest.FixtureRequest,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """budget=0: every region runs Inductor's code unmeasured (no plan built, none measured),
+    the output is Inductor's own; the next compile, unbounded, measures them and keeps them.
+    Were the first compile's verdict stored, the second would go straight to Inductor's own."""
+    _, built = _counted(request, monkeypatch)
     model = LNBlock().eval()
     x = torch.randn(2, 8, 32)
     with torch.no_grad():
@@ -109,16 +116,7 @@ def test_measuring_is_spread_over_two_compiles_at_most(request: pytest.FixtureRe
     from fusegraph.torch.compile_backend import NOT_MEASURED
     from fusegraph.torch.dynamo_verdict import STORED_OWN
 
-    step: dict[str, Any] = request.getfixturevalue("step_clock")
-    step["own_ms"], step["eager_ms"], step["trace_ms"] = 100.0, 200.0, 50.0  # bound 3 ms: regions can win
-    built: list[str] = []
-    real_build = partition.PLANS.get
-
-    def counted(key: Any, *args: Any, **kwargs: Any) -> Any:
-        built.append(str(key))
-        return real_build(key, *args, **kwargs)
-
-    monkeypatch.setattr(partition.PLANS, "get", counted)
+    step, built = _counted(request, monkeypatch)
     model = LNBlock().eval()
     x = torch.randn(2, 8, 32)
     with torch.no_grad():
