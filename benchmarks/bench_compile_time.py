@@ -10,8 +10,10 @@ each side gets cache directories of its own, empty at its first run:
 
 ``switch`` is a user who ran ``torch.compile(model)`` before and now names the backend:
 Inductor's own compile of a graph under the backend should read what Inductor saved. A
-run's compile time is its first training step (forward, loss, backward, SGD; bf16 autocast
-on a GPU), the compiles in it; the ratio column divides each fusegraph run by Inductor's run
+run's compile time runs from the ``torch.compile`` call to the end of the first training step
+(forward, loss, backward, SGD; bf16 autocast on a GPU), the compiles in it; each run then
+trains ``--steps`` in all, as a script's loop would (the backend may decide on them). The
+ratio column divides each fusegraph run by Inductor's run
 of the same number (cold by cold, warm by warm). fusegraph's runs also print their phases
 (fusegraph/torch/phases.py).
 
@@ -35,8 +37,11 @@ HERE = Path(__file__).parent
 CHAINS = ("inductor", "fusegraph", "switch")
 
 
-def child(model: str, variant: str, device_name: str, size: str) -> dict[str, Any]:
-    """One run: the model built, compiled and trained one step; the seconds that step took."""
+def child(model: str, variant: str, device_name: str, size: str, steps: int) -> dict[str, Any]:
+    """One run: the model built, compiled and trained ``steps`` steps; the seconds the first
+    took. The rest are the script's loop: where the backend weighs close sides on the loop's
+    own steps (loop_trial.py), its verdict is stored only once they decide, so a run of one
+    step would leave the next run to check the graph again."""
     import torch
 
     sys.path.insert(0, str(HERE))
@@ -53,18 +58,25 @@ def child(model: str, variant: str, device_name: str, size: str) -> dict[str, An
     target = case.target.to(device)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    def step(fn: Any) -> Any:
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            loss = case.loss(fn(*inputs), target)
+        loss.backward()
+        opt.step()
+        return loss
+
     with compile_phases() as phases:
         # from the torch.compile call: each backend imports what it needs somewhere in between
         t0 = time.perf_counter()
         fn = torch.compile(net, dynamic=False) if variant == "inductor" else torch.compile(
             net, backend="fusegraph", dynamic=False)
-        with autocast:
-            loss = case.loss(fn(*inputs), target)
-        loss.backward()
-        opt.step()
+        loss = step(fn)
         if device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+    for _ in range(steps - 1):
+        loss = step(fn)
     return {"seconds": seconds, "phases": phases, "loss": float(loss.detach())}
 
 
@@ -76,7 +88,8 @@ def run_chain(chain: str, model: str, args: argparse.Namespace, root: Path) -> l
     variant = "inductor" if chain == "inductor" else "fusegraph"
     out = []
     for i in range(args.runs):
-        cmd = [sys.executable, __file__, "--child", model, variant, "--device", args.device, "--size", args.size]
+        cmd = [sys.executable, __file__, "--child", model, variant, "--device", args.device, "--size", args.size,
+               "--steps", str(args.steps)]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
         if proc.returncode != 0 or not lines:
@@ -95,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default=None, help="default: cuda if present, else cpu")
     ap.add_argument("--size", choices=("full", "tiny"), default=None, help="default: full on a GPU, tiny on the CPU")
     ap.add_argument("--chains", default=",".join(CHAINS), help=f"of {', '.join(CHAINS)}")
+    ap.add_argument("--steps", type=int, default=20,
+                    help="training steps per run (the first timed): the loop on which the backend may weigh sides")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per run")
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--child", nargs=2, metavar=("MODEL", "VARIANT"), help=argparse.SUPPRESS)
@@ -105,10 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     args.size = args.size or ("full" if args.device.startswith("cuda") else "tiny")
     if args.child:
-        print(json.dumps(child(args.child[0], args.child[1], args.device, args.size)))
+        print(json.dumps(child(args.child[0], args.child[1], args.device, args.size, args.steps)))
         return 0
-    if args.runs < 1:
-        ap.error("--runs must be >= 1")
+    if args.runs < 1 or args.steps < 1:
+        ap.error("--runs and --steps must be >= 1")
     chains = [c for c in args.chains.split(",") if c]
     unknown = [c for c in chains if c not in CHAINS]
     if unknown:
