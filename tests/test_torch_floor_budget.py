@@ -168,3 +168,13 @@ def test_where_no_measured_region_won_the_first_compiles_verdict_is_stored(reque
     got, rows = _compile(model, x, {**OPTIONS, "budget": 0})
     assert rows and all(STORED_OWN in r.why for r in rows), {r.why for r in rows}
     assert step["calls"] == timed and _rel(got, want) < 1e-5
+
+
+def test_an_unmeasured_row_names_the_whole_budget(request: pytest.FixtureRequest,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The screen spends the budget first and the chooser gets what it left: the rows of the
+    regions neither reached name the budget given (it read "0 s", what was left)."""
+    _counted(request, monkeypatch)
+    _, rows = _compile(LNBlock().eval(), torch.randn(2, 8, 32), {**OPTIONS, "budget": 0.001})
+    left = [r for r in rows if r.region is not None and "unmeasured" in r.why]
+    assert left and all("budget (0.001 s) was spent" in r.why for r in left), [r.why for r in left]

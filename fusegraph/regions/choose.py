@@ -75,6 +75,9 @@ class Chooser:
     # verdict (None: no limit). Past it the rest go to the incumbent unmeasured and
     # unrecorded, so each later session measures more until every region has its verdict.
     budget_s: float | None = None
+    # The whole budget a caller gave, where ``budget_s`` is what an earlier stage left of it
+    # (the torch door's screen): the unmeasured rows name it (None: ``budget_s``).
+    budget_total_s: float | None = None
     # Entered around each measurement (None: nothing): where regions are measured beside the
     # user's runs (the ONNX door's deferred choice, onnx/region_upgrade.py), the runs wait
     # while a region is timed, so neither side's kernels are in the other's samples.
@@ -250,6 +253,9 @@ class Chooser:
             self.store.record(key, verdict)
         return Choice(region, verdict, built if verdict.fusegraph else None)
 
+    def _budget_named(self) -> float:
+        return self.budget_total_s if self.budget_total_s is not None else (self.budget_s or 0.0)
+
     def choose_all(
         self, regions: Sequence[Region], inputs: Callable[[Region], Mapping[str, Any]] | None = None,
         *, defer: bool = False, stop: Callable[[], bool] | None = None,
@@ -289,8 +295,8 @@ class Chooser:
                 continue
             if fresh and self.budget_s is not None and spent >= self.budget_s:
                 out.append(Choice(region, Verdict(
-                    False, "unmeasured", f"the region floor's budget ({self.budget_s:g} s) was spent before it; "
-                    f"{MEASURED_LATER}",
+                    False, "unmeasured", f"the region floor's budget ({self._budget_named():g} s) was spent before "
+                    f"it; {MEASURED_LATER}",
                     incumbent=self.incumbent.name)))
                 continue
             t0 = time.perf_counter()

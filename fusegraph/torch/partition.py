@@ -255,7 +255,7 @@ def _choose(opts: Options, device: torch.device, regions: Sequence[Region], devi
                 screened = _screen(chooser, opts, regions, _inputs(device), budget)
             if budget is not None:  # the chooser gets what the screen left
                 budget.spent_s += time.perf_counter() - t0
-                chooser.budget_s = budget.left_s
+                chooser.budget_s, chooser.budget_total_s = budget.left_s, budget.seconds
             rest = [r for r in regions if r.index not in screened]
             t0 = time.perf_counter()
             chosen = {c.region.index: c for c in chooser.choose_all(rest, _inputs(device))} if rest else {}
