@@ -1,7 +1,8 @@
 """The region floor's budget over one Dynamo graph's compile (fusegraph/torch/floor_budget.py,
 option ``budget``): past it a region without a stored verdict is neither built
-nor measured, runs Inductor's code and is reported unmeasured; nothing of that compile is
-stored as final, so a later compile measures what was left. Regions win alone here by 6 ms
+nor measured, runs Inductor's code and is reported unmeasured; where no region was
+measured, or one won, nothing of that compile is stored as final, so a later compile
+measures what was left (and stores its verdict whatever it leaves). Regions win alone here by 6 ms
 (tests/test_torch_graph_floor.py's virtual clock); the step's times are forced
 (tests/test_torch_step_floor.py)."""
 

@@ -51,8 +51,8 @@ class DynamoVerdict:
         from fusegraph.torch.step_floor import ORDER, device_of
 
         device = device_of(example_inputs)
-        # warmup_s bounds a timing's warm-up and budget what is measured at once (a verdict
-        # with anything left unmeasured is not stored): neither decides a verdict
+        # warmup_s bounds a timing's warm-up and budget what is measured at once (what a
+        # compile leaves unmeasured decides when its verdict is stored): neither decides one
         options = {k: v for k, v in dataclasses.asdict(opts).items() if k not in ("warmup_s", "budget")}
         settings: dict[str, Any] = {"options": options, "mode": mode, "engine": PLANS.engine}
         if checked:  # the step check's candidates: a verdict stored before eager was one is not read

@@ -31,8 +31,9 @@ class FloorBudget:
     """Seconds the region floor may still spend over one Dynamo graph's compile (its
     forward and backward share them) on regions without a stored verdict: building,
     screening and measuring them. Past it the rest run the incumbent, unmeasured and
-    unrecorded, so the compile's own verdict is not stored either and a later compile
-    measures more, until every region has its verdict."""
+    unrecorded; the compile's own verdict is then stored only where none of the regions
+    it measured won, else a later compile measures more and stores it
+    (compile_backend._Compile.lasting)."""
 
     seconds: float
     spent_s: float = 0.0
