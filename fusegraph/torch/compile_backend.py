@@ -262,19 +262,18 @@ class _Compile:
         return self.measured > 0 and not self.won
 
     def settled(self, rows: list[Row]) -> list[Row]:
-        """The rows as the compile's verdict leaves them: where it is stored because no
-        measured region won, no later compile measures the regions left unmeasured."""
-        if not (self.unmeasured and self.no_region_won and not self.bounded and not self.failed):
+        """The rows as the compile's verdict leaves them: where it is stored with regions
+        left unmeasured, no later compile measures them, and their rows say why."""
+        if not (self.unmeasured and self.lasting):
             return rows
-        return [dataclasses.replace(r, why=r.why.replace(MEASURED_LATER, NONE_WON)) for r in rows]
+        why = NOT_MEASURED if self.bounded else NONE_WON
+        return [dataclasses.replace(r, why=r.why.replace(MEASURED_LATER, why)) for r in rows]
 
     def report(self, rows: list[Row]) -> None:
         left = {(r.node.split(":", 1)[0], r.region) for r in rows if ": unmeasured" in r.why}
         self.unmeasured += len(left)
         self.measured += len({(r.node.split(":", 1)[0], r.region) for r in rows if r.region is not None
                               and (": measured" in r.why or ": cached" in r.why)})
-        if left and self.bounded:  # no later compile measures them: the rows say so
-            rows = [dataclasses.replace(r, why=r.why.replace(MEASURED_LATER, NOT_MEASURED)) for r in rows]
         if self.probing or self.collect:
             self.rows.extend(rows)
         else:
@@ -513,8 +512,9 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
     ran and why. Where the check cannot run the trace stands, as before the check."""
     from fusegraph.torch import step_floor
 
+    rows = state.settled(state.rows)
     if eager is None:
-        _report(state.rows)
+        _report(rows)
         return first
     if stored is not None:  # the trace won before: nothing else is compiled or timed
         log.info("fusegraph's trace: a stored verdict chose it (%s)", stored.describe())
@@ -526,7 +526,7 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
         side, fn, found = settled.side, settled.fn, settled.verdict
         if found is None:
             later = step_choice.later(fn)
-            _report([dataclasses.replace(r, why=f"{r.why}{later}") if r.fusegraph else r for r in state.rows])
+            _report([dataclasses.replace(r, why=f"{r.why}{later}") if r.fusegraph else r for r in rows])
             return fn
         verdict = found
         if own_verdict is not None and not step_choice.pending(fn):
@@ -534,10 +534,10 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
             _store(own_verdict, state, lambda: verdict_of.record_step(verdict))
     why = step_floor.reason(verdict) + step_choice.later(fn)
     if side == step_floor.TRACE:
-        _report([dataclasses.replace(r, why=f"{r.why}; {why}") if r.fusegraph else r for r in state.rows])
+        _report([dataclasses.replace(r, why=f"{r.why}; {why}") if r.fusegraph else r for r in rows])
     else:  # the node's own reason first, as with INDUCTORS_OWN
         _report([dataclasses.replace(r, where=step_floor.WHERE[side], why=f"{r.why}; {why}" if r.why else why)
-                 for r in state.rows])
+                 for r in rows])
     return fn
 
 
