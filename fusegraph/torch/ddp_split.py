@@ -53,10 +53,10 @@ def defer(compile_own: Callable[[], Callable[..., Any]], eager: Callable[..., An
     candidates = step_floor.compiled_sides(compile_own, eager, trace)
     if candidates is None:  # Inductor's own failed: the trace stands (compiled_sides raises without one)
         assert trace is not None
-        return step_floor.Settled(TRACE, trace, None)
+        return step_floor.Settled(TRACE, trace)
     default = TRACE if trace is not None else OWN
     fn = Deferred(candidates, default, margin=margin, warmup_s=warmup_s, samples=samples, record=record)
-    return step_floor.Settled(default, fn, None, candidates)
+    return step_floor.Settled(default, fn, candidates)
 
 
 def _is_fake(x: Any) -> bool:

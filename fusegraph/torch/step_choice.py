@@ -6,6 +6,7 @@ for real calls (ddp_split.py). compile_backend.py asks here and nowhere else."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own:
     if settled.check is None:
         return settled
     fn = loop_trial.weigh(settled.candidates, settled.check, margin=margin, samples=samples, record=record)
-    return Settled(settled.side, fn, settled.verdict, settled.candidates, settled.check)
+    return dataclasses.replace(settled, fn=fn)
 
 
 def pending(fn: Callable[..., Any]) -> bool:

@@ -139,14 +139,18 @@ class Check:
 @dataclasses.dataclass(frozen=True)
 class Settled:
     """The side chosen, the function that runs the graph (its compiled side, or one that
-    chooses later: loop_trial.py, ddp_split.py), the verdict that chose it (None where no
-    check ran: the log says why), the candidates compiled and the check, where it ran."""
+    chooses later: loop_trial.py, ddp_split.py), the candidates compiled and the check,
+    where it ran (None: the log says why)."""
 
     side: str
     fn: Callable[..., Any]
-    verdict: Verdict | None
     candidates: Mapping[str, Callable[..., Any]] = dataclasses.field(default_factory=dict)
     check: Check | None = None
+
+    @property
+    def verdict(self) -> Verdict | None:
+        """The check's verdict, which chose ``side`` (None where no check ran)."""
+        return self.check.verdict if self.check is not None else None
 
 
 def _holds_values(x: torch.Tensor) -> bool:
@@ -219,7 +223,6 @@ class _Step:
             self.grads = [torch.empty_like(o).normal_() for o in outs]
         torch.autograd.backward(outs, self.grads)
         self.backward = True
-
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         address, size = _storage(t)
@@ -368,18 +371,18 @@ def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own:
     cannot = why_not(gm, example_inputs, sides)
     if cannot:
         log.info("the Dynamo graph's step was not timed against eager and Inductor's own compile: %s", cannot)
-        return Settled(TRACE, trace, None) if trace is not None else Settled(OWN, compile_own(), None)
+        return Settled(TRACE, trace) if trace is not None else Settled(OWN, compile_own())
     candidates = compiled_sides(compile_own, eager, trace)
     if candidates is None:  # Inductor's own failed: the trace stands (compiled_sides raises without one)
         assert trace is not None
-        return Settled(TRACE, trace, None)
+        return Settled(TRACE, trace)
     try:
         check = time_steps(candidates, example_inputs, margin=margin, warmup_s=warmup_s)
     except Exception as exc:  # never the user's compile
         kept = TRACE if trace is not None else OWN
         log.warning("the step check did not run (%s: %s); %s is kept", type(exc).__name__, exc, NAMES[kept],
                     exc_info=log.isEnabledFor(logging.DEBUG))
-        return Settled(kept, candidates[kept], None, candidates)
+        return Settled(kept, candidates[kept], candidates)
     log.info("%s", reason(check.verdict))
     won = winner(check.verdict)
-    return Settled(won, candidates[won], check.verdict, candidates, check)
+    return Settled(won, candidates[won], candidates, check)
