@@ -51,11 +51,8 @@ def child(model: str, variant: str, device_name: str, size: str, steps: int) -> 
 
     device = torch.device(device_name)
     case = tm.case(model, size)
-    fmt = torch.channels_last if case.channels_last else torch.contiguous_format
-    net = case.model.to(device, memory_format=fmt).train()
-    inputs = tuple(x.to(device, memory_format=fmt) if (case.channels_last and x.dim() == 4) else x.to(device)
-                   for x in case.inputs)
-    target = case.target.to(device)
+    net, inputs, target = case.on(device)
+    net.train()
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
     def step(fn: Any) -> Any:

@@ -117,14 +117,6 @@ def _strict_fp32() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def _place(case: tm.Case, device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:
-    fmt = torch.channels_last if case.channels_last else torch.contiguous_format
-    model = case.model.to(device, memory_format=fmt)
-    inputs = tuple(x.to(device, memory_format=fmt) if (case.channels_last and x.dim() == 4) else x.to(device)
-                   for x in case.inputs)
-    return model, inputs, case.target.to(device)
-
-
 def _free(device: torch.device) -> None:
     torch._dynamo.reset()
     gc.collect()
@@ -155,7 +147,7 @@ def check(name: str, size: str, device: torch.device, steps: int, options: dict[
     under no_grad, the outputs."""
     out: dict[str, Any] = {"model": name, "size": size, "options": {"floor": False, **options}}
     case = tm.case(name, size, batch)
-    base, inputs, target = _place(case, device)
+    base, inputs, target = case.on(device)
     out["describe"] = case.describe
     with _strict_fp32():
         if "train" in modes and steps > 0:
@@ -214,7 +206,7 @@ def bench(name: str, mode: str, batch: int | None, dtype: str, args: argparse.Na
     """Every variant compiled and run once (compile time, first result against eager's), then
     all timed together, interleaved."""
     case = tm.case(name, args.size, batch)
-    base, inputs, target = _place(case, device)
+    base, inputs, target = case.on(device)
     row: dict[str, Any] = {"model": name, "mode": mode, "batch": case.inputs[0].shape[0], "dtype": dtype,
                            "describe": case.describe, "variants": {}}
     gpu = device.type == "cuda"

@@ -321,6 +321,14 @@ class Case:
     channels_last: bool = False
     describe: str = ""
 
+    def on(self, device: torch.device) -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:
+        """The model, its inputs and the target on ``device`` (channels-last where the case is)."""
+        fmt = torch.channels_last if self.channels_last else torch.contiguous_format
+        model = self.model.to(device, memory_format=fmt)
+        inputs = tuple(x.to(device, memory_format=fmt) if (self.channels_last and x.dim() == 4) else x.to(device)
+                       for x in self.inputs)
+        return model, inputs, self.target.to(device)
+
 
 MODELS = ("resnet50", "vit_b_16", "gpt2", "llama", "unet", "convnet")
 DEFAULT_BATCH = {"resnet50": 64, "vit_b_16": 32, "gpt2": 8, "llama": 2, "unet": 8, "convnet": 64}
