@@ -46,6 +46,7 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).parent))
 import torch_models as tm
+from held_out_models import HELD_OUT
 
 from fusegraph.regions.report import Report
 from fusegraph.select.timing import time_candidates
@@ -389,7 +390,8 @@ def host_cost(device: torch.device) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--models", default=DEFAULT_MODELS, help=f"comma-separated, of {', '.join(tm.MODELS)}")
+    ap.add_argument("--models", default=DEFAULT_MODELS,
+                    help=f"comma-separated, of {', '.join(tm.MODELS)}; held out (transformers): {', '.join(HELD_OUT)}")
     ap.add_argument("--modes", default="train,infer", help="train, infer or both")
     ap.add_argument("--variants", default="eager,inductor,fusegraph", help=f"of {', '.join(VARIANTS)}")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -438,8 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [v for v in args.variants if v not in VARIANTS]
     models = [m for m in args.models.split(",") if m]
     modes = [m for m in args.modes.split(",") if m]
-    if unknown or any(m not in tm.MODELS for m in models) or any(m not in ("train", "infer") for m in modes):
-        ap.error(f"models are {', '.join(tm.MODELS)}; modes train, infer; variants {', '.join(VARIANTS)}")
+    if unknown or any(m not in tm.MODELS + HELD_OUT for m in models) or any(m not in ("train", "infer") for m in modes):
+        ap.error(f"models are {', '.join(tm.MODELS + HELD_OUT)}; modes train, infer; variants {', '.join(VARIANTS)}")
     args.options = _options(args.options)
     if args.quick and not args.options:
         args.options = {"rest": "eager"}  # Inductor's C++ compile costs ~20 s a graph on a CPU

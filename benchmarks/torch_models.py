@@ -337,6 +337,10 @@ DEFAULT_BATCH = {"resnet50": 64, "vit_b_16": 32, "gpt2": 8, "llama": 2, "unet": 
 def case(name: str, size: str = "full", batch: int | None = None, seed: int = 0) -> Case:
     """The model ``name`` at ``size`` ("full" or "tiny"), ``batch`` examples (default: the
     benchmark's, 2 when tiny), weights and data from ``seed``."""
+    if name.startswith("hf-"):  # the held-out set (held_out_models.py), which imports this module
+        import held_out_models
+
+        return held_out_models.case(name, size, batch, seed)
     if size not in ("full", "tiny"):
         raise ValueError(f"size is 'full' or 'tiny', got {size!r}")
     tiny = size == "tiny"
