@@ -98,10 +98,10 @@ def _vision(tf: Any, name: str, tiny: bool) -> tuple[nn.Module, int, int, bool, 
         cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = cfg.drop_path_rate = 0.0
         return tf.SwinForImageClassification(cfg), classes, image, False, "Swin-T"
     if name == "hf-efficientnet":  # EfficientNet-B0
-        # hidden_dim: the configuration's default (2560) is B7's, whose top conv B0 does not have
         cfg = tf.EfficientNetConfig(image_size=image, width_coefficient=0.25, depth_coefficient=0.25, hidden_dim=320,
                                     num_labels=classes) if tiny else \
-            tf.EfficientNetConfig(image_size=image, hidden_dim=1280, num_labels=classes)
+            tf.EfficientNetConfig(image_size=image, width_coefficient=1.0, depth_coefficient=1.0, hidden_dim=1280,
+                                  num_labels=classes)  # the configuration's defaults are B7's
         cfg.dropout_rate = cfg.drop_connect_rate = 0.0
         return tf.EfficientNetForImageClassification(cfg), classes, image, True, "EfficientNet-B0"
     if name == "hf-mobilenet-v2":
