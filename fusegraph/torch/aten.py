@@ -12,6 +12,7 @@ One converter per ATen overload, in ``CONVERTERS``; a node without one is report
 
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ import torch.fx
 
 from fusegraph.errors import FusegraphError
 from fusegraph.graph.graph import Graph
+from fusegraph.graph.infer import INFER
 from fusegraph.graph.ops import NormFwdPhase, PointwiseMode, ReductionMode
 from fusegraph.graph.tensor import TensorAttr
 from fusegraph.torch.plans import data_type
@@ -194,13 +196,27 @@ def _reshape(c: Ctx, t: TensorAttr, shape: Sequence[int]) -> TensorAttr:
 
 
 # ---- convolution -----------------------------------------------------------------------------------
+def _window(n: torch.fx.Node, x: Any, **params: Sequence[Any]) -> dict[str, list[int]]:
+    """A convolution's stride, padding and dilation, one entry per spatial axis. ATen takes a
+    single entry for all of them, as ``padding="valid"`` traces (``[0]``), and expands it."""
+    rank = len(_shape(meta(x))) - 2
+    out: dict[str, list[int]] = {}
+    for name, values in params.items():
+        entries = [_int(v) for v in values]
+        if len(entries) == 1:
+            entries *= rank
+        if len(entries) != rank:
+            raise Refused(f"{n.name}: {name} {entries} has neither 1 nor {rank} entries (one per spatial axis)")
+        out[name] = entries
+    return out
+
+
 @converts(aten.convolution.default)
 def _conv(c: Ctx, n: torch.fx.Node) -> TensorAttr:
     x, w, b, stride, padding, dilation, transposed, _, _groups = _args(n)
     if transposed:
         raise Refused("transposed convolution")
-    y = c.g.conv_fprop(c.value(x), c.value(w), padding=[_int(p) for p in padding],
-                       stride=[_int(s) for s in stride], dilation=[_int(d) for d in dilation])
+    y = c.g.conv_fprop(c.value(x), c.value(w), **_window(n, x, stride=stride, padding=padding, dilation=dilation))
     if b is not None:
         k = _shape(meta(w))[0]
         y = c.g.add(y, _reshape(c, c.value(b), [1, k] + [1] * (len(_shape(meta(x))) - 2)))
@@ -212,8 +228,7 @@ def _conv_bwd(c: Ctx, n: torch.fx.Node) -> list[TensorAttr | None]:
     dy, x, w, _bias_sizes, stride, padding, dilation, transposed, _, _groups, mask = _args(n)
     if transposed:
         raise Refused("transposed convolution")
-    kw: dict[str, Any] = {"padding": [_int(p) for p in padding], "stride": [_int(s) for s in stride],
-          "dilation": [_int(d) for d in dilation]}
+    kw = _window(n, x, stride=stride, padding=padding, dilation=dilation)
     g, d = c.g, c.value(dy)
     out: list[TensorAttr | None] = [None, None, None]
     if mask[0]:
@@ -454,6 +469,7 @@ def convert(graph: torch.fx.Graph, name: str = "aten") -> Converted:
             ctx.absorbed = []
             try:
                 result = fn(ctx, n)
+                _check_rules(out.graph.nodes[before:])
                 _check_dims(n, result)
                 ctx.done(n, result)
                 for node in out.graph.nodes[before:]:
@@ -491,6 +507,19 @@ def _prune(out: Converted) -> None:
     g.tensors[:] = [t for t in g.tensors if t.name in used]
     out.inputs = {k: v for k, v in out.inputs.items() if k in used}
     g._touch()
+
+
+def _check_rules(nodes: Sequence[Any]) -> None:
+    """Each graph node a converter added checked against its op's rules now (the inference
+    validate() runs), so that a node built wrongly is refused alone: found by validate(), it
+    refused the whole ATen graph (a held-out EfficientNet's backward lost every region to one
+    convolution whose padding had one entry)."""
+    for node in nodes:
+        if all(t._dim is not None and t._data_type is not None for t in node.inputs.values()):
+            # a broken rule raises ValidationError (the node is refused); what else is raised is
+            # no rule of the op's: validate() says what it means, as Graph._try_infer leaves it
+            with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
+                INFER[node.kind](node)
 
 
 def _check_dims(n: torch.fx.Node, result: TensorAttr | Sequence[Result]) -> None:
