@@ -196,7 +196,7 @@ def _reshape(c: Ctx, t: TensorAttr, shape: Sequence[int]) -> TensorAttr:
 
 
 # ---- convolution -----------------------------------------------------------------------------------
-def _window(n: torch.fx.Node, x: Any, **params: Sequence[Any]) -> dict[str, list[int]]:
+def _window(n: torch.fx.Node, x: Any, **params: Sequence[Any]) -> dict[str, Any]:
     """A convolution's stride, padding and dilation, one entry per spatial axis. ATen takes a
     single entry for all of them, as ``padding="valid"`` traces (``[0]``), and expands it."""
     rank = len(_shape(meta(x))) - 2
