@@ -572,4 +572,4 @@ def _op_name(n: torch.fx.Node) -> str:
     return str(getattr(t, "__name__", t)) if not hasattr(t, "_schema") else f"aten.{t._schema.name.split('::')[-1]}"
 
 
-from fusegraph.torch import aten_attention, aten_gather, aten_norms, aten_pool  # noqa: E402,F401  (register their converters in CONVERTERS)
+from fusegraph.torch import aten_attention, aten_clamp, aten_gather, aten_norms, aten_pool  # noqa: E402,F401  (register their converters in CONVERTERS)
