@@ -61,6 +61,7 @@ GRAD_TOL = 1e-3  # float32 gradients after the check's first step, relative over
 FIRST_TOL = {"bf16": 3e-2, "fp16": 3e-2, "fp32": 1e-4}  # timed variants' first results vs eager's
 FIRST_TOL_GPU_FP32 = 5e-3  # cuDNN convolutions use TF32 by default
 LR = 1e-2
+PERTURB = 1e-6  # the check's control: eager's weights moved by this much, relative
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -141,40 +142,59 @@ def _report(rows: list[Any]) -> dict[str, Any]:
 
 
 # ---- the float32 check ---------------------------------------------------------------------------
+def _train(case: tm.Case, base: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor,
+           device: torch.device, variant: str, options: dict[str, Any], steps: int,
+           perturb: float = 0.0) -> tuple[list[float], list[torch.Tensor], list[Any]]:
+    """``steps`` SGD steps of a copy of ``base`` under ``variant``: the losses, the first
+    step's gradients and the report rows. ``perturb``: each weight first multiplied by
+    1 + perturb * N(0, 1) (a fixed draw), the control of a chaotic model."""
+    _free(device)
+    model = copy.deepcopy(base).train()
+    if perturb:
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1 + perturb * torch.randn(p.shape, generator=g).to(p.device))
+    fn = _compile(variant, model, options)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    losses: list[float] = []
+    grads: list[torch.Tensor] = []
+    with collecting() as rows:
+        for i in range(steps):
+            opt.zero_grad(set_to_none=True)
+            loss = case.loss(fn(*inputs), target)
+            loss.backward()
+            if i == 0:
+                grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+                         for p in model.parameters()]
+            opt.step()
+            losses.append(float(loss.detach()))
+    return losses, grads, list(rows)
+
+
+def _loss_rel(got: list[float], want: list[float]) -> list[float]:
+    return [abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want, strict=True)]
+
+
 def check(name: str, size: str, device: torch.device, steps: int, options: dict[str, Any],
           modes: list[str], batch: int | None = None) -> dict[str, Any]:
     """Eager against the backend with every region claimed (``options`` added), float32:
     ``steps`` SGD steps (losses, and every gradient after the first step) and, in eval mode
-    under no_grad, the outputs."""
+    under no_grad, the outputs. Where the first step agrees and a later loss does not, eager
+    is run once more with its weights moved by PERTURB: a model whose own losses then part
+    by more than LOSS_TOL (the held-out tiny MobileNetV2: 17% by the fifth step) cannot be
+    compared after its first step, so the check rests on that step's loss and gradients and
+    says so (``chaotic``)."""
     out: dict[str, Any] = {"model": name, "size": size, "options": {"floor": False, **options}}
     case = tm.case(name, size, batch)
     base, inputs, target = case.on(device)
     out["describe"] = case.describe
     with _strict_fp32():
         if "train" in modes and steps > 0:
-            runs: dict[str, tuple[list[float], list[torch.Tensor]]] = {}
-            for variant in ("eager", "fusegraph-claim"):
-                _free(device)
-                model = copy.deepcopy(base).train()
-                fn = _compile(variant, model, options)
-                opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-                losses: list[float] = []
-                grads: list[torch.Tensor] = []
-                with collecting() as rows:
-                    for i in range(steps):
-                        opt.zero_grad(set_to_none=True)
-                        loss = case.loss(fn(*inputs), target)
-                        loss.backward()
-                        if i == 0:
-                            grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
-                                     for p in model.parameters()]
-                        opt.step()
-                        losses.append(float(loss.detach()))
-                if variant != "eager":
-                    out["train_report"] = _report(rows)
-                runs[variant] = (losses, grads)
-            (want, gwant), (got, ggot) = runs["eager"], runs["fusegraph-claim"]
-            rel = [abs(g - w) / max(abs(w), 1e-12) for g, w in zip(got, want, strict=True)]
+            want, gwant, _ = _train(case, base, inputs, target, device, "eager", options, steps)
+            got, ggot, rows = _train(case, base, inputs, target, device, "fusegraph-claim", options, steps)
+            out["train_report"] = _report(rows)
+            rel = _loss_rel(got, want)
             flat_w = torch.cat([g.flatten().double() for g in gwant])
             flat_g = torch.cat([g.flatten().double() for g in ggot])
             names = [n for n, _ in base.named_parameters()]
@@ -183,7 +203,12 @@ def check(name: str, size: str, device: torch.device, steps: int, options: dict[
             out["train"] = {"eager_losses": want, "fusegraph_losses": got, "loss_rel": max(rel),
                             "grad_rel": _rel(flat_g, flat_w), "worst_param": names[worst] if names else "",
                             "worst_param_rel": per[worst] if per else 0.0}
-            out["train"]["ok"] = max(rel) <= LOSS_TOL and out["train"]["grad_rel"] <= GRAD_TOL
+            first = rel[0] <= LOSS_TOL and out["train"]["grad_rel"] <= GRAD_TOL
+            out["train"]["ok"] = first and max(rel) <= LOSS_TOL
+            if first and not out["train"]["ok"]:
+                control, _, _ = _train(case, base, inputs, target, device, "eager", options, steps, PERTURB)
+                out["train"]["control_rel"] = max(_loss_rel(control, want))
+                out["train"]["chaotic"] = out["train"]["ok"] = out["train"]["control_rel"] > LOSS_TOL
         if "infer" in modes:
             outs: dict[str, torch.Tensor] = {}
             for variant in ("eager", "fusegraph-claim"):
@@ -521,6 +546,9 @@ def _print_check(c: dict[str, Any]) -> None:
         t = c["train"]
         parts.append(f"train losses {t['loss_rel']:.1e} rel, gradients {t['grad_rel']:.1e} "
                      f"(worst {t['worst_param']} {t['worst_param_rel']:.1e}) {'ok' if t['ok'] else 'DISAGREES'}")
+        if t.get("chaotic"):
+            parts.append(f"chaotic: eager's own losses part by {t['control_rel']:.1e} with its weights moved by "
+                         f"{PERTURB:.0e}, so only the first step is compared")
         if "train_report" in c:
             parts.append(f"coverage {c['train_report']['coverage']:.0%}")
     if "infer" in c:

@@ -53,7 +53,11 @@ def _quick(tmp_path: Path, models: list[str]) -> list[dict[str, Any]]:
         assert "error" not in c, f"{c['model']}: {c.get('error')}"
         t, i = c["train"], c["infer"]
         assert len(t["fusegraph_losses"]) == 5
-        assert t["loss_rel"] <= 1e-4, f"{c['model']}: losses {t['fusegraph_losses']} vs eager {t['eager_losses']}"
+        first = abs(t["fusegraph_losses"][0] - t["eager_losses"][0]) / abs(t["eager_losses"][0])
+        assert first <= 1e-4, f"{c['model']}: first loss {t['fusegraph_losses'][0]} vs eager {t['eager_losses'][0]}"
+        # later steps compared unless eager itself parts from a 1e-6 nudge of its weights (chaotic)
+        assert t["loss_rel"] <= 1e-4 or t.get("chaotic"), \
+            f"{c['model']}: losses {t['fusegraph_losses']} vs eager {t['eager_losses']}"
         assert t["grad_rel"] <= 1e-3, f"{c['model']}: gradients {t['grad_rel']:.2e} (worst {t['worst_param']})"
         assert i["out_rel"] <= 1e-4, f"{c['model']}: eval outputs {i['out_rel']:.2e}"
         # the check must have run fusegraph, not eager twice
@@ -92,6 +96,33 @@ def test_a_backend_that_disagrees_fails_the_quick_run(bench: ModuleType, tmp_pat
     check = json.loads(out.read_text())["checks"][0]
     assert not check["train"]["ok"] and check["train"]["loss_rel"] > 1e-4
     assert not check["infer"]["ok"] and check["infer"]["out_rel"] > 1e-4
+
+
+def test_a_backend_that_drifts_after_the_first_step_fails_the_quick_run(bench: ModuleType, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The first step exact, the later ones' outputs scaled by 1.01: the check's control (eager with
+    its weights moved by 1e-6) finds the conv net's losses stable, so the drift is a
+    disagreement, not chaos."""
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    real = bench._compile
+
+    def drifting(variant: str, model: Any, extra: dict[str, Any]) -> Any:
+        fn = real(variant, model, extra)
+        if variant == "eager":
+            return fn
+        calls = [0]
+
+        def call(*xs: Any) -> Any:
+            calls[0] += 1
+            return fn(*xs) * (1.01 if calls[0] > 1 and torch.is_grad_enabled() else 1.0)
+        return call
+
+    monkeypatch.setattr(bench, "_compile", drifting)
+    out = tmp_path / "drift.json"
+    assert bench.main(["--quick", "--models", "convnet", "--json", str(out)]) == 1
+    train = json.loads(out.read_text())["checks"][0]["train"]
+    assert train["fusegraph_losses"][0] == pytest.approx(train["eager_losses"][0], rel=1e-6)
+    assert not train["ok"] and not train["chaotic"] and train["control_rel"] <= 1e-4 < train["loss_rel"]
 
 
 def test_full_size_models_are_the_published_architectures() -> None:
