@@ -19,7 +19,10 @@ Models (benchmarks/torch_models.py, random weights, no downloads): ``resnet50``
 (channels-last, batch 64, 224), ``vit_b_16`` (batch 32), ``gpt2`` (GPT-2 small, batch 8,
 sequence 1024), ``llama`` (8 layers, h 2048, GQA 32/8, RMSNorm, rotary, batch 2, sequence
 2048), ``unet`` (a Stable Diffusion UNet level: resnet + transformer block, c 640, 32x32,
-batch 8); ``convnet`` (a small conv net) on request. Variants: ``eager``, ``inductor``
+batch 8); ``convnet`` (a small conv net) on request; the held-out models
+(benchmarks/held_out_models.py: ``hf-bert``, ``hf-t5``, ``hf-qwen2``, ``hf-gpt-neox``,
+``hf-convnext``, ``hf-swin``, ``hf-efficientnet``, ``hf-mobilenet-v2``, ``hf-regnet``;
+transformers' configurations) on request. Variants: ``eager``, ``inductor``
 (torch.compile's default), ``inductor-again`` (a second, independent compile of the same:
 the spread between two identical variants, on request), ``fusegraph`` (backend "fusegraph",
 floor on: each region kept only where it measured faster than Inductor's code),
