@@ -8,9 +8,7 @@ every region claimed, equal to eager, the ReLU6 backward claimed."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -19,11 +17,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="the ATen converters need torch")
 
 import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from test_torch_aten_gather import _converted, _feeds, _randn, _rel  # noqa: E402  (the same checks)
-
-from fusegraph.torch.compile_backend import fusegraph_backend  # noqa: E402
-from fusegraph.torch.explainer import explain  # noqa: E402
+from test_torch_aten_gather import _converted, _feeds, _one_step_like_eager, _randn, _rel  # noqa: E402  (the same checks)
 
 a = torch.ops.aten
 TOL = {torch.float64: 1e-12, torch.float32: 1e-6}
@@ -92,21 +86,6 @@ class InvertedResidual(nn.Module):
 
 def test_a_mobilenet_v2_block_trains_as_eager_with_relu6_claimed(rng: np.random.Generator) -> None:
     torch.manual_seed(int(rng.integers(1 << 31)))
-    eager = InvertedResidual()
-    twin = copy.deepcopy(eager)
     x = _randn(rng, 2, 8, 6, 6) * 3  # wide enough that some activations pass 6
-    options = {"floor": False, "rest": "eager"}
-    report = explain(copy.deepcopy(eager), x, options=options)
-    claimed = {r.op for r in report.rows if r.fusegraph}
-    assert {"aten.hardtanh", "aten.hardtanh_backward"} <= claimed, report.summary()
-    torch._dynamo.reset()
-    compiled = torch.compile(twin, backend=partial(fusegraph_backend, options=options))
-    losses = []
-    for model in (eager, compiled):
-        loss = F.mse_loss(model(x), torch.zeros_like(x))
-        loss.backward()  # type: ignore[no-untyped-call]
-        losses.append(float(loss.detach()))
-    assert abs(losses[1] - losses[0]) <= 1e-5 * abs(losses[0])
-    for (name, p), q in zip(eager.named_parameters(), twin.parameters(), strict=True):
-        assert p.grad is not None and q.grad is not None, name
-        assert _rel(q.grad, p.grad) <= 1e-5, name
+    _one_step_like_eager(InvertedResidual(), x, torch.zeros_like(x), {"floor": False, "rest": "eager"},
+                         {"aten.hardtanh", "aten.hardtanh_backward"})

@@ -9,8 +9,6 @@ region claimed) equals eager's, its backward claimed."""
 
 from __future__ import annotations
 
-import copy
-from functools import partial
 from typing import Any
 
 import numpy as np
@@ -20,12 +18,10 @@ torch = pytest.importorskip("torch", reason="the ATen converters need torch")
 
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from test_torch_aten_gather import _converted, _feeds, _randn, _rel  # noqa: E402  (the same checks)
+from test_torch_aten_gather import _converted, _feeds, _one_step_like_eager, _randn, _rel  # noqa: E402  (the same checks)
 
 from fusegraph.graph.ops import OpKind  # noqa: E402
 from fusegraph.torch import aten as conv_aten  # noqa: E402
-from fusegraph.torch.compile_backend import fusegraph_backend  # noqa: E402
-from fusegraph.torch.explainer import explain  # noqa: E402
 
 a = torch.ops.aten
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
@@ -104,20 +100,5 @@ class DepthwiseValid(nn.Module):
 
 def test_a_valid_padding_depthwise_training_step_matches_eager(rng: np.random.Generator) -> None:
     torch.manual_seed(int(rng.integers(1 << 31)))
-    eager = DepthwiseValid()
-    twin = copy.deepcopy(eager)
-    x, target = _randn(rng, 2, 6, 9, 9), _randn(rng, 2, 4)
-    report = explain(copy.deepcopy(eager), x, options={"floor": False, "rest": "eager"})
-    claimed = {r.op for r in report.rows if r.fusegraph}
-    assert {"aten.convolution", "aten.convolution_backward"} <= claimed, report.summary()
-    torch._dynamo.reset()
-    compiled = torch.compile(twin, backend=partial(fusegraph_backend, options={"floor": False, "rest": "eager"}))
-    losses = []
-    for model in (eager, compiled):
-        loss = F.mse_loss(model(x), target)
-        loss.backward()  # type: ignore[no-untyped-call]
-        losses.append(float(loss.detach()))
-    assert abs(losses[1] - losses[0]) <= 1e-5 * abs(losses[0])
-    for (name, p), q in zip(eager.named_parameters(), twin.parameters(), strict=True):
-        assert p.grad is not None and q.grad is not None, name
-        assert _rel(q.grad, p.grad) <= 1e-5, name
+    _one_step_like_eager(DepthwiseValid(), _randn(rng, 2, 6, 9, 9), _randn(rng, 2, 4),
+                         {"floor": False, "rest": "eager"}, {"aten.convolution", "aten.convolution_backward"})

@@ -76,6 +76,26 @@ def _refused(fn: Callable[..., Any], inputs: Sequence[Any], op: Any) -> str:
     return conv.refused[node.name]
 
 
+def _one_step_like_eager(eager: Any, x: Any, target: Any, options: dict[str, Any], ops: set[str]) -> None:
+    """``eager`` under the backend with ``options``: ``ops`` claimed (explain's rows), and one
+    training step's MSE loss and every gradient equal to eager's (<= 1e-5 relative)."""
+    twin = copy.deepcopy(eager)
+    report = explain(copy.deepcopy(eager), x, options=options)
+    claimed = {r.op for r in report.rows if r.fusegraph}
+    assert ops <= claimed, report.summary()
+    torch._dynamo.reset()
+    compiled = torch.compile(twin, backend=partial(fusegraph_backend, options=options))
+    losses = []
+    for model in (eager, compiled):
+        loss = F.mse_loss(model(x), target)
+        loss.backward()  # type: ignore[no-untyped-call]
+        losses.append(float(loss.detach()))
+    assert abs(losses[1] - losses[0]) <= 1e-5 * abs(losses[0])
+    for (name, p), q in zip(eager.named_parameters(), twin.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        assert _rel(q.grad, p.grad) <= 1e-5, name
+
+
 def _randn(rng: np.random.Generator, *shape: int, dtype: Any = torch.float32) -> Any:
     return torch.from_numpy(rng.standard_normal(shape)).to(dtype)
 
