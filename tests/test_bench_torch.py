@@ -125,6 +125,28 @@ def test_a_backend_that_drifts_after_the_first_step_fails_the_quick_run(bench: M
     assert not train["ok"] and not train["chaotic"] and train["control_rel"] <= 1e-4 < train["loss_rel"]
 
 
+def test_a_loop_trial_still_weighing_sides_gets_its_steps_alone(bench: ModuleType, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past --warm-steps, a fusegraph variant keeps stepping alone while its loop trial
+    weighs sides (four more steps here), so the trial never times periods that hold the
+    other variants' interleaved steps; the other variants take --warm-steps only."""
+    monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path / "cache"))
+    left = [4]
+
+    def running() -> bool:
+        left[0] -= 1
+        return left[0] >= 0
+
+    monkeypatch.setattr(bench, "_trial_running", running)
+    out = tmp_path / "trial.json"
+    assert bench.main(["--device", "cpu", "--size", "tiny", "--models", "convnet", "--modes", "train",
+                       "--variants", "eager,fusegraph-claim", "--options", "rest=eager", "--check-steps", "0",
+                       "--budget", "0.2", "--warmup", "0", "--warm-steps", "1", "--json", str(out)]) == 0
+    variants = json.loads(out.read_text())["rows"][0]["variants"]
+    assert variants["fusegraph-claim"]["trial_steps"] == 4
+    assert "trial_steps" not in variants["eager"]
+
+
 def test_full_size_models_are_the_published_architectures() -> None:
     """Built on the meta device (no memory): ResNet-50 and ViT-B/16 have torchvision's
     parameter counts, GPT-2 small its 124M (tied head); the Llama-style decoder has 8
