@@ -488,9 +488,8 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
     if best is not None:
         side, chosen, found = best.side, best.fn, best.verdict
     if own_verdict is not None and not (chosen is not None and step_choice.pending(chosen)):
-        verdict_of = own_verdict
-        _store(own_verdict, state, (lambda: verdict_of.record_step(found)) if found is not None
-               else (lambda: verdict_of.record(state.rows)))
+        _store(own_verdict, state, functools.partial(own_verdict.record_step, found) if found is not None
+               else functools.partial(own_verdict.record, state.rows))
     # the node's own reason first (bench_torch.py groups and truncates them)
     end = f"{step_floor.reason(found)}; " if found is not None else ""
     end += NO_REGION_EAGER if side == step_floor.EAGER else INDUCTORS_OWN
@@ -530,8 +529,7 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
             return fn
         verdict = found
         if own_verdict is not None and not step_choice.pending(fn):
-            verdict_of = own_verdict
-            _store(own_verdict, state, lambda: verdict_of.record_step(verdict))
+            _store(own_verdict, state, functools.partial(own_verdict.record_step, verdict))
     why = step_floor.reason(verdict) + step_choice.later(fn)
     if side == step_floor.TRACE:
         _report([dataclasses.replace(r, why=f"{r.why}; {why}") if r.fusegraph else r for r in rows])
@@ -553,7 +551,7 @@ def _recorder(own_verdict: DynamoVerdict | None, state: _Compile) -> Callable[[A
     store = own_verdict
 
     def record(verdict: Any) -> None:
-        _store(store, state, lambda: store.record_step(verdict))
+        _store(store, state, functools.partial(store.record_step, verdict))
 
     return record
 
