@@ -128,9 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     if "switch" in chains and "inductor" not in chains:
         ap.error("the switch chain reads the inductor chain's caches: name both")
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+
+    def save() -> None:  # after every chain: a run stopped by a time limit keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps({"device": args.device, "size": args.size, "runs": results},
+                                                  indent=1))
+
     for model in filter(None, args.models.split(",")):
+        results[model] = {}
         with tempfile.TemporaryDirectory(prefix="fusegraph-compile-time-") as tmp:
-            results[model] = {c: run_chain(c, model, args, Path(tmp)) for c in chains}
+            for c in chains:
+                results[model][c] = run_chain(c, model, args, Path(tmp))
+                save()
     print(f"\ncompile time (s) of the first training step, {args.device}, {args.size} models; "
           "ratio: fusegraph / Inductor, run for run")
     print(f"{'model':<10} {'run':>3} " + " ".join(f"{c:>10}" for c in chains) + "  ratios")
@@ -139,8 +148,6 @@ def main(argv: list[str] | None = None) -> int:
             secs = {c: by_chain[c][i]["seconds"] for c in chains}
             ratios = [f"{c} {secs[c] / secs['inductor']:.2f}x" for c in chains if c != "inductor" and "inductor" in secs]
             print(f"{model:<10} {i + 1:>3} " + " ".join(f"{secs[c]:>10.1f}" for c in chains) + "  " + ", ".join(ratios))
-    if args.json:
-        Path(args.json).write_text(json.dumps({"device": args.device, "size": args.size, "runs": results}, indent=1))
     return 0
 
 
