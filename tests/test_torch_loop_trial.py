@@ -108,6 +108,89 @@ def test_a_graph_called_three_times_a_step_is_chosen_on_whole_steps(loop_clock: 
     assert ran[before:] == [EAGER] * 6 and len(recorded) == 1 and w.grad is None
 
 
+class _Cycling(_Side):
+    """A candidate whose calls cost ``costs`` in turn (a step that varies: a stall, a log)."""
+
+    def __init__(self, loop_clock: Any, name: str, costs: list[float], ran: list[str]) -> None:
+        super().__init__(loop_clock, name, costs[0], ran)
+        self.costs, self.calls = costs, 0
+
+    def __call__(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+        self.cost = self.costs[self.calls % len(self.costs)]
+        self.calls += 1
+        return super().__call__(x, w)
+
+
+def _cycling(loop_clock: Any, eager: list[float], samples: int = loop_trial.SAMPLES
+             ) -> tuple[Any, list[str], list[Verdict]]:
+    """Inductor's own at 1 s a step, eager at ``eager``'s costs in turn; alone eager came
+    within the margin of Inductor's own, so Inductor's own is the check's winner."""
+    ran: list[str] = []
+    recorded: list[Verdict] = []
+    sides = {OWN: _Side(loop_clock, OWN, 1.0, ran), EAGER: _Cycling(loop_clock, EAGER, eager, ran)}
+    fn = loop_trial.weigh(sides, _check({OWN: 1.0, EAGER: 1.02}), margin=MARGIN, samples=samples,
+                          record=recorded.append)
+    assert isinstance(fn, loop_trial.Piece) and fn.own_winner == OWN
+    return fn, ran, recorded
+
+
+@pytest.mark.parametrize(("samples", "wins", "p"), [(loop_trial.SAMPLES, "14 of 20", "0.058"), (2, "6 of 8", "0.14")])
+def test_a_median_win_within_the_noise_times_up_to_samples_max_then_keeps_inductors_own(
+        loop_clock: Any, samples: int, wins: str, p: str) -> None:
+    """Eager's step costs 0.9 s twice, then 1.2 s (a stall every third step): its median is
+    10% below Inductor's own 1 s, but it is slower in a third of the paired rounds, which no
+    look from ``samples`` to 4x ``samples`` rounds separates from chance (sign test > 0.05).
+    The trial goes on past ``samples`` (still in the QUEUE), and at the cap Inductor's own
+    runs, the stored verdict saying why with the numbers."""
+    fn, ran, recorded = _cycling(loop_clock, [0.9, 0.9, 1.2], samples)
+    most = 4 * samples
+    w = _w()
+    _steps(fn, w, 2 * samples + 2)  # where medians alone decided
+    assert not fn.trial.done and loop_trial.QUEUE.running is fn.trial and not recorded
+    _steps(fn, w, 2 * (most - samples))
+    assert fn.trial.done and [len(t) for t in fn.trial.periods.values()] == [most, most], fn.trial.periods
+    assert fn.trial.periods[loop_trial.ALL_EAGER] == pytest.approx(([900.0, 900.0, 1200.0] * most)[:most])
+    assert len(recorded) == 1 and step_floor.winner(recorded[0]) == OWN, recorded
+    why = recorded[0].why
+    assert (f"eager 900.000 ms vs Inductor's own compile 1000.000 ms (medians of {most}; " in why
+            and f": eager faster in {wins} paired steps (sign test p={p} > 0.05): not beyond the noise, "
+                "Inductor's own compile runs" in why), why
+    assert recorded[0].incumbent_ms == 1000.0, recorded[0]
+    before = len(ran)
+    _steps(fn, w, 3)
+    assert ran[before:] == [OWN] * 3 and len(recorded) == 1
+
+
+def test_a_win_in_every_paired_round_decides_after_samples(loop_clock: Any) -> None:
+    """A clean, consistent 10% win: 5 of 5 paired rounds (p = 1/32) displaces Inductor's own
+    at the first decision."""
+    fn, ran, recorded = _cycling(loop_clock, [0.9])
+    _steps(fn, _w(), 2 * loop_trial.SAMPLES + 2)
+    assert fn.trial.done and fn.trial.periods == {loop_trial.ALL_OWN: [1000.0] * loop_trial.SAMPLES,
+                                                  loop_trial.ALL_EAGER: pytest.approx([900.0] * loop_trial.SAMPLES)}
+    assert len(recorded) == 1 and step_floor.winner(recorded[0]) == EAGER, recorded
+    assert "eager faster in 5 of 5 paired steps (sign test p=0.031 <= 0.05); eager" in recorded[0].why, recorded[0].why
+    assert ran[-1] == EAGER and ran[:3] == [OWN, OWN, EAGER], ran  # the deciding step ran eager
+
+
+def test_a_win_that_needs_more_rounds_decides_before_the_cap(loop_clock: Any) -> None:
+    """Eager is slower only in its second round: 4 of 5 (p = 0.19) is not enough, and the
+    trial decides after each full round from then: 5 of 6 (0.11), 6 of 7 (0.063), 7 of 8
+    (0.035) displaces Inductor's own, 12 rounds short of the cap."""
+    fn, ran, recorded = _cycling(loop_clock, [0.9, 1.2] + [0.9] * 30)
+    w = _w()
+    _steps(fn, w, 1 + 2 * 7 + 1)  # the dropped first step, seven rounds, and the step after them
+    assert not fn.trial.done and not recorded
+    _steps(fn, w, 2)  # eager's turn of the eighth round, and the step after it
+    assert fn.trial.done and [len(t) for t in fn.trial.periods.values()] == [8, 8], fn.trial.periods
+    assert len(recorded) == 1 and step_floor.winner(recorded[0]) == EAGER, recorded
+    assert "(medians of 8; " in recorded[0].why, recorded[0].why
+    assert "eager faster in 7 of 8 paired steps (sign test p=0.035 <= 0.05); eager" in recorded[0].why, recorded[0].why
+    before = len(ran)
+    _steps(fn, w, 2)
+    assert ran[before:] == [EAGER] * 2 and len(recorded) == 1, ran
+
+
 def test_a_recompute_inside_the_backward_starts_no_step(loop_clock: Any) -> None:
     """Activation checkpointing calls the graph again inside the backward: one step still
     counts one period, and each recompute runs the side its forward ran."""
@@ -234,7 +317,7 @@ def test_the_backend_weighs_close_sides_on_the_loop_and_stores_that_verdict(
         step = torch.compile(model, backend=partial(fusegraph_backend, options=options)) if compiled else model
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
         losses = []
-        for i in range(2 * loop_trial.SAMPLES + 3):
+        for i in range(2 * loop_trial.SAMPLES_MAX + 3):  # the real clock's steps may need every round
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(i))
             loss = step(x).square().mean()
             loss.backward()
@@ -274,6 +357,9 @@ def test_on_cuda_bf16_channels_last_training_tracks_eager_through_the_trial(tmp_
 
     monkeypatch.setenv("FUSEGRAPH_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(loop_trial, "QUEUE", loop_trial._Queue())
+    # decided within these steps whatever the noise (the sign test's extra rounds are tested
+    # on the virtual clock): a longer bf16 run would drift further from eager's losses
+    monkeypatch.setattr(loop_trial, "SAMPLES_MAX", loop_trial.SAMPLES)
     rows = cuda_bf16_training_tracks_eager(3 * loop_trial.SAMPLES + 3, {"budget": None})
     stored = _stored()
     assert len(stored) == 1 and stored[0]["source"] == "measured", stored

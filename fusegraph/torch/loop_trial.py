@@ -12,7 +12,13 @@ compiled backward all of them at its end. DDP's graph split has the same blind s
 So where the check leaves more than one side within BAND of the fastest alone, and the
 step has a backward, the graph (a Piece) runs those sides in turn on the user's steps, one
 choice a step for every call of the graph in it, SAMPLES steps each, and keeps the fastest
-median (ties within the margin go to Inductor's own, then eager, as in the check). A step
+median (ties within the margin go to Inductor's own, then eager, as in the check). The
+user's steps vary (evaluation, logging, data stalls, another process on the device), so a
+median can come out faster by chance, and the verdict is kept for good: a side displaces
+the incumbent (the earliest in CHOICES timed) only where it was faster in enough of their
+paired rounds that chance alone would do so with probability at most ALPHA (a one-sided
+sign test). Short of that, turns go on, a decision after each full round, up to
+SAMPLES_MAX steps each; the incumbent runs where even those leave it within the noise. A step
 is timed from one start to the next, the device synchronized there, so a period holds the
 whole step: forward, backward, communication, optimizer, data. A step starts at a call of
 the trial's first graph made outside a backward after that graph's backward ran and, once
@@ -37,6 +43,7 @@ leaves the graph to be checked again."""
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 import weakref
@@ -56,7 +63,10 @@ log = logging.getLogger("fusegraph.torch")
 # could call without fusegraph), each graph's own check's winner
 ALL_OWN, ALL_EAGER, EACH = "every piece Inductor's own compile", "every piece eager", "each piece its own check's winner"
 CHOICES = (ALL_OWN, ALL_EAGER, EACH)
-SAMPLES = 5  # the user's steps timed per choice (the backend's option ``loop_steps``)
+SAMPLES = 5  # the user's steps timed per choice before the first decision (the backend's option ``loop_steps``)
+# steps per choice at most while no side beats the incumbent beyond the noise (loop_steps scales it)
+SAMPLES_MAX = 4 * SAMPLES
+ALPHA = 0.05  # the sign test's level: how often chance alone may let a side no faster displace the incumbent
 BAND = 1.25  # a choice whose graphs took longer than this times the fastest's alone is not weighed
 STALE_S = 60.0  # a trial whose graph started no step for this long gives way to the next
 NO_OPTIMIZER = 32  # backwards without a torch.optim step after which a trial times backwards alone
@@ -74,6 +84,12 @@ def _free(device: torch.device) -> int | None:
     """Bytes free for a step on ``device`` (graph_floor.free_memory; None off a GPU: no
     limit weighed). Tests replace this."""
     return graph_floor.free_memory(device) if device.type == "cuda" else None
+
+
+def sign_p(wins: int, rounds: int) -> float:
+    """How often a side no faster than the other would be faster in at least ``wins`` of
+    ``rounds`` paired rounds by chance: P(W >= wins) for W ~ Binomial(rounds, 1/2)."""
+    return sum(math.comb(rounds, k) for k in range(wins, rounds + 1)) / 2.0**rounds
 
 
 def in_backward() -> bool:
@@ -155,6 +171,7 @@ class Trial:
 
     def __init__(self, margin: float, samples: int = SAMPLES) -> None:
         self.margin, self.samples = margin, samples
+        self.most = max(samples, samples * SAMPLES_MAX // SAMPLES)  # periods per choice at most
         self.pieces: list[Piece] = []
         self.periods: dict[str, list[float]] = {}
         self.turn: str | None = None  # the choice the current step runs
@@ -247,7 +264,12 @@ class Trial:
         return self.by_optimizer is False
 
     def _tick(self, device: torch.device) -> None:
-        """A step begins: the last one's period is kept and the next choice takes its turn."""
+        """A step begins: the last one's period is kept and the next choice takes its turn.
+        Turns go to the first choice with the fewest periods, a period dropped (the trial's
+        first; the one spanning the wait before steps end at backwards) is run again by the
+        same choice, and a choice left out is deleted whole: so the i-th period of every
+        choice comes from the same round of consecutive steps, the pairing the sign test
+        (_weigh) relies on."""
         if not self.periods:
             self.periods = {choice: [] for choice in self.weighed()}
             if len(self.periods) == 1 or self.samples <= 0:  # nothing to weigh
@@ -262,7 +284,7 @@ class Trial:
         self.per_step, self.calls = max(self.per_step, self.calls), 0
         first = self.turn is None
         while True:
-            if len(self.periods) == 1 or all(len(p) >= self.samples for p in self.periods.values()):
+            if len(self.periods) == 1 or self._decided():
                 self._decide()
                 return
             choices = list(self.periods)
@@ -290,6 +312,45 @@ class Trial:
         return (f"its steps would save {need / 2**20:.0f} MiB for their backwards, more than {ROOM:.0%} of the "
                 f"{free / 2**20:.0f} MiB free on the device")
 
+    def _decided(self) -> bool:
+        """Whether the trial decides now: at the end of a full round (every choice as many
+        periods) once there are ``samples`` of them, where the median's choice is the
+        incumbent or beats it beyond the noise, or at ``most`` periods whatever they say."""
+        counts = {len(p) for p in self.periods.values()}
+        if len(counts) != 1 or (rounds := counts.pop()) < self.samples:
+            return False
+        if rounds >= self.most or self._weigh()[2]:
+            return True
+        if rounds == self.samples:
+            log.info("the loop trial times more steps: %s", self._weigh()[1])
+        return False
+
+    def _weigh(self) -> tuple[str, str, bool]:
+        """The choice the periods so far give, why, and whether it stands: ``best`` (the
+        fastest median, ties within the margin to the earlier in CHOICES) where it is the
+        incumbent ``pref`` (the earliest timed) or was faster than it in enough paired rounds
+        (the i-th periods of both, _tick) that sign_p <= ALPHA; else ``pref``, not standing
+        (more rounds may separate them). Between ``best`` and another choice than ``pref``
+        the medians alone decide."""
+        timed = {c: p for c, p in self.periods.items() if p}
+        medians = {c: statistics.median(p) for c, p in timed.items()}
+        best = timing.fastest({c: timing.Timing(c, t, t, (t,)) for c, t in medians.items()}, order=CHOICES,
+                              tie_margin=self.margin)
+        pref = next(c for c in CHOICES if c in timed)
+        steps = " vs ".join(f"{self.label(c)} {medians[c]:.3f} ms" for c in sorted(medians, key=medians.__getitem__))
+        why = (f"the training loop's own steps timed: {steps} (medians of {len(timed[pref])}; ties within "
+               f"{self.margin:.0%} go to Inductor's own, then eager)")
+        if best == pref:
+            return best, f"{why}; {self.label(best)}", True
+        pairs = list(zip(timed[best], timed[pref], strict=False))
+        wins = sum(b < p for b, p in pairs)
+        p = sign_p(wins, len(pairs))
+        why = (f"{why}: {self.label(best)} faster in {wins} of {len(pairs)} paired steps (sign test "
+               f"p={p:.2g} {'<=' if p <= ALPHA else '>'} {ALPHA:g})")
+        if p <= ALPHA:
+            return best, f"{why}; {self.label(best)}", True
+        return pref, f"{why}: not beyond the noise, {self.label(pref)} runs", False
+
     def _decide(self) -> None:
         self.done = True
         OPTIMIZER.release()
@@ -297,13 +358,9 @@ class Trial:
         ms: float | None = None
         own_ms: float | None = None
         if len(timed) > 1:
-            medians = {c: statistics.median(p) for c, p in timed.items()}
-            choice = timing.fastest({c: timing.Timing(c, t, t, (t,)) for c, t in medians.items()}, order=CHOICES,
-                                    tie_margin=self.margin)
-            steps = " vs ".join(f"{self.label(c)} {medians[c]:.3f} ms" for c in sorted(medians, key=medians.__getitem__))
-            why = (f"the training loop's own steps timed: {steps} (medians of {self.samples}; ties within "
-                   f"{self.margin:.0%} go to Inductor's own, then eager); {self.label(choice)}")
-            ms, own_ms = medians[choice], medians.get(ALL_OWN, medians[choice])
+            choice, why, _ = self._weigh()
+            ms = statistics.median(timed[choice])
+            own_ms = statistics.median(timed[ALL_OWN]) if ALL_OWN in timed else ms
         else:
             choice = EACH
             why = (f"the check alone chose: no other choice of sides came within {BAND - 1:.0%} of it alone and "
