@@ -24,7 +24,8 @@ batch 8); ``convnet`` (a small conv net) on request; the held-out models
 ``hf-convnext``, ``hf-swin``, ``hf-efficientnet``, ``hf-mobilenet-v2``, ``hf-regnet``;
 transformers' configurations) on request. Variants: ``eager``, ``inductor``
 (torch.compile's default), ``inductor-again`` (a second, independent compile of the same:
-the spread between two identical variants, on request), ``fusegraph`` (backend "fusegraph",
+the spread between two identical variants, on request), ``inductor-cudagraphs``
+(``mode="reduce-overhead"``: Inductor's code captured in CUDA graphs, on request), ``fusegraph`` (backend "fusegraph",
 floor on: each region kept only where it measured faster than Inductor's code),
 ``fusegraph-claim`` (floor off: every region it can build). Ratios are other / fusegraph: above 1, fusegraph is faster.
 """
@@ -57,7 +58,7 @@ from fusegraph.torch.compile_backend import collecting
 from fusegraph.torch.phases import compile_phases
 
 DEFAULT_MODELS = "resnet50,vit_b_16,gpt2,llama,unet"
-VARIANTS = ("eager", "inductor", "inductor-again", "fusegraph", "fusegraph-claim")
+VARIANTS = ("eager", "inductor", "inductor-again", "inductor-cudagraphs", "fusegraph", "fusegraph-claim")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 LOSS_TOL = 1e-4  # float32 losses of the check, relative (issue 23's target)
 GRAD_TOL = 1e-3  # float32 gradients after the check's first step, relative over all of them
@@ -99,6 +100,8 @@ def _compile(variant: str, model: nn.Module, extra: dict[str, Any]) -> Callable[
         return model
     if variant in ("inductor", "inductor-again"):
         return torch.compile(model, dynamic=False)
+    if variant == "inductor-cudagraphs":
+        return torch.compile(model, mode="reduce-overhead", dynamic=False)
     options = {"floor": variant == "fusegraph", **extra}
     return torch.compile(model, backend="fusegraph", options=options, dynamic=False)
 
@@ -275,7 +278,7 @@ def bench(name: str, mode: str, batch: int | None, dtype: str, args: argparse.Na
             print(f"{name} {mode} {variant}: {d['error'][:300]}", file=sys.stderr)
             continue
         d["compile_s"] = time.perf_counter() - t0
-        firsts[variant] = first.detach().float()
+        firsts[variant] = first.detach().float().clone()  # CUDA graphs' outputs are overwritten by the next replay
         if variant.startswith("fusegraph"):
             d.update(_report(rows))
             d["phases"] = phases  # inclusive seconds (fusegraph/torch/phases.py): they nest
