@@ -51,6 +51,7 @@ from fusegraph.torch.decompositions import cacheable, decompose_rest, keep_whole
 from fusegraph.torch.dynamo_verdict import (
     NO_REGION_EAGER,
     STORED_EAGER,
+    STORED_GRAPHED,
     STORED_OWN,
     DynamoVerdict,
     dynamo_rows,
@@ -411,11 +412,19 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         own_s.append(time.perf_counter() - t0)
         return fn  # type: ignore[return-value]
 
-    from fusegraph.torch import step_floor
+    from fusegraph.torch import cuda_graphs, step_floor
     from fusegraph.torch.graph_floor import copy_graph
 
+    # Inductor's own compile in CUDA graphs: a candidate of the step check on a GPU
+    graphed = functools.partial(cuda_graphs.compile_graphed, gm, example_inputs, own) \
+        if opts.cuda_graphs and step_floor.device_of(example_inputs).type == "cuda" else None
     if own_verdict is not None and stored is not None and not stored.fusegraph:
         side = step_floor.winner(stored)
+        if side == step_floor.GRAPHED and graphed is not None:
+            log.info("%s (%s)", STORED_GRAPHED, stored.describe())
+            _report(dynamo_rows(gm, step_floor.WHERE[side], own_verdict.why(stored, STORED_GRAPHED)))
+            with phase(phases.OWN):
+                return graphed()
         if side == step_floor.EAGER:  # nothing compiled at all
             log.info("%s (%s)", STORED_EAGER, stored.describe())
             _report(dynamo_rows(gm, step_floor.WHERE[side], own_verdict.why(stored, STORED_EAGER)))
@@ -433,7 +442,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         # "no region kept", stored before eager was timed (or where the check could not run): timed now
         module = copy_graph(gm)  # before Inductor's pre-grad passes rewrite ``gm`` in place
         settled = step_choice.settle(gm, example_inputs, compile_own, module.forward, margin=opts.margin,
-                                     warmup_s=opts.warmup_s, samples=opts.loop_steps,
+                                     warmup_s=opts.warmup_s, samples=opts.loop_steps, graphed=graphed,
                                      record=own_verdict.record_step)
         verdict = settled.verdict
         if verdict is not None and not step_choice.pending(settled.fn):
@@ -455,7 +464,7 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         # passes, which rewrite it in place, give the same graph when run again.
         try:
             best = step_choice.settle(gm, example_inputs, own_once, eager.forward, margin=opts.margin,
-                                      warmup_s=opts.warmup_s, samples=opts.loop_steps,
+                                      warmup_s=opts.warmup_s, samples=opts.loop_steps, graphed=graphed,
                                       record=_recorder(own_verdict, state))
         except Exception as exc:  # Inductor's own failed: the trace may still run, as before
             log.warning("Inductor's own compile of the Dynamo graph failed (%s: %s)", type(exc).__name__, exc)
@@ -479,11 +488,11 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
             first = trace(state, force_non_lazy_backward_lowering=True)
     if state.kept:
         return _against_others(first, own_once, eager, gm, example_inputs, opts, state, own_verdict,
-                               stored if checked else None)
+                               stored if checked else None, graphed)
     side, chosen, found = step_floor.OWN, None, None
     if best is None and eager is not None:
         best = step_choice.settle(gm, example_inputs, own_once, eager.forward, margin=opts.margin,
-                                  warmup_s=opts.warmup_s, samples=opts.loop_steps,
+                                  warmup_s=opts.warmup_s, samples=opts.loop_steps, graphed=graphed,
                                   record=_recorder(own_verdict, state))
     if best is not None:
         side, chosen, found = best.side, best.fn, best.verdict
@@ -504,7 +513,8 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
 
 def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callable[..., Any]],
                     eager: torch.fx.GraphModule | None, gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
-                    opts: Options, state: _Compile, own_verdict: DynamoVerdict | None, stored: Any) -> Callable[..., Any]:
+                    opts: Options, state: _Compile, own_verdict: DynamoVerdict | None, stored: Any,
+                    graphed: Callable[[], Callable[..., Any]] | None = None) -> Callable[..., Any]:
     """A trace that kept regions timed as a step against Inductor's own compile of the
     Dynamo graph and against eager (step_floor.py; ``eager`` None: not checked, the floor
     off or CUDA graphs), unless a stored verdict already chose the trace; the rows say which
@@ -520,7 +530,7 @@ def _against_others(first: Callable[..., Any], compile_own: Callable[[], Callabl
         side, fn, verdict = step_floor.TRACE, first, stored
     else:
         settled = step_choice.settle(gm, example_inputs, compile_own, eager.forward, first, margin=opts.margin,
-                                     warmup_s=opts.warmup_s, samples=opts.loop_steps,
+                                     warmup_s=opts.warmup_s, samples=opts.loop_steps, graphed=graphed,
                                      record=_recorder(own_verdict, state))
         side, fn, found = settled.side, settled.fn, settled.verdict
         if found is None:

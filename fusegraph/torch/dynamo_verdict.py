@@ -24,6 +24,7 @@ _COUNTER = itertools.count()  # "graph<n>" names, unique across a report (ATen g
 
 STORED_OWN = "Inductor's own compile: a stored verdict chose it for this Dynamo graph"
 STORED_EAGER = "eager: a stored verdict chose it for this Dynamo graph (run as it is, nothing compiled)"
+STORED_GRAPHED = "Inductor's own compile in CUDA graphs: a stored verdict chose it for this Dynamo graph"
 NO_REGION_EAGER = "no region kept in this graph: it runs eagerly, the Dynamo graph as it is"
 
 

@@ -158,7 +158,7 @@ class Piece:
         if ms is None and checked is not None:
             ms, own_ms = (checked.fusegraph_ms if side == TRACE else checked.incumbent_ms), checked.incumbent_ms
         verdict = Verdict(side == TRACE, "measured", f"{why}{own_check}", ENGINE, ms if side == TRACE else None,
-                          own_ms if side == TRACE else ms, NAMES[EAGER] if side == EAGER else NAMES[OWN])
+                          own_ms if side == TRACE else ms, NAMES[OWN] if side == TRACE else NAMES[side])
         try:
             self.record(verdict)
         except Exception as exc:  # the choice still stands for this process

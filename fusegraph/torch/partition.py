@@ -67,7 +67,9 @@ class Options:
     0: every region is), ``budget`` (seconds the region floor may spend on regions without
     a stored verdict over one Dynamo graph's compile: floor_budget.py; None: no limit),
     ``loop_steps`` (the user's training steps timed per side where the step check leaves
-    more than one side close: loop_trial.py; 0: the compile-time check alone)."""
+    more than one side close: loop_trial.py; 0: the compile-time check alone), ``cuda_graphs``
+    (on a GPU, the step check may also try Inductor's own compile replayed as CUDA graphs,
+    its results copied out of their pool: cuda_graphs.py; False: never)."""
 
     floor: bool = True
     incumbent: str = "inductor"
@@ -79,6 +81,7 @@ class Options:
     screen: float = SCREEN
     budget: float | str | None = "auto"
     loop_steps: int = 5
+    cuda_graphs: bool = True
 
     @staticmethod
     def of(options: Mapping[str, Any] | None) -> Options:
@@ -97,6 +100,8 @@ class Options:
             raise OptionError(f"fusegraph backend: budget is 'auto', seconds >= 0 or None (no limit), got {b!r}")
         if not isinstance(opts.loop_steps, int) or isinstance(opts.loop_steps, bool) or opts.loop_steps < 0:
             raise OptionError(f"fusegraph backend: loop_steps is a count of steps >= 0, got {opts.loop_steps!r}")
+        if not isinstance(opts.cuda_graphs, bool):
+            raise OptionError(f"fusegraph backend: cuda_graphs is True or False, got {opts.cuda_graphs!r}")
         return opts
 
 

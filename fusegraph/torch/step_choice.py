@@ -22,16 +22,19 @@ from fusegraph.torch.step_floor import Settled
 def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own: Callable[[], Callable[..., Any]],
            eager: Callable[..., Any], trace: Callable[..., Any] | None = None, *, margin: float,
            warmup_s: float, samples: int = loop_trial.SAMPLES,
-           record: Callable[[Verdict], None] | None = None) -> Settled:
+           record: Callable[[Verdict], None] | None = None,
+           graphed: Callable[[], Callable[..., Any]] | None = None) -> Settled:
     """The side chosen and what runs the graph (step_floor.settle's arguments; ``samples``:
-    the loop's steps timed per side, 0 for the compile-time check alone). Where ``fn`` is
+    the loop's steps timed per side, 0 for the compile-time check alone; ``graphed``:
+    Inductor's own compile in CUDA graphs, compiled where the check finds it may win). Where ``fn`` is
     still choosing (``pending``), its verdict is stored through ``record`` once taken; the
     verdict returned is the compile-time check's, or None (not taken yet, or not at all)."""
     sides = 3 if trace is not None else 2
     if step_floor.fakified_first_call() and step_floor.why_not(gm, example_inputs, sides) == step_floor.FAKIFIED:
         return ddp_split.defer(compile_own, eager, trace, margin=margin, warmup_s=warmup_s, samples=samples,
                                record=record)
-    settled = step_floor.settle(gm, example_inputs, compile_own, eager, trace, margin=margin, warmup_s=warmup_s)
+    settled = step_floor.settle(gm, example_inputs, compile_own, eager, trace, margin=margin, warmup_s=warmup_s,
+                                graphed=graphed)
     if settled.check is None:
         return settled
     fn = loop_trial.weigh(settled.candidates, settled.check, margin=margin, samples=samples, record=record)

@@ -47,14 +47,16 @@ import torch.fx
 
 from fusegraph.regions.verdicts import Verdict
 from fusegraph.select import timing
-from fusegraph.torch import graph_floor, phases
+from fusegraph.torch import cuda_graphs, graph_floor, phases
 from fusegraph.torch.phases import phase
 
 log = logging.getLogger("fusegraph.torch")
 
-OWN, EAGER, TRACE = "own", "eager", "trace"  # the candidates' names in the timing
-ORDER = (OWN, EAGER, TRACE)  # who takes a tie: the incumbent, then what the user could call without fusegraph
-NAMES = {OWN: graph_floor.INDUCTORS_OWN, EAGER: "eager", TRACE: "fusegraph's trace"}
+OWN, EAGER, TRACE, GRAPHED = "own", "eager", "trace", "graphed"  # the candidates' names in the timing
+# who takes a tie: the incumbent, then what the user could call without fusegraph (eager;
+# Inductor's own in CUDA graphs, which holds a memory pool and copies its results out)
+ORDER = (OWN, EAGER, GRAPHED, TRACE)
+NAMES = {OWN: graph_floor.INDUCTORS_OWN, EAGER: "eager", TRACE: "fusegraph's trace", GRAPHED: cuda_graphs.NAME}
 ENGINE = NAMES[TRACE]  # the fusegraph candidate's name in the verdict
 # timed rounds at least: a step (tens of ms on a GPU) fills a round alone, and timing's
 # default five samples are few for a verdict that decides the whole training run
@@ -63,8 +65,9 @@ TIMED = "the step timed whole: "
 OWN_WON = "Inductor's own compile of the Dynamo graph runs it"
 EAGER_WON = 'eager runs it (the Dynamo graph as it is, as backend="eager" runs it)'
 TRACE_WON = "fusegraph's trace runs it"
-RUNS = {OWN: OWN_WON, EAGER: EAGER_WON, TRACE: TRACE_WON}
-WHERE = {OWN: "inductor", EAGER: "torch.eager"}  # a report row's ``where`` for a side that is not fusegraph
+GRAPHED_WON = "Inductor's own compile, replayed as CUDA graphs (its results copied out of their pool), runs it"
+RUNS = {OWN: OWN_WON, EAGER: EAGER_WON, TRACE: TRACE_WON, GRAPHED: GRAPHED_WON}
+WHERE = {OWN: "inductor", EAGER: "torch.eager", GRAPHED: "inductor"}  # a report row's ``where`` for a side that is not fusegraph
 
 
 def device_of(example_inputs: Sequence[Any]) -> torch.device:
@@ -101,7 +104,7 @@ def winner(verdict: Verdict) -> str:
     """The candidate a verdict names (a "concluded" one, no step timed: Inductor's own)."""
     if verdict.fusegraph:
         return TRACE
-    return EAGER if verdict.incumbent == NAMES[EAGER] else OWN
+    return next((side for side in (EAGER, GRAPHED) if verdict.incumbent == NAMES[side]), OWN)
 
 
 def reason(verdict: Verdict) -> str:
@@ -276,6 +279,19 @@ def layout(out: Any) -> list[object]:
             else type(o).__name__ for o in tree_leaves(out)]
 
 
+@contextlib.contextmanager
+def _checking(device: torch.device) -> Iterator[None]:
+    """Where the check's steps run: outside the compile, the random generators restored
+    afterwards, the caller's saved-tensor hooks set aside, the time counted as step timing."""
+    devices = [device] if device.type == "cuda" else []
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(phase(phases.STEP_TIMING))  # the untimed first steps too
+        stack.enter_context(torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"))
+        stack.enter_context(graph_floor.outside_the_compile(device, grad=torch.is_grad_enabled()))
+        stack.enter_context(_without_saved_tensors_hooks())
+        yield
+
+
 def time_steps(sides: Mapping[str, Callable[..., Any]], example_inputs: Sequence[Any], *, margin: float,
                warmup_s: float, expected: list[object] | None = None) -> Check:
     """The compiled Dynamo graphs (``sides``: name -> callable; OWN among them) timed as a
@@ -285,14 +301,9 @@ def time_steps(sides: Mapping[str, Callable[..., Any]], example_inputs: Sequence
     ``expected`` (where given), loses, and the verdict says why (and the check's ``failed``
     names it); Inductor's own doing so raises (the check did not run)."""
     device = device_of(example_inputs)
-    devices = [device] if device.type == "cuda" else []
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
     failed: dict[str, str] = {}
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(phase(phases.STEP_TIMING))  # the untimed first steps too
-        stack.enter_context(torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"))
-        stack.enter_context(graph_floor.outside_the_compile(device, grad=torch.is_grad_enabled()))
-        stack.enter_context(_without_saved_tensors_hooks())
+    with _checking(device):
         steps = {name: _Step(fn, example_inputs) for name, fn in sides.items()}
         for name, step in list(steps.items()):
             try:
@@ -360,7 +371,7 @@ def compiled_sides(compile_own: Callable[[], Callable[..., Any]], eager: Callabl
 
 def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own: Callable[[], Callable[..., Any]],
            eager: Callable[..., Any], trace: Callable[..., Any] | None = None, *, margin: float,
-           warmup_s: float) -> Settled:
+           warmup_s: float, graphed: Callable[[], Callable[..., Any]] | None = None) -> Settled:
     """The candidate chosen by the step timed once, at compile time (``eager``: the Dynamo
     graph module's forward, taken before any compile rewrote the module; ``trace``:
     fusegraph's, where it kept regions). Without a verdict (the check could not run; the
@@ -383,6 +394,46 @@ def settle(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], compile_own:
         log.warning("the step check did not run (%s: %s); %s is kept", type(exc).__name__, exc, NAMES[kept],
                     exc_info=log.isEnabledFor(logging.DEBUG))
         return Settled(kept, candidates[kept], candidates)
+    if graphed is not None:
+        check = _with_graphs(check, candidates, graphed, example_inputs, margin=margin, warmup_s=warmup_s)
     log.info("%s", reason(check.verdict))
     won = winner(check.verdict)
     return Settled(won, candidates[won], candidates, check)
+
+
+def _with_graphs(check: Check, candidates: dict[str, Callable[..., Any]], graphed: Callable[[], Callable[..., Any]],
+                 example_inputs: Sequence[Any], *, margin: float, warmup_s: float) -> Check:
+    """The check again with Inductor's own compile in CUDA graphs among the candidates
+    (cuda_graphs.py), where Inductor's own step left the device idle for more than
+    1 - SHARE of it; else the check as it was, its verdict saying why graphs were not tried.
+    A failure to measure or compile them leaves the check as it was (the log says why)."""
+    cannot = cuda_graphs.eligible(example_inputs)
+    share: float | None = None
+    if not cannot:
+        device = device_of(example_inputs)
+        try:
+            with _checking(device):
+                step = _Step(candidates[OWN], example_inputs)
+                step()
+                share = cuda_graphs.device_share(step, check.times[OWN], device)
+        except Exception as exc:
+            log.info("the device's share of the step was not measured (%s: %s)", type(exc).__name__, exc)
+        if share is None:
+            cannot = "the device's share of Inductor's own step could not be measured"
+        elif share >= cuda_graphs.SHARE:
+            cannot = (f"the device ran kernels {share:.0%} of Inductor's own step (CUDA graphs are tried below "
+                      f"{cuda_graphs.SHARE:.0%})")
+    if cannot:
+        note = f"; {cuda_graphs.NAME} not tried: {cannot}"
+        return dataclasses.replace(check, verdict=dataclasses.replace(check.verdict, why=check.verdict.why + note))
+    try:
+        with phase(phases.OWN):
+            candidates[GRAPHED] = graphed()
+        again = time_steps(candidates, example_inputs, margin=margin, warmup_s=warmup_s)
+    except Exception as exc:
+        candidates.pop(GRAPHED, None)
+        log.warning("%s was not compiled or timed (%s: %s); the check stands", cuda_graphs.NAME,
+                    type(exc).__name__, exc)
+        return check
+    note = f"; the device ran kernels {share:.0%} of Inductor's own step, so {cuda_graphs.NAME} was tried"
+    return dataclasses.replace(again, verdict=dataclasses.replace(again.verdict, why=again.verdict.why + note))
