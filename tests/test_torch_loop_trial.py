@@ -360,7 +360,7 @@ def test_on_cuda_bf16_channels_last_training_tracks_eager_through_the_trial(tmp_
     # decided within these steps whatever the noise (the sign test's extra rounds are tested
     # on the virtual clock): a longer bf16 run would drift further from eager's losses
     monkeypatch.setattr(loop_trial, "SAMPLES_MAX", loop_trial.SAMPLES)
-    rows = cuda_bf16_training_tracks_eager(3 * loop_trial.SAMPLES + 3, {"budget": None})
+    rows = cuda_bf16_training_tracks_eager(3 * loop_trial.SAMPLES + 3, {"budget": None}, lr=0.005)
     stored = _stored()
     assert len(stored) == 1 and stored[0]["source"] == "measured", stored
     weighed = any(loop_trial.LOOPED in r.why for r in rows)

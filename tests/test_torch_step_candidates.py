@@ -409,11 +409,12 @@ def test_the_check_on_the_real_clock_agrees_with_eager(tmp_path: Any, monkeypatc
             assert all("cached" in r.why for r in rows if r.fusegraph or side != "trace"), rows[0].why
 
 
-def cuda_bf16_training_tracks_eager(steps: int, options: dict[str, Any]) -> list[Any]:
+def cuda_bf16_training_tracks_eager(steps: int, options: dict[str, Any], lr: float = 0.05) -> list[Any]:
     """conv + batch norm + ReLU, channels-last, bf16 autocast, ``steps`` SGD steps under eager
     and then compiled with ``options`` (the real clock): the compiled losses must track
     eager's within bf16 tolerance; the compiled run's report rows are returned. The caller
-    sets the cache directory."""
+    sets the cache directory. The loss is linear in the outputs, so a long run at a large
+    ``lr`` amplifies bf16's rounding differences between sides step after step."""
     torch.backends.cudnn.allow_tf32 = False
     torch.backends.cuda.matmul.allow_tf32 = False
     cuda = torch.device("cuda")
@@ -424,7 +425,7 @@ def cuda_bf16_training_tracks_eager(steps: int, options: dict[str, Any]) -> list
     rows: list[Any] = []
     for compiled_side in (False, True):
         twin = copy.deepcopy(model)
-        opt = torch.optim.SGD(twin.parameters(), lr=0.05, momentum=0.9)
+        opt = torch.optim.SGD(twin.parameters(), lr=lr, momentum=0.9)
         torch._dynamo.reset()
         run = torch.compile(twin, backend=partial(fusegraph_backend, options=options)) if compiled_side else twin
         side = []
@@ -439,8 +440,10 @@ def cuda_bf16_training_tracks_eager(steps: int, options: dict[str, Any]) -> list
                 side.append((float(loss.detach()), float(terms.detach().abs().sum())))
         losses.append(side)
         rows = seen
-    for (want, scale), (got, _) in zip(losses[0], losses[1], strict=True):
-        assert abs(got - want) <= 2e-2 * scale, losses
+    for i, ((want, scale), (got, _)) in enumerate(zip(losses[0], losses[1], strict=True)):
+        if abs(got - want) > 2e-2 * scale:
+            pytest.fail(f"step {i}: loss {got} against eager's {want} (scale {scale}); eager {losses[0]}; "
+                        f"compiled {losses[1]}")
     return rows
 
 
