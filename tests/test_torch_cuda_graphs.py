@@ -189,10 +189,11 @@ def test_device_share_tells_a_host_bound_step_from_a_device_bound_one() -> None:
     small = [torch.randn(64, device="cuda") for _ in range(4)]
     big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
 
-    def many() -> None:  # 600 tiny kernels: the host's launches take far longer than they run
+    def many() -> None:  # 600 tiny kernels, host work between them: the device mostly waits
         for _ in range(150):
             for t in small:
                 t.mul_(1.0)
+                sum(range(100))
 
     def one() -> None:
         big @ big
@@ -216,7 +217,9 @@ def test_device_share_tells_a_host_bound_step_from_a_device_bound_one() -> None:
     low = cuda_graphs.device_share(many, wall(many), torch.device("cuda"))
     high = cuda_graphs.device_share(one, wall(one), torch.device("cuda"))
     assert low is not None and high is not None
-    assert low < 0.5 < 0.8 < high, (low, high)
+    # the one is tried in CUDA graphs, the other not (on an H200 without the host work
+    # between launches the tiny kernels' step measured 0.72, the matmul's 0.97)
+    assert low < min(0.5, cuda_graphs.SHARE) and high >= cuda_graphs.SHARE, (low, high)
 
 
 @pytest.mark.gpu
