@@ -24,10 +24,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_the_second_run_compiles_from_the_stored_verdict(tmp_path: Path) -> None:
+    # 45 steps: a loop trial of two sides may take 4x loop_steps rounds before it decides and
+    # stores (loop_trial.SAMPLES_MAX), two steps a round
     out = tmp_path / "ct.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_compile_time.py"), "--device", "cpu",
-                           "--models", "convnet", "--runs", "2", "--chains", "fusegraph", "--steps", "20",
+                           "--models", "convnet", "--runs", "2", "--chains", "fusegraph", "--steps", "45",
                            "--json", str(out)], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]["convnet"]["fusegraph"]
