@@ -46,7 +46,7 @@ CLASSES: tuple[tuple[str, str], ...] = (
     ("gemm", r"^triton_tem"),  # Inductor's matmul templates (max-autotune)
     ("fused", r"^triton|^fg_|compiledfunction|torch-compiled region|call compiledfxgraph|cpp_fused"),
     ("attention", r"fmha|flash|sdpa|attention|\bmha"),
-    ("conv", r"conv|fprop|dgrad|wgrad|winograd|implicit_gemm|implicit_convolve"),
+    ("conv", r"conv(?!ert)|fprop|dgrad|wgrad|winograd|implicit_gemm|implicit_convolve"),
     ("gemm", r"gemm|nvjet|cutlass|cublas|xmma|matmul|splitkreduce|aten::mm\b|aten::addmm|aten::bmm"
              r"|aten::baddbmm|mkldnn_linear|aten::linear"),
     ("optimizer", r"multi_tensor_apply|foreach|fused_adam|fused_sgd|optim"),

@@ -46,6 +46,7 @@ KERNELS = {
     "void at::native::(anonymous namespace)::CatArrayBatchedCopy<float, unsigned int, 4, 64, 64>(...)": "copy",
     "void cudnn::ops::nchwToNhwcKernel<__nv_bfloat16, __nv_bfloat16, float, false, true>(...)": "copy",
     "void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl(...)>(...)": "elementwise",
+    "void at::native::(anonymous namespace)::convert_dtype_kernel<float, c10::BFloat16>(...)": "other",  # not a conv
     # the CPU profile's operators
     "aten::addmm": "gemm",
     "## Call CompiledFxGraph f3opmqewopveed44mozf3pz676el2xbk4q3cfpvpldwd7ct2f3t4 ##": "fused",
