@@ -90,18 +90,19 @@ def device_share(step: Callable[[], None], wall_ms: float, device: torch.device)
 
 class Owned(torch.autograd.Function):
     """A compiled graph whose results, and the gradients its backward hands autograd, are
-    fresh tensors: the graph runs on aliases of the inputs (same storage, so a parameter's
-    address, which the CUDA graph recorded, and an input's in-place updates are the
-    caller's), its own autograd graph held for the backward."""
+    fresh tensors. The graph runs on the caller's own inputs (a parameter's address, which
+    the CUDA graph recorded, and an input's in-place updates, such as batch norm's running
+    statistics, stay the caller's), its autograd graph held here: the caller's backward
+    reaches it through this function's, which asks it for the inputs' gradients
+    (``torch.autograd.grad``: nothing is accumulated there) and hands autograd copies."""
 
     @staticmethod
     def forward(ctx: Any, fn: Callable[..., Any], *args: Any) -> Any:  # type: ignore[override]
-        aliases = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in args]
         with torch.enable_grad():
-            outs = fn(*aliases)
+            outs = fn(*args)
         ctx.outs = list(outs)
-        ctx.leaves = [i for i, a in enumerate(aliases) if isinstance(a, torch.Tensor) and a.requires_grad]
-        ctx.aliases = [aliases[i] for i in ctx.leaves]
+        ctx.leaves = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.requires_grad]
+        ctx.inputs = [args[i] for i in ctx.leaves]
         ctx.count = len(args)
         fresh = [o.clone() if isinstance(o, torch.Tensor) else o for o in ctx.outs]
         ctx.mark_non_differentiable(*[f for f, o in zip(fresh, ctx.outs, strict=True)
@@ -113,13 +114,13 @@ class Owned(torch.autograd.Function):
         pairs = [(o, g) for o, g in zip(ctx.outs, grads, strict=True)
                  if isinstance(o, torch.Tensor) and o.requires_grad and g is not None]
         inputs: list[torch.Tensor | None] = [None] * ctx.count
-        if pairs and ctx.aliases:
-            got = torch.autograd.grad([o for o, _ in pairs], ctx.aliases, [g for _, g in pairs], allow_unused=True)
+        if pairs and ctx.inputs:
+            got = torch.autograd.grad([o for o, _ in pairs], ctx.inputs, [g for _, g in pairs], allow_unused=True)
             made = [g for g in got if g is not None]
             copies = iter(torch._foreach_mul(made, 1.0) if made else [])  # out of the graph's pool, batched
             for i, g in zip(ctx.leaves, got, strict=True):
                 inputs[i] = next(copies) if g is not None else None
-        ctx.outs = ctx.aliases = None
+        ctx.outs = ctx.inputs = None
         return (None, *inputs)
 
 
