@@ -58,32 +58,36 @@ def eligible(example_inputs: Sequence[Any]) -> str:
 
 def device_share(step: Callable[[], None], wall_ms: float, device: torch.device) -> float | None:
     """The share of a step's wall time (``wall_ms``, timed as the user runs it) the device
-    spends running its kernels: the step is queued behind a device-side sleep longer than
-    the host takes to launch it, so the events around it see the kernels back to back,
-    without the gaps the host leaves between them. A step that waits for the device on the
-    host (a sync) cannot be queued ahead: its share comes out near 1, and CUDA graphs could
-    not capture it anyway. None where the sleep could not cover the launches."""
+    spends running its kernels: the step is queued behind a device-side sleep, so the
+    events around it see the kernels back to back, without the gaps the host leaves
+    between them. Kept only where the sleep, timed on the device, outlasted the host's
+    launches. A step that waits for the device on the host (a sync) cannot be queued ahead:
+    its share comes out near 1, and CUDA graphs could not capture it anyway. None where no
+    sleep covered the launches."""
     sync = torch.cuda.synchronize
+    before = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    # cycles per ms of the device's sleep, measured (no clock rate is assumed)
-    sync(device)
-    start.record()
-    torch.cuda._sleep(1_000_000)  # type: ignore[no-untyped-call]
-    end.record()
-    sync(device)
-    per_ms = 1_000_000 / max(start.elapsed_time(end), 1e-3)
-    for factor in (2.0, 6.0):
-        sleep_ms = factor * wall_ms + 5.0
+    # cycles per ms of the device's sleep, measured once its kernel is loaded (a first
+    # launch loads it lazily, which a timing around it would count as sleep)
+    for _ in range(2):
         sync(device)
-        torch.cuda._sleep(int(per_ms * sleep_ms))  # type: ignore[no-untyped-call]
+        before.record()
+        torch.cuda._sleep(1_000_000)  # type: ignore[no-untyped-call]
+        start.record()
+        sync(device)
+    per_ms = 1_000_000 / max(float(before.elapsed_time(start)), 1e-3)
+    for factor in (2.0, 6.0):
+        sync(device)
+        before.record()
+        torch.cuda._sleep(int(per_ms * (factor * wall_ms + 5.0)))  # type: ignore[no-untyped-call]
         t0 = time.perf_counter()
         start.record()
         step()
         end.record()
         host_ms = (time.perf_counter() - t0) * 1e3
         sync(device)
-        if host_ms < 0.8 * sleep_ms:  # every launch was queued while the device slept
+        if float(before.elapsed_time(start)) > host_ms:  # every launch was queued while the device slept
             return min(1.0, float(start.elapsed_time(end)) / wall_ms)
     return None
 
