@@ -18,6 +18,8 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="the torch.compile backend needs torch")
 
+from fusegraph.torch import loop_trial  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "bench_torch_ddp.py"
 
@@ -44,10 +46,14 @@ def _step_verdicts(cache: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[st
                          ids=["ddp", "fsdp2", "ddp-accumulate"])
 def test_two_cpu_processes_track_eager(fsdp: bool, accumulate: int, tmp_path: Path,
                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    # 20 steps: the DDP split's pieces are checked alone at the first, chosen together on the
-    # loop's steps 4-18 (the trial starts at the second, its first period not kept); with
-    # gradient accumulation (no_sync but for the last micro-batch) a step is an optimizer step
-    args = ["--cpu", "--quick", "--steps", "20", "--variants", "eager,fusegraph-floor", "--accumulate",
+    # the DDP split's pieces are checked alone at the first step, then chosen together on the
+    # loop's steps from the second (its first period not kept): 5 rounds of each choice at
+    # least, up to loop_trial.SAMPLES_MAX (20) where the sign test does not separate them,
+    # three choices at most, so 64 steps hold the longest trial; with gradient accumulation
+    # (no_sync but for the last micro-batch) a step is an optimizer step. FSDP2 stores nothing
+    # this test reads: 20 steps
+    steps = 20 if fsdp else 3 * loop_trial.SAMPLES_MAX + 4
+    args = ["--cpu", "--quick", "--steps", str(steps), "--variants", "eager,fusegraph-floor", "--accumulate",
             str(accumulate), *(["--fsdp"] if fsdp else [])]
     out = _launch(args, tmp_path, 600)
     assert "fusegraph-floor losses" in out, out
