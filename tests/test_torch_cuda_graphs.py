@@ -112,6 +112,27 @@ def test_the_option_is_checked() -> None:
         Options.of({"cuda_graphs": "yes"})
 
 
+def test_a_gpu_graphs_verdict_is_keyed_by_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A GPU step timed whole includes the host's launches, so a verdict stored on one host
+    (CUDA graphs, eager, Inductor's own) is not read on another (a fake CUDA input: no GPU
+    is needed to compute the key)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fusegraph.select import device_id
+    from fusegraph.torch.dynamo_verdict import DynamoVerdict
+    from fusegraph.torch.partition import Options
+
+    gm = torch.fx.symbolic_trace(lambda x: x * 2)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(4, device="cuda")
+
+    def key(host: str, device_input: Any) -> str:
+        monkeypatch.setattr(device_id, "cpu_model", lambda: host)
+        return str(DynamoVerdict.of(gm, [device_input], Options(), None, True).key)
+
+    assert key("host a", x) != key("host b", x)
+
+
 def test_not_eligible_off_the_gpu() -> None:
     assert cuda_graphs.eligible([torch.randn(2)]) == "not on a CUDA device"
 

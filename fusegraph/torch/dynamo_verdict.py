@@ -58,6 +58,13 @@ class DynamoVerdict:
         settings: dict[str, Any] = {"options": options, "mode": mode, "engine": PLANS.engine}
         if checked:  # the step check's candidates: a verdict stored before eager was one is not read
             settings["candidates"] = list(ORDER)
+            if device.type == "cuda":
+                # a GPU's step timed whole includes the host's launches (CUDA graphs win where
+                # the host is slow, eager where Inductor's Python wrapper is): two H200 hosts ran
+                # Inductor's ViT-B/16 step in 19.7 and 13.8 ms, so the host is part of the key
+                from fusegraph.select.device_id import cpu_model
+
+                settings["host"] = cpu_model()
         key = graph_floor.inductors_own_key(gm, example_inputs, settings, device_id(PLANS.handle(device)),
                                             engine_versions(REGISTRY.available_engines()))
         return DynamoVerdict(key, VerdictStore())
