@@ -115,7 +115,9 @@ class Ctx:
 
     def absorb(self, node: torch.fx.Node, result: TensorAttr | None) -> None:
         """A later FX node is part of the pattern being converted: ``result`` (None where
-        nothing outside the pattern reads it) is its value, and ``convert`` passes it by."""
+        nothing outside the pattern reads it) is its value, and ``convert`` passes it by. An
+        earlier node that nothing else reads may be taken in too (a zero pad a convolution
+        folds): ``convert`` then withdraws its refusal."""
         if result is not None:
             self._tensors[(node.name, None)] = _typed(result, meta(node))
             self.out.values[(node.name, None)] = result.name
@@ -213,10 +215,21 @@ def _window(n: torch.fx.Node, x: Any, **params: Sequence[Any]) -> dict[str, Any]
 
 @converts(aten.convolution.default)
 def _conv(c: Ctx, n: torch.fx.Node) -> TensorAttr:
+    from fusegraph.torch.aten_pad import folded
+
     x, w, b, stride, padding, dilation, transposed, _, _groups = _args(n)
     if transposed:
         raise Refused("transposed convolution")
-    y = c.g.conv_fprop(c.value(x), c.value(w), **_window(n, x, stride=stride, padding=padding, dilation=dilation))
+    win = _window(n, x, stride=stride, padding=padding, dilation=dilation)
+    fold = folded(x)  # a zero pad before it (TF-style "same" padding): its own padding, per side
+    if fold is not None:
+        if len(x.users) == 1:  # read by nothing else: the pad is part of this node
+            c.absorb(x, None)
+        x, pre, post = fold
+        pad = win.pop("padding")
+        win["pre_padding"] = [p + q for p, q in zip(pad, pre, strict=True)]
+        win["post_padding"] = [p + q for p, q in zip(pad, post, strict=True)]
+    y = c.g.conv_fprop(c.value(x), c.value(w), **win)
     if b is not None:
         k = _shape(meta(w))[0]
         y = c.g.add(y, _reshape(c, c.value(b), [1, k] + [1] * (len(_shape(meta(x))) - 2)))
@@ -479,6 +492,8 @@ def convert(graph: torch.fx.Graph, name: str = "aten") -> Converted:
                     out.members[n.name] = [n.name, *ctx.absorbed]
                     out.converted += ctx.absorbed
                     ctx.skip.update(ctx.absorbed)
+                    for name in ctx.absorbed:  # an earlier node taken in (a pad a convolution folds)
+                        out.refused.pop(name, None)
                 continue
             except (Refused, FusegraphError, NotImplementedError) as exc:
                 out.refused[n.name] = str(exc) or type(exc).__name__
@@ -572,4 +587,4 @@ def _op_name(n: torch.fx.Node) -> str:
     return str(getattr(t, "__name__", t)) if not hasattr(t, "_schema") else f"aten.{t._schema.name.split('::')[-1]}"
 
 
-from fusegraph.torch import aten_attention, aten_clamp, aten_gather, aten_norms, aten_pool  # noqa: E402,F401  (register their converters in CONVERTERS)
+from fusegraph.torch import aten_attention, aten_clamp, aten_gather, aten_norms, aten_pad, aten_pool  # noqa: E402,F401  (register their converters in CONVERTERS)
