@@ -11,7 +11,6 @@ stays refused.)"""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,29 +20,12 @@ torch = pytest.importorskip("torch", reason="the ATen converters need torch")
 
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from test_torch_aten_gather import _converted, _feeds, _one_step_like_eager, _randn, _rel  # noqa: E402  (the same checks)
+from test_torch_aten_clamp import _check  # noqa: E402  (converted, run on both engines, against the op)
+from test_torch_aten_gather import _converted, _one_step_like_eager, _randn, _rel  # noqa: E402  (the same checks)
 
 from fusegraph.torch import explain  # noqa: E402
 
 a = torch.ops.aten
-TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
-
-
-def _check(fn: Callable[..., Any], inputs: Sequence[Any], op: Any) -> None:
-    gm, conv = _converted(fn, inputs)
-    node = [n for n in gm.graph.nodes if n.target is op][-1]
-    assert node.name in conv.converted, conv.refused
-    out = conv.graph.tensor_by_name(conv.values[(node.name, None)])
-    out.set_output(True)
-    graph = conv.graph.validate()
-    want = fn(*inputs)
-    for engine in ("reference", "torch"):
-        got = graph.execute(dict(_feeds(gm, conv, inputs)), engine=engine)[out.name]
-        err = _rel(got, want)
-        assert np.asarray(got).shape == tuple(want.shape), (op, engine)
-        assert err <= TOL[inputs[0].dtype], f"{op} on {engine}, {inputs[0].dtype}: rel err {err:.3g}"
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_crop_and_slices_equal_aten(rng: np.random.Generator, dtype: Any) -> None:
     x = _randn(rng, 2, 3, 9, 8, dtype=dtype)
