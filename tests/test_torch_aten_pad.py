@@ -5,9 +5,9 @@ compared with the ATen op on fresh random data; a zero pad read by a convolution
 its padding (uneven, as TF-style "same" padding makes it) against ATen's pad + convolution;
 pads that add elements elsewhere refused with the reason. End to end, a block with TF-style
 padding before a strided convolution trains one step under the backend, every region
-claimed, equal to eager, the folded convolution and the crop claimed. (``aten.slice`` is
-data movement in the report, never a compute row; ``slice_backward`` pads with zeros and
-stays refused.)"""
+claimed, equal to eager, the folded convolution claimed and the crop converted (the report
+counts a crop, like ``aten.slice``, as data movement, not a compute node); in inference the
+pad is claimed with its convolution. ``slice_backward`` pads with zeros and stays refused."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ from test_torch_aten_gather import _converted, _one_step_like_eager, _randn, _re
 from fusegraph.torch import explain  # noqa: E402
 
 a = torch.ops.aten
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_crop_and_slices_equal_aten(rng: np.random.Generator, dtype: Any) -> None:
     x = _randn(rng, 2, 3, 9, 8, dtype=dtype)
