@@ -133,6 +133,46 @@ def test_a_gpu_graphs_verdict_is_keyed_by_the_host(monkeypatch: pytest.MonkeyPat
     assert key("host a", x) != key("host b", x)
 
 
+@pytest.mark.parametrize(("share", "tried"), [(0.4, True), (0.95, False), (None, False)])
+def test_the_check_tries_graphs_only_where_the_host_leaves_the_device_idle(
+        share: float | None, tried: bool, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    """The step check's choice with the candidate (step_floor._with_graphs) on forced step
+    times: below SHARE it is compiled, timed with the rest and wins when fastest; at or over
+    SHARE, or unmeasured, it is not compiled and the verdict says why."""
+    from test_torch_step_floor import step_timer
+
+    from fusegraph.torch import graph_floor, step_floor
+
+    state = step_timer(monkeypatch, tmp_path)
+    state.update(own_ms=10.0, eager_ms=12.0, graphed_ms=6.0)
+    monkeypatch.setattr(cuda_graphs, "eligible", lambda inputs: "")
+    monkeypatch.setattr(graph_floor, "room", lambda *a, **k: "")
+    monkeypatch.setattr(cuda_graphs, "device_share", lambda step, wall_ms, device: share)
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+        return [torch.tanh(x @ w)]
+
+    gm = torch.fx.symbolic_trace(f)
+    compiled: list[int] = []
+
+    def graphed() -> Any:
+        compiled.append(1)
+        return f
+
+    inputs = [torch.randn(4, 6), torch.randn(6, 6, requires_grad=True)]
+    settled = step_floor.settle(gm, inputs, lambda: f, f, margin=0.03, warmup_s=0.0, graphed=graphed)
+    assert settled.verdict is not None
+    why = settled.verdict.why
+    assert bool(compiled) is tried
+    if tried:
+        assert settled.side == step_floor.GRAPHED and step_floor.winner(settled.verdict) == step_floor.GRAPHED
+        assert "40% of Inductor's own step, so Inductor's own compile in CUDA graphs was tried" in why, why
+    else:
+        assert settled.side == step_floor.OWN
+        assert f"{cuda_graphs.NAME} not tried" in why, why
+        assert ("95%" in why) if share is not None else ("could not be measured" in why), why
+
+
 def test_not_eligible_off_the_gpu() -> None:
     assert cuda_graphs.eligible([torch.randn(2)]) == "not on a CUDA device"
 

@@ -407,7 +407,9 @@ def _with_graphs(check: Check, candidates: dict[str, Callable[..., Any]], graphe
     (cuda_graphs.py), where Inductor's own step left the device idle for more than
     1 - SHARE of it; else the check as it was, its verdict saying why graphs were not tried.
     A failure to measure or compile them leaves the check as it was (the log says why)."""
-    cannot = cuda_graphs.eligible(example_inputs)
+    # one more side timed, whose graph pool adds to the copies of the inputs
+    cannot = cuda_graphs.eligible(example_inputs) or graph_floor.room(example_inputs, device_of(example_inputs),
+                                                                      copies=len(candidates) + 1)
     share: float | None = None
     if not cannot:
         device = device_of(example_inputs)
