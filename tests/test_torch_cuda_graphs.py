@@ -235,7 +235,12 @@ def test_graphed_keeps_the_default_modes_semantics(style: str) -> None:
 
         def backend(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:
             seen.append(gm)
-            return cuda_graphs.compile_graphed(gm, inputs, {})
+            # as the backend compiles the candidate (compile_backend.compile_inductors)
+            import torch._functorch.config as functorch_config
+            from torch._inductor.compile_fx import compile_fx
+
+            with functorch_config.patch(force_non_lazy_backward_lowering=True):
+                return cuda_graphs.owned(compile_fx(gm, inputs, config_patches=cuda_graphs.PATCHES))
 
         got = _loop(torch.compile(model, backend=backend), model, style)
     finally:

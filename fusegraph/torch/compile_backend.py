@@ -397,9 +397,12 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
             log.info("no Dynamo graph verdict key (%s: %s)", type(exc).__name__, exc)
     stored = own_verdict.lookup() if own_verdict is not None else None
 
+    from fusegraph.torch import cuda_graphs, step_floor
+    from fusegraph.torch.graph_floor import copy_graph
+
     own_s: list[float] = []  # how long Inductor's own compile took (the floor's "auto" budget)
 
-    def compile_own() -> Callable[..., Any]:
+    def compile_inductors(patches: dict[str, Any] | None = None) -> Callable[..., Any]:
         # the backward lowered now, not at its first call (the same graph: AOTAutograd
         # gives it the forward's strides either way): lowered lazily inside this compile,
         # as the timing's first step would, it sets Dynamo's compile metrics twice. The
@@ -408,23 +411,24 @@ def _with_inductor(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts
         # third run on an H200: 10.4 s against Inductor's 5.1)
         t0 = time.perf_counter()
         with functorch_config.patch(force_non_lazy_backward_lowering=True), phase(phases.OWN):
-            fn = compile_fx(gm, example_inputs, config_patches=own or None)
-        own_s.append(time.perf_counter() - t0)
+            fn = compile_fx(gm, example_inputs, config_patches={**own, **(patches or {})} or None)
+        if patches is None:
+            own_s.append(time.perf_counter() - t0)
         return fn  # type: ignore[return-value]
 
-    from fusegraph.torch import cuda_graphs, step_floor
-    from fusegraph.torch.graph_floor import copy_graph
+    def compile_own() -> Callable[..., Any]:
+        return compile_inductors()
 
-    # Inductor's own compile in CUDA graphs: a candidate of the step check on a GPU
-    graphed = functools.partial(cuda_graphs.compile_graphed, gm, example_inputs, own) \
-        if opts.cuda_graphs and step_floor.device_of(example_inputs).type == "cuda" else None
+    def compile_graphed() -> Callable[..., Any]:  # a candidate of the step check on a GPU
+        return cuda_graphs.owned(compile_inductors(cuda_graphs.PATCHES))
+
+    graphed = compile_graphed if opts.cuda_graphs and step_floor.device_of(example_inputs).type == "cuda" else None
     if own_verdict is not None and stored is not None and not stored.fusegraph:
         side = step_floor.winner(stored)
         if side == step_floor.GRAPHED and graphed is not None:
             log.info("%s (%s)", STORED_GRAPHED, stored.describe())
             _report(dynamo_rows(gm, step_floor.WHERE[side], own_verdict.why(stored, STORED_GRAPHED)))
-            with phase(phases.OWN):
-                return graphed()
+            return graphed()
         if side == step_floor.EAGER:  # nothing compiled at all
             log.info("%s (%s)", STORED_EAGER, stored.describe())
             _report(dynamo_rows(gm, step_floor.WHERE[side], own_verdict.why(stored, STORED_EAGER)))

@@ -38,6 +38,10 @@ NAME = "Inductor's own compile in CUDA graphs"
 # below this share of the step spent running kernels, CUDA graphs may save more than the
 # margin and the copies they add (a step at 0.9 could gain up to 11%)
 SHARE = 0.9
+# Inductor's options for its own compile in CUDA graphs, as ``mode="reduce-overhead"`` sets
+# them (compile_backend.py compiles it as it compiles Inductor's own, so the two share the
+# AOTAutograd settings a later run's cache lookup depends on)
+PATCHES = {"triton.cudagraphs": True}
 
 
 def eligible(example_inputs: Sequence[Any]) -> str:
@@ -128,7 +132,8 @@ class Owned(torch.autograd.Function):
 
 
 def owned(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` (a compiled Dynamo graph under CUDA graphs) returning what the user may keep."""
+    """``fn`` (a compiled Dynamo graph under CUDA graphs: Inductor's own compile with
+    PATCHES) returning what the user may keep."""
 
     def run(*args: Any) -> Any:
         if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
@@ -136,14 +141,3 @@ def owned(fn: Callable[..., Any]) -> Callable[..., Any]:
         return [o.clone() if isinstance(o, torch.Tensor) else o for o in fn(*args)]
 
     return run
-
-
-def compile_graphed(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], own: dict[str, Any]) -> Callable[..., Any]:
-    """Inductor's own compile of the Dynamo graph (its mode's options ``own``) with CUDA
-    graphs, as ``mode="reduce-overhead"`` compiles it, its results owned by the caller."""
-    import torch._functorch.config as functorch_config
-    from torch._inductor.compile_fx import compile_fx
-
-    with functorch_config.patch(force_non_lazy_backward_lowering=True):
-        fn: Any = compile_fx(gm, example_inputs, config_patches={**own, "triton.cudagraphs": True})
-    return owned(fn)

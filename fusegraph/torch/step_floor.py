@@ -429,8 +429,7 @@ def _with_graphs(check: Check, candidates: dict[str, Callable[..., Any]], graphe
         note = f"; {cuda_graphs.NAME} not tried: {cannot}"
         return dataclasses.replace(check, verdict=dataclasses.replace(check.verdict, why=check.verdict.why + note))
     try:
-        with phase(phases.OWN):
-            candidates[GRAPHED] = graphed()
+        candidates[GRAPHED] = graphed()
         again = time_steps(candidates, example_inputs, margin=margin, warmup_s=warmup_s)
     except Exception as exc:
         candidates.pop(GRAPHED, None)
