@@ -171,7 +171,7 @@ class Trial:
 
     def __init__(self, margin: float, samples: int = SAMPLES) -> None:
         self.margin, self.samples = margin, samples
-        self.most = max(samples, samples * SAMPLES_MAX // SAMPLES)  # periods per choice at most
+        self.most = samples * SAMPLES_MAX // SAMPLES  # periods per choice at most
         self.pieces: list[Piece] = []
         self.periods: dict[str, list[float]] = {}
         self.turn: str | None = None  # the choice the current step runs
@@ -319,11 +319,12 @@ class Trial:
         counts = {len(p) for p in self.periods.values()}
         if len(counts) != 1 or (rounds := counts.pop()) < self.samples:
             return False
-        if rounds >= self.most or self._weigh()[2]:
+        if rounds >= self.most:
             return True
-        if rounds == self.samples:
-            log.info("the loop trial times more steps: %s", self._weigh()[1])
-        return False
+        _, why, stands = self._weigh()
+        if not stands and rounds == self.samples:
+            log.info("the loop trial times more steps: %s", why)
+        return stands
 
     def _weigh(self) -> tuple[str, str, bool]:
         """The choice the periods so far give, why, and whether it stands: ``best`` (the
