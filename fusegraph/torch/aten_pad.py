@@ -8,8 +8,9 @@ regions around it. The graph API has no op that fills a constant, so:
 - a pad that only crops (every amount <= 0: what the pad's backward is) is a slice;
 - a zero pad a convolution reads is that convolution's own padding, which the graph's
   convolution takes per side (``folded``, asked by aten._conv): the convolution reads the
-  pad's input, and the pad stays outside, where its result is still computed if anything
-  else reads it (the forward's pad saved for the backward's weight gradient);
+  pad's input; a pad nothing else reads (inference) is taken into the convolution's node,
+  one that something else reads too (the forward's pad, saved for the backward's weight
+  gradient) stays outside and runs there;
 - any other pad that adds elements is refused, saying so.
 
 ``aten.slice.Tensor`` (a slice of one axis, with a step) is the graph's slice."""
