@@ -148,6 +148,23 @@ def _report(rows: list[Any]) -> dict[str, Any]:
             "claimed": dict(kept.most_common(25)), "not_claimed": dict(why.most_common(25))}
 
 
+def training_step(case: tm.Case, model: nn.Module, fn: Callable[..., Any], inputs: tuple[torch.Tensor, ...],
+                  target: torch.Tensor, device: torch.device, dtype: str) -> Callable[[], torch.Tensor]:
+    """One timed training step of ``model`` run through ``fn`` (its compiled form): SGD with
+    momentum, the forward and loss under ``dtype``'s autocast; returns the loss."""
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad(set_to_none=True)
+        with _precision(device, dtype):
+            loss = case.loss(fn(*inputs), target)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
 # ---- the float32 check ---------------------------------------------------------------------------
 def _train(case: tm.Case, base: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.Tensor,
            device: torch.device, variant: str, options: dict[str, Any], steps: int,
@@ -251,15 +268,7 @@ def bench(name: str, mode: str, batch: int | None, dtype: str, args: argparse.Na
         model = copy.deepcopy(base).train(mode == "train")
         fn = _compile(variant, model, args.options)
         if mode == "train":
-            opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-
-            def call(fn: Any = fn, opt: Any = opt) -> torch.Tensor:
-                opt.zero_grad(set_to_none=True)
-                with _precision(device, dtype):
-                    loss = case.loss(fn(*inputs), target)
-                loss.backward()
-                opt.step()
-                return loss.detach()
+            call = training_step(case, model, fn, inputs, target, device, dtype)
         else:
             def call(fn: Any = fn, opt: Any = None) -> torch.Tensor:
                 with torch.no_grad(), _precision(device, dtype):

@@ -132,20 +132,13 @@ def profile(name: str, variant: str, args: argparse.Namespace, device: torch.dev
     case = tm.case(name, args.size, args.batch)
     base, inputs, target = case.on(device)
     model = copy.deepcopy(base).train()
-    fn = bt._compile(variant, model, bt._options(args.options))
-    opt = torch.optim.SGD(model.parameters(), lr=bt.LR, momentum=0.9)
+    step = bt.training_step(case, model, bt._compile(variant, model, bt._options(args.options)), inputs, target,
+                            device, args.dtype)
     gpu = device.type == "cuda"
 
     def sync() -> None:
         if gpu:
             torch.cuda.synchronize(device)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        with bt._precision(device, args.dtype):
-            loss = case.loss(fn(*inputs), target)
-        loss.backward()
-        opt.step()
 
     t0 = time.perf_counter()
     step()
