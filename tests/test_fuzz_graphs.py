@@ -409,9 +409,13 @@ class Fuzz:
         if geo is None:
             return
         pad, stride, dil, _ = geo
+        # one more row or column after than before, at times: TF-style "same" padding, as the
+        # torch front door folds a pad into the convolution (fusegraph/torch/aten_pad.py)
+        extra = [self.draw(st.sampled_from([0, 0, 0, 1])) for _ in rs]
         w = self.input([k, c // groups, *rs], broadcast=False, role="image")
-        self.ops.append(f"conv{spatial}d_g{groups}")
-        y = self.g.conv_fprop(x.t, w.t, padding=pad, stride=stride, dilation=dil)
+        self.ops.append(f"conv{spatial}d_g{groups}" + ("_asym" if any(extra) else ""))
+        y = self.g.conv_fprop(x.t, w.t, pre_padding=pad, post_padding=[p + e for p, e in zip(pad, extra, strict=True)],
+                              stride=stride, dilation=dil)
         self.add(Value(y, x.bound * 1.5 * (c // groups) * math.prod(rs)))
 
     def op_dgrad(self) -> None:
